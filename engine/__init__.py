@@ -1,0 +1,30 @@
+"""flashcode's inference engines behind one Backend protocol (see `engine.base`).
+
+Importing this package is cheap: MLX, HTTP clients and the like are imported by the backend that
+needs them, when it is first made (`engine.registry.backend_factory`).
+"""
+
+from .base import (
+    Backend,
+    Done,
+    EngineError,
+    GenerationRequest,
+    GenerationStats,
+    ModelInfo,
+    SamplingParams,
+    TextDelta,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "Done",
+    "EngineError",
+    "GenerationRequest",
+    "GenerationStats",
+    "ModelInfo",
+    "SamplingParams",
+    "TextDelta",
+    "__version__",
+]

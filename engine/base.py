@@ -1,0 +1,184 @@
+"""The contract every flashcode engine implements, and the values that cross it.
+
+What this module knows: the request a caller hands an engine (messages or raw prompt tokens plus
+sampling), the events an engine streams back (text deltas with their token ids, then one `Done`
+with the stats), the error hierarchy, and the `Backend` protocol itself.
+
+What it does not know: MLX, llama.cpp, HTTP, threads. It imports nothing heavy, so
+`import engine` stays cheap; the engines live in their own modules and are looked up lazily
+through `engine.registry`.
+
+Threading: a Backend is driven by exactly one thread (see `engine.worker`): MLX streams belong to
+the thread that made them. Only `cancel` (a `threading.Event`) crosses threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Message = dict[str, str]  # {"role": "system"|"user"|"assistant"|"tool", "content": "..."}
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+# --------------------------------------------------------------------------- errors
+class EngineError(Exception):
+    """Base class: every engine failure a user can see. The message says what to do."""
+
+
+class ModelNotFoundError(EngineError):
+    pass
+
+
+class ModelLoadError(EngineError):
+    pass
+
+
+class ContextLimitError(EngineError):
+    """The prompt (plus the reply budget) does not fit the model's context window."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"the prompt is {prompt_tokens} tokens and the model's context is {context_length}: "
+            f"start a new conversation, shorten the message, or load the model with a larger context"
+        )
+
+
+class BackendUnavailableError(EngineError):
+    """The engine cannot run here (missing binary, missing package, crashed server)."""
+
+
+class BudgetError(EngineError):
+    """A memory budget cannot be met."""
+
+
+class CacheMismatchError(EngineError):
+    """A saved prompt cache does not belong to the loaded model or is damaged."""
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Exactly one of `messages` (chat, templated by the backend) or `prompt` (raw text) is set."""
+
+    messages: tuple[Message, ...] | None = None
+    prompt: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Optional key under which the backend may keep/reuse the prompt cache (e.g. a conversation id).
+    cache_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("GenerationRequest needs exactly one of messages= or prompt=")
+
+
+# --------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...]
+    kind: Literal["text", "reasoning"] = "text"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a cache instead of prefilled
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    prompt_tps: float = 0.0
+    decode_tps: float = 0.0
+    peak_memory_bytes: int = 0  # engine-level peak (MLX allocator / server RSS)
+    peak_rss_bytes: int = 0  # this process's peak resident set
+    total_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # engine specifics (flash: hit rate, bytes read)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Done:
+    stats: GenerationStats
+    finish_reason: FinishReason
+    text: str = ""  # the whole reply
+    error: str | None = None
+
+
+Event = TextDelta | Done
+
+
+# --------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: Path  # an MLX model directory (config.json, *.safetensors, tokenizer.json)
+    architecture: str
+    size_bytes: int
+    gguf_path: Path | None = None  # the GGUF it was imported from, when kept (llama-server uses it)
+    split_path: Path | None = None  # a `flashcode split` layout, when made
+
+
+# --------------------------------------------------------------------------- protocol
+@runtime_checkable
+class Backend(Protocol):
+    """One engine holding one model. Every method runs on the backend's own worker thread."""
+
+    name: str
+
+    def load(self, model: ModelInfo) -> None: ...
+
+    @property
+    def model(self) -> ModelInfo | None: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]: ...
+
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
+        """Yield TextDelta events, then exactly one Done. Stops within one token of `cancel`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PromptCacheBackend(Protocol):
+    """Capability: the backend can save and restore its prompt (KV) cache."""
+
+    def save_prompt_cache(self, path: Path, metadata: dict[str, str]) -> dict[str, Any]: ...
+
+    def load_prompt_cache(self, path: Path) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ScoringBackend(Protocol):
+    """Capability: log-probabilities of candidate continuations (used by the agent's router)."""
+
+    def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]: ...

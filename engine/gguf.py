@@ -1,0 +1,533 @@
+"""GGUF -> MLX model directory (`flashcode import FILE.gguf`).
+
+What it knows: llama.cpp's GGUF layout (metadata keys, tensor names, block quant types), how each
+supported architecture maps to an mlx-lm `config.json` and to Hugging Face tensor names, and how to
+rebuild a `tokenizer.json` from the GGUF vocabulary (through transformers' GGUF tokenizer builders).
+
+What it does not know: running models. The output is an ordinary mlx-lm model directory.
+
+Weights:
+- Q4_0 / Q4_1 / Q8_0 come out of `mx.load` already as MLX affine-quantized triples (weight, scales,
+  biases; group 32) and are kept bit for bit; the bits can differ per tensor (the embedding is
+  often 8-bit), which goes into the config's per-module `quantization` entries.
+- F32 / F16 / BF16 are carried over.
+- K-quants and other block types are dequantized with the `gguf` package and requantized
+  (4 or 8 bits, group 64).
+- llama.cpp permutes the Q and K rows of llama-family models for its RoPE kernel; that is undone,
+  so the weights are the Hugging Face ones and mlx-lm's usual RoPE applies.
+
+Nothing half-written is left: the model is built in a temporary directory next to the target and
+renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .base import EngineError
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+IMPORTER_VERSION = 1
+
+
+class GGUFImportError(EngineError):
+    pass
+
+
+# ggml types `mx.load` turns into MLX quantized triples / plain arrays by itself
+_MLX_NATIVE_QUANT = {"Q4_0", "Q4_1", "Q8_0"}
+_MLX_NATIVE_PLAIN = {"F32", "F16", "BF16"}
+# ggml types the `gguf` package can dequantize, and the bits we requantize them to
+_REQUANT_BITS = {
+    "Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8, "Q8_K": 8,
+    "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 4, "IQ4_XS": 4,
+}  # fmt: skip
+SUPPORTED_TENSOR_TYPES = sorted(_MLX_NATIVE_QUANT | _MLX_NATIVE_PLAIN | set(_REQUANT_BITS))
+
+
+# --------------------------------------------------------------------------- architectures
+@dataclass(frozen=True)
+class ArchSpec:
+    model_type: str
+    permute_qk: bool = False  # llama.cpp's convert permuted Q/K rows
+    norm_offset: float = 0.0  # gemma stores (1 + w) in GGUF; mlx-lm adds the 1 itself
+    build: Callable[[dict[str, Any], str, dict[str, Any]], dict[str, Any]] | None = None
+    extra_names: dict[str, str] = field(default_factory=dict)
+
+
+def _common(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    g = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
+    hidden = int(g("embedding_length"))
+    heads = int(g("attention.head_count"))
+    kv = g("attention.head_count_kv", heads)
+    kv = int(kv if np.ndim(kv) == 0 else max(kv))
+    head_dim = int(g("attention.key_length", hidden // heads))
+    vocab = int(shapes["token_embd"][0])
+    ff = g("feed_forward_length", 0)
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": int(ff if np.ndim(ff) == 0 else max(ff)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "vocab_size": vocab,
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "tie_word_embeddings": "output" not in shapes,
+    }
+    scaling = g("rope.scaling.type")
+    factor = g("rope.scaling.factor")
+    if scaling and scaling != "none" and factor:
+        rs: dict[str, Any] = {"type": scaling, "rope_type": scaling, "factor": float(factor)}
+        orig = g("rope.scaling.original_context_length")
+        if orig:
+            rs["original_max_position_embeddings"] = int(orig)
+        cfg["rope_scaling"] = rs
+    return cfg
+
+
+def _llama(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    cfg = _common(md, arch, shapes)
+    cfg.update(attention_bias="blk.0.attn_q.bias" in shapes, mlp_bias=False, rope_traditional=False)
+    return cfg
+
+
+def _qwen3_moe(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    cfg = _common(md, arch, shapes)
+    cfg.update(
+        num_experts=int(md[f"{arch}.expert_count"]),
+        num_experts_per_tok=int(md[f"{arch}.expert_used_count"]),
+        moe_intermediate_size=int(md[f"{arch}.expert_feed_forward_length"]),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
+    return cfg
+
+
+def _gemma2(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    cfg = _common(md, arch, shapes)
+    # llama.cpp scales queries by 1/sqrt(hidden/heads) for the 46-layer (27B) model, else 1/sqrt(head_dim)
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else cfg["head_dim"]
+    cfg.update(
+        attn_logit_softcapping=float(md.get(f"{arch}.attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(md.get(f"{arch}.final_logit_softcapping", 30.0)),
+        query_pre_attn_scalar=float(scalar),
+        rope_traditional=False,
+        tie_word_embeddings=True,
+    )
+    return cfg
+
+
+def _gemma3(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    cfg = _common(md, arch, shapes)
+    cfg.update(
+        query_pre_attn_scalar=float(cfg["head_dim"]),
+        sliding_window=int(md.get(f"{arch}.attention.sliding_window", 512)),
+        sliding_window_pattern=6,
+        rope_local_base_freq=10000.0,
+        tie_word_embeddings=True,
+    )
+    if "rope_scaling" in cfg:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": cfg["rope_scaling"]["factor"]}
+    return cfg
+
+
+def _phi3(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    cfg = _common(md, arch, shapes)
+    rot = int(md.get(f"{arch}.rope.dimension_count", cfg["head_dim"]))
+    cfg.update(partial_rotary_factor=rot / cfg["head_dim"], rope_traditional=False)
+    orig = md.get(f"{arch}.rope.scaling.original_context_length")
+    if orig:
+        cfg["original_max_position_embeddings"] = int(orig)
+    cfg.pop("rope_scaling", None)  # long-rope factors are filled in from tensors, see _phi3_rope
+    return cfg
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", permute_qk=True, build=_llama),
+    "mistral": ArchSpec("llama", permute_qk=True, build=_llama),
+    "qwen2": ArchSpec("qwen2", build=_llama),
+    "qwen3": ArchSpec("qwen3", build=_llama),
+    "qwen3moe": ArchSpec("qwen3_moe", build=_qwen3_moe),
+    "gemma2": ArchSpec("gemma2", norm_offset=1.0, build=_gemma2),
+    "gemma3": ArchSpec("gemma3_text", norm_offset=1.0, build=_gemma3),
+    "phi3": ArchSpec("phi3", build=_phi3),
+}
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# gemma's four norms per layer: its ffn_norm is the *pre*-feed-forward one
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIP = re.compile(r"^(rope_freqs|rope_factors_long|rope_factors_short)(\.weight)?$")
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: not a model weight)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias", "scales", "biases"):
+        base, suffix = gguf_name, ""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    table = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    if m:
+        mapped = table.get(m.group(2))
+        out = f"model.layers.{m.group(1)}.{mapped}" if mapped else None
+    else:
+        out = _TOP_NAMES.get(base)
+    if out is None:
+        return None
+    return f"{out}.{suffix}" if suffix else out
+
+
+# --------------------------------------------------------------------------- reading
+@dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]  # name -> gguf ReaderTensor
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+
+def _check_header(path: Path) -> None:
+    if not path.exists():
+        raise GGUFImportError(f"{path}: no such file")
+    if path.is_dir():
+        raise GGUFImportError(f"{path} is a directory: give the path of a .gguf file")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFImportError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'): "
+            "pass a llama.cpp .gguf model file"
+        )
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse header, metadata and tensor table; checks the file is whole."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    _check_header(path)
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as exc:  # the gguf package raises ValueError/struct.error/IndexError on damage
+        raise GGUFImportError(f"{path} is damaged or truncated ({type(exc).__name__}: {exc}): download it again") from exc
+    size = path.stat().st_size
+    tensors = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes < t.n_bytes:
+            raise GGUFImportError(
+                f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                f"but the file has {size} bytes; download it again"
+            )
+        tensors[t.name] = t
+    metadata: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            metadata[key] = fld.contents()
+        except Exception:  # noqa: BLE001 - an odd field must not stop an import
+            continue
+    return GGUFFile(path, metadata, tensors)
+
+
+def tensor_type_name(t: Any) -> str:
+    return t.tensor_type.name
+
+
+def check_supported(gf: GGUFFile) -> ArchSpec:
+    arch = gf.architecture
+    if arch not in ARCHITECTURES:
+        raise GGUFImportError(
+            f"{gf.path.name}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    for name, t in gf.tensors.items():
+        tname = tensor_type_name(t)
+        if tname not in SUPPORTED_TENSOR_TYPES:
+            raise GGUFImportError(
+                f"{gf.path.name}: tensor {name} has type {tname}, which flashcode cannot import; "
+                f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}. Re-quantize it with llama-quantize "
+                "to Q4_K_M, Q8_0 or Q4_0"
+            )
+    return ARCHITECTURES[arch]
+
+
+# --------------------------------------------------------------------------- tokenizer
+# llama.cpp pre-tokenizers that split every digit and then apply GPT-2's regex
+_DIGIT_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+
+
+def build_tokenizer(gf: GGUFFile, out_dir: Path) -> None:
+    """Write tokenizer.json + tokenizer_config.json rebuilt from the GGUF vocabulary."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
+
+    md = gf.metadata
+    tdict: dict[str, Any] = {}
+    for key, name in gtm.GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+        if f"tokenizer.{key}" in md:
+            tdict[name] = md[f"tokenizer.{key}"]
+    if "tokens" not in tdict:
+        raise GGUFImportError(f"{gf.path.name} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    arch = gf.architecture
+    try:
+        tok = gtm.select_tokenizer_builder(arch, tdict.get("tokenizer_type"))(tdict)
+    except ValueError as exc:
+        raise GGUFImportError(f"{gf.path.name}: {exc}") from exc
+    tok = gtm.add_gguf_special_tokens(tok, tdict)
+    tok = gtm.set_split_regex(tok, tdict)
+    if tdict.get("pre_tokenizer_type") in _DIGIT_THEN_GPT2:
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    tokens = tdict["tokens"]
+    special = {}
+    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unk_token_id"), ("pad_token", "pad_token_id")):  # fmt: skip
+        idx = tdict.get(key)
+        if idx is not None and 0 <= int(idx) < len(tokens):
+            special[attr] = tokens[int(idx)]
+    tok.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg.update(special)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    add_bos = md.get("tokenizer.ggml.add_bos_token", tdict.get("tokenizer_type") == "llama")
+    cfg["add_bos_token"] = bool(add_bos)
+    cfg["add_eos_token"] = bool(md.get("tokenizer.ggml.add_eos_token", False))
+    cfg["model_max_length"] = int(md.get(f"{arch}.context_length", 4096))
+    template = md.get("tokenizer.chat_template")
+    if template:
+        cfg["chat_template"] = template
+        (out_dir / "chat_template.jinja").write_text(template)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    _fix_bos_post_processor(out_dir, special.get("bos_token"), bool(add_bos), tokens)
+
+
+def _fix_bos_post_processor(out_dir: Path, bos: str | None, add_bos: bool, tokens: list[str]) -> None:
+    """tokenizer.json decides BOS by its post-processor; make it say what the GGUF says."""
+    path = out_dir / "tokenizer.json"
+    data = json.loads(path.read_text())
+    if add_bos and bos is not None:
+        bos_id = tokens.index(bos)
+        data["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+        }
+    elif data.get("post_processor", {}) and data["post_processor"].get("type") == "TemplateProcessing":
+        data["post_processor"] = None
+    path.write_text(json.dumps(data, ensure_ascii=False))
+
+
+# --------------------------------------------------------------------------- weights
+def _unpermute(w: Any, n_head: int) -> Any:
+    """Undo llama.cpp's `permute()` of Q/K rows (works on weight, scales and biases alike)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    from gguf import quants
+
+    arr = quants.dequantize(np.asarray(t.data), t.tensor_type)
+    return np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+def convert_weights(
+    gf: GGUFFile, spec: ArchSpec, config: dict[str, Any], progress: Callable[[int], None] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(weights with HF names, quantization config) from the GGUF's tensors."""
+    import mlx.core as mx
+
+    native = mx.load(str(gf.path))  # MLX reads Q4_0/Q4_1/Q8_0/F16/F32/BF16 itself
+    arch = gf.architecture
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, Any] = {}
+    quant: dict[str, dict[str, int]] = {}
+    for name, t in gf.tensors.items():
+        if progress:
+            progress(1)
+        base = name.rsplit(".", 1)[0]
+        if _SKIP.match(name):
+            continue
+        target = hf_name(name, arch)
+        if target is None:
+            log.warning("skipping unknown tensor %s", name)
+            continue
+        module = target.rsplit(".", 1)[0]
+        tname = tensor_type_name(t)
+        if tname in _MLX_NATIVE_QUANT:
+            parts = {s: native[f"{base}.{s}"] for s in ("weight", "scales", "biases")}
+            bits = parts["weight"].shape[-1] * 32 // (parts["scales"].shape[-1] * 32)
+            quant[module] = {"group_size": 32, "bits": int(bits)}
+        elif tname in _MLX_NATIVE_PLAIN:
+            parts = {name.rsplit(".", 1)[1]: native[name]}
+        else:
+            w = mx.array(_dequantize(t))
+            bits = _REQUANT_BITS[tname]
+            if w.ndim >= 2 and w.shape[-1] % 64 == 0:
+                wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+                parts = {"weight": wq, "scales": scales, "biases": biases}
+                quant[module] = {"group_size": 64, "bits": bits}
+            else:
+                parts = {name.rsplit(".", 1)[1]: w.astype(mx.float16)}
+        for suffix, arr in parts.items():
+            if spec.permute_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+                arr = _unpermute(arr, heads if module.endswith("q_proj") else kv_heads)
+            if spec.norm_offset and module.endswith("norm") and suffix == "weight":
+                arr = arr.astype(mx.float32) - spec.norm_offset
+            out[f"{module}.{suffix}"] = arr
+    _phi3_rope(gf, native, config)
+    return out, quant
+
+
+def _phi3_rope(gf: GGUFFile, native: dict[str, Any], config: dict[str, Any]) -> None:
+    if "rope_factors_long.weight" in native and "rope_factors_short.weight" in native:
+        config["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": np.asarray(native["rope_factors_long.weight"]).tolist(),
+            "short_factor": np.asarray(native["rope_factors_short.weight"]).tolist(),
+        }
+
+
+def _quant_config(quant: dict[str, dict[str, int]]) -> dict[str, Any] | None:
+    if not quant:
+        return None
+    combos = [(q["group_size"], q["bits"]) for q in quant.values()]
+    group, bits = max(set(combos), key=combos.count)
+    cfg: dict[str, Any] = {"group_size": group, "bits": bits, "mode": "affine"}
+    for module, q in quant.items():
+        if (q["group_size"], q["bits"]) != (group, bits):
+            cfg[module] = dict(q)
+    return cfg
+
+
+# --------------------------------------------------------------------------- import
+def default_name(path: Path) -> str:
+    stem = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.stem
+    return re.sub(r"[^a-z0-9._-]+", "-", stem.lower().replace(".", "-")).strip("-") or "model"
+
+
+def validate_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name) or ".." in name:
+        raise GGUFImportError(
+            f"model name {name!r} is not allowed: use letters, digits, '.', '_' and '-' (max 128), "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def import_gguf(
+    path: str | Path,
+    models_root: Path,
+    name: str | None = None,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> Path:
+    """Import `path` into `models_root/<name>`; returns the model directory."""
+    import mlx.core as mx
+    from tqdm import tqdm
+
+    path = Path(path).expanduser().resolve()
+    gf = read_gguf(path)
+    spec = check_supported(gf)
+    name = validate_name(name or default_name(path))
+    target = models_root / name
+    if target.exists() and not overwrite:
+        raise GGUFImportError(f"a model named {name!r} already exists in {models_root}: pass --name NEW_NAME")
+    shapes = {n.rsplit(".", 1)[0]: tuple(int(d) for d in reversed(t.shape)) for n, t in gf.tensors.items()}
+    assert spec.build is not None
+    config = spec.build(gf.metadata, gf.architecture, shapes)
+    config["model_type"] = spec.model_type
+
+    models_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.importing-", dir=models_root))
+    try:
+        with tqdm(total=len(gf.tensors), desc=f"importing {path.name}", unit="tensor",
+                  disable=not show_progress) as bar:  # fmt: skip
+            weights, quant = convert_weights(gf, spec, config, bar.update)
+        qcfg = _quant_config(quant)
+        if qcfg:
+            config["quantization"] = qcfg
+            config["quantization_config"] = qcfg
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        del weights
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        build_tokenizer(gf, tmp)
+        meta = {
+            "name": name,
+            "architecture": gf.architecture,
+            "source_gguf": str(path),
+            "source_sha256": sha256_file(path),
+            "source_file_type": int(gf.metadata.get("general.file_type", -1)),
+            "importer_version": IMPORTER_VERSION,
+            "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / "flashcode.json").write_text(json.dumps(meta, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,55 @@
+"""Where flashcode keeps what the user makes: `$FLASHCODE_HOME` (default ~/.local/share/flashcode).
+
+    models/<name>/      MLX model directories (config.json, *.safetensors, tokenizer, flashcode.json)
+    gguf/               GGUF files flashcode downloaded itself (the default model)
+    projects/<id>/      per-project saved contexts
+    flashcode.db        SQLite: conversations, messages, stats
+    logs/               llama-server logs and the like
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_HOME = "FLASHCODE_HOME"
+
+
+def home(override: str | Path | None = None) -> Path:
+    if override is not None:
+        root = Path(override)
+    elif os.environ.get(ENV_HOME):
+        root = Path(os.environ[ENV_HOME])
+    else:
+        root = Path.home() / ".local" / "share" / "flashcode"
+    root = root.expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def models_dir(root: Path | None = None) -> Path:
+    d = (root or home()) / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def gguf_dir(root: Path | None = None) -> Path:
+    d = (root or home()) / "gguf"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def logs_dir(root: Path | None = None) -> Path:
+    d = (root or home()) / "logs"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def projects_dir(root: Path | None = None) -> Path:
+    d = (root or home()) / "projects"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def database_path(root: Path | None = None) -> Path:
+    return (root or home()) / "flashcode.db"

@@ -1,0 +1,169 @@
+"""One long-lived inference thread that owns the backend; a queue in, per-request results out.
+
+Why a thread of its own: since mlx 0.31.2 a stream belongs to the thread that created it, so MLX
+called from `asyncio.to_thread` or a pool fails. Everything that touches the backend (load,
+tokenize, generate, save a cache) is a job on this one thread, run in order.
+
+Callers get results two ways: `call()` blocks a plain thread (the CLI), `acall()` / `submit(loop=)`
+deliver into an asyncio loop with `call_soon_threadsafe` (the web app). Cancellation is a
+`threading.Event` the backend checks between tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from .base import Backend, Done, EngineError, Event, GenerationRequest, GenerationStats
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_STOP = object()
+
+
+class Generation:
+    """A handle on one streaming request: iterate it (sync or async) and `cancel()` it."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.request = request
+        self.cancel_event = threading.Event()
+        self._loop = loop
+        self._sync_q: queue.Queue[Event] = queue.Queue()
+        self._async_q: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+        self.done = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    def _put(self, event: Event) -> None:
+        """Called on the worker thread."""
+        if self._loop is not None and self._async_q is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async_q.put_nowait, event)
+            except RuntimeError:  # the loop closed under us: nobody is listening any more
+                self.cancel_event.set()
+        else:
+            self._sync_q.put(event)
+        if isinstance(event, Done):
+            self.done.set()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._sync_q.get()
+            yield event
+            if isinstance(event, Done):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        assert self._async_q is not None, "submit(..., loop=loop) for async iteration"
+        while True:
+            event = await self._async_q.get()
+            yield event
+            if isinstance(event, Done):
+                return
+
+
+class Worker:
+    """Owns one Backend on one thread. `switch()` replaces it (closing the old one) on that thread."""
+
+    def __init__(self, factory: Callable[[], Backend] | None = None, name: str = "flashcode-engine") -> None:
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._backend: Backend | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        if factory is not None:
+            self.switch(factory)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def backend(self) -> Backend | None:
+        """For reading plain attributes (name, model); never call into it from another thread."""
+        return self._backend
+
+    def switch(self, factory: Callable[[], Backend]) -> Backend:
+        def job(_: Backend | None) -> Backend:
+            if self._backend is not None:
+                self._backend.close()
+                self._backend = None
+            self._backend = factory()
+            return self._backend
+
+        return self._call_raw(job)
+
+    def call(self, fn: Callable[[Backend], T]) -> T:
+        """Run `fn(backend)` on the worker thread and wait for its result (exceptions re-raised)."""
+        return self._call_raw(lambda b: fn(self._require(b)))
+
+    async def acall(self, fn: Callable[[Backend], T]) -> T:
+        fut: Future[T] = Future()
+        self._jobs.put((lambda b: fn(self._require(b)), fut))
+        return await asyncio.wrap_future(fut)
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Generation:
+        gen = Generation(request, loop)
+        self._jobs.put(gen)
+        return gen
+
+    def close(self, timeout: float = 10.0) -> None:
+        def job(_: Backend | None) -> None:
+            if self._backend is not None:
+                self._backend.close()
+                self._backend = None
+
+        if self._thread.is_alive():
+            try:
+                self._call_raw(job, timeout=timeout)
+            finally:
+                self._jobs.put(_STOP)
+                self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ internals
+    def _require(self, backend: Backend | None) -> Backend:
+        if backend is None:
+            raise EngineError("no backend is loaded: pick a model first")
+        return backend
+
+    def _call_raw(self, fn: Callable[[Backend | None], T], timeout: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            return fn(self._backend)
+        fut: Future[T] = Future()
+        self._jobs.put((fn, fut))
+        return fut.result(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            if isinstance(job, Generation):
+                self._generate(job)
+                continue
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self._backend))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def _generate(self, gen: Generation) -> None:
+        if gen.cancel_event.is_set():
+            gen._put(Done(GenerationStats(), "cancelled"))
+            return
+        try:
+            backend = self._require(self._backend)
+            for event in backend.stream(gen.request, gen.cancel_event):
+                gen._put(event)
+                if isinstance(event, Done):
+                    return
+            gen._put(Done(GenerationStats(), "error", error="the engine ended the stream without a result"))
+        except EngineError as exc:
+            gen._put(Done(GenerationStats(), "error", error=str(exc)))
+        except Exception as exc:  # noqa: BLE001 - an engine bug must not kill the worker thread
+            log.exception("generation failed")
+            gen._put(Done(GenerationStats(), "error", error=f"{type(exc).__name__}: {exc}"))

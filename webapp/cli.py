@@ -1,0 +1,327 @@
+"""`flashcode ...`: the command line.
+
+Subcommands here: setup, serve, import, models, ask, chat, bench. Other parts of flashcode add
+theirs through `register(subparsers)` functions listed in `EXTENSIONS` (imported only if present),
+so this file does not grow with every feature. Heavy imports (MLX, uvicorn) happen inside the
+command that needs them, so `flashcode --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
+
+log = logging.getLogger("flashcode")
+
+# modules exposing `register(subparsers)`; missing ones are skipped
+EXTENSIONS = [
+    "webapp.cli_bench",
+    "engine.flash.cli",
+    "webapp.agent_cli",
+    "engine.llama_cli",
+]
+
+
+def parse_size(text: str) -> int:
+    """'300MB', '1.5GB', '4GiB', '1024' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+             "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}  # fmt: skip
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)") from None
+    if unit not in units or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)")
+    return int(value * units[unit])
+
+
+def _data_dir(args: argparse.Namespace) -> None:
+    if getattr(args, "data_dir", None):
+        os.environ[paths.ENV_HOME] = str(Path(args.data_dir).expanduser().resolve())
+
+
+# --------------------------------------------------------------------------- setup / serve
+def cmd_setup(args: argparse.Namespace) -> int:
+    from engine.models import ensure_default_model, human_size
+
+    info = ensure_default_model(quiet=args.quiet)
+    print(f"{info.name}\t{info.architecture}\t{human_size(info.size_bytes)}\t{info.path}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .settings import Settings
+
+    settings = Settings(host=args.host, port=args.port, data_dir=paths.home(), backend=args.backend,
+                        model=args.model, backend_options=backend_options(args))  # fmt: skip
+    if not settings.is_loopback:
+        print(
+            f"WARNING: listening on {args.host}: anyone who can reach this machine can use flashcode, "
+            "including its shell tool (still behind approval). Use the default 127.0.0.1 unless you mean it.",
+            file=sys.stderr,
+        )
+    print(f"flashcode on http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}", flush=True)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                ws_max_size=1 << 20)  # fmt: skip
+    return 0
+
+
+# --------------------------------------------------------------------------- models
+def cmd_import(args: argparse.Namespace) -> int:
+    from engine.gguf import import_gguf
+
+    target = import_gguf(args.file, paths.models_dir(), name=args.name, overwrite=args.force,
+                         show_progress=not args.quiet)  # fmt: skip
+    print(target.name)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from engine.models import human_size, list_models
+
+    models = list_models()
+    if not models:
+        print("no models installed: run `flashcode setup` or `flashcode import FILE.gguf`", file=sys.stderr)
+        return 0
+    for m in models:
+        print(f"{m.name}\t{m.architecture}\t{human_size(m.size_bytes)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- generation
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if getattr(args, "kv_bits", None):
+        opts["kv_bits"] = args.kv_bits
+    if getattr(args, "memory_budget", None):
+        opts["memory_budget"] = args.memory_budget
+    if getattr(args, "llama_url", None):
+        opts["url"] = args.llama_url
+    if getattr(args, "ctx_size", None):
+        opts["context_length"] = args.ctx_size
+    return opts
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                              seed=args.seed, stop=tuple(args.stop or ()))  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"flashcode: {exc}") from None
+
+
+def run_stream(backend: Any, request: GenerationRequest, on_text: Callable[[str], None]) -> Done:
+    """Drive a backend on this thread; Ctrl-C cancels the reply instead of killing the process."""
+    cancel = threading.Event()
+    old = signal.signal(signal.SIGINT, lambda *_: cancel.set()) if threading.current_thread() is threading.main_thread() else None
+    try:
+        for event in backend.stream(request, cancel):
+            if isinstance(event, TextDelta):
+                on_text(event.text)
+            elif isinstance(event, Done):
+                return event
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    raise EngineError("the engine ended the stream without a result")
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from engine.mlx_backend import peak_rss_bytes
+
+    from .engine_host import make_loaded_backend, resolve_backend
+
+    name = resolve_backend(args.backend)
+    backend = make_loaded_backend(name, args.model, backend_options(args))
+    try:
+        if args.raw:
+            request = GenerationRequest(prompt=args.prompt, sampling=_sampling(args))
+        else:
+            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+            request = GenerationRequest(messages=tuple(msgs), sampling=_sampling(args))
+        printer = (lambda t: None) if args.json else (lambda t: print(t, end="", flush=True))
+        done = run_stream(backend, request, printer)
+        if done.error:
+            print(f"\nflashcode: {done.error}", file=sys.stderr)
+            return 1
+        s = done.stats
+        if args.json:
+            out = {
+                "text": done.text, "backend": name, "model": backend.model.name if backend.model else None,
+                "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+                "ttft_s": round(s.ttft_s, 4), "prompt_tps": round(s.prompt_tps, 2),
+                "decode_tps": round(s.decode_tps, 2),
+                "peak_rss_bytes": max(s.peak_rss_bytes, peak_rss_bytes()),
+                "finish_reason": done.finish_reason, "cached_tokens": s.cached_tokens, **s.extra,
+            }  # fmt: skip
+            print(json.dumps(out))
+        else:
+            print()
+            if args.verbose:
+                print(f"[{s.completion_tokens} tokens, {s.decode_tps:.1f} tok/s, ttft {s.ttft_s * 1000:.0f} ms]",
+                      file=sys.stderr)  # fmt: skip
+        return 0
+    finally:
+        backend.close()
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .engine_host import make_loaded_backend, resolve_backend
+
+    name = resolve_backend(args.backend)
+    backend = make_loaded_backend(name, args.model, backend_options(args))
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"flashcode chat — {backend.model.name} on {name}. /clear resets, /exit or Ctrl-D quits, "
+          "Ctrl-C stops a reply.", file=sys.stderr)  # fmt: skip
+    try:
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print()
+                continue
+            if not line.strip():
+                continue
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip() == "/clear":
+                history = history[:1] if args.system else []
+                print("(cleared)", file=sys.stderr)
+                continue
+            history.append({"role": "user", "content": line})
+            print("bot> ", end="", flush=True)
+            done = run_stream(backend, GenerationRequest(messages=tuple(history), sampling=_sampling(args)),
+                              lambda t: print(t, end="", flush=True))  # fmt: skip
+            print()
+            if done.error:
+                print(f"flashcode: {done.error}", file=sys.stderr)
+                history.pop()
+                continue
+            s = done.stats
+            print(f"  [{s.completion_tokens} tok · {s.decode_tps:.1f} tok/s · ttft {s.ttft_s * 1000:.0f} ms"
+                  f"{' · stopped' if done.finish_reason == 'cancelled' else ''}]", file=sys.stderr)  # fmt: skip
+            history.append({"role": "assistant", "content": done.text})
+    finally:
+        backend.close()
+
+
+# --------------------------------------------------------------------------- parser
+def add_generation_args(p: argparse.ArgumentParser, backends: Sequence[str] = ("auto", "mlx", "llama", "flash")) -> None:
+    p.add_argument("--backend", default="auto", choices=list(backends),
+                   help="engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto picks per platform")  # fmt: skip
+    p.add_argument("--model", default=None, help="installed model name or model directory (default: the default model)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (MLX)")
+    p.add_argument("--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB")
+    p.add_argument("--llama-url", default=None, help="llama backend: attach to a llama-server already running at URL")
+    p.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
+    p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashcode", description="A local LLM coding agent with a classic-Mac UI.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("setup", help="fetch and import the default model (idempotent)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_setup)
+
+    p = sub.add_parser("serve", help="run the web app")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: only this machine can connect; anything else exposes the agent)")  # fmt: skip
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None)
+    p.add_argument("--memory-budget", type=parse_size, default=None)
+    p.add_argument("--llama-url", default=None)
+    p.add_argument("--ctx-size", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("import", help="convert a GGUF file into an MLX model directory")
+    p.add_argument("file")
+    p.add_argument("--name", default=None)
+    p.add_argument("--force", action="store_true", help="replace a model of the same name")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("models", help="list installed models")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("ask", help="one chat turn; prints the reply")
+    add_generation_args(p)
+    p.add_argument("--raw", action="store_true", help="plain completion of PROMPT, no chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the reply and stats")
+    p.add_argument("prompt")
+    p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("chat", help="interactive terminal chat with streaming")
+    add_generation_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    for mod in EXTENSIONS:
+        try:
+            register = importlib.import_module(mod).register
+        except ModuleNotFoundError as exc:
+            if exc.name and mod.startswith(exc.name):
+                continue
+            raise
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    _data_dir(args)
+    try:
+        return int(args.func(args) or 0)
+    except EngineError as exc:
+        print(f"flashcode: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as exc:
+        print(f"flashcode: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Run-time settings of one flashcode process (from the CLI, or built by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+from engine.models import DEFAULT_MODEL
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = field(default_factory=paths.home)
+    backend: str = "auto"  # auto: picked per platform (see webapp.cli.default_backend)
+    model: str = DEFAULT_MODEL
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    load_model: bool = True  # tests may build an app without loading a model
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS
+
+    @property
+    def allowed_origins(self) -> set[str]:
+        hosts = {self.host} | (LOOPBACK_HOSTS if self.is_loopback else set())
+        out = set()
+        for h in hosts:
+            hh = f"[{h}]" if ":" in h else h
+            out.add(f"http://{hh}:{self.port}")
+        return out
