@@ -1,0 +1,62 @@
+"""Shared fixtures. The real default model is imported once per run into $FLASHCODE_HOME
+(`make test` / CI set it up); each test that writes user data gets its own data directory whose
+`models/` points at that shared one, so no test touches another's conversations."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+@pytest.fixture(scope="session")
+def model_home() -> Path:
+    """The data directory holding the imported default model (imported here if missing)."""
+    from engine import paths
+    from engine.models import ensure_default_model
+
+    root = paths.home()
+    ensure_default_model(root, quiet=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def default_model(model_home: Path):
+    from engine.models import find_model
+
+    return find_model(None, model_home)
+
+
+@pytest.fixture(scope="session")
+def mlx_backend(default_model):
+    """One loaded in-RAM MLX backend for the whole run (loading costs seconds on CPU)."""
+    from engine.mlx_backend import MLXBackend
+
+    b = MLXBackend()
+    b.load(default_model)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, model_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh $FLASHCODE_HOME for one test, sharing the imported models read-only."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(model_home / "models", target_is_directory=True)
+    (home / "gguf").symlink_to(model_home / "gguf", target_is_directory=True)
+    monkeypatch.setenv("FLASHCODE_HOME", str(home))
+    yield home
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
