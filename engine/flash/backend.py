@@ -1,0 +1,191 @@
+"""FlashBackend: the MLX engine with each layer's FFN streamed from a split on disk.
+
+What it knows: loading a split (pinned weights into the model's own modules, FFNs left on disk),
+checking it (pinned checksum always; every unit's checksum on load for splits up to
+`verify_limit` bytes, otherwise on each unit's first read), sizing everything to the memory
+budget, and adding flash numbers (bytes read, bytes/s, read latency, the budget) to the stats.
+Generation, tokenization and prompt caching are MLXBackend's, unchanged: same tokens as in RAM.
+
+What it does not know: threads (the worker owns it), HTTP, MoE routing (a later issue).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..base import Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
+from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
+from .budget import BudgetPlan, plan_budget
+from .dense import LayerStream, attach
+from .reader import UnitReader
+from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
+
+log = logging.getLogger(__name__)
+
+
+def current_rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return 0
+
+
+def cast_pinned(model: Any) -> None:
+    """Float params to float32 on CPU (as MLXBackend does), except quantized linears' scales/biases:
+    `quantized_matmul` gives bit-identical float32 results from float16 scales at half the memory."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    if mx.default_device() != mx.cpu:
+        return
+    quantized = {name for name, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    updates = []
+    for key, v in tree_flatten(model.parameters()):
+        owner, _, leaf = key.rpartition(".")
+        if not mx.issubdtype(v.dtype, mx.floating) or v.dtype == mx.float32:
+            continue
+        if owner in quantized and leaf in ("scales", "biases"):
+            continue
+        updates.append((key, v.astype(mx.float32)))
+    model.update(tree_unflatten(updates))
+
+
+class FlashBackend(MLXBackend):
+    name = "flash"
+
+    def __init__(
+        self,
+        memory_budget: int | None = None,
+        io_threads: int = 4,
+        prefetch: int = 2,
+        verify_limit: int = 2 << 30,
+        auto_split: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.memory_budget = memory_budget
+        self.io_threads = io_threads
+        self.prefetch = prefetch
+        self.verify_limit = verify_limit
+        self.auto_split = auto_split
+        self.manifest: Manifest | None = None
+        self.reader: UnitReader | None = None
+        self.layer_stream: LayerStream | None = None
+        self.plan: BudgetPlan | None = None
+        self._live = {"t": time.perf_counter(), "bytes": 0, "Bps": 0.0}
+
+    # ------------------------------------------------------------------ loading
+    def _split_dir(self, model: ModelInfo) -> Path:
+        if model.split_path is not None:
+            return model.split_path
+        if (model.path / "manifest.json").exists():  # pointed straight at a split directory
+            return model.path
+        if not self.auto_split:
+            raise ModelLoadError(f"model {model.name} has no split layout: run `flashcode split {model.name}`")
+        log.info("model %s has no split layout yet: splitting it into %s", model.name, model.path / "split")
+        return split_model(model.path, progress=False)
+
+    def load(self, model: ModelInfo) -> None:
+        import mlx.core as mx
+        from mlx_lm.utils import load_model, load_tokenizer
+
+        self.close()
+        root = self._split_dir(model)
+        man = load_manifest(root)
+        float_bytes = 4 if compute_dtype() == mx.float32 else 2
+        ctx = self._context_override or int(man.config.get("max_position_embeddings", 4096))
+        plan = plan_budget(man, self.memory_budget, self.prefetch, ctx, self.prefill_step_size, float_bytes)
+        verify_pinned(man)
+        verify_now = man.streamed_bytes <= self.verify_limit
+        reader = UnitReader(man.units_path, threads=self.io_threads)
+        try:
+            if verify_now:
+                self._verify_units(man, reader)
+            obj, cfg = load_model(root, lazy=True, strict=False)
+            stream = LayerStream(man, reader, depth=self.prefetch, verify=not verify_now)
+            attach(obj, stream)
+        except SplitError:
+            reader.close()
+            raise
+        except Exception as exc:
+            reader.close()
+            raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
+        cast_pinned(obj)
+        mx.eval(obj.parameters())
+        if self.memory_budget:  # freed unit arrays are recycled, not hoarded by MLX's buffer cache
+            mx.set_cache_limit(plan.in_flight + plan.activations)
+        self.tokenizer = load_tokenizer(model.path, eos_token_ids=cfg.get("eos_token_id"))
+        self.model_obj, self.config = obj, cfg
+        self.manifest, self.reader, self.layer_stream, self.plan = man, reader, stream, plan
+        if self.memory_budget:
+            self._context_override = plan.context
+        self._model_info = model
+        self.prompt_cache.reset()
+        log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s",
+                 model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct)  # fmt: skip
+
+    def _verify_units(self, man: Manifest, reader: UnitReader) -> None:
+        from .reader import AlignedBuffer
+
+        buf = AlignedBuffer(man.max_unit_bytes)
+        try:
+            for u in man.units:
+                reader.read(buf, u.offset, u.length).result()
+                check_unit(man, u, buf.view)
+        finally:
+            buf.close()
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
+        self._require()
+        assert self.reader is not None
+        b0, r0 = self.reader.stats.bytes, self.reader.stats.read_s
+        for ev in super().stream(request, cancel):
+            if isinstance(ev, Done):
+                s = ev.stats
+                read = self.reader.stats.bytes - b0
+                read_s = self.reader.stats.read_s - r0
+                tokens = max(1, s.completion_tokens)
+                s.extra.update({
+                    "bytes_read": read,
+                    "bytes_per_token": read / (tokens + 1),  # prefill counts as one pass
+                    "read_bandwidth_Bps": read / read_s if read_s else 0.0,
+                    "bytes_per_s": read / s.total_s if s.total_s else 0.0,
+                    "direct_io": self.reader.direct,
+                    "memory_budget": self.memory_budget,
+                    "budget": self.plan.as_dict() if self.plan else None,
+                    "rss_bytes": current_rss_bytes(),
+                })  # fmt: skip
+                s.peak_rss_bytes = peak_rss_bytes()
+            yield ev
+
+    def live_stats(self) -> dict[str, Any]:
+        """For the UI: disk bytes/s since the last call, bytes read so far, current RSS."""
+        now = time.perf_counter()
+        total = self.reader.stats.bytes if self.reader else 0
+        dt = now - self._live["t"]
+        if dt > 0.2:
+            self._live = {"t": now, "bytes": total, "Bps": (total - self._live["bytes"]) / dt}
+        return {"bytes_read": total, "bytes_per_s": self._live["Bps"], "rss_bytes": current_rss_bytes(),
+                "memory_budget": self.memory_budget}  # fmt: skip
+
+    def close(self) -> None:
+        if self.layer_stream is not None:
+            self.layer_stream.close()
+        if self.reader is not None:
+            self.reader.close()
+        self.layer_stream = self.reader = self.manifest = None
+        if self.model_obj is not None or self._model_info is not None:
+            super().close()
+
+    def _require(self) -> None:
+        if self.model_obj is None or self.reader is None:
+            raise EngineError("no model is loaded: pick one with --model or in the model menu")

@@ -1,0 +1,263 @@
+"""`flashcode split`: an MLX model directory -> a streamable layout, and that layout read back.
+
+What it knows: which tensors are streamed units (a dense layer's FFN: `model.layers.N.mlp.*`; one
+expert of a MoE layer: `model.layers.N.mlp.switch_mlp.*[e]`) and which are pinned (everything
+else); the on-disk layout:
+
+    split/manifest.json            units, their offsets, tensor layout, quantization, checksums
+    split/model-pinned.safetensors the pinned tensors (an mlx-lm model dir minus the streamed ones)
+    split/units.bin                every unit as one contiguous block, each aligned to 16 KiB
+    split/config.json, tokenizer*  copied, so the split directory is self-describing
+
+What it does not know: how units are read (reader.py) or computed (dense.py).
+Checksums are CRC-32 per unit and of the pinned file; the manifest is written last, so a split
+without a manifest is an unfinished one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import shutil
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..base import ModelLoadError
+from .safetensors_io import DTYPE_SIZES, TensorRef, TensorSpec, iter_chunks, read_model_tensors, write_header
+
+log = logging.getLogger(__name__)
+
+ALIGN = 16 << 10  # one unit = one aligned read; 16 KiB covers 4K-sector O_DIRECT and Apple SSD pages
+MANIFEST_VERSION = 1
+_DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+
+
+class SplitError(ModelLoadError):
+    """A model cannot be split, or a split is missing, stale or damaged."""
+
+
+@dataclass
+class UnitTensor:
+    name: str  # inside the unit, e.g. "gate_proj.weight"
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # from the unit's start
+    nbytes: int
+
+
+@dataclass
+class Unit:
+    key: str  # "layers.3.mlp" or "layers.3.expert.17"
+    kind: str  # "dense_ffn" | "expert"
+    layer: int
+    expert: int | None
+    offset: int  # in units.bin, multiple of ALIGN
+    length: int  # bytes of data
+    crc32: int
+    tensors: list[UnitTensor] = field(default_factory=list)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.length // ALIGN) * ALIGN
+
+
+@dataclass
+class Manifest:
+    root: Path
+    config: dict[str, Any]
+    units: list[Unit]
+    quant: dict[str, dict[str, Any]]  # projection name -> {group_size, bits, mode}, per layer key
+    pinned_file: str
+    pinned_crc32: int
+    pinned_bytes: int
+    pinned_tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape, nbytes}
+    source: dict[str, Any]
+
+    @property
+    def units_path(self) -> Path:
+        return self.root / "units.bin"
+
+    @property
+    def max_unit_bytes(self) -> int:
+        return max((u.padded for u in self.units), default=0)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(u.length for u in self.units)
+
+    def dense_units(self) -> list[Unit]:
+        return sorted((u for u in self.units if u.kind == "dense_ffn"), key=lambda u: u.layer)
+
+    def quant_for(self, layer: int, proj: str) -> dict[str, Any]:
+        return self.quant.get(f"model.layers.{layer}.mlp.{proj}") or self.quant["default"]
+
+
+# --------------------------------------------------------------------------- writing
+def _quant_table(config: dict[str, Any], units: list[tuple[str, list[TensorRef]]]) -> dict[str, dict[str, Any]]:
+    q = config.get("quantization") or {}
+    default = {"group_size": q.get("group_size", 64), "bits": q.get("bits", 4), "mode": q.get("mode", "affine")}
+    table: dict[str, dict[str, Any]] = {"default": default}
+    for key, entry in q.items():
+        if isinstance(entry, dict):
+            table[key] = {**default, **entry}
+    return table
+
+
+def plan_units(refs: dict[str, TensorRef]) -> tuple[list[tuple[str, str, int, int | None, list[tuple[str, TensorRef, int, int]]]], set[str]]:
+    """[(key, kind, layer, expert, [(name in unit, source ref, byte start, nbytes)])], streamed names."""
+    dense: dict[int, list[tuple[str, TensorRef, int, int]]] = {}
+    experts: dict[tuple[int, int], list[tuple[str, TensorRef, int, int]]] = {}
+    streamed: set[str] = set()
+    for name, ref in sorted(refs.items()):
+        if m := _DENSE.match(name):
+            dense.setdefault(int(m[1]), []).append((f"{m[2]}.{m[3]}", ref, 0, ref.nbytes))
+            streamed.add(name)
+        elif m := _EXPERT.match(name):
+            n_exp = ref.shape[0]
+            per = ref.nbytes // n_exp  # contiguous rows: expert e is one byte range
+            for e in range(n_exp):
+                experts.setdefault((int(m[1]), e), []).append((f"{m[2]}.{m[3]}", ref, e * per, per))
+            streamed.add(name)
+    plan = [(f"layers.{i}.mlp", "dense_ffn", i, None, dense[i]) for i in sorted(dense)]
+    plan += [(f"layers.{i}.expert.{e}", "expert", i, e, experts[(i, e)]) for (i, e) in sorted(experts)]
+    return plan, streamed
+
+
+def _copy_range(ref: TensorRef, start: int, nbytes: int, out: Any, crc: int) -> int:
+    with open(ref.path, "rb") as f:
+        f.seek(ref.offset + start)
+        left = nbytes
+        while left:
+            data = f.read(min(16 << 20, left))
+            out.write(data)
+            crc = zlib.crc32(data, crc)
+            left -= len(data)
+    return crc
+
+
+def split_model(model_dir: Path, out: Path | None = None, progress: bool = True) -> Path:
+    """Write the split layout for `model_dir` into `out` (default model_dir/split); returns `out`."""
+    from tqdm import tqdm
+
+    model_dir = Path(model_dir)
+    out = Path(out) if out else model_dir / "split"
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        refs = read_model_tensors(model_dir)
+    except (OSError, ValueError) as exc:
+        raise SplitError(f"cannot split {model_dir}: not an mlx-lm model directory ({exc})") from exc
+    plan, streamed = plan_units(refs)
+    if not plan:
+        raise SplitError(
+            f"cannot split {model_dir}: no FFN or expert tensors named model.layers.N.mlp.* "
+            f"(model_type {config.get('model_type')!r} is not a supported dense or MoE layout)"
+        )
+    if any(not refs[n].dtype == "U32" for n in streamed if n.endswith(".weight")):
+        raise SplitError(f"cannot split {model_dir}: streamed FFN weights must be MLX-quantized (uint32 packed)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)  # an interrupted re-split must not look complete
+    total = sum(r.nbytes for r in refs.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"split {model_dir.name}", disable=not progress)
+
+    units: list[dict[str, Any]] = []
+    with open(out / "units.bin", "wb") as f:
+        for key, kind, layer, expert, parts in plan:
+            start = f.tell()
+            crc, tensors, pos = 0, [], 0
+            for name, ref, s, n in parts:
+                shape = ref.shape[1:] if kind == "expert" else ref.shape
+                tensors.append({"name": name, "dtype": ref.dtype, "shape": list(shape), "offset": pos, "nbytes": n})
+                crc = _copy_range(ref, s, n, f, crc)
+                pos += n
+                bar.update(n)
+            f.write(b"\0" * (-pos % ALIGN))
+            units.append({"key": key, "kind": kind, "layer": layer, "expert": expert, "offset": start,
+                          "length": pos, "crc32": crc, "tensors": tensors})  # fmt: skip
+
+    pinned = [refs[n] for n in sorted(refs) if n not in streamed]
+    specs = [TensorSpec(r.name, r.dtype, r.shape) for r in pinned]
+    head = io.BytesIO()
+    write_header(head, specs)
+    crc = zlib.crc32(head.getvalue())
+    with open(out / "model-pinned.safetensors", "wb") as f:
+        f.write(head.getvalue())
+        for r in pinned:
+            for data in iter_chunks(r):
+                f.write(data)
+                crc = zlib.crc32(data, crc)
+                bar.update(len(data))
+    bar.close()
+
+    for p in model_dir.iterdir():  # config, tokenizer, chat template: everything but weights
+        if p.is_file() and p.suffix != ".safetensors" and p.name != "flashcode.json":
+            shutil.copy2(p, out / p.name)
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "align": ALIGN,
+        "source": {"dir": str(model_dir), "bytes": total, "tensors": len(refs)},
+        "quant": _quant_table(config, []),
+        "pinned": {"file": "model-pinned.safetensors", "crc32": crc, "bytes": sum(r.nbytes for r in pinned),
+                   "tensors": {r.name: {"dtype": r.dtype, "shape": list(r.shape), "nbytes": r.nbytes} for r in pinned}},
+        "units": units,
+    }  # fmt: skip
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    log.info("split %s: %d units, %.1f MB streamed, %.1f MB pinned", model_dir.name, len(units),
+             sum(u["length"] for u in units) / 1e6, manifest["pinned"]["bytes"] / 1e6)  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+def load_manifest(root: Path) -> Manifest:
+    root = Path(root)
+    path = root / "manifest.json"
+    if not path.exists():
+        raise SplitError(f"no split at {root} (manifest.json missing): run `flashcode split MODEL`")
+    try:
+        m = json.loads(path.read_text())
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SplitError(f"the split at {root} is damaged ({exc}): run `flashcode split MODEL` again") from exc
+    if m.get("version") != MANIFEST_VERSION or m.get("align") != ALIGN:
+        raise SplitError(f"the split at {root} has an unknown format: run `flashcode split MODEL` again")
+    units = [
+        Unit(u["key"], u["kind"], u["layer"], u["expert"], u["offset"], u["length"], u["crc32"],
+             [UnitTensor(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in u["tensors"]])
+        for u in m["units"]
+    ]  # fmt: skip
+    p = m["pinned"]
+    man = Manifest(root, config, units, m["quant"], p["file"], p["crc32"], p["bytes"], p["tensors"], m["source"])
+    need = max((u.offset + u.padded for u in units), default=0)
+    have = man.units_path.stat().st_size if man.units_path.exists() else -1
+    if have < need:
+        raise SplitError(f"the split at {root} is damaged: units.bin has {have} bytes, the manifest needs {need}; "
+                         "run `flashcode split MODEL` again")  # fmt: skip
+    return man
+
+
+def crc_file(path: Path, chunk: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            crc = zlib.crc32(data, crc)
+    return crc
+
+
+def verify_pinned(man: Manifest) -> None:
+    if crc_file(man.root / man.pinned_file) != man.pinned_crc32:
+        raise SplitError(f"the split at {man.root} is damaged: {man.pinned_file} fails its checksum; "
+                         "run `flashcode split MODEL` again")  # fmt: skip
+
+
+def check_unit(man: Manifest, unit: Unit, data: memoryview) -> None:
+    if zlib.crc32(data[: unit.length]) != unit.crc32:
+        raise SplitError(f"the split at {man.root} is damaged: unit {unit.key} (offset {unit.offset}) fails its "
+                         "checksum; run `flashcode split MODEL` again")  # fmt: skip
+
+
+def dtype_size(dtype: str) -> int:
+    return DTYPE_SIZES[dtype]
