@@ -1,0 +1,156 @@
+// flashcode: what htmx cannot do by itself: keyboard shortcuts, auto-scroll, window dragging,
+// and a few menu actions. Everything that talks to the server goes through htmx or the websocket.
+(function () {
+  "use strict";
+  const $ = (sel, root) => (root || document).querySelector(sel);
+  const csrf = () => JSON.parse(document.body.getAttribute("hx-headers") || "{}")["X-CSRF-Token"];
+  const conversationId = () => ($("#conversation-id") || {}).value || "";
+  const generating = () => ($("#status") || {}).dataset?.state === "generating";
+
+  // ---------------------------------------------------------------- windows
+  let z = 10;
+  function focusWindow(win) {
+    if (!win) return;
+    document.querySelectorAll("[data-window].active").forEach((w) => w !== win && w.classList.remove("active"));
+    win.classList.add("active");
+    win.style.zIndex = ++z;
+  }
+  function openWindow(id) {
+    const win = document.getElementById(id);
+    if (!win) return;
+    win.hidden = false;
+    focusWindow(win);
+  }
+  document.addEventListener("pointerdown", (e) => {
+    const win = e.target.closest("[data-window]");
+    if (win) focusWindow(win);
+    const bar = e.target.closest(".title-bar");
+    if (!bar || e.target.closest("button") || !win || win.classList.contains("zoomed")) return;
+    const desk = win.parentElement.getBoundingClientRect();
+    const start = win.getBoundingClientRect();
+    const dx = e.clientX - start.left, dy = e.clientY - start.top;
+    const move = (ev) => {
+      win.style.left = Math.max(0, ev.clientX - dx - desk.left) + "px";
+      win.style.top = Math.max(0, ev.clientY - dy - desk.top) + "px";
+      win.style.right = "auto"; win.style.bottom = "auto";
+      win.style.width = start.width + "px"; win.style.height = start.height + "px";
+    };
+    const up = () => { document.removeEventListener("pointermove", move); document.removeEventListener("pointerup", up); };
+    document.addEventListener("pointermove", move);
+    document.addEventListener("pointerup", up);
+  });
+
+  // ---------------------------------------------------------------- actions
+  function newConversation() {
+    htmx.ajax("GET", "/", { target: "#chat-window", swap: "outerHTML" }).then(() => {
+      history.pushState({}, "", "/");
+      markSelected("");
+      focusPrompt();
+    });
+  }
+  function download(ext) {
+    const id = conversationId();
+    if (!id) return alertBox("Nothing to export yet: send a message first.");
+    const a = document.createElement("a");
+    a.href = `/c/${id}/export.${ext}`; a.download = ""; document.body.appendChild(a); a.click(); a.remove();
+  }
+  function post(path, values) {
+    return htmx.ajax("POST", path, { values, headers: { "X-CSRF-Token": csrf() }, target: "#conversation-list", swap: "outerHTML" });
+  }
+  function rename() {
+    const id = conversationId();
+    if (!id) return alertBox("Send a message first: there is no conversation to rename.");
+    const title = window.prompt("Rename conversation to:", ($("#chat-title") || {}).textContent || "");
+    if (title && title.trim()) post(`/c/${id}/rename`, { title: title.trim() });
+  }
+  function remove() {
+    const id = conversationId();
+    if (!id) return;
+    if (window.confirm(`Delete “${($("#chat-title") || {}).textContent}”? This cannot be undone.`)) post(`/c/${id}/delete`, {});
+  }
+  function alertBox(text) {
+    const box = document.createElement("div");
+    box.className = "alert-box outer-border"; box.setAttribute("role", "alert");
+    box.innerHTML = '<div class="inner-border"><div class="alert-contents"><span class="alert-icon">!</span><p class="alert-text"></p><button type="button" class="btn btn-default alert-ok">OK</button></div></div>';
+    box.querySelector(".alert-text").textContent = text;
+    $("#alerts").appendChild(box);
+  }
+  const click = (sel) => { const b = $(sel); if (b && !b.disabled) b.click(); };
+  const actions = {
+    new: newConversation, rename, delete: remove,
+    "export-md": () => download("md"), "export-json": () => download("json"),
+    stop: () => click("#stop-button"), regenerate: () => click("#regenerate-button"),
+    "copy-last": () => { const all = document.querySelectorAll(".msg-assistant .body"); if (all.length) navigator.clipboard?.writeText(all[all.length - 1].innerText); },
+    "clear-input": () => { const p = $("#prompt"); if (p) p.value = ""; },
+  };
+  document.addEventListener("click", (e) => {
+    const t = e.target.closest("[data-action],[data-open],[data-close],[data-zoom],.alert-ok");
+    if (!t) return;
+    if (t.classList.contains("alert-ok")) { t.closest(".alert-box").remove(); return; }
+    if (t.dataset.close !== undefined) { t.closest("[data-window]").hidden = true; return; }
+    if (t.dataset.zoom !== undefined) { t.closest("[data-window]").classList.toggle("zoomed"); return; }
+    e.preventDefault();
+    document.activeElement?.blur?.();  // closes the CSS menus
+    if (t.dataset.open) return openWindow(t.dataset.open);
+    actions[t.dataset.action]?.();
+  });
+  function markSelected(id) {
+    document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => li.classList.toggle("selected", li.dataset.id === id));
+  }
+
+  // ---------------------------------------------------------------- keyboard
+  function focusPrompt() { const p = $("#prompt"); if (p) p.focus(); }
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.target.id === "prompt") {
+      e.preventDefault();
+      if (!generating() && e.target.value.trim()) $("#composer").requestSubmit();
+    } else if (e.key === "Escape") {
+      const alert = document.querySelector("#alerts .alert-box");
+      if (generating()) click("#stop-button"); else if (alert) alert.remove();
+    } else if ((e.metaKey || e.ctrlKey) && !e.shiftKey && (e.key === "n" || e.key === "N")) {
+      e.preventDefault();
+      newConversation();
+    }
+  });
+
+  // ---------------------------------------------------------------- auto-scroll
+  // Follow the stream while the transcript is at its bottom; stop when the user scrolls up.
+  let stick = true;
+  document.addEventListener("scroll", (e) => {
+    if (e.target.id === "transcript") stick = e.target.scrollTop + e.target.clientHeight >= e.target.scrollHeight - 24;
+  }, true);
+  function follow() { const t = $("#transcript"); if (t && stick) t.scrollTop = t.scrollHeight; }
+
+  document.body.addEventListener("htmx:wsAfterSend", (e) => {
+    let msg = {};
+    try { msg = JSON.parse(e.detail.message); } catch (_) { /* not ours */ }
+    if (msg.type === "send") { $("#prompt").value = ""; stick = true; }
+  });
+  document.body.addEventListener("htmx:wsAfterMessage", () => {
+    const id = conversationId();
+    const win = $("#chat-window");
+    if (id && win && win.dataset.conversation !== id) {
+      win.dataset.conversation = id;
+      if (location.pathname !== `/c/${id}`) history.replaceState({}, "", `/c/${id}`);
+      markSelected(id);
+    }
+    const welcome = $("#welcome");
+    if (welcome && $("#messages").children.length) welcome.hidden = true;
+    follow();
+  });
+  document.body.addEventListener("htmx:afterSwap", (e) => {
+    if (e.detail.target && e.detail.target.id === "chat-window") { stick = true; follow(); }
+    markSelected(conversationId());
+    focusWindow($("#chat-window"));
+  });
+  window.addEventListener("popstate", () => location.reload());
+
+  // ---------------------------------------------------------------- menu bar clock
+  function tick() {
+    const c = $("#clock");
+    if (c) c.textContent = new Date().toLocaleTimeString([], { hour: "numeric", minute: "2-digit" });
+  }
+  tick(); setInterval(tick, 15000);
+  focusWindow($("#chat-window"));
+  follow();
+})();

@@ -1,0 +1,291 @@
+"""The websocket protocol in-process: TestClient against the app with a scripted FakeBackend.
+
+Covers every client message type (send, stop, regenerate, model, answer), the bad ones (not JSON,
+not an object, unknown type, missing fields, binary, oversized), a foreign Origin, token batching
+and escaping. No model, no browser: runs in a couple of seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta
+from engine.worker import Worker
+from webapp.app import create_app
+from webapp.protocol import MAX_MESSAGE_BYTES
+from webapp.settings import Settings
+
+ORIGIN = "http://127.0.0.1:8000"
+BASE = "http://127.0.0.1:8000"
+
+
+class FakeBackend:
+    """Streams the queued replies token by token (`enqueue`), recording each request (`history`)."""
+
+    name = "fake"
+
+    def __init__(self, delay: float = 0.0, context_length: int = 2048) -> None:
+        self.delay = delay
+        self._context_length = context_length
+        self._model = ModelInfo(name="fake-model", path=Path("/nonexistent"), architecture="fake", size_bytes=0)
+        self.replies: list[list[str]] = []
+        self.history: list[GenerationRequest] = []
+
+    def enqueue(self, *tokens: str) -> None:
+        self.replies.append(list(tokens))
+
+    def load(self, model: ModelInfo) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return self._model
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        return self.tokenize(" ".join(m["content"] for m in messages))
+
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[TextDelta | Done]:
+        self.history.append(request)
+        tokens = self.replies.pop(0) if self.replies else ["Hello", " world", "."]
+        start, out = time.monotonic(), []
+        prompt = len(self.apply_chat_template(request.messages or ()))
+        for i, tok in enumerate(tokens):
+            if cancel.is_set():
+                yield Done(self._stats(prompt, len(out), start), "cancelled", "".join(out))
+                return
+            if self.delay:
+                time.sleep(self.delay)
+            out.append(tok)
+            yield TextDelta(tok, (i,))
+        yield Done(self._stats(prompt, len(out), start), "stop", "".join(out))
+
+    def _stats(self, prompt: int, n: int, start: float) -> GenerationStats:
+        total = time.monotonic() - start
+        return GenerationStats(prompt_tokens=prompt, completion_tokens=n, ttft_s=0.001, decode_tps=n / max(total, 1e-6),
+                               total_s=total)  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+def client(tmp_path: Path, fake: FakeBackend) -> Iterator[TestClient]:
+    worker = Worker(lambda: fake)
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    with TestClient(app, base_url=BASE) as c:
+        yield c
+    worker.close()
+
+
+def connect(client: TestClient, origin: str = ORIGIN):
+    return client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": origin})
+
+
+def until(ws, pattern: str, limit: int = 200) -> list[str]:
+    """Frames received until one matches `pattern` (inclusive)."""
+    frames = []
+    for _ in range(limit):
+        frames.append(ws.receive_text())
+        if re.search(pattern, frames[-1]):
+            return frames
+    raise AssertionError(f"no frame matched {pattern!r}; got {frames[-3:]}")
+
+
+def send(ws, **fields) -> None:
+    ws.send_text(json.dumps(fields | {"HEADERS": {"HX-Request": "true"}}))
+
+
+def conversation_id(frames: list[str]) -> str:
+    m = re.search(r'id="conversation-id" value="([0-9a-f]+)"', "".join(frames))
+    assert m, "the first reply names its conversation"
+    return m.group(1)
+
+
+def test_ws_send_streams_reply_and_persists(client: TestClient, fake: FakeBackend) -> None:
+    fake.enqueue("Hi", " there", "!")
+    with connect(client) as ws:
+        send(ws, type="send", text="hello", conversation_id="")
+        frames = until(ws, r'data-state="idle"')
+    joined = "".join(frames)
+    cid = conversation_id(frames)
+    assert 'hx-swap-oob="beforeend"' in joined and "Hi" in joined
+    assert re.search(r'<article hx-swap-oob="true" class="msg msg-assistant status-complete"', joined)
+    assert 'data-stat="decode_tps"' in joined and "1 + 3 tokens" in joined
+    assert fake.history[0].messages == ({"role": "user", "content": "hello"},)
+    page = client.get(f"/c/{cid}").text
+    assert "Hi there!" in page and "hello" in page
+
+
+def test_ws_second_message_sends_history(client: TestClient, fake: FakeBackend) -> None:
+    with connect(client) as ws:
+        send(ws, type="send", text="one")
+        cid = conversation_id(until(ws, r'data-state="idle"'))
+        send(ws, type="send", text="two", conversation_id=cid)
+        until(ws, r'data-state="idle"')
+    assert [m["content"] for m in fake.history[1].messages] == ["one", "Hello world.", "two"]
+
+
+def test_ws_stop_cancels_quickly(tmp_path: Path) -> None:
+    slow = FakeBackend(delay=0.05)
+    slow.enqueue(*[f" t{i}" for i in range(400)])
+    worker = Worker(lambda: slow)
+    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="long please")
+            until(ws, r"t2")
+            t0 = time.monotonic()
+            send(ws, type="stop")
+            frames = until(ws, r'data-state="idle"')
+            elapsed = time.monotonic() - t0
+            assert "status-stopped" in "".join(frames)
+            cid = conversation_id(frames) if 'id="conversation-id"' in "".join(frames) else None
+        assert elapsed < 0.2, f"stop took {elapsed * 1000:.0f} ms"
+        body = c.get("/").text
+        assert cid is None or cid in body
+    worker.close()
+
+
+def test_ws_regenerate_replaces_last_reply(client: TestClient, fake: FakeBackend) -> None:
+    fake.enqueue("first")
+    fake.enqueue("second")
+    with connect(client) as ws:
+        send(ws, type="send", text="q")
+        frames = until(ws, r'data-state="idle"')
+        cid = conversation_id(frames)
+        old = re.search(r'id="msg-(\d+)" data-status="streaming"', "".join(frames)).group(1)
+        send(ws, type="regenerate", conversation_id=cid)
+        frames = until(ws, r'data-state="idle"')
+    assert f'<div id="msg-{old}" hx-swap-oob="delete">' in "".join(frames)
+    assert [m["content"] for m in fake.history[1].messages] == ["q"]
+    data = client.get(f"/c/{cid}/export.json").json()
+    assert [m["content"] for m in data["messages"]] == ["q", "second"]
+
+
+def test_ws_regenerate_without_reply_is_an_error(client: TestClient) -> None:
+    with connect(client) as ws:
+        send(ws, type="regenerate", conversation_id="nope")
+        assert "role=\"alert\"" in ws.receive_text()
+
+
+def test_ws_escapes_model_output(client: TestClient, fake: FakeBackend) -> None:
+    fake.enqueue("<script>alert(1)</script>", " <img src=x onerror=alert(2)>")
+    with connect(client) as ws:
+        send(ws, type="send", text="<b>bold?</b>")
+        frames = until(ws, r'data-state="idle"')
+    joined = "".join(frames)
+    assert "<script>" not in joined and "<img" not in joined and "<b>" not in joined
+    assert "&lt;script&gt;" in joined and "&lt;img src=x onerror=alert(2)&gt;" in joined
+    cid = conversation_id(frames)
+    page = client.get(f"/c/{cid}").text
+    assert "<script>alert" not in page and "<img src=x" not in page
+
+
+def test_ws_switch_model_to_unknown_model_keeps_engine(client: TestClient) -> None:
+    with connect(client) as ws:
+        send(ws, type="model", choice="mlx:no-such-model")
+        frames = until(ws, r"could not load")
+        frames += until(ws, r'data-state="idle"')
+    assert "no-such-model" in "".join(frames)
+
+
+def test_ws_answer_without_dialog_is_an_error(client: TestClient) -> None:
+    with connect(client) as ws:
+        send(ws, type="answer", dialog_id="d1", choice="deny")
+        assert "no open dialog" in ws.receive_text()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"type": "dance"}', "unknown message type"),
+        ('{"text": "no type"}', "unknown message type"),
+        ('{"type": "send", "text": "   "}', "type a message first"),
+        ('{"type": "send", "text": 5}', "must be a string"),
+        ('{"type": "regenerate"}', "conversation_id is missing"),
+        ('{"type": "answer", "dialog_id": "x"}', "choice is missing"),
+        ("9" * 100000, "not valid JSON|too large"),
+    ],
+)
+def test_ws_bad_message_gets_error_frame_and_lives_on(client: TestClient, raw: str, expected: str) -> None:
+    with connect(client) as ws:
+        ws.send_text(raw)
+        frame = ws.receive_text()
+        assert re.search(expected, frame) and 'role="alert"' in frame
+        send(ws, type="send", text="still alive?")
+        until(ws, r'data-state="idle"')
+
+
+def test_ws_oversized_and_binary_frames(client: TestClient) -> None:
+    with connect(client) as ws:
+        ws.send_text(json.dumps({"type": "send", "text": "x" * (MAX_MESSAGE_BYTES + 10)}))
+        assert "too large" in ws.receive_text()
+        ws.send_bytes(b"\x00\x01")
+        assert "text frames" in ws.receive_text()
+        send(ws, type="send", text="ok")
+        until(ws, r'data-state="idle"')
+
+
+def test_ws_busy_while_generating(tmp_path: Path) -> None:
+    slow = FakeBackend(delay=0.02)
+    slow.enqueue(*["x"] * 30)
+    worker = Worker(lambda: slow)
+    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="a")
+            until(ws, r'data-state="generating"')
+            send(ws, type="send", text="b")
+            assert "press Stop first" in "".join(until(ws, r"press Stop first"))
+            until(ws, r'data-state="idle"')
+    worker.close()
+
+
+def test_ws_batches_fast_tokens(tmp_path: Path) -> None:
+    fast = FakeBackend(delay=0.002)
+    fast.enqueue(*[f"{i} " for i in range(300)])
+    worker = Worker(lambda: fast)
+    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="go")
+            frames = until(ws, r'data-state="idle"')
+    batches = [f for f in frames if '-body" hx-swap-oob="beforeend"' in f]
+    assert 1 < len(batches) < 100, f"{len(batches)} batches for 300 tokens"
+    text = "".join(re.sub(r"<[^>]+>", "", f) for f in batches)
+    assert text == "".join(f"{i} " for i in range(300))
+    worker.close()
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "http://127.0.0.1:9999", "null", ""])
+def test_ws_rejects_foreign_origin(client: TestClient, origin: str) -> None:
+    with pytest.raises(WebSocketDisconnect) as info, connect(client, origin=origin) as ws:
+        ws.receive_text()
+    assert info.value.code == 1008
+
+
+def test_ws_accepts_localhost_origin(client: TestClient) -> None:
+    with connect(client, origin="http://localhost:8000") as ws:
+        send(ws, type="stop")  # nothing to stop: no frame, no error
+        send(ws, type="send", text="hi")
+        until(ws, r'data-state="idle"')

@@ -1,0 +1,130 @@
+"""The websocket protocol: client messages as dataclasses, `parse()`, and the ids the server swaps.
+
+Client -> server: one JSON object per text frame, `{"type": ..., ...fields}` (htmx's ws extension
+sends a form's fields this way and adds a `HEADERS` object, which is ignored). Server -> client:
+HTML fragments whose top-level elements carry `hx-swap-oob`, swapped by id (see `docs/websocket.md`).
+
+What it knows: the message types, their fields and limits, and the element ids fragments target.
+What it does not know: sockets, the database, engines. `parse` never raises anything but
+`ProtocolError`, whose message is shown to the user in an error frame.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_MESSAGE_BYTES = 64 * 1024  # larger frames get an error frame (uvicorn closes at ws_max_size, 1 MiB)
+MAX_TEXT_CHARS = 32_000
+MAX_ID_CHARS = 64
+
+# Element ids the server targets with out-of-band swaps.
+MESSAGES_ID = "messages"  # the chat transcript; new messages are appended to it
+STATUS_ID = "status"  # idle / generating / error line and the Send/Stop buttons' state
+GAUGE_ID = "context-gauge"
+CONVERSATIONS_ID = "conversation-list"
+CONVERSATION_FIELD_ID = "conversation-id"  # the composer's hidden conversation id
+CHAT_TITLE_ID = "chat-title"
+MODEL_ID = "model-picker"
+ALERTS_ID = "alerts"  # error frames and (issue 4) dialogs are appended here
+BATCH_SECONDS = 0.04  # token text is flushed to the socket at most every 40 ms (first token at once)
+
+
+class ProtocolError(ValueError):
+    """A client message that cannot be acted on; the text goes back in an error frame."""
+
+
+@dataclass(frozen=True)
+class Send:
+    text: str
+    conversation_id: str | None = None
+    type: str = "send"
+
+
+@dataclass(frozen=True)
+class Stop:
+    type: str = "stop"
+
+
+@dataclass(frozen=True)
+class Regenerate:
+    conversation_id: str
+    type: str = "regenerate"
+
+
+@dataclass(frozen=True)
+class SwitchModel:
+    backend: str
+    model: str
+    type: str = "model"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Reserved for the agent (issue 4): the user's choice in a dialog the server opened."""
+
+    dialog_id: str
+    choice: str
+    note: str = ""
+    type: str = "answer"
+
+
+ClientMessage = Send | Stop | Regenerate | SwitchModel | Answer
+
+
+def _str(d: dict[str, Any], key: str, *, required: bool = True, limit: int = MAX_ID_CHARS) -> str | None:
+    value = d.get(key)
+    if value is None or value == "":
+        if required:
+            raise ProtocolError(f"{key} is missing")
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(f"{key} must be a string")
+    if len(value) > limit:
+        raise ProtocolError(f"{key} is longer than {limit} characters")
+    return value
+
+
+def _send(d: dict[str, Any]) -> Send:
+    text = _str(d, "text", required=False, limit=MAX_TEXT_CHARS) or ""
+    if not text.strip():
+        raise ProtocolError("type a message first")
+    return Send(text=text, conversation_id=_str(d, "conversation_id", required=False))
+
+
+def _model(d: dict[str, Any]) -> SwitchModel:
+    # the picker sends one "backend:model" value; explicit fields work too
+    choice = _str(d, "choice", required=False, limit=300)
+    if choice and ":" in choice:
+        backend, model = choice.split(":", 1)
+        return SwitchModel(backend=backend, model=model)
+    return SwitchModel(backend=_str(d, "backend") or "", model=_str(d, "model", limit=300) or "")
+
+
+_PARSERS = {
+    "send": _send,
+    "stop": lambda d: Stop(),
+    "regenerate": lambda d: Regenerate(conversation_id=_str(d, "conversation_id") or ""),
+    "model": _model,
+    "answer": lambda d: Answer(dialog_id=_str(d, "dialog_id") or "", choice=_str(d, "choice") or "",
+                               note=_str(d, "note", required=False, limit=2000) or ""),  # fmt: skip
+}
+MESSAGE_TYPES = tuple(_PARSERS)
+
+
+def parse(raw: str | bytes | None) -> ClientMessage:
+    if raw is None or isinstance(raw, bytes):
+        raise ProtocolError("send text frames holding one JSON object")
+    if len(raw.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message too large (over {MAX_MESSAGE_BYTES // 1024} KiB)")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ProtocolError("not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("a message must be a JSON object")
+    kind = data.get("type")
+    if not isinstance(kind, str) or kind not in _PARSERS:
+        raise ProtocolError(f"unknown message type {kind!r}; expected one of {', '.join(MESSAGE_TYPES)}")
+    return _PARSERS[kind](data)

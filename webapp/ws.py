@@ -1,0 +1,276 @@
+"""The websocket endpoint: one socket per browser tab, one `Session` per socket.
+
+Shape: the Origin is checked before `accept()`; then three kinds of task run side by side — the
+reader (parses client messages, dispatches them), the writer (the only one sending on the socket,
+from an outbox queue) and at most one generation task (streams a reply from the engine worker,
+batching token text every `BATCH_SECONDS`). Because the reader never waits for a generation, Stop
+(and, with the agent, dialog answers) are handled while tokens stream.
+
+What it knows: the conversation flow (send, stop, regenerate, switch model) and which fragments to
+send. What it does not know: HTML layout (templates, via `webapp.views`), SQL (`webapp.db`),
+MLX (the engine runs on the worker's own thread; this module only submits requests to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
+
+from . import protocol as p
+from .db import StoredMessage
+from .state import AppState
+
+log = logging.getLogger(__name__)
+SAVE_PARTIAL_SECONDS = 1.0  # how often a growing reply is written to SQLite (crash safety)
+TITLE_CHARS = 48
+
+
+def origin_allowed(ws: WebSocket, allowed: set[str]) -> bool:
+    return ws.headers.get("origin", "") in allowed
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    state: AppState = ws.app.state.flashcode
+    if not origin_allowed(ws, state.settings.allowed_origins):
+        log.warning("websocket from origin %r refused", ws.headers.get("origin"))
+        await ws.close(code=1008, reason="origin not allowed")  # before accept: the handshake gets a 403
+        return
+    await ws.accept()
+    await Session(ws, state).run()
+
+
+class Session:
+    def __init__(self, ws: WebSocket, state: AppState) -> None:
+        self.ws = ws
+        self.state = state
+        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None  # the generation task, when one runs
+        self.cancel: Callable[[], None] | None = None
+        self.dialogs: dict[str, asyncio.Future[p.Answer]] = {}
+
+    # ------------------------------------------------------------------ plumbing
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write())
+        try:
+            await self._read()
+        finally:
+            await self._stop_generation()
+            for fut in self.dialogs.values():
+                fut.cancel()
+            self.outbox.put_nowait(None)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer, 2)
+            writer.cancel()
+
+    async def _write(self) -> None:
+        while (frame := await self.outbox.get()) is not None:
+            try:
+                await self.ws.send_text(frame)
+            except Exception:  # noqa: BLE001 - the socket went away; the reader sees the disconnect
+                return
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                msg = await self.ws.receive()
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            if msg["type"] == "websocket.disconnect":
+                return
+            raw = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+            try:
+                await self.handle(p.parse(raw))
+            except p.ProtocolError as exc:
+                self.error(str(exc))
+            except Exception as exc:  # noqa: BLE001 - one bad message must not end the session
+                log.exception("websocket message failed")
+                self.error(f"internal error: {type(exc).__name__}: {exc}")
+
+    def send(self, *fragments: str) -> None:
+        self.outbox.put_nowait("".join(fragments))
+
+    def error(self, text: str) -> None:
+        self.send(self.state.views.alert(text))
+
+    @property
+    def generating(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    # ------------------------------------------------------------------ dispatch
+    async def handle(self, msg: p.ClientMessage) -> None:
+        if isinstance(msg, p.Stop):
+            if self.cancel is not None:
+                self.cancel()
+        elif isinstance(msg, p.Answer):
+            self._answer(msg)
+        elif self.generating:
+            self.error("a reply is still being written: press Stop first")
+        elif isinstance(msg, p.Send):
+            self._send(msg)
+        elif isinstance(msg, p.Regenerate):
+            self._regenerate(msg)
+        elif isinstance(msg, p.SwitchModel):
+            await self._switch_model(msg)
+
+    def _send(self, msg: p.Send) -> None:
+        db = self.state.db
+        conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
+        if msg.conversation_id and conv is None:
+            self.error("that conversation no longer exists: start a new one (File > New Conversation)")
+            return
+        fragments = []
+        if conv is None:
+            title = " ".join(msg.text.split())[:TITLE_CHARS] or "Untitled"
+            conv = db.create_conversation(title, *self.state.engine.model_and_backend())
+            fragments += [self.state.views.conversation_field(conv.id), self.state.views.chat_title(conv.title)]
+        user = db.add_message(conv.id, "user", msg.text)
+        fragments.append(self.state.views.append_message(user))
+        fragments.append(self.state.views.conversation_list(conv.id))
+        self.send(*fragments)
+        self._start(conv.id)
+
+    def _regenerate(self, msg: p.Regenerate) -> None:
+        db = self.state.db
+        if db.get_conversation(msg.conversation_id) is None:
+            self.error("nothing to regenerate: that conversation does not exist")
+            return
+        messages = db.messages(msg.conversation_id)
+        if not messages or messages[-1].role != "assistant":
+            self.error("nothing to regenerate: the last message is not a reply")
+            return
+        db.delete_message(messages[-1].id)
+        self.send(self.state.views.delete_message(messages[-1].id))
+        self._start(msg.conversation_id)
+
+    async def _switch_model(self, msg: p.SwitchModel) -> None:
+        self.send(self.state.views.controls(generating=True, text=f"Loading {msg.model}…"))
+        try:
+            await self.state.engine.switch(msg.backend, msg.model)
+        except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
+            self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
+        self.send(self.state.views.model_picker(), self.state.views.controls(generating=False),
+                  self.state.views.gauge(0))  # fmt: skip
+
+    def _answer(self, msg: p.Answer) -> None:
+        fut = self.dialogs.pop(msg.dialog_id, None)
+        if fut is None or fut.done():
+            self.error(f"there is no open dialog {msg.dialog_id!r}")
+            return
+        fut.set_result(msg)
+
+    async def ask(self, dialog_html: str, dialog_id: str | None = None) -> p.Answer:
+        """For the agent (issue 4): show a dialog fragment and wait for the user's `answer`."""
+        dialog_id = dialog_id or uuid.uuid4().hex[:12]
+        fut: asyncio.Future[p.Answer] = asyncio.get_running_loop().create_future()
+        self.dialogs[dialog_id] = fut
+        self.send(dialog_html)
+        return await fut
+
+    # ------------------------------------------------------------------ generation
+    def _start(self, conversation_id: str) -> None:
+        self.task = asyncio.create_task(self._generate(conversation_id))
+
+    async def _stop_generation(self) -> None:
+        if self.task is not None and not self.task.done():
+            if self.cancel is not None:
+                self.cancel()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self.task), 5)
+            self.task.cancel()
+
+    async def _generate(self, conversation_id: str) -> None:
+        db, views, engine = self.state.db, self.state.views, self.state.engine
+        history: list[Message] = [{"role": m.role, "content": m.content} for m in db.messages(conversation_id)
+                                  if m.role in ("user", "assistant", "system") and m.content]  # fmt: skip
+        reply = db.add_message(conversation_id, "assistant", "", status="streaming")
+        self.send(views.append_message(reply), views.controls(generating=True))
+        request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**self.state.sampling),
+                                    cache_key=conversation_id)  # fmt: skip
+        gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
+        self.cancel = gen.cancel
+        stream = TokenBatcher(self, reply.id)
+        done: Done | None = None
+        try:
+            async for event in gen:
+                if isinstance(event, TextDelta):
+                    stream.add(event.text)
+                elif isinstance(event, Done):
+                    done = event
+        finally:
+            self.cancel = None
+            stream.close()
+            if done is None:  # the task was cancelled (socket closed): keep what streamed
+                gen.cancel()
+                db.finish_message(reply.id, stream.text, "stopped")
+        self._finish(conversation_id, reply, stream.text, done)
+
+    def _finish(self, conversation_id: str, reply: StoredMessage, streamed: str, done: Done) -> None:
+        db, views = self.state.db, self.state.views
+        text = done.text or streamed
+        status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(done.finish_reason, "error")
+        stats: dict[str, Any] = done.stats.to_dict() | {"finish_reason": done.finish_reason}
+        stats |= dict(zip(("model", "backend"), self.state.engine.model_and_backend(), strict=True))
+        if done.error:
+            stats["error"] = done.error
+        db.finish_message(reply.id, text, status, stats)
+        db.touch(conversation_id, *self.state.engine.model_and_backend())
+        final = db.messages(conversation_id)[-1]
+        used = done.stats.prompt_tokens + done.stats.completion_tokens
+        self.send(views.replace_message(final), views.controls(generating=False, can_regenerate=True),
+                  views.gauge(used))  # fmt: skip
+        if done.error:
+            self.error(done.error)
+
+
+class TokenBatcher:
+    """Collects token text and sends it as one fragment per `BATCH_SECONDS` (the first at once)."""
+
+    def __init__(self, session: Session, message_id: int) -> None:
+        self.session = session
+        self.message_id = message_id
+        self.parts: list[str] = []
+        self.pending: list[str] = []
+        self.last_flush = 0.0
+        self.last_save = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        self.pending.append(text)
+        wait = self.last_flush + p.BATCH_SECONDS - time.monotonic()
+        if wait <= 0:
+            self.flush()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(wait, self.flush)
+
+    def flush(self) -> None:
+        self.timer = None
+        if not self.pending:
+            return
+        chunk = html.escape("".join(self.pending), quote=False)
+        self.pending.clear()
+        self.last_flush = time.monotonic()
+        self.session.send(f'<div id="msg-{self.message_id}-body" hx-swap-oob="beforeend">{chunk}</div>')
+        if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
+            self.last_save = self.last_flush
+            self.session.state.db.save_partial(self.message_id, self.text)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.flush()
