@@ -194,7 +194,7 @@ def split_model(model_dir: Path, out: Path | None = None, progress: bool = True)
     bar.close()
 
     for p in model_dir.iterdir():  # config, tokenizer, chat template: everything but weights
-        if p.is_file() and p.suffix != ".safetensors" and p.name != "flashcode.json":
+        if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model") and p.name != "flashcode.json":
             shutil.copy2(p, out / p.name)
     manifest = {
         "version": MANIFEST_VERSION,

@@ -1,0 +1,54 @@
+"""`flashcode split` and `flashcode synth`: registered into the main CLI by webapp/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("split", help="make a model streamable by the flash backend (pinned file + aligned units)")
+    p.add_argument("model", help="model name (see `flashcode models`) or an mlx-lm model directory")
+    p.add_argument("--out", default=None, help="where to write the split (default MODEL_DIR/split)")
+    p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
+    p.set_defaults(func=cmd_split)
+
+    p = subparsers.add_parser("synth", help="write a random-weight quantized model of a real architecture")
+    p.add_argument("preset", help="llama-8b, llama-3b, llama-1b, tiny, ffn-heavy")
+    p.add_argument("--layers", type=int, default=None, help="fewer (or more) transformer layers than the preset")
+    p.add_argument("--out", default=None, help="output directory (default $FLASHCODE_HOME/models/synth-PRESET[-LN])")
+    p.add_argument("--gguf", action="store_true", help="also export the same weights as a Q4_1 GGUF for llama-server")
+    p.add_argument("--split", action="store_true", help="also write the flash split layout")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
+    p.set_defaults(func=cmd_synth)
+
+
+def cmd_split(args: argparse.Namespace) -> int:
+    from engine import paths
+    from engine.models import find_model
+
+    from .split import split_model
+
+    info = find_model(args.model, paths.home(args.data_dir))
+    out = split_model(info.path, Path(args.out) if args.out else None)
+    print(f"split written to {out}")
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from engine import paths
+
+    from .split import split_model
+    from .synth import export_gguf, synth_model
+
+    name = f"synth-{args.preset}" + (f"-l{args.layers}" if args.layers else "")
+    out = Path(args.out) if args.out else paths.models_dir(paths.home(args.data_dir)) / name
+    synth_model(args.preset, out, layers=args.layers, seed=args.seed)
+    if args.gguf:
+        export_gguf(out, out / "model.gguf")
+    if args.split:
+        split_model(out)
+    print(f"synthetic model written to {out}")
+    return 0
