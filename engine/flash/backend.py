@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..base import Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
+from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
 from .budget import BudgetPlan, plan_budget
 from .dense import LayerStream, attach
@@ -102,7 +102,16 @@ class FlashBackend(MLXBackend):
         man = load_manifest(root)
         float_bytes = 4 if compute_dtype() == mx.float32 else 2
         ctx = self._context_override or int(man.config.get("max_position_embeddings", 4096))
-        plan = plan_budget(man, self.memory_budget, self.prefetch, ctx, self.prefill_step_size, float_bytes)
+        if self.memory_budget and self.prefill_step_size > 128:
+            self.prefill_step_size = 128  # prefill activations grow with the step; keep them small
+        try:
+            plan = plan_budget(man, self.memory_budget, self.prefetch, ctx, self.prefill_step_size, float_bytes)
+        except BudgetError:
+            if self.prefetch <= 1:
+                raise
+            log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
+            self.prefetch = 1
+            plan = plan_budget(man, self.memory_budget, 1, ctx, self.prefill_step_size, float_bytes)
         verify_pinned(man)
         verify_now = man.streamed_bytes <= self.verify_limit
         reader = UnitReader(man.units_path, threads=self.io_threads)

@@ -76,7 +76,7 @@ def plan_budget(
     pinned = pinned_resident_bytes(man, float_bytes)
     unit = man.max_unit_bytes
     buffers = n_buffers * unit
-    in_flight = 2 * unit  # the layer being computed and the one being copied out of its buffer
+    in_flight = unit  # the layer being computed (its predecessor's arrays are freed, then recycled)
     activations = prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
     kv_per_token = layers * 2 * kv_heads * head_dim * float_bytes
     plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length)
