@@ -39,6 +39,8 @@ class ProtocolError(ValueError):
 class Send:
     text: str
     conversation_id: str | None = None
+    max_tokens: int | None = None  # optional sampling overrides (the Settings window, benchmarks)
+    temperature: float | None = None
     type: str = "send"
 
 
@@ -86,11 +88,26 @@ def _str(d: dict[str, Any], key: str, *, required: bool = True, limit: int = MAX
     return value
 
 
+def _number(d: dict[str, Any], key: str, cast: type, low: float, high: float) -> Any:
+    value = d.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        number = cast(value)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"{key} must be a number") from None
+    if isinstance(value, bool) or not low <= number <= high:
+        raise ProtocolError(f"{key} must be between {low} and {high}")
+    return number
+
+
 def _send(d: dict[str, Any]) -> Send:
     text = _str(d, "text", required=False, limit=MAX_TEXT_CHARS) or ""
     if not text.strip():
         raise ProtocolError("type a message first")
-    return Send(text=text, conversation_id=_str(d, "conversation_id", required=False))
+    return Send(text=text, conversation_id=_str(d, "conversation_id", required=False),
+                max_tokens=_number(d, "max_tokens", int, 1, 32768),
+                temperature=_number(d, "temperature", float, 0.0, 2.0))  # fmt: skip
 
 
 def _model(d: dict[str, Any]) -> SwitchModel:

@@ -112,11 +112,13 @@ class Views:
     def gauge(self, used: int) -> str:
         return str(self.ui.gauge(used, self.state.engine.context_length, oob=True))
 
-    def conversation_list(self, current_id: str | None) -> str:
-        return str(self.ui.conversation_list(self.state.db.list_conversations(), current_id, oob=True))
+    def conversation_list(self, current_id: str | None, oob: bool = True) -> str:
+        conversations = self.state.db.list_conversations()
+        count = str(self.ui.conversation_count(len(conversations), oob=True))
+        return str(self.ui.conversation_list(conversations, current_id, oob=oob)) + count
 
     def conversation_list_plain(self, current_id: str | None) -> str:
-        return str(self.ui.conversation_list(self.state.db.list_conversations(), current_id))
+        return self.conversation_list(current_id, oob=False)
 
     def conversation_field(self, conversation_id: str) -> str:
         return (f'<input type="hidden" name="conversation_id" id="conversation-id" '

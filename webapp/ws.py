@@ -137,7 +137,8 @@ class Session:
         fragments.append(self.state.views.append_message(user))
         fragments.append(self.state.views.conversation_list(conv.id))
         self.send(*fragments)
-        self._start(conv.id)
+        overrides = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
+        self._start(conv.id, {k: v for k, v in overrides.items() if v is not None})
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.state.db
@@ -177,8 +178,8 @@ class Session:
         return await fut
 
     # ------------------------------------------------------------------ generation
-    def _start(self, conversation_id: str) -> None:
-        self.task = asyncio.create_task(self._generate(conversation_id))
+    def _start(self, conversation_id: str, sampling: dict[str, Any] | None = None) -> None:
+        self.task = asyncio.create_task(self._generate(conversation_id, self.state.sampling | (sampling or {})))
 
     async def _stop_generation(self) -> None:
         if self.task is not None and not self.task.done():
@@ -188,13 +189,13 @@ class Session:
                 await asyncio.wait_for(asyncio.shield(self.task), 5)
             self.task.cancel()
 
-    async def _generate(self, conversation_id: str) -> None:
+    async def _generate(self, conversation_id: str, sampling: dict[str, Any]) -> None:
         db, views, engine = self.state.db, self.state.views, self.state.engine
         history: list[Message] = [{"role": m.role, "content": m.content} for m in db.messages(conversation_id)
                                   if m.role in ("user", "assistant", "system") and m.content]  # fmt: skip
         reply = db.add_message(conversation_id, "assistant", "", status="streaming")
         self.send(views.append_message(reply), views.controls(generating=True))
-        request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**self.state.sampling),
+        request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**sampling),
                                     cache_key=conversation_id)  # fmt: skip
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel

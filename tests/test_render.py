@@ -1,0 +1,33 @@
+"""Markdown rendering: highlighted code, and untrusted text never becoming markup."""
+
+from __future__ import annotations
+
+from webapp.render import escape_text, pygments_css, render_markdown
+
+
+def test_render_escapes_html_in_model_output() -> None:
+    out = render_markdown("hi <script>alert(1)</script>\n\n<img src=x onerror=alert(1)>")
+    assert "<script" not in out and "<img" not in out
+    assert "&lt;script&gt;" in out and "&lt;img src=x onerror=alert(1)&gt;" in out
+
+
+def test_render_refuses_javascript_links_and_marks_links_noopener() -> None:
+    out = render_markdown("[x](javascript:alert(1)) [y](https://example.org)")
+    assert 'href="javascript' not in out
+    assert 'href="https://example.org" rel="noopener noreferrer"' in out
+
+
+def test_render_highlights_code_and_escapes_it() -> None:
+    out = render_markdown('```python\ndef f():\n    return "<b>"\n```')
+    assert '<pre class="highlight">' in out and '<span class="k">def</span>' in out
+    assert "&lt;b&gt;" in out and "<b>" not in out
+
+
+def test_render_plain_code_and_inline() -> None:
+    out = render_markdown("use `a<b` here\n\n```\nx < y\n```")
+    assert "<code>a&lt;b</code>" in out and "x &lt; y" in out
+
+
+def test_render_helpers() -> None:
+    assert escape_text("<&>") == "&lt;&amp;&gt;"
+    assert ".highlight" in pygments_css()
