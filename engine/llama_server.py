@@ -326,7 +326,10 @@ class LlamaClient:
 
     def __init__(self, url: str, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0))
+        # no keep-alive: llama-server may close an idle connection just as the next request reuses it
+        # ("Server disconnected without sending a response"); a fresh localhost connection costs ~0.1 ms
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0),
+                                 limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
 
     def close(self) -> None:
         self.http.close()

@@ -1,0 +1,262 @@
+"""The llama-server backend against the real binary and the real default model: start, stream,
+cancel, stop, attach, context errors, saved slots across a restart, a server killed mid-reply,
+and `flashcode ask --backend llama --json`. One server for the module; a few tests start their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine.base import ContextLimitError, Done, GenerationRequest, SamplingParams, TextDelta
+
+pytestmark = [pytest.mark.llama, pytest.mark.slow]
+
+llama_server = pytest.importorskip("engine.llama_server")
+try:
+    BINARY = llama_server.find_llama_server()
+except Exception as exc:  # noqa: BLE001
+    pytest.skip(f"no llama-server: {exc}", allow_module_level=True)
+
+# one thread: the test machine is shared, and llama.cpp's spinning thread pool collapses when oversubscribed
+THREADS = int(os.environ.get("FLASHCODE_TEST_LLAMA_THREADS", "1"))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+CHAT = ({"role": "user", "content": "Name three primary colors."},)
+
+
+def run(
+    backend, request: GenerationRequest, cancel: threading.Event | None = None
+) -> tuple[list[TextDelta], Done]:
+    deltas, done = [], None
+    for ev in backend.stream(request, cancel or threading.Event()):
+        if isinstance(ev, Done):
+            done = ev
+        else:
+            deltas.append(ev)
+    assert done is not None
+    return deltas, done
+
+
+def our_llama_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "llama-server" in p.name():
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Iterator[Path]:
+    h = tmp_path_factory.mktemp("llama-home")
+    (h / "models").symlink_to(model_home / "models", target_is_directory=True)
+    (h / "gguf").symlink_to(model_home / "gguf", target_is_directory=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLASHCODE_HOME", str(h))
+    yield h
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def llama(home: Path, default_model) -> Iterator:
+    b = llama_server.LlamaServerBackend(context_length=2048, threads=THREADS)
+    b.load(default_model)
+    yield b
+    b.close()
+
+
+def test_llama_starts_healthy_and_streams_a_reply(llama, home: Path) -> None:
+    assert llama.client.health()
+    props = llama.client.props()
+    assert Path(props["model_path"]).name == llama.model.gguf_path.name
+    assert llama.context_length == 2048
+    deltas, done = run(llama, GenerationRequest(messages=CHAT, sampling=GREEDY))
+    assert done.error is None and done.finish_reason in ("stop", "length")
+    assert done.text == "".join(d.text for d in deltas) and done.text.strip()
+    s = done.stats
+    assert s.prompt_tokens > 10 and s.completion_tokens > 0 and s.decode_tps > 0 and s.ttft_s > 0
+    assert s.peak_memory_bytes > 0
+    assert llama.client.metrics()["llamacpp:tokens_predicted_total"] >= s.completion_tokens
+    log_file = llama.process.log_path
+    assert log_file.parent == home / "logs" and log_file.stat().st_size > 0
+
+
+def test_llama_raw_prompt_streams_token_ids_and_honours_stop(llama) -> None:
+    req = GenerationRequest(
+        prompt="def fib(n):", sampling=SamplingParams(temperature=0, max_tokens=40, stop=("return",))
+    )
+    deltas, done = run(llama, req)
+    assert all(d.token_ids for d in deltas[:-1])
+    assert done.finish_reason == "stop" and "return" not in done.text
+
+
+def test_llama_repeated_turn_reuses_the_prompt_cache(llama) -> None:
+    req = GenerationRequest(messages=CHAT, sampling=SamplingParams(temperature=0, max_tokens=4))
+    run(llama, req)
+    _, done = run(llama, req)
+    assert done.stats.cached_tokens > 0
+
+
+def test_llama_cancel_ends_the_stream_within_200ms(llama) -> None:
+    cancel = threading.Event()
+    req = GenerationRequest(
+        prompt="Once upon a time", sampling=SamplingParams(temperature=0.8, max_tokens=2000)
+    )
+    stamps: dict[str, float] = {}
+
+    def cancel_soon() -> None:
+        time.sleep(0.3)
+        stamps["set"] = time.perf_counter()
+        cancel.set()
+
+    threading.Thread(target=cancel_soon).start()
+    deltas, done = run(llama, req, cancel)
+    latency = time.perf_counter() - stamps["set"]
+    assert done.finish_reason == "cancelled" and done.error is None
+    assert latency < 0.2, f"cancel took {latency * 1000:.0f} ms"
+    _, after = run(
+        llama, GenerationRequest(messages=CHAT, sampling=SamplingParams(temperature=0, max_tokens=4))
+    )
+    assert after.error is None and after.text
+
+
+def test_llama_too_long_prompt_raises_context_limit(llama) -> None:
+    long = ({"role": "user", "content": "word " * 3000},)
+    with pytest.raises(ContextLimitError) as info:
+        run(llama, GenerationRequest(messages=long, sampling=GREEDY))
+    assert info.value.context_length == 2048 and info.value.prompt_tokens > 2048
+
+
+def test_llama_stop_leaves_no_process(home: Path, default_model) -> None:
+    b = llama_server.LlamaServerBackend(context_length=512, threads=THREADS)
+    b.load(default_model)
+    pid = b.process.pid
+    assert psutil.pid_exists(pid)
+    b.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert pid not in [p.pid for p in our_llama_children()]
+
+
+def test_llama_attaches_to_a_server_it_did_not_start(home: Path, default_model) -> None:
+    port = llama_server.free_port()
+    proc = subprocess.Popen(
+        [str(BINARY), "-m", str(default_model.gguf_path), "--port", str(port), "-c", "512", "-np", "1", "-t", str(THREADS)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        b = llama_server.LlamaServerBackend(url=f"http://127.0.0.1:{port}", startup_timeout=30)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                b.load(default_model)
+                break
+            except llama_server.BackendUnavailableError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert b.process is None and b.context_length == 512
+        _, done = run(b, GenerationRequest(messages=CHAT, sampling=GREEDY))
+        assert done.error is None and done.text
+        b.close()
+        assert proc.poll() is None, (
+            "closing an attached backend must not stop a server flashcode did not start"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_llama_slot_save_restart_restore_reuses_cache(llama, tmp_path: Path) -> None:
+    system = {"role": "system", "content": "You are a terse assistant. " + "Keep answers short. " * 40}
+    turn1 = (system, {"role": "user", "content": "What is 2+2?"})
+    _, first = run(llama, GenerationRequest(messages=turn1, sampling=GREEDY))
+    saved = llama.save_prompt_cache(tmp_path / "ctx.bin", {"project": "p1"})
+    assert saved["n_saved"] > 150 and (tmp_path / "ctx.bin").stat().st_size > 0
+
+    old_pid = llama.process.pid
+    llama.close_process()
+    llama.ensure_running()  # a fresh server: an empty slot
+    assert llama.process.pid != old_pid
+    restored = llama.load_prompt_cache(tmp_path / "ctx.bin")
+    assert restored["n_restored"] == saved["n_saved"] and restored["metadata"]["project"] == "p1"
+
+    turn2 = (*turn1, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And 3+3?"})
+    _, second = run(llama, GenerationRequest(messages=turn2, sampling=GREEDY))
+    assert second.error is None
+    assert second.stats.cached_tokens > 150, second.stats
+    assert second.stats.extra["restore_reused"] is True
+    assert llama.last_restore_check["reused"]
+
+
+def test_llama_restore_of_a_damaged_file_fails_cleanly(llama, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"not a slot file" * 100)
+    with pytest.raises(llama_server.CacheMismatchError):
+        llama.load_prompt_cache(bad)
+    _, done = run(
+        llama, GenerationRequest(messages=CHAT, sampling=SamplingParams(temperature=0, max_tokens=4))
+    )
+    assert done.error is None and done.text
+
+
+def test_llama_server_killed_mid_stream_reports_and_recovers(llama) -> None:
+    req = GenerationRequest(
+        prompt="Once upon a time", sampling=SamplingParams(temperature=0.8, max_tokens=1000)
+    )
+    pid = llama.process.pid
+    events = llama.stream(req, threading.Event())
+    got = [next(events) for _ in range(3)]
+    assert all(isinstance(e, TextDelta) for e in got)
+    os.kill(pid, signal.SIGKILL)
+    done = [e for e in events if isinstance(e, Done)][0]
+    assert done.finish_reason == "error"
+    assert "llama-server stopped during the reply" in done.error and "next message restarts it" in done.error
+    _, after = run(llama, GenerationRequest(messages=CHAT, sampling=GREEDY))
+    assert after.error is None and after.text
+    assert llama.process.pid != pid
+
+
+def servers_for_logs(logs: set[Path]) -> list[psutil.Process]:
+    """Live llama-servers whose --port matches one of these flashcode log files (llama-server-PORT.log)."""
+    ports = {f.stem.rsplit("-", 1)[-1] for f in logs}
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "llama-server" in (p.info["name"] or "") and any(
+            cmd[i + 1] in ports for i, a in enumerate(cmd[:-1]) if a == "--port"
+        ):
+            out.append(p)
+    return out
+
+
+def test_llama_cli_ask_json(home: Path) -> None:
+    logs_before = set((home / "logs").glob("llama-server-*.log"))
+    env = {**os.environ, "FLASHCODE_HOME": str(home)}
+    cmd = [sys.executable, "-m", "webapp.cli", "ask", "--backend", "llama", "--json", "--temperature", "0",
+           "--max-tokens", "8", "--ctx-size", "512", "Say hello"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert data["backend"] == "llama" and data["text"] and data["completion_tokens"] > 0
+    assert {
+        "prompt_tokens",
+        "ttft_s",
+        "prompt_tps",
+        "decode_tps",
+        "peak_rss_bytes",
+        "finish_reason",
+    } <= data.keys()
+    new_logs = set((home / "logs").glob("llama-server-*.log")) - logs_before
+    assert new_logs and not servers_for_logs(new_logs), "the CLI left its llama-server running"
