@@ -49,7 +49,7 @@ class GGUFImportError(EngineError):
     pass
 
 
-# ggml types `mx.load` turns into MLX quantized triples / plain arrays by itself
+# ggml types converted exactly to MLX affine-quantized triples / carried over as plain arrays
 _MLX_NATIVE_QUANT = {"Q4_0", "Q4_1", "Q8_0"}
 _MLX_NATIVE_PLAIN = {"F32", "F16", "BF16"}
 # ggml types the `gguf` package can dequantize, and the bits we requantize them to
@@ -86,12 +86,15 @@ def _common(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, 
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "head_dim": head_dim,
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": float(f'{float(g("attention.layer_norm_rms_epsilon", 1e-6)):.6g}'),
         "vocab_size": vocab,
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 4096)),
         "tie_word_embeddings": "output" not in shapes,
     }
+    for key in ("bos_token_id", "eos_token_id"):
+        if f"tokenizer.ggml.{key}" in md:
+            cfg[key] = int(md[f"tokenizer.ggml.{key}"])
     scaling = g("rope.scaling.type")
     factor = g("rope.scaling.factor")
     if scaling and scaling != "none" and factor:
@@ -129,7 +132,7 @@ def _gemma2(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, 
     cfg.update(
         attn_logit_softcapping=float(md.get(f"{arch}.attn_logit_softcapping", 50.0)),
         final_logit_softcapping=float(md.get(f"{arch}.final_logit_softcapping", 30.0)),
-        query_pre_attn_scalar=float(scalar),
+        query_pre_attn_scalar=int(scalar),
         rope_traditional=False,
         tie_word_embeddings=True,
     )
@@ -139,7 +142,7 @@ def _gemma2(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, 
 def _gemma3(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
     cfg = _common(md, arch, shapes)
     cfg.update(
-        query_pre_attn_scalar=float(cfg["head_dim"]),
+        query_pre_attn_scalar=int(cfg["head_dim"]),
         sliding_window=int(md.get(f"{arch}.attention.sliding_window", 512)),
         sliding_window_pattern=6,
         rope_local_base_freq=10000.0,
@@ -378,20 +381,65 @@ def _unpermute(w: Any, n_head: int) -> Any:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
+
+
 def _dequantize(t: Any) -> np.ndarray:
     from gguf import quants
 
     arr = quants.dequantize(np.asarray(t.data), t.tensor_type)
-    return np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+    return np.asarray(arr, dtype=np.float32).reshape(_shape(t))
+
+
+# block layouts: (bytes per block of 32 values, offset of the packed values)
+_BLOCKS = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}
+
+
+def ggml_to_mlx_quantized(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Q4_0/Q4_1/Q8_0 blocks -> MLX affine (packed uint32 weight, fp16 scales, fp16 biases, bits).
+
+    Exact: Q8_0 x = d*q (q int8) is scale d, bias -128d on q+128; Q4_0 x = d*(q-8) is scale d,
+    bias -8d; Q4_1 x = d*q + m is scale d, bias m. MLX packs values little-end first in uint32."""
+    kind = tensor_type_name(t)
+    block, off = _BLOCKS[kind]
+    shape = _shape(t)
+    lead, cols = shape[:-1], shape[-1]
+    b = np.ascontiguousarray(np.asarray(t.data, dtype=np.uint8)).reshape(-1, cols // 32, block)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        q = (b[..., off:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        packed, bits, bias = q, 8, (-128.0 * d.astype(np.float32)).astype(np.float16)
+    else:
+        qs = b[..., off:]
+        vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element j, then j + 16
+        packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
+        bits = 4
+        if kind == "Q4_0":
+            bias = (-8.0 * d.astype(np.float32)).astype(np.float16)
+        else:
+            bias = b[..., 2:4].copy().view(np.float16)[..., 0]
+    rows = int(np.prod(lead)) if lead else 1
+    weight = np.ascontiguousarray(packed.reshape(rows, -1)).view(np.uint32).reshape(*lead, -1)
+    return weight, d.reshape(*lead, -1), bias.reshape(*lead, -1), bits
+
+
+def _plain(t: Any) -> Any:
+    import mlx.core as mx
+
+    kind = tensor_type_name(t)
+    data = np.asarray(t.data).reshape(_shape(t))
+    if kind == "BF16":
+        return mx.array(data.view(np.uint16)).view(mx.bfloat16)
+    return mx.array(np.ascontiguousarray(data))
 
 
 def convert_weights(
     gf: GGUFFile, spec: ArchSpec, config: dict[str, Any], progress: Callable[[int], None] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(weights with HF names, quantization config) from the GGUF's tensors."""
+    """(weights with HF names, quantization config) from the GGUF's tensors, one tensor at a time."""
     import mlx.core as mx
 
-    native = mx.load(str(gf.path))  # MLX reads Q4_0/Q4_1/Q8_0/F16/F32/BF16 itself
     arch = gf.architecture
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out: dict[str, Any] = {}
@@ -399,21 +447,20 @@ def convert_weights(
     for name, t in gf.tensors.items():
         if progress:
             progress(1)
-        base = name.rsplit(".", 1)[0]
         if _SKIP.match(name):
             continue
         target = hf_name(name, arch)
         if target is None:
             log.warning("skipping unknown tensor %s", name)
             continue
-        module = target.rsplit(".", 1)[0]
+        module, leaf = target.rsplit(".", 1)
         tname = tensor_type_name(t)
         if tname in _MLX_NATIVE_QUANT:
-            parts = {s: native[f"{base}.{s}"] for s in ("weight", "scales", "biases")}
-            bits = parts["weight"].shape[-1] * 32 // (parts["scales"].shape[-1] * 32)
-            quant[module] = {"group_size": 32, "bits": int(bits)}
+            w, sc, bi, bits = ggml_to_mlx_quantized(t)
+            parts = {"weight": mx.array(w), "scales": mx.array(sc), "biases": mx.array(bi)}
+            quant[module] = {"group_size": 32, "bits": bits}
         elif tname in _MLX_NATIVE_PLAIN:
-            parts = {name.rsplit(".", 1)[1]: native[name]}
+            parts = {leaf: _plain(t)}
         else:
             w = mx.array(_dequantize(t))
             bits = _REQUANT_BITS[tname]
@@ -422,23 +469,25 @@ def convert_weights(
                 parts = {"weight": wq, "scales": scales, "biases": biases}
                 quant[module] = {"group_size": 64, "bits": bits}
             else:
-                parts = {name.rsplit(".", 1)[1]: w.astype(mx.float16)}
+                parts = {leaf: w.astype(mx.float16)}
         for suffix, arr in parts.items():
             if spec.permute_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
                 arr = _unpermute(arr, heads if module.endswith("q_proj") else kv_heads)
             if spec.norm_offset and module.endswith("norm") and suffix == "weight":
                 arr = arr.astype(mx.float32) - spec.norm_offset
             out[f"{module}.{suffix}"] = arr
-    _phi3_rope(gf, native, config)
+        mx.eval(list(parts.values()))
+    _phi3_rope(gf, config)
     return out, quant
 
 
-def _phi3_rope(gf: GGUFFile, native: dict[str, Any], config: dict[str, Any]) -> None:
-    if "rope_factors_long.weight" in native and "rope_factors_short.weight" in native:
+def _phi3_rope(gf: GGUFFile, config: dict[str, Any]) -> None:
+    long_f, short_f = gf.tensors.get("rope_factors_long.weight"), gf.tensors.get("rope_factors_short.weight")
+    if long_f is not None and short_f is not None:
         config["rope_scaling"] = {
             "type": "longrope",
-            "long_factor": np.asarray(native["rope_factors_long.weight"]).tolist(),
-            "short_factor": np.asarray(native["rope_factors_short.weight"]).tolist(),
+            "long_factor": np.asarray(long_f.data, dtype=np.float32).ravel().tolist(),
+            "short_factor": np.asarray(short_f.data, dtype=np.float32).ravel().tolist(),
         }
 
 
@@ -502,6 +551,7 @@ def import_gguf(
 
     models_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.importing-", dir=models_root))
+    tmp.chmod(0o755)
     try:
         with tqdm(total=len(gf.tensors), desc=f"importing {path.name}", unit="tensor",
                   disable=not show_progress) as bar:  # fmt: skip

@@ -213,6 +213,7 @@ class MLXBackend:
         stops = StopFilter(sp.stop)
         generated: list[int] = []
         text_parts: list[str] = []
+        fed_eos: list[int] = []
         pending_ids: list[int] = []  # tokens whose text is held back (partial UTF-8, maybe a stop string)
         finish: str = "length"
         last = None
@@ -234,6 +235,7 @@ class MLXBackend:
                 if not stats.ttft_s:
                     stats.ttft_s = time.perf_counter() - t0
                 if resp.finish_reason == "stop":  # EOS: not part of the reply, but flush its text
+                    fed_eos = [int(resp.token)]  # mlx-lm has already fed it to the cache
                     piece = stops.feed(resp.text)
                     if piece or pending_ids:
                         text_parts.append(piece)
@@ -262,7 +264,7 @@ class MLXBackend:
         if tail or pending_ids:
             text_parts.append(tail)
             yield TextDelta(tail, tuple(pending_ids))
-        self.prompt_cache.record(prompt + generated)
+        self.prompt_cache.record(prompt + generated + fed_eos)
         stats.completion_tokens = len(generated)
         stats.total_s = time.perf_counter() - t0
         if last is not None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from .base import Backend, Done, EngineError, Event, GenerationRequest, GenerationStats
+from .base import Backend, Done, EngineError, Event, GenerationRequest, GenerationStats, TextDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,13 +35,36 @@ class Generation:
         self._loop = loop
         self._sync_q: queue.Queue[Event] = queue.Queue()
         self._async_q: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._text: list[str] = []
+        self._tokens = 0
         self.done = threading.Event()
 
     def cancel(self) -> None:
+        """Stop now: the consumer gets `Done("cancelled")` at once, with the text so far. The engine
+        thread stops at its next token boundary; whatever it still sends for this request is dropped."""
         self.cancel_event.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            stats = GenerationStats(completion_tokens=self._tokens)
+            self._deliver(Done(stats, "cancelled", "".join(self._text)))
 
     def _put(self, event: Event) -> None:
         """Called on the worker thread."""
+        with self._lock:
+            if self._closed:
+                return
+            if isinstance(event, TextDelta):
+                self._text.append(event.text)
+                self._tokens += len(event.token_ids)
+            elif isinstance(event, Done):
+                self._closed = True
+            self._deliver(event)
+
+    def _deliver(self, event: Event) -> None:
         if self._loop is not None and self._async_q is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async_q.put_nowait, event)

@@ -1,0 +1,95 @@
+"""The CLI contract, run as a user would: the installed `flashcode` script in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FLASHCODE = shutil.which("flashcode", path=str(Path(sys.executable).parent)) or "flashcode"
+
+
+def flashcode(*args: str, home: Path, input: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLASHCODE_HOME": str(home)}
+    return subprocess.run([FLASHCODE, *args], capture_output=True, text=True, env=env, input=input, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_ask_json_answers_paris(model_home):
+    proc = flashcode("ask", "--backend", "mlx", "--temperature", "0", "--json",
+                     "Which city is the capital of France?", home=model_home)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"text", "backend", "model", "prompt_tokens", "completion_tokens", "ttft_s", "prompt_tps",
+            "decode_tps", "peak_rss_bytes"} <= set(out)  # fmt: skip
+    assert "Paris" in out["text"] and out["backend"] == "mlx" and out["model"] == "smollm2-135m-instruct-q4_1"
+    assert out["completion_tokens"] > 0 and out["decode_tps"] > 0 and out["peak_rss_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_ask_default_backend_prints_the_reply(model_home):
+    proc = flashcode("ask", "--temperature", "0", "Which city is the capital of France?", home=model_home)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ask_raw_completion(model_home):
+    proc = flashcode("ask", "--backend", "mlx", "--raw", "--temperature", "0", "--max-tokens", "8", "--json",
+                     "def fibonacci(n):", home=model_home)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["completion_tokens"] == 8
+
+
+def test_models_lists_name_architecture_size(model_home):
+    proc = flashcode("models", home=model_home)
+    assert proc.returncode == 0
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("smollm2-135m-instruct-q4_1"))
+    name, arch, size = row.split("\t")
+    assert arch == "llama" and size.endswith("MB")
+
+
+def test_import_prints_name_and_bad_file_exits_with_message(tmp_path, model_home):
+    from tests.gguf_factory import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "Tiny-Model.Q8_0.gguf")
+    home = tmp_path / "home"
+    proc = flashcode("import", str(tmp_path / "Tiny-Model.Q8_0.gguf"), "--quiet", home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "tiny-model-q8_0"
+    proc = flashcode("import", str(tmp_path / "Tiny-Model.Q8_0.gguf"), "--name", "other", "--quiet", home=home)
+    assert proc.stdout.strip() == "other"
+    assert "tiny-model-q8_0" in flashcode("models", home=home).stdout
+    (tmp_path / "notes.txt").write_text("hello")
+    proc = flashcode("import", str(tmp_path / "notes.txt"), home=home)
+    assert proc.returncode == 2 and "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_model_says_how_to_fix(model_home):
+    proc = flashcode("ask", "--backend", "mlx", "--model", "no-such-model", "hi", home=model_home)
+    assert proc.returncode == 2
+    assert "not found" in proc.stderr and "flashcode import" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_sampling_value_is_rejected(model_home):
+    proc = flashcode("ask", "--backend", "mlx", "--temperature", "-1", "hi", home=model_home)
+    assert proc.returncode != 0 and "temperature" in proc.stderr
+
+
+@pytest.mark.slow
+def test_chat_streams_and_exits(model_home):
+    proc = flashcode("chat", "--backend", "mlx", "--temperature", "0", "--max-tokens", "16",
+                     home=model_home, input="Which city is the capital of France?\n/exit\n")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "bot> " in proc.stdout and "Paris" in proc.stdout
+
+
+def test_setup_is_idempotent(model_home):
+    proc = flashcode("setup", "--quiet", home=model_home, timeout=120)
+    assert proc.returncode == 0 and "smollm2-135m-instruct-q4_1" in proc.stdout

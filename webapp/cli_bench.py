@@ -1,0 +1,65 @@
+"""`flashcode bench ...`: benchmarks that print numbers and write JSON under bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("bench") / "results"
+
+
+def write_result(result: dict[str, Any], out: str | None, default_name: str) -> Path:
+    path = Path(out) if out else RESULTS / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def cmd_bench_mlx(args: argparse.Namespace) -> int:
+    from engine.bench_mlx import run_mlx_bench
+    from engine.models import find_model
+
+    result = run_mlx_bench(find_model(args.model), tokens=args.tokens, repeats=args.repeats)
+    path = write_result(result, args.out, "mlx.json")
+    print(f"mlx-lm  decode {result['mlx_lm']['decode_tps']:.2f} tok/s  ttft {result['mlx_lm']['ttft_s'] * 1000:.0f} ms")
+    print(f"backend decode {result['backend']['decode_tps']:.2f} tok/s  ttft {result['backend']['ttft_s'] * 1000:.0f} ms")
+    print(f"decode_ratio {result['decode_ratio']:.3f}  (goal >= 0.95)  -> {path}")
+    return 0
+
+
+def _script(name: str) -> Any:
+    """Benchmarks kept as scripts under bench/ (they run from a source checkout)."""
+
+    def run(args: argparse.Namespace) -> int:
+        script = Path(__file__).resolve().parent.parent / "bench" / name
+        if not script.exists():
+            print(f"flashcode: {script} not found: run benchmarks from a source checkout", file=sys.stderr)
+            return 2
+        sys.argv = [str(script), *args.rest]
+        runpy.run_path(str(script), run_name="__main__")
+        return 0
+
+    return run
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark; JSON goes to bench/results/")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
+    p = bsub.add_parser("mlx", help="MLX backend vs mlx_lm.stream_generate on the same model")
+    p.add_argument("--model", default=None)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_bench_mlx)
+    for name, script, help_text in (
+        ("llama", "llama.py", "llama-server adapter vs raw llama-server"),
+        ("websocket", "websocket.py", "tokens delivered to a websocket client vs the backend"),
+    ):
+        p = bsub.add_parser(name, help=help_text)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_script(script))
