@@ -1,0 +1,137 @@
+"""The real thing: `flashcode serve --backend mlx` with the default model, driven by Chromium.
+
+Send a message and watch tokens arrive, stop the (long) reply with Esc, reload and find the
+conversation, open it from the Conversations window, export it, and save screenshots under
+tests/artifacts/. One generation is started and stopped, so this stays around half a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(data_dir: Path) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "webapp.cli", "serve", "--backend", "mlx", "--port", str(port), "--log-level", "warning"]
+    log = (data_dir / "serve.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FLASHCODE_HOME": str(data_dir)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"flashcode serve exited {proc.returncode}: {(data_dir / 'serve.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).json().get("model"):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("flashcode serve did not become healthy in 120 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+def page(artifacts: Path):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed (make test installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1280, "height": 800}, accept_downloads=True)
+        pg.errors = []
+        pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+        pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
+        yield pg
+        browser.close()
+
+
+def body_text(page) -> str:
+    return page.locator("#messages .msg-assistant .body").last.inner_text()
+
+
+def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Path) -> None:
+    page.goto(server)
+    page.wait_for_function("() => document.querySelector('#model-picker') && window.htmx")
+    page.screenshot(path=str(artifacts / "browser_desktop.png"))
+
+    prompt = "Write a very long story about a lighthouse keeper and a robot."
+    page.fill("#prompt", prompt)
+    page.press("#prompt", "Enter")
+    page.wait_for_selector("#status[data-state=generating]", timeout=10_000)
+    assert page.input_value("#prompt") == ""  # sent and cleared
+
+    # tokens arrive: the streaming body grows
+    page.wait_for_function("() => (document.querySelector('.msg-assistant .body.streaming')?.textContent || '').length > 10",
+                           timeout=90_000)  # fmt: skip
+    first = len(body_text(page))
+    page.wait_for_function(f"() => document.querySelector('.msg-assistant .body.streaming')?.textContent.length > {first}",
+                           timeout=30_000)  # fmt: skip
+    page.screenshot(path=str(artifacts / "browser_streaming.png"))
+
+    # Esc stops it; the reply is kept, re-rendered and marked stopped
+    t0 = time.monotonic()
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#status[data-state=idle]", timeout=10_000)
+    stop_s = time.monotonic() - t0
+    page.wait_for_selector(".msg-assistant.status-stopped .body.markdown")
+    assert stop_s < 3.0, f"stop took {stop_s:.2f} s"
+    assert "tok/s" in page.inner_text(".msg-assistant .msg-stats")
+    assert "Stopped" in page.inner_text(".msg-assistant .msg-stats")
+    page.screenshot(path=str(artifacts / "browser_chat.png"))
+    streamed = body_text(page)
+    assert len(streamed) > 10
+
+    # the URL names the conversation; a reload finds it, listed and open
+    page.wait_for_function("() => location.pathname.startsWith('/c/')")
+    cid = page.evaluate("() => location.pathname.split('/')[2]")
+    page.reload()
+    page.wait_for_selector(f"#conversation-list li[data-id='{cid}'].selected")
+    assert prompt in page.inner_text("#messages")
+
+    # a new conversation (Ctrl+N), then reopen the old one from the Conversations window
+    page.keyboard.press("Control+n")
+    page.wait_for_function("() => location.pathname === '/' && !document.querySelector('#messages .msg')")
+    page.click(f"#conversation-list li[data-id='{cid}'] a")
+    page.wait_for_selector("#messages .msg-user")
+    assert page.input_value("#conversation-id") == cid
+
+    # export as markdown from the Conversations window
+    with page.expect_download() as dl:
+        page.click("#conversations-window [data-action=export-md]")
+    text = Path(dl.value.path()).read_text()
+    assert prompt in text and "## Assistant" in text and "(stopped)" in text
+
+    assert not page.errors, page.errors
+    print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")
