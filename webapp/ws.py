@@ -197,14 +197,14 @@ class Session:
         self.send(views.append_message(reply), views.controls(generating=True))
         request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**sampling),
                                     cache_key=conversation_id)  # fmt: skip
+        stream = TokenBatcher(self, reply.id)
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
-        stream = TokenBatcher(self, reply.id)
         done: Done | None = None
         try:
             async for event in gen:
                 if isinstance(event, TextDelta):
-                    stream.add(event.text)
+                    stream.add(event.text, len(event.token_ids))
                 elif isinstance(event, Done):
                     done = event
         finally:
@@ -213,22 +213,25 @@ class Session:
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
                 db.finish_message(reply.id, stream.text, "stopped")
-        self._finish(conversation_id, reply, stream.text, done)
+        self._finish(conversation_id, reply, stream, done)
 
-    def _finish(self, conversation_id: str, reply: StoredMessage, streamed: str, done: Done) -> None:
+    def _finish(self, conversation_id: str, reply: StoredMessage, stream: TokenBatcher, done: Done) -> None:
         db, views = self.state.db, self.state.views
-        text = done.text or streamed
+        text = done.text or stream.text
         status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(done.finish_reason, "error")
         stats: dict[str, Any] = done.stats.to_dict() | {"finish_reason": done.finish_reason}
+        if not done.stats.ttft_s:  # a stop answers at once, before the engine's own numbers exist
+            stats |= stream.measured()
         stats |= dict(zip(("model", "backend"), self.state.engine.model_and_backend(), strict=True))
         if done.error:
             stats["error"] = done.error
         db.finish_message(reply.id, text, status, stats)
         db.touch(conversation_id, *self.state.engine.model_and_backend())
         final = db.messages(conversation_id)[-1]
-        used = done.stats.prompt_tokens + done.stats.completion_tokens
-        self.send(views.replace_message(final), views.controls(generating=False, can_regenerate=True),
-                  views.gauge(used))  # fmt: skip
+        fragments = [views.replace_message(final), views.controls(generating=False, can_regenerate=True)]
+        if done.stats.prompt_tokens:  # unknown after a stop: leave the gauge as it was
+            fragments.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
+        self.send(*fragments)
         if done.error:
             self.error(done.error)
 
@@ -239,6 +242,10 @@ class TokenBatcher:
     def __init__(self, session: Session, message_id: int) -> None:
         self.session = session
         self.message_id = message_id
+        self.started = time.monotonic()
+        self.first: float | None = None  # arrival of the first and the latest token
+        self.latest = 0.0
+        self.tokens = 0
         self.parts: list[str] = []
         self.pending: list[str] = []
         self.last_flush = 0.0
@@ -249,7 +256,19 @@ class TokenBatcher:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def add(self, text: str) -> None:
+    def measured(self) -> dict[str, Any]:
+        """Time to first token and decode rate as seen here (used when the engine's are missing)."""
+        if self.first is None:
+            return {}
+        span = self.latest - self.first
+        return {"ttft_s": self.first - self.started, "completion_tokens": self.tokens,
+                "decode_tps": (self.tokens - 1) / span if span > 0 and self.tokens > 1 else 0.0}  # fmt: skip
+
+    def add(self, text: str, tokens: int = 1) -> None:
+        self.latest = time.monotonic()
+        if self.first is None:
+            self.first = self.latest
+        self.tokens += tokens
         self.parts.append(text)
         self.pending.append(text)
         wait = self.last_flush + p.BATCH_SECONDS - time.monotonic()
