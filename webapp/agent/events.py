@@ -1,0 +1,221 @@
+"""What an agent turn yields (typed events the websocket renders) and the approval vocabulary.
+
+Every event is a frozen dataclass with a `type` string and `to_dict()`; the web layer switches on
+the class (or `type`) and renders `templates/agent/*.html`. `Proposal` is what the approval dialog
+shows; `Decision` is the user's answer (default: deny).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from .runner import CommandExit, OutputChunk
+
+DecisionKind = Literal["deny", "once", "always_exact", "always_prefix"]
+DECISIONS: tuple[DecisionKind, ...] = ("deny", "once", "always_exact", "always_prefix")
+
+
+class _Event:
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class RouteChosen(_Event):
+    route: str
+    scores: dict[str, float]
+    probabilities: dict[str, float]
+    forced: bool = False
+    type: str = "route"
+
+
+@dataclass(frozen=True)
+class Notice(_Event):
+    text: str
+    level: Literal["info", "warning", "error"] = "info"
+    type: str = "notice"
+
+
+@dataclass(frozen=True)
+class ModeChanged(_Event):
+    mode: Literal["agent", "raw"]
+    type: str = "mode"
+
+
+@dataclass(frozen=True)
+class HelpShown(_Event):
+    text: str
+    type: str = "help"
+
+
+@dataclass(frozen=True)
+class Cleared(_Event):
+    type: str = "clear"
+
+
+@dataclass(frozen=True)
+class ModelRequested(_Event):
+    name: str
+    type: str = "model"
+
+
+@dataclass(frozen=True)
+class SlashUnhandled(_Event):
+    """A registered command the agent does not implement (e.g. /stats): the web app handles it."""
+
+    name: str
+    arg: str
+    type: str = "slash"
+
+
+@dataclass(frozen=True)
+class SearchStarted(_Event):
+    query: str
+    kind: str
+    provider: str
+    type: str = "search_started"
+
+
+@dataclass(frozen=True)
+class SearchResults(_Event):
+    query: str
+    results: tuple[dict[str, Any], ...]  # title, url, site, snippet, kind, date, source; cited as [i+1]
+    type: str = "search_results"
+
+
+@dataclass(frozen=True)
+class SearchUnavailable(_Event):
+    message: str  # "web search is unavailable: ..."
+    type: str = "search_unavailable"
+
+
+@dataclass(frozen=True)
+class Proposal(_Event):
+    """An action waiting for approval (or already allowed by a rule: `allowed_by_rule`)."""
+
+    action_id: int
+    tool: Literal["shell", "write"]
+    command: str  # the exact command, or the file path for a write
+    cwd: str
+    timeout_s: float
+    allowed_by_rule: bool = False
+    rule_text: str = ""  # which rule matched, or why none did
+    parse_error: str | None = None
+    prefix: str | None = None  # what "Always allow this prefix" would save
+    prefix_blocked: str | None = None  # why that button is disabled
+    diff: str | None = None  # for writes
+    choices: tuple[DecisionKind, ...] = DECISIONS
+    type: str = "proposal"
+
+
+@dataclass(frozen=True)
+class Decision(_Event):
+    kind: DecisionKind = "deny"
+    reason: str = ""
+    type: str = "decision"
+
+    @classmethod
+    def deny(cls, reason: str = "") -> Decision:
+        return cls("deny", reason)
+
+    @classmethod
+    def once(cls) -> Decision:
+        return cls("once")
+
+    @classmethod
+    def always_exact(cls) -> Decision:
+        return cls("always_exact")
+
+    @classmethod
+    def always_prefix(cls) -> Decision:
+        return cls("always_prefix")
+
+    @classmethod
+    def from_answer(cls, choice: str, note: str = "") -> Decision:
+        """A dialog answer from the client; anything unexpected is a deny."""
+        if choice in DECISIONS and choice != "deny":
+            return cls(choice)  # type: ignore[arg-type]
+        return cls.deny(note.strip()[:2000] if choice == "deny" else f"unknown choice {choice[:40]!r}")
+
+
+@dataclass(frozen=True)
+class Decided(_Event):
+    action_id: int
+    decision: str  # deny | once | always_exact | always_prefix | rule | timeout
+    rule: str | None = None  # the rule that allowed it, or the one saved now
+    reason: str = ""
+    type: str = "decided"
+
+
+@dataclass(frozen=True)
+class ActionOutput(_Event):
+    action_id: int
+    stream: str
+    text: str
+    type: str = "output"
+
+    @classmethod
+    def of(cls, action_id: int, chunk: OutputChunk) -> ActionOutput:
+        return cls(action_id, chunk.stream, chunk.text)
+
+
+@dataclass(frozen=True)
+class ActionExit(_Event):
+    action_id: int
+    exit_code: int | None
+    timed_out: bool
+    killed: bool
+    truncated: bool
+    duration_s: float
+    description: str
+    type: str = "exit"
+
+    @classmethod
+    def of(cls, action_id: int, ex: CommandExit) -> ActionExit:
+        return cls(
+            action_id, ex.exit_code, ex.timed_out, ex.killed, ex.truncated, ex.duration_s, ex.describe()
+        )
+
+
+@dataclass(frozen=True)
+class FileShown(_Event):
+    path: str
+    content: str
+    type: str = "file"
+
+
+@dataclass(frozen=True)
+class FileWritten(_Event):
+    action_id: int
+    path: str
+    type: str = "file_written"
+
+
+@dataclass(frozen=True)
+class AnswerDelta(_Event):
+    text: str
+    type: str = "answer_delta"
+
+
+@dataclass(frozen=True)
+class AnswerDone(_Event):
+    text: str
+    finish_reason: str = "stop"
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    citations: tuple[int, ...] = ()  # result numbers cited in the text
+    type: str = "answer_done"
+
+
+@dataclass(frozen=True)
+class TurnDone(_Event):
+    route: str | None
+    type: str = "turn_done"
+
+
+AgentEvent = (
+    RouteChosen | Notice | ModeChanged | HelpShown | Cleared | ModelRequested | SlashUnhandled | SearchStarted
+    | SearchResults | SearchUnavailable | Proposal | Decided | ActionOutput | ActionExit | FileShown
+    | FileWritten | AnswerDelta | AnswerDone | TurnDone
+)  # fmt: skip

@@ -1,0 +1,88 @@
+"""Route a user turn to `chat`, `search` or `shell` as a constrained choice by the model itself.
+
+How: build a routing prompt (a chat with a short instruction and a few examples), then ask the
+backend for the log-probability of each label as the assistant's first word
+(`ScoringBackend.score_continuations`: one forward pass when, as with SmolLM2, each label is one
+token). The best score wins, so the route is always one of the three, whatever the model or its
+quantization. What it does not know: what the routes do (`agent.py`), threads (callers run
+`route_step` on the engine worker via `route()`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine.base import Message, ScoringBackend
+
+Route = Literal["chat", "search", "shell"]
+ROUTES: tuple[Route, ...] = ("chat", "search", "shell")
+
+ROUTING_SYSTEM = """You route requests for a coding assistant. Answer with one word:
+chat - answer from your own knowledge: explain, write or review code, talk.
+search - look up the web: news, current events, prices, docs, versions, weather, anything recent.
+shell - run a command in the project folder: list, find or read files, git, run tests, build, install.
+
+Examples:
+Explain what a Python decorator is. -> chat
+What is the latest release of Node.js? -> search
+Show the git log of this repo. -> shell
+Write a function that reverses a string. -> chat
+Search the web for rust async tutorials. -> search
+List the files in this directory. -> shell"""
+
+ASSISTANT_PREFIX = ""  # text the assistant "already wrote" before the label
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    route: Route
+    scores: dict[str, float]  # label -> sum of log-probs
+    forced: bool = False  # chosen by a slash command, not the model
+
+    @property
+    def probabilities(self) -> dict[str, float]:
+        """Scores renormalized over the three labels (what the UI shows as percentages)."""
+        if not self.scores:
+            return {}
+        m = max(self.scores.values())
+        exp = {k: math.exp(v - m) for k, v in self.scores.items()}
+        total = sum(exp.values())
+        return {k: v / total for k, v in exp.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "route": self.route,
+            "scores": self.scores,
+            "probabilities": self.probabilities,
+            "forced": self.forced,
+        }
+
+
+def routing_messages(text: str, system: str = ROUTING_SYSTEM) -> list[Message]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"{text.strip()} ->"}]
+
+
+def route_step(
+    backend: Any, text: str, labels: Sequence[str] = ROUTES, system: str = ROUTING_SYSTEM
+) -> RouteDecision:
+    """Score the labels after the routing prompt. Runs on the thread that owns `backend`."""
+    if not isinstance(backend, ScoringBackend):
+        raise TypeError(
+            f"backend {getattr(backend, 'name', backend)!r} cannot score continuations, so it cannot route"
+        )
+    prompt = list(backend.apply_chat_template(routing_messages(text, system)))
+    if ASSISTANT_PREFIX:
+        prompt += backend.tokenize(ASSISTANT_PREFIX)
+    conts = [backend.tokenize(label) for label in labels]
+    scores = backend.score_continuations(prompt, conts)
+    table = {label: float(s) for label, s in zip(labels, scores, strict=True)}
+    best = max(labels, key=lambda lab: table[lab])
+    return RouteDecision(best, table)  # type: ignore[arg-type]
+
+
+async def route(worker: Any, text: str) -> RouteDecision:
+    """Route on the engine worker's thread (MLX must stay there)."""
+    return await worker.acall(lambda b: route_step(b, text))

@@ -1,0 +1,132 @@
+"""SQLite tables of the agent: per-project allow rules, and every proposal with its decision.
+
+`MIGRATIONS` is a list of SQL scripts (idempotent: `IF NOT EXISTS`) that the web app's `db.py`
+appends to its own migration list; `ensure_schema(conn)` runs them on a plain connection (tests,
+the CLI). What it does not know: the policy (`shell.py`) and the UI. Calls are short and synchronous.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+
+from .shell import Rule, RuleKind, validate_rule
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE IF NOT EXISTS agent_allow_rules (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        project TEXT NOT NULL,
+        kind TEXT NOT NULL CHECK (kind IN ('exact', 'prefix')),
+        pattern TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        UNIQUE (project, kind, pattern)
+    );
+    CREATE TABLE IF NOT EXISTS agent_actions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        project TEXT NOT NULL,
+        conversation_id TEXT,
+        tool TEXT NOT NULL,
+        command TEXT NOT NULL,
+        decision TEXT NOT NULL DEFAULT 'pending',
+        rule TEXT,
+        reason TEXT,
+        exit_code INTEGER,
+        outcome TEXT,
+        created_at REAL NOT NULL,
+        decided_at REAL,
+        finished_at REAL
+    );
+    CREATE INDEX IF NOT EXISTS agent_actions_project ON agent_actions (project, created_at);
+    """,
+]
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    for script in MIGRATIONS:
+        conn.executescript(script)
+    conn.commit()
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    id: int
+    project: str
+    tool: str
+    command: str
+    decision: str
+    rule: str | None
+    reason: str | None
+    exit_code: int | None
+    outcome: str | None
+    created_at: float
+
+
+class AgentStore:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    # ------------------------------------------------------------------ allow rules
+    def add_rule(self, project: str, kind: RuleKind, pattern: str) -> Rule:
+        rule = validate_rule(kind, pattern)
+        self.conn.execute(
+            "INSERT OR IGNORE INTO agent_allow_rules (project, kind, pattern, created_at) VALUES (?, ?, ?, ?)",
+            (project, rule.kind, rule.pattern, time.time()),
+        )
+        self.conn.commit()
+        row = self.conn.execute(
+            "SELECT id FROM agent_allow_rules WHERE project = ? AND kind = ? AND pattern = ?",
+            (project, rule.kind, rule.pattern),
+        ).fetchone()
+        return Rule(rule.kind, rule.pattern, int(row[0]))
+
+    def list_rules(self, project: str) -> list[Rule]:
+        rows = self.conn.execute(
+            "SELECT id, kind, pattern FROM agent_allow_rules WHERE project = ? ORDER BY id", (project,)
+        ).fetchall()
+        return [Rule(kind, pattern, int(id_)) for id_, kind, pattern in rows]
+
+    def remove_rule(self, project: str, rule_id: int) -> bool:
+        cur = self.conn.execute(
+            "DELETE FROM agent_allow_rules WHERE project = ? AND id = ?", (project, rule_id)
+        )
+        self.conn.commit()
+        return cur.rowcount > 0
+
+    # ------------------------------------------------------------------ the audit trail
+    def record_proposal(
+        self, project: str, tool: str, command: str, conversation_id: str | None = None
+    ) -> int:
+        cur = self.conn.execute(
+            "INSERT INTO agent_actions (project, conversation_id, tool, command, created_at) VALUES (?, ?, ?, ?, ?)",
+            (project, conversation_id, tool, command, time.time()),
+        )
+        self.conn.commit()
+        return int(cur.lastrowid or 0)
+
+    def record_decision(
+        self, action_id: int, decision: str, rule: str | None = None, reason: str | None = None
+    ) -> None:
+        self.conn.execute(
+            "UPDATE agent_actions SET decision = ?, rule = ?, reason = ?, decided_at = ? WHERE id = ?",
+            (decision, rule, reason, time.time(), action_id),
+        )
+        self.conn.commit()
+
+    def record_result(self, action_id: int, exit_code: int | None, outcome: str) -> None:
+        self.conn.execute(
+            "UPDATE agent_actions SET exit_code = ?, outcome = ?, finished_at = ? WHERE id = ?",
+            (exit_code, outcome, time.time(), action_id),
+        )
+        self.conn.commit()
+
+    def actions(self, project: str | None = None, limit: int = 100) -> list[ActionRecord]:
+        sql = ("SELECT id, project, tool, command, decision, rule, reason, exit_code, outcome, created_at "
+               "FROM agent_actions")  # fmt: skip
+        args: tuple = ()
+        if project is not None:
+            sql += " WHERE project = ?"
+            args = (project,)
+        rows = self.conn.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit)).fetchall()
+        return [ActionRecord(*row) for row in rows]
