@@ -75,8 +75,8 @@ def parse_slash(text: str) -> SlashCall | None:
     cmd = REGISTRY.get(name)
     if cmd is None:
         raise SlashError(f"unknown command /{name}: type /help for the list")
-    arg = rest.strip() if name != "write" else rest.lstrip(" ").rstrip()
-    if cmd.needs_arg and not arg:
+    arg = rest.strip() if name != "write" else rest.lstrip(" ")  # a file's content keeps its newlines
+    if cmd.needs_arg and not arg.strip():
         raise SlashError(f"/{name} needs {cmd.usage or 'an argument'}: /{name} {cmd.usage}")
     return SlashCall(name, arg, cmd)
 

@@ -1,0 +1,188 @@
+"""The agent's tools on their own: the runner (real subprocesses), project files (real symlinks),
+search providers (ddgs with no network here), the SQLite store and slash parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from webapp.agent.files import FileToolError, PathOutsideProjectError, ProjectFiles
+from webapp.agent.runner import CommandExit, CommandRun, OutputChunk
+from webapp.agent.search import DDGSProvider, LocalSearchProvider, SearchResult, SearchUnavailableError
+from webapp.agent.slash import SlashError, parse_slash
+from webapp.agent.store import MIGRATIONS, AgentStore, ensure_schema
+
+
+async def run_all(run: CommandRun) -> tuple[list[OutputChunk], CommandExit]:
+    chunks, exit_ = [], None
+    async for item in run.stream():
+        if isinstance(item, OutputChunk):
+            chunks.append(item)
+        else:
+            exit_ = item
+    assert exit_ is not None
+    return chunks, exit_
+
+
+# --------------------------------------------------------------------------- runner
+def test_runner_streams_both_streams_and_the_exit_code(tmp_path: Path) -> None:
+    chunks, ex = asyncio.run(run_all(CommandRun("echo out; echo err >&2; pwd; exit 3", tmp_path)))
+    assert {c.stream for c in chunks} == {"stdout", "stderr"}
+    text = "".join(c.text for c in chunks if c.stream == "stdout")
+    assert "out" in text and str(tmp_path) in text
+    assert ex.exit_code == 3 and not ex.timed_out and not ex.killed
+
+
+def test_runner_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
+    run = CommandRun("(sleep 30; touch child-survived) & echo $!; sleep 30", tmp_path, timeout_s=0.5)
+    t0 = time.monotonic()
+    chunks, ex = asyncio.run(run_all(run))
+    assert ex.timed_out and time.monotonic() - t0 < 5 and "timed out" in ex.describe()
+    child = int(chunks[0].text.split()[0])
+    time.sleep(0.2)
+    assert not alive(child), "the background child survived the timeout"
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, only not reaped yet
+
+
+def test_runner_caps_output_but_drains_the_pipe(tmp_path: Path) -> None:
+    chunks, ex = asyncio.run(run_all(CommandRun("head -c 300000 /dev/zero | tr '\\0' x; echo done >&2", tmp_path,
+                                                output_cap=1000)))  # fmt: skip
+    assert sum(len(c.text) for c in chunks) == 1000 and ex.truncated and ex.exit_code == 0
+
+
+def test_runner_reports_a_missing_directory(tmp_path: Path) -> None:
+    _, ex = asyncio.run(run_all(CommandRun("ls", tmp_path / "gone")))
+    assert ex.exit_code is None and ex.error
+
+
+# --------------------------------------------------------------------------- files
+@pytest.fixture
+def proj(tmp_path: Path) -> Path:
+    p = tmp_path / "proj"
+    (p / "src").mkdir(parents=True)
+    (p / "src" / "a.py").write_text("x = 1\n")
+    (tmp_path / "secret.txt").write_text("secret\n")
+    return p
+
+
+def test_files_refuse_traversal_and_escaping_symlinks(proj: Path, tmp_path: Path) -> None:
+    (proj / "link-out").symlink_to(tmp_path / "secret.txt")
+    (proj / "dir-out").symlink_to(tmp_path, target_is_directory=True)
+    (proj / "link-in").symlink_to(proj / "src" / "a.py")
+    files = ProjectFiles(proj)
+    for bad in ["../secret.txt", "src/../../secret.txt", str(tmp_path / "secret.txt"), "link-out",
+                "dir-out/secret.txt", "/etc/passwd", "~/.bashrc"]:  # fmt: skip
+        with pytest.raises(PathOutsideProjectError):
+            files.read(bad)
+        with pytest.raises(PathOutsideProjectError):
+            files.propose_write(bad, "pwned")
+    assert files.read("link-in") == "x = 1\n"
+    assert (tmp_path / "secret.txt").read_text() == "secret\n"
+
+
+def test_files_refuse_a_symlink_swapped_in_before_apply(proj: Path, tmp_path: Path) -> None:
+    files = ProjectFiles(proj)
+    change = files.propose_write("new.txt", "data\n")
+    (proj / "new.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(FileToolError):
+        files.apply(change)
+    assert (tmp_path / "secret.txt").read_text() == "secret\n"
+
+
+def test_files_write_and_edit_produce_diffs(proj: Path) -> None:
+    files = ProjectFiles(proj)
+    change = files.propose_write("src/b.py", "y = 2\n")
+    assert change.old is None and "--- /dev/null" in change.diff and "+y = 2" in change.diff
+    assert not (proj / "src" / "b.py").exists()
+    files.apply(change)
+    assert (proj / "src" / "b.py").read_text() == "y = 2\n"
+    edit = files.propose_edit("src/a.py", "x = 1", "x = 42")
+    assert "-x = 1\n+x = 42\n" in edit.diff
+    (proj / "src" / "a.py").write_text("x = 7\n")  # changed after the diff was shown
+    with pytest.raises(FileToolError, match="changed since"):
+        files.apply(edit)
+    with pytest.raises(FileToolError, match="exactly once"):
+        files.propose_edit("src/a.py", "nothing", "x")
+
+
+# --------------------------------------------------------------------------- search
+def test_search_ddgs_without_network_says_so_plainly() -> None:
+    provider = DDGSProvider(timeout_s=3, min_interval_s=0)
+    t0 = time.monotonic()
+    with pytest.raises(SearchUnavailableError) as info:
+        asyncio.run(provider.search("flashcode local llm"))
+    assert str(info.value).startswith("web search is unavailable: ") and time.monotonic() - t0 < 10
+
+
+def test_search_ddgs_caches_and_throttles(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[float] = []
+    provider = DDGSProvider(timeout_s=3, min_interval_s=0.3)
+
+    def fake_fetch(query: str, kind: str, n: int) -> list[dict]:
+        calls.append(time.monotonic())
+        return [{"title": f"T {query}", "href": "https://www.example.org/x", "body": "snippet"}]
+
+    monkeypatch.setattr(provider, "_fetch", fake_fetch)
+
+    async def go() -> list[list[SearchResult]]:
+        return [await provider.search("a"), await provider.search("A "), await provider.search("b")]
+
+    a, a2, b = asyncio.run(go())
+    assert a == a2 and len(calls) == 2 and calls[1] - calls[0] >= 0.29
+    assert a[0].site == "example.org" and b[0].title == "T b"
+
+
+def test_search_local_provider_serves_fixed_results() -> None:
+    r = SearchResult("Title", "https://example.com/p", "snip")
+    provider = LocalSearchProvider({"q": [r]})
+    assert asyncio.run(provider.search("Q")) == [r] and asyncio.run(provider.search("other")) == []
+    assert provider.history == [("Q", "text"), ("other", "text")]
+
+
+# --------------------------------------------------------------------------- store
+def test_store_schema_rules_and_audit_trail(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "db.sqlite")
+    ensure_schema(conn)
+    ensure_schema(conn)  # idempotent
+    assert all("IF NOT EXISTS" in m for m in MIGRATIONS)
+    store = AgentStore(conn)
+    rule = store.add_rule("/p", "prefix", "git status")
+    assert store.add_rule("/p", "prefix", "git status").id == rule.id
+    store.add_rule("/p", "exact", "rm -rf build")
+    assert [r.pattern for r in store.list_rules("/p")] == ["git status", "rm -rf build"]
+    assert store.list_rules("/other") == []
+    with pytest.raises(ValueError):
+        store.add_rule("/p", "prefix", "bash")
+    assert store.remove_rule("/p", rule.id or 0) and [r.kind for r in store.list_rules("/p")] == ["exact"]
+    aid = store.record_proposal("/p", "shell", "ls", "conv1")
+    store.record_decision(aid, "once")
+    store.record_result(aid, 0, "exit code 0")
+    (row,) = store.actions("/p")
+    assert (row.command, row.decision, row.exit_code, row.outcome) == ("ls", "once", 0, "exit code 0")
+
+
+# --------------------------------------------------------------------------- slash
+def test_slash_parsing() -> None:
+    assert parse_slash("hello") is None and parse_slash("//not a command") is None
+    call = parse_slash("/shell  ls -la ")
+    assert call is not None and (call.name, call.arg) == ("shell", "ls -la")
+    call = parse_slash("/search rust async")
+    assert call is not None and call.arg == "rust async"
+    call = parse_slash("/write a.txt\nline 1\n")
+    assert call is not None and call.arg == "a.txt\nline 1\n"
+    assert parse_slash("/RAW") is not None
+    with pytest.raises(SlashError, match="unknown"):
+        parse_slash("/frobnicate")
+    with pytest.raises(SlashError, match="needs"):
+        parse_slash("/model")
