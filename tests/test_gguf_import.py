@@ -212,7 +212,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 def test_unsupported_tensor_type_is_named(tmp_path):
     import gguf
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as Q
 
     path = tmp_path / "iq2.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
