@@ -1,0 +1,175 @@
+"""The OpenAI-compatible API in-process: TestClient + a scripted fake engine on a real Worker.
+
+Access rules (loopback, Origin, bearer token), request validation with OpenAI-shaped errors, the
+non-streaming and SSE shapes, and stats recorded for API replies. The real model and the official
+`openai` client are in test_openai_client.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta
+from engine.worker import Worker
+from webapp import openai_api, stats
+from webapp.app import create_app
+from webapp.settings import Settings
+
+BASE = "http://127.0.0.1:8000"
+
+
+class FakeEngine:
+    name = "fake"
+
+    def __init__(self, context_length: int = 64) -> None:
+        self._model = ModelInfo(
+            name="fake-model", path=Path("/nonexistent"), architecture="fake", size_bytes=0
+        )
+        self._ctx = context_length
+        self.history: list[GenerationRequest] = []
+
+    def load(self, model: ModelInfo) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return self._model
+
+    @property
+    def context_length(self) -> int:
+        return self._ctx
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        return self.tokenize(" ".join(m["content"] for m in messages))
+
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[TextDelta | Done]:
+        self.history.append(request)
+        for i, tok in enumerate(["Hi", " there", "!"]):
+            yield TextDelta(tok, (i,))
+        stats = GenerationStats(prompt_tokens=5, cached_tokens=2, completion_tokens=3, ttft_s=0.01, decode_tps=50.0,
+                                total_s=0.07)  # fmt: skip
+        yield Done(stats, "length" if request.sampling.max_tokens == 3 else "stop", "Hi there!")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+def make_client(tmp_path: Path, engine: FakeEngine, client: tuple[str, int] = ("127.0.0.1", 50000),
+                **settings: object) -> Iterator[TestClient]:  # fmt: skip
+    worker = Worker(lambda: engine)
+    app = create_app(Settings(data_dir=tmp_path, load_model=False, **settings), worker=worker)  # type: ignore[arg-type]
+    app.router.routes.extend(openai_api.routes)
+    with TestClient(app, base_url=BASE, client=client) as c:
+        stats.ensure_schema(app.state.flashcode.db.conn)
+        yield c
+    worker.close()
+
+
+@pytest.fixture
+def client(tmp_path: Path, engine: FakeEngine) -> Iterator[TestClient]:
+    yield from make_client(tmp_path, engine)
+
+
+def chat(client: TestClient, **body: object):
+    payload = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]} | body
+    return client.post("/v1/chat/completions", json=payload)
+
+
+def test_openai_completion_shape_usage_and_stats(client: TestClient, engine: FakeEngine) -> None:
+    r = chat(client, temperature=0, max_tokens=7, seed=3, stop="\n\n")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "fake-model"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi there!"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
+    s = engine.history[-1].sampling
+    assert (s.temperature, s.max_tokens, s.seed, s.stop) == (0.0, 7, 3, ("\n\n",))
+    t = stats.totals(client.app.state.flashcode.db.conn, source="api")
+    assert (t.replies, t.prompt_tokens, t.completion_tokens) == (1, 5, 3)
+
+
+def test_openai_streams_sse_chunks_then_done(client: TestClient) -> None:
+    with client.stream("POST", "/v1/chat/completions", json={
+        "model": "fake-model", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    }) as r:  # fmt: skip
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hi there!"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_openai_lists_models_with_the_current_backend(client: TestClient) -> None:
+    data = client.get("/v1/models").json()["data"]
+    assert data[0]["id"] == "fake-model" and data[0]["owned_by"] == "flashcode-fake" and data[0]["loaded"]
+
+
+@pytest.mark.parametrize(("body", "status", "match"), [
+    ({"messages": []}, 400, "non-empty"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text"),
+    ({"tools": [{"type": "function"}]}, 400, "tools are not supported"),
+    ({"n": 2}, 400, "n must be 1"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "gpt-4o"}, 404, "does not exist"),
+    ({"messages": [{"role": "user", "content": "word " * 80}]}, 400, "context"),
+])  # fmt: skip
+def test_openai_rejects_bad_requests_with_openai_errors(
+    client: TestClient, body: dict, status: int, match: str
+) -> None:
+    r = chat(client, **body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert match in err["message"] and {"type", "param", "code"} <= set(err)
+
+
+def test_openai_rejects_non_json(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+def test_openai_refuses_foreign_origin_but_not_its_own(client: TestClient) -> None:
+    assert chat(client).status_code == 200
+    assert client.post("/v1/chat/completions", headers={"origin": "http://127.0.0.1:8000"},
+                       json={"messages": [{"role": "user", "content": "x"}]}).status_code == 200  # fmt: skip
+    r = client.post("/v1/chat/completions", headers={"origin": "https://evil.example"},
+                    json={"messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+    assert r.status_code == 403 and "evil.example" in r.json()["error"]["message"]
+    assert client.get("/v1/models", headers={"origin": "https://evil.example"}).status_code == 403
+
+
+def test_openai_refuses_non_loopback_clients(tmp_path: Path, engine: FakeEngine) -> None:
+    for c in make_client(tmp_path, engine, client=("192.168.1.20", 40000)):
+        r = chat(c)
+        assert r.status_code == 403 and "loopback" in r.json()["error"]["message"]
+
+
+def test_openai_bearer_token(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(openai_api.TOKEN_ENV, "s3cret")
+    for c in make_client(tmp_path, engine):
+        r = chat(c)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"authorization": "Bearer nope"}).status_code == 401
+        c.headers["authorization"] = "Bearer s3cret"
+        assert chat(c).status_code == 200

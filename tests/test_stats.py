@@ -1,0 +1,142 @@
+"""Stats storage, grading, bench runs, charts and the Stats window, in-process (no model)."""
+
+from __future__ import annotations
+
+import sqlite3
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from engine.base import GenerationStats
+from webapp import charts, costs, stats, stats_view
+
+
+@pytest.fixture(params=[None, sqlite3.Row], ids=["tuples", "rows"])
+def conn(request: pytest.FixtureRequest) -> sqlite3.Connection:
+    c = sqlite3.connect(":memory:")
+    c.row_factory = request.param
+    stats.ensure_schema(c)
+    stats.ensure_schema(c)  # idempotent
+    return c
+
+
+def reply(prompt: int, cached: int, out: int, tps: float, ttft: float, **extra: object) -> GenerationStats:
+    return GenerationStats(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=out, ttft_s=ttft,
+                           prompt_tps=500.0, decode_tps=tps, peak_memory_bytes=300 << 20, peak_rss_bytes=400 << 20,
+                           total_s=out / tps + ttft, extra=dict(extra))  # fmt: skip
+
+
+def test_stats_records_every_field_including_flash(conn: sqlite3.Connection) -> None:
+    rid = stats.record_reply(conn, reply(100, 40, 20, 10.0, 0.5, bytes_read=123456, hit_rate=0.75),
+                             backend="flash", model="m", conversation_id="c1", message_id=7, finish_reason="stop")  # fmt: skip
+    r = conn.execute("SELECT backend, model, prompt_tokens, cached_tokens, completion_tokens, ttft_s, decode_tps, "
+                     "peak_memory_bytes, total_s, flash_hit_rate, flash_bytes_read, source, message_id "
+                     "FROM stats_replies WHERE id=?", (rid,)).fetchone()  # fmt: skip
+    assert tuple(r) == (
+        "flash",
+        "m",
+        100,
+        40,
+        20,
+        0.5,
+        10.0,
+        300 << 20,
+        pytest.approx(2.5),
+        0.75,
+        123456,
+        "chat",
+        7,
+    )
+
+
+def test_stats_skips_replies_that_generated_nothing(conn: sqlite3.Connection) -> None:
+    assert stats.record_reply(conn, GenerationStats(), backend="mlx", model="m") is None
+    assert stats.totals(conn).replies == 0
+
+
+def test_stats_totals_and_tables(conn: sqlite3.Connection) -> None:
+    stats.record_reply(conn, reply(100, 0, 10, 10.0, 0.2), backend="mlx", model="a")
+    stats.record_reply(conn, reply(200, 100, 30, 30.0, 0.4), backend="llama", model="a")
+    stats.record_reply(conn, reply(50, 0, 5, 20.0, 0.3), backend="llama", model="a", source="api")
+    t = stats.totals(conn)
+    assert (t.replies, t.prompt_tokens, t.cached_tokens, t.completion_tokens) == (3, 350, 100, 45)
+    assert t.decode_tps == pytest.approx(20.0) and t.ttft_s == pytest.approx(0.3)
+    rows = {(r.backend, r.model): r for r in stats.by_model(conn)}
+    assert rows[("llama", "a")].replies == 2 and rows[("mlx", "a")].completion_tokens == 10
+    assert [b.backend for b in stats.by_backend(conn)] == ["llama", "mlx"]
+    s = stats.series(conn, "decode_tps")
+    assert [v for _, v in s["llama"]] == [30.0, 20.0] and [v for _, v in s["mlx"]] == [10.0]
+    with pytest.raises(ValueError):
+        stats.series(conn, "prompt_tokens; DROP TABLE x")
+
+
+def test_grading_grades_the_last_reply_and_counts_routes(conn: sqlite3.Connection) -> None:
+    with pytest.raises(stats.GradeError, match="no reply"):
+        stats.grade_last(conn, "good")
+    stats.record_reply(
+        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="c", route="search"
+    )
+    stats.record_reply(
+        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="c", route="shell"
+    )
+    stats.record_reply(conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="d")
+    g = stats.grade_last(conn, "bad", "  wrong   flag ", conversation_id="c", excerpt="rm -rf /tmp/x")
+    assert (g.grade, g.route, g.note, g.excerpt) == ("bad", "shell", "wrong flag", "rm -rf /tmp/x")
+    stats.grade_last(conn, "good", conversation_id="c")  # re-grading replaces
+    stats.grade_last(conn, "bad", conversation_id="d")
+    counts, graded = stats.improve(conn)
+    by_route = {c.route: (c.replies, c.good, c.bad, c.ungraded) for c in counts}
+    assert by_route == {"chat": (1, 0, 1, 0), "search": (1, 0, 0, 1), "shell": (1, 1, 0, 0)}
+    assert [g.grade for g in graded] == ["bad", "good"]
+    with pytest.raises(ValueError):
+        stats.grade_last(conn, "meh")
+
+
+def test_bench_runs_are_stored_with_medians(conn: sqlite3.Connection) -> None:
+    results = [{"decode_tps": v, "ttft_s": t, "prompt_tps": 100.0, "peak_memory_bytes": m, "total_s": 1.0,
+                "prompt_tokens": 30, "completion_tokens": 8} for v, t, m in ((10, 0.1, 5), (30, 0.3, 9), (20, 0.2, 7))]  # fmt: skip
+    run = stats.record_bench_run(conn, backend="mlx", model="m", max_tokens=8, results=results)
+    assert (run.decode_tps, run.ttft_s, run.peak_memory_bytes, run.total_s) == (20.0, 0.2, 9, 3.0)
+    [again] = stats.bench_runs(conn)
+    assert again.id == run.id and len(again.results) == 3
+    assert stats.totals(conn).replies == 0 and stats.totals(conn, source="bench").replies == 3
+
+
+def test_charts_are_well_formed_svg_with_escaped_labels() -> None:
+    line = charts.line_chart(
+        {"mlx": [(1.0, 5.0), (2.0, 9.0)], "<llama>": [(1.5, 50.0)]}, "tok/s & more", "tok/s"
+    )
+    root = ET.fromstring(line)
+    assert root.tag.endswith("svg") and "&lt;llama&gt;" in line and "tok/s &amp; more" in line
+    assert len(root.findall(".//{http://www.w3.org/2000/svg}polyline")) == 2
+    bars = charts.bar_chart([("mlx", 9.0), ("llama", 97.0)], "per backend", "tok/s")
+    assert len(ET.fromstring(bars).findall(".//{http://www.w3.org/2000/svg}g[@class='bar']")) == 2
+    assert "No replies yet" in charts.line_chart({}, "empty")
+    assert charts.nice_ceiling(97) == 100 and charts.nice_ceiling(0.31) == 0.5 and charts.nice_ceiling(0) == 1
+
+
+def test_stats_window_renders_totals_costs_and_charts(conn: sqlite3.Connection, tmp_path: Path) -> None:
+    from webapp.views import make_environment
+
+    stats.record_reply(conn, reply(1_000_000, 200_000, 100_000, 12.0, 0.25), backend="mlx", model="small")
+    html = stats_view.render_window(make_environment(), conn, tmp_path, csrf_token="tok")
+    assert "$3.96" in html  # Claude Sonnet 4.5 at the shipped prices
+    assert html.count("<svg") == 4 and 'name="csrf_token" value="tok"' in html
+    costs.save_prices(costs.prices_path(tmp_path), [costs.Price("Mine", 1, 0, 0, "2026-01-01")])
+    assert "$0.80" in stats_view.render_window(make_environment(), conn, tmp_path)
+
+
+def test_slash_answers(conn: sqlite3.Connection, tmp_path: Path) -> None:
+    import asyncio
+
+    run = lambda name, arg="": asyncio.run(stats_view.run_slash(name, arg, conn=conn, data_dir=tmp_path))  # noqa: E731
+    assert "No replies" in run("stats")
+    stats.record_reply(
+        conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="small", conversation_id="c"
+    )
+    assert "| small | mlx | 1 |" in run("stats")
+    assert "| GPT-4o | $0.0075 |" in run("cost")
+    assert "Graded the last reply **bad** — too long" in run("bad", "too long")
+    assert "| chat | 1 | 0 | 1 | 0 |" in run("improve")
+    assert "no worker" in run("bench")

@@ -1,0 +1,167 @@
+"""`/bench` and `flashcode bench run`: a fixed prompt set run on the current backend and model.
+
+What it knows: the prompts (short coding questions of increasing prompt length, fixed so runs can
+be compared), the sampling (greedy, fixed seed, a fixed reply budget), how to run them through the
+engine `Worker` (sync for the CLI, async for the web app), and how to summarize and store a run
+(`webapp.stats.record_bench_run`).
+
+What it does not know: HTML, the chat. Generation goes through the Worker, so MLX stays on the
+engine thread. Each prompt is sent with no `cache_key`: prompts share no prefix cache, so TTFT is a
+cold prefill every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.base import Done, GenerationRequest, Message, SamplingParams
+from engine.worker import Worker
+
+from . import stats
+
+SYSTEM = "You are a concise coding assistant."
+PROMPTS: tuple[str, ...] = (
+    "Write a Python function that reverses a string.",
+    "Explain in two sentences what a Python generator is.",
+    "What does `git rebase -i HEAD~3` do?",
+    "Write a bash one-liner that counts the lines of every .py file under the current directory, "
+    "sorted from largest to smallest.",
+    "Here is a function:\n\n```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n"
+    "    return total / len(xs)\n```\n\nWhat happens when `xs` is empty, and how would you fix it? "
+    "Show the corrected function and one test for it.",
+)
+DEFAULT_MAX_TOKENS = 64
+SEED = 1234
+
+
+def requests(
+    max_tokens: int = DEFAULT_MAX_TOKENS, prompts: tuple[str, ...] = PROMPTS
+) -> list[GenerationRequest]:
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=SEED)
+    return [GenerationRequest(messages=_messages(p), sampling=sampling) for p in prompts]
+
+
+def _messages(prompt: str) -> tuple[Message, ...]:
+    return ({"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt})
+
+
+def result_row(index: int, done: Done) -> dict[str, Any]:
+    s = done.stats
+    if done.error:
+        raise RuntimeError(f"bench prompt {index + 1} failed: {done.error}")
+    return {"prompt": index, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+            "completion_tokens": s.completion_tokens, "ttft_s": s.ttft_s, "prompt_tps": s.prompt_tps,
+            "decode_tps": s.decode_tps, "peak_memory_bytes": s.peak_memory_bytes,
+            "peak_rss_bytes": s.peak_rss_bytes, "total_s": s.total_s, "finish_reason": done.finish_reason,
+            "extra": {k: v for k, v in s.extra.items() if isinstance(v, int | float | str | bool)}}  # fmt: skip
+
+
+def run_sync(
+    worker: Worker, max_tokens: int = DEFAULT_MAX_TOKENS, prompts: tuple[str, ...] = PROMPTS
+) -> list[dict[str, Any]]:
+    """Run every prompt in turn from a plain thread (the CLI)."""
+    out = []
+    for i, req in enumerate(requests(max_tokens, prompts)):
+        done = next(ev for ev in worker.submit(req) if isinstance(ev, Done))
+        out.append(result_row(i, done))
+    return out
+
+
+async def run_async(worker: Worker, max_tokens: int = DEFAULT_MAX_TOKENS,
+                    prompts: tuple[str, ...] = PROMPTS) -> list[dict[str, Any]]:  # fmt: skip
+    """The same from the event loop (`/bench` in the chat); cancelling the task cancels the reply."""
+    out = []
+    loop = asyncio.get_running_loop()
+    for i, req in enumerate(requests(max_tokens, prompts)):
+        gen = worker.submit(req, loop=loop)
+        done: Done | None = None
+        try:
+            async for ev in gen:
+                if isinstance(ev, Done):
+                    done = ev
+        finally:
+            if done is None:
+                gen.cancel()
+        assert done is not None
+        out.append(result_row(i, done))
+    return out
+
+
+def engine_names(worker: Worker) -> tuple[str | None, str | None]:
+    b = worker.backend
+    if b is None:
+        return None, None
+    return b.name, (b.model.name if b.model else None)
+
+
+def format_run(run: stats.BenchRun, previous: stats.BenchRun | None = None) -> str:
+    """Plain-text summary (CLI; the chat shows it in a code block)."""
+    mem = run.peak_memory_bytes or run.peak_rss_bytes
+    lines = [f"bench #{run.id}: {run.model} on {run.backend}, {run.prompts} prompts x {run.max_tokens} tokens",
+             f"  decode {run.decode_tps:.1f} tok/s   TTFT {run.ttft_s * 1000:.0f} ms   prefill {run.prompt_tps:.0f} tok/s"
+             f"   peak memory {mem / 2**20:.0f} MiB   total {run.total_s:.1f} s  (medians)"]  # fmt: skip
+    if previous is not None and previous.decode_tps:
+        ratio = run.decode_tps / previous.decode_tps
+        lines.append(f"  vs bench #{previous.id} ({previous.model} on {previous.backend}): decode x{ratio:.2f}, "
+                     f"TTFT {run.ttft_s * 1000:.0f} vs {previous.ttft_s * 1000:.0f} ms")  # fmt: skip
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    """`flashcode bench run`: load the backend and model, run the set, store and print the run."""
+    from engine import paths
+
+    from .cli import backend_options
+    from .engine_host import make_loaded_backend
+
+    worker = Worker(lambda: make_loaded_backend(args.backend, args.model, backend_options(args)))
+    try:
+        backend, model = engine_names(worker)
+        results = run_sync(worker, args.max_tokens)
+    finally:
+        worker.close()
+    conn = sqlite3.connect(paths.database_path(paths.home()))
+    try:
+        stats.ensure_schema(conn)
+        earlier = stats.bench_runs(conn, limit=1)
+        run = stats.record_bench_run(
+            conn, backend=backend, model=model, max_tokens=args.max_tokens, results=results
+        )
+    finally:
+        conn.close()
+    print(format_run(run, earlier[0] if earlier else None))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"id": run.id, "backend": backend, "model": model,
+                                              "max_tokens": run.max_tokens, "summary": stats.summarize(results),
+                                              "results": results}, indent=2) + "\n")  # fmt: skip
+        print(f"-> {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds `run` under `flashcode bench` (call from `webapp.cli_bench.register`)."""
+    from .cli import parse_size
+
+    p = bsub.add_parser(
+        "run", help="the fixed /bench prompt set on a backend and model; stored with the stats"
+    )
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
+    p.add_argument("--model", default=None, help="installed model name (default: the default model)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="reply budget per prompt")
+    p.add_argument(
+        "--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB"
+    )
+    p.add_argument("--llama-url", default=None)
+    p.add_argument("--ctx-size", type=int, default=None)
+    p.add_argument("--out", default=None, help="also write the run as JSON here")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_bench_run)
+    return p

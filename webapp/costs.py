@@ -1,0 +1,154 @@
+"""What the same tokens would have cost on a cloud API: a price table the user can edit.
+
+What it knows: prices per million tokens (input, cached input, output) for a few cloud models, each
+with the date it was taken; how to load and save that table as `$FLASHCODE_HOME/prices.json`; the
+cost arithmetic:
+
+    cost = (prompt - cached) x input + cached x cached_input + completion x output   (per 1e6 tokens)
+
+Why a JSON file and not SQLite: the table is configuration a person edits (by hand, or in the Stats
+window), not a measurement. A file can be opened in an editor, kept in a dotfiles repo, and survives
+deleting the database. Costs are never stored: they are computed from recorded token counts at the
+current prices, so editing a price re-prices all history ("what would this have cost today").
+Until the user saves, the shipped defaults are used and no file is written.
+
+What it does not know: where token counts come from (`webapp.stats`), HTML.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PRICES_FILE = "prices.json"
+DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+MAX_MODELS = 50
+
+
+class PriceTableError(ValueError):
+    """The price table file is malformed; the message names the file and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Price:
+    """USD per million tokens."""
+
+    name: str
+    input: float
+    cached_input: float
+    output: float
+    as_of: str  # YYYY-MM-DD: when the price was taken from the provider's price page
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("a price needs a model name")
+        for field_name in ("input", "cached_input", "output"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{self.name}: {field_name} must be a number >= 0, got {value!r}")
+        if not DATE_RE.match(self.as_of):
+            raise ValueError(f"{self.name}: as_of must be a date like 2025-10-15, got {self.as_of!r}")
+
+
+# List prices published by Anthropic and OpenAI, per million tokens, as of the date on each row.
+# Cached input is the price of a cache read (Anthropic) / cached input (OpenAI).
+DEFAULT_PRICES: tuple[Price, ...] = (
+    Price("Claude Sonnet 4.5", 3.00, 0.30, 15.00, "2025-10-15"),
+    Price("Claude Haiku 4.5", 1.00, 0.10, 5.00, "2025-10-15"),
+    Price("GPT-4.1", 2.00, 0.50, 8.00, "2025-10-15"),
+    Price("GPT-4o", 2.50, 1.25, 10.00, "2025-10-15"),
+)
+
+
+def cost(price: Price, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
+    """Dollars for one reply (or for summed counts). Cached tokens are part of `prompt_tokens`."""
+    cached = max(0, min(cached_tokens, prompt_tokens))
+    uncached = max(0, prompt_tokens - cached)
+    return (uncached * price.input + cached * price.cached_input + completion_tokens * price.output) / 1e6
+
+
+def costs_for(prices: tuple[Price, ...] | list[Price], prompt_tokens: int, cached_tokens: int,
+              completion_tokens: int) -> list[tuple[Price, float]]:  # fmt: skip
+    """Each price with the cost of the given counts, most expensive first."""
+    rows = [(p, cost(p, prompt_tokens, cached_tokens, completion_tokens)) for p in prices]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+# --------------------------------------------------------------------------- the file
+def prices_path(data_dir: Path | None = None) -> Path:
+    if data_dir is None:
+        from engine import paths
+
+        data_dir = paths.home()
+    return Path(data_dir) / PRICES_FILE
+
+
+def load_prices(path: Path) -> tuple[Price, ...]:
+    """The user's table, or the shipped defaults when `path` does not exist."""
+    if not path.exists():
+        return DEFAULT_PRICES
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PriceTableError(
+            f"cannot read the price table {path}: {exc}; fix it or delete it to use the defaults"
+        ) from exc
+    return parse_prices(data, source=str(path))
+
+
+def parse_prices(data: Any, source: str = "price table") -> tuple[Price, ...]:
+    rows = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise PriceTableError(
+            f'{source}: expected {{"models": [...]}}; fix it or delete it to use the defaults'
+        )
+    if len(rows) > MAX_MODELS:
+        raise PriceTableError(f"{source}: at most {MAX_MODELS} models, got {len(rows)}")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(Price(str(row["name"]), float(row["input"]), float(row["cached_input"]),
+                             float(row["output"]), str(row["as_of"])))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PriceTableError(
+                f"{source}: model #{i + 1} needs name, input, cached_input, output (USD per million tokens) "
+                f"and as_of (YYYY-MM-DD): {exc}"
+            ) from exc
+    names = [p.name for p in out]
+    if len(set(names)) != len(names):
+        raise PriceTableError(f"{source}: model names must be unique")
+    return tuple(out)
+
+
+def save_prices(path: Path, prices: tuple[Price, ...] | list[Price]) -> None:
+    """Write atomically (a half-written table would lose the user's edits)."""
+    data = {"currency": "USD", "unit": "per million tokens", "models": [asdict(p) for p in prices]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def prices_from_form(names: list[str], inputs: list[str], cached: list[str], outputs: list[str],
+                     dates: list[str]) -> tuple[Price, ...]:  # fmt: skip
+    """The Stats window's price form: parallel lists; rows with an empty name are dropped."""
+    rows = []
+    for name, i, c, o, d in zip(names, inputs, cached, outputs, dates, strict=False):
+        if not name.strip():
+            continue
+        rows.append({"name": name.strip(), "input": i, "cached_input": c, "output": o, "as_of": d.strip()})
+    return parse_prices({"models": rows}, source="the price form")
+
+
+def format_usd(amount: float) -> str:
+    """$12.34, or more digits for small amounts so a few replies do not read as $0.00."""
+    if amount == 0:
+        return "$0.00"
+    if abs(amount) < 0.01:
+        return f"${amount:.4f}"
+    return f"${amount:,.2f}"

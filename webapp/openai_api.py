@@ -1,0 +1,348 @@
+"""An OpenAI-compatible API over the loaded engine: `POST /v1/chat/completions`, `GET /v1/models`.
+
+So editors and agents that speak the OpenAI protocol can use whichever backend flashcode runs
+(MLX, llama-server, flash streaming): requests go through the shared engine `Worker`, in turn with
+the web app's own replies, so MLX stays on the engine thread.
+
+Who may call: only clients on the loopback interface; a request with an `Origin` header must come
+from one of the app's own origins (a web page elsewhere cannot drive the model through the user's
+browser: there are no CORS headers and a foreign Origin is refused); when a token is configured
+(`Settings.api_token` or `$FLASHCODE_API_TOKEN`), `Authorization: Bearer TOKEN` is required.
+
+What is covered: chat messages (text parts only), temperature, top_p, max_tokens /
+max_completion_tokens, seed, stop, stream with `stream_options.include_usage`, usage with cached
+prompt tokens. What is not: tools / function calling, images, logprobs, n > 1 — each is refused with
+an OpenAI-shaped 400 rather than ignored. The model is the one loaded in flashcode; asking for
+another installed model says how to load it (one model is loaded at a time).
+
+What it reads from the app: `app.state.worker`, `app.state.settings`, and, when present,
+`app.state.flashcode.db.conn` to record each reply with `webapp.stats` (source "api").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
+from engine.worker import Worker
+
+from . import stats
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "FLASHCODE_API_TOKEN"
+LOOPBACK_CLIENTS = {"127.0.0.1", "::1", "localhost"}
+MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_TOKENS = 1024
+ROLE_MAP = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "user",
+}
+ANY_MODEL = {"", "default", "flashcode"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# --------------------------------------------------------------------------- access
+def api_token(request: Request) -> str | None:
+    settings = getattr(request.app.state, "settings", None)
+    return getattr(settings, "api_token", None) or os.environ.get(TOKEN_ENV) or None
+
+
+def check_access(request: Request) -> None:
+    client = request.client.host if request.client else ""
+    if client not in LOOPBACK_CLIENTS:
+        raise APIError(403, f"the flashcode API answers loopback clients only, not {client}", "permission_error",
+                       "forbidden")  # fmt: skip
+    origin = request.headers.get("origin")
+    settings = getattr(request.app.state, "settings", None)
+    allowed = getattr(settings, "allowed_origins", set())
+    if origin is not None and origin not in allowed:
+        raise APIError(403, f"cross-origin request from {origin} refused", "permission_error", "forbidden")
+    token = api_token(request)
+    if token:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
+            raise APIError(401, f"missing or wrong API key: send Authorization: Bearer <the token in ${TOKEN_ENV}>",
+                           "authentication_error", "invalid_api_key")  # fmt: skip
+
+
+def _worker(request: Request) -> Worker:
+    worker = getattr(request.app.state, "worker", None)
+    if worker is None or worker.backend is None or worker.backend.model is None:
+        raise APIError(503, "no model is loaded: pick one in flashcode's model menu", "server_error",
+                       "model_not_loaded")  # fmt: skip
+    return worker
+
+
+def loaded(worker: Worker) -> tuple[str, str]:
+    b = worker.backend
+    assert b is not None and b.model is not None
+    return b.name, b.model.name
+
+
+# --------------------------------------------------------------------------- parsing
+def parse_messages(raw: Any) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    out: list[Message] = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLE_MAP:
+            raise APIError(
+                400, f"messages[{i}].role must be one of {', '.join(ROLE_MAP)}", param=f"messages[{i}]"
+            )
+        content = _text(m.get("content"), i)
+        if m["role"] == "tool":
+            content = f"Tool result:\n{content}"
+        out.append({"role": ROLE_MAP[m["role"]], "content": content})
+    return tuple(out)
+
+
+def _text(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"messages[{i}]: only text content is supported, not {kind}",
+                               param=f"messages[{i}].content")  # fmt: skip
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise APIError(
+        400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content"
+    )
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingParams:
+    for unsupported in ("tools", "functions"):
+        if body.get(unsupported):
+            raise APIError(400, f"{unsupported} are not supported by flashcode's API: send plain chat messages",
+                           param=unsupported)  # fmt: skip
+    if body.get("n") not in (None, 1):
+        raise APIError(400, "n must be 1", param="n")
+    if body.get("logprobs"):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+    try:
+        return SamplingParams(
+            temperature=float(body["temperature"]) if body.get("temperature") is not None else 0.7,
+            top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
+            max_tokens=int(max_tokens),
+            seed=int(body["seed"]) if body.get("seed") is not None else None,
+            stop=stops,
+        )
+    except (TypeError, ValueError) as exc:
+        raise APIError(400, f"bad sampling parameter: {exc}") from None
+
+
+def check_model(requested: Any, backend: str, model: str) -> None:
+    name = str(requested or "").strip()
+    if name.lower() in ANY_MODEL or name in (model, f"{backend}:{model}"):
+        return
+    from engine.models import list_models
+
+    if any(m.name == name for m in list_models()):
+        raise APIError(400, f"model '{name}' is installed but not loaded; flashcode has '{model}' loaded on "
+                            f"{backend}: switch in the web app's model menu, or ask for '{model}'",
+                       param="model", code="model_not_loaded")  # fmt: skip
+    raise APIError(404, f"model '{name}' does not exist: GET /v1/models lists them; '{model}' is loaded",
+                   param="model", code="model_not_found")  # fmt: skip
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MB")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
+# --------------------------------------------------------------------------- handlers
+async def chat_completions(request: Request) -> Response:
+    try:
+        check_access(request)
+        body = await read_body(request)
+        worker = _worker(request)
+        backend, model = loaded(worker)
+        check_model(body.get("model"), backend, model)
+        messages = parse_messages(body.get("messages"))
+        sampling = parse_sampling(body)
+        await check_context(worker, messages)
+    except APIError as exc:
+        return exc.response()
+    req = GenerationRequest(messages=messages, sampling=sampling)
+    call = Completion(request, worker, req, backend, model)
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(call.sse(include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    return await call.whole()
+
+
+async def check_context(worker: Worker, messages: tuple[Message, ...]) -> None:
+    n, ctx = await worker.acall(lambda b: (len(b.apply_chat_template(messages)), int(b.context_length or 0)))
+    if ctx and n >= ctx:
+        raise APIError(400, f"the messages are {n} tokens and the model's context is {ctx}: shorten them",
+                       param="messages", code="context_length_exceeded")  # fmt: skip
+
+
+class Completion:
+    """One request: run it on the worker, shape the result, record its stats."""
+
+    def __init__(
+        self, request: Request, worker: Worker, req: GenerationRequest, backend: str, model: str
+    ) -> None:
+        self.request, self.worker, self.req = request, worker, req
+        self.backend, self.model = backend, model
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def usage(self, done: Done) -> dict[str, Any]:
+        s = done.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+                "total_tokens": s.prompt_tokens + s.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}  # fmt: skip
+
+    def record(self, done: Done) -> None:
+        state = getattr(self.request.app.state, "flashcode", None)
+        conn = getattr(getattr(state, "db", None), "conn", None) or getattr(
+            self.request.app.state, "stats_conn", None
+        )
+        if conn is None:
+            return
+        try:
+            stats.record_reply(conn, done.stats, backend=self.backend, model=self.model, source="api",
+                               finish_reason=done.finish_reason)  # fmt: skip
+        except Exception:  # noqa: BLE001 - a stats failure must not fail the reply
+            log.exception("could not record API reply stats")
+
+    async def whole(self) -> Response:
+        gen = self.worker.submit(self.req, loop=asyncio.get_running_loop())
+        parts: list[str] = []
+        reasoning: list[str] = []
+        done: Done | None = None
+        try:
+            async for ev in gen:
+                if isinstance(ev, TextDelta):
+                    (reasoning if ev.kind == "reasoning" else parts).append(ev.text)
+                else:
+                    done = ev
+        finally:
+            if done is None:
+                gen.cancel()
+        assert done is not None
+        if done.finish_reason == "error":
+            return APIError(500, f"the engine failed: {done.error}", "server_error").response()
+        self.record(done)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+        return JSONResponse({
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "system_fingerprint": f"flashcode-{self.backend}",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(done), "logprobs": None}],
+            "usage": self.usage(done),
+        })  # fmt: skip
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
+        data = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "system_fingerprint": f"flashcode-{self.backend}",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        return sse(data)
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        gen = self.worker.submit(self.req, loop=asyncio.get_running_loop())
+        done: Done | None = None
+        try:
+            yield self.chunk({"role": "assistant", "content": ""})
+            async for ev in gen:
+                if isinstance(ev, TextDelta):
+                    if ev.text:
+                        key = "reasoning_content" if ev.kind == "reasoning" else "content"
+                        yield self.chunk({key: ev.text})
+                else:
+                    done = ev
+        finally:
+            if done is None:  # the client went away: stop the engine at its next token
+                gen.cancel()
+        assert done is not None
+        if done.finish_reason == "error":
+            yield sse({"error": {"message": f"the engine failed: {done.error}", "type": "server_error",
+                                 "param": None, "code": None}})  # fmt: skip
+        else:
+            self.record(done)
+            yield self.chunk({}, finish_reason(done))
+            if include_usage:
+                yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model, "choices": [], "usage": self.usage(done)})  # fmt: skip
+        yield "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def finish_reason(done: Done) -> str:
+    return "length" if done.finish_reason == "length" else "stop"
+
+
+async def list_models_route(request: Request) -> Response:
+    try:
+        check_access(request)
+    except APIError as exc:
+        return exc.response()
+    from engine.models import list_models
+
+    worker = getattr(request.app.state, "worker", None)
+    b = worker.backend if worker is not None else None
+    backend = b.name if b is not None else None
+    current = b.model.name if b is not None and b.model is not None else None
+    models = list_models()
+    names = [m.name for m in models]
+    created = {m.name: int(m.path.stat().st_mtime) if m.path.exists() else 0 for m in models}
+    if current and current not in names:
+        names.insert(0, current)
+    data = [{"id": n, "object": "model", "created": created.get(n, 0), "owned_by": f"flashcode-{backend or 'none'}",
+             "loaded": n == current} for n in names]  # fmt: skip
+    return JSONResponse({"object": "list", "data": data})
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models_route, methods=["GET"]),
+]

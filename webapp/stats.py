@@ -1,0 +1,351 @@
+"""Per-reply numbers in SQLite: what each reply cost in time and tokens, grades, and bench runs.
+
+What it knows: three tables (`stats_replies`, `stats_grades`, `stats_bench_runs`), how to record a
+reply from the engine's `GenerationStats`, and the queries the Stats window, `/stats`, `/cost`,
+`/improve` and `/bench` need (totals, per-model and per-backend tables, series for charts).
+
+`MIGRATIONS` is a list of idempotent SQL scripts (`IF NOT EXISTS`) that the web app's `db.py` runs
+with its own; `ensure_schema(conn)` runs them on a plain `sqlite3` connection (tests, the CLI).
+Stats rows do not reference `messages`: deleting a conversation keeps its numbers (they hold no
+text), so totals and savings do not shrink.
+
+What it does not know: prices (`webapp.costs`), HTML (`webapp.stats_view`), engines. Calls are short
+and synchronous; the web app makes them on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.base import GenerationStats
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE IF NOT EXISTS stats_replies (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        created_at REAL NOT NULL,
+        source TEXT NOT NULL DEFAULT 'chat',          -- chat | api | bench
+        route TEXT,                                   -- chat | search | shell (the agent's route)
+        conversation_id TEXT,
+        message_id INTEGER,
+        backend TEXT,
+        model TEXT,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,     -- includes cached_tokens
+        cached_tokens INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        ttft_s REAL,
+        prompt_tps REAL,
+        decode_tps REAL,
+        peak_memory_bytes INTEGER,
+        peak_rss_bytes INTEGER,
+        total_s REAL,
+        flash_hit_rate REAL,
+        flash_bytes_read INTEGER,
+        finish_reason TEXT,
+        bench_run_id INTEGER
+    );
+    CREATE INDEX IF NOT EXISTS stats_replies_time ON stats_replies (created_at);
+    CREATE INDEX IF NOT EXISTS stats_replies_conversation ON stats_replies (conversation_id, id);
+    CREATE TABLE IF NOT EXISTS stats_grades (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        created_at REAL NOT NULL,
+        reply_id INTEGER REFERENCES stats_replies(id) ON DELETE SET NULL,
+        conversation_id TEXT,
+        message_id INTEGER,
+        route TEXT,
+        model TEXT,
+        grade TEXT NOT NULL CHECK (grade IN ('good', 'bad')),
+        note TEXT,
+        excerpt TEXT
+    );
+    CREATE TABLE IF NOT EXISTS stats_bench_runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        created_at REAL NOT NULL,
+        backend TEXT,
+        model TEXT,
+        prompts INTEGER NOT NULL,
+        max_tokens INTEGER NOT NULL,
+        decode_tps REAL,
+        ttft_s REAL,
+        prompt_tps REAL,
+        peak_memory_bytes INTEGER,
+        peak_rss_bytes INTEGER,
+        total_s REAL,
+        results TEXT
+    );
+    """,
+]
+
+ROUTES = ("chat", "search", "shell")
+EXCERPT_CHARS = 160
+# keys an engine may put in GenerationStats.extra for the flash columns
+HIT_RATE_KEYS = ("hit_rate", "cache_hit_rate", "expert_hit_rate")
+BYTES_READ_KEYS = ("bytes_read",)
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    for script in MIGRATIONS:
+        conn.executescript(script)
+    conn.commit()
+
+
+# --------------------------------------------------------------------------- recording
+def _first(extra: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    return next((extra[k] for k in keys if extra.get(k) is not None), None)
+
+
+def record_reply(conn: sqlite3.Connection, stats: GenerationStats | Mapping[str, Any], *, backend: str | None,
+                 model: str | None, source: str = "chat", route: str | None = None,
+                 conversation_id: str | None = None, message_id: int | None = None,
+                 finish_reason: str | None = None, bench_run_id: int | None = None) -> int | None:  # fmt: skip
+    """Store one reply's numbers; returns the row id, or None when nothing was generated at all."""
+    s = stats.to_dict() if isinstance(stats, GenerationStats) else dict(stats)
+    if not s.get("prompt_tokens") and not s.get("completion_tokens"):
+        return None
+    extra = s.get("extra") or {}
+    row = {
+        "created_at": time.time(), "source": source, "route": route, "conversation_id": conversation_id,
+        "message_id": message_id, "backend": backend, "model": model,
+        "prompt_tokens": int(s.get("prompt_tokens") or 0), "cached_tokens": int(s.get("cached_tokens") or 0),
+        "completion_tokens": int(s.get("completion_tokens") or 0), "ttft_s": s.get("ttft_s"),
+        "prompt_tps": s.get("prompt_tps"), "decode_tps": s.get("decode_tps"),
+        "peak_memory_bytes": s.get("peak_memory_bytes"), "peak_rss_bytes": s.get("peak_rss_bytes"),
+        "total_s": s.get("total_s"), "flash_hit_rate": _first(extra, HIT_RATE_KEYS),
+        "flash_bytes_read": _first(extra, BYTES_READ_KEYS),
+        "finish_reason": finish_reason or s.get("finish_reason"), "bench_run_id": bench_run_id,
+    }  # fmt: skip
+    cols = ", ".join(row)
+    cur = conn.execute(
+        f"INSERT INTO stats_replies ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
+    )
+    conn.commit()
+    return int(cur.lastrowid or 0)
+
+
+# --------------------------------------------------------------------------- totals and tables
+@dataclass(frozen=True)
+class Totals:
+    replies: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    total_s: float = 0.0
+    decode_tps: float = 0.0  # mean over replies that decoded
+    ttft_s: float = 0.0  # mean
+    peak_memory_bytes: int = 0  # max
+    flash_bytes_read: int = 0
+
+
+@dataclass(frozen=True)
+class GroupRow(Totals):
+    backend: str | None = None
+    model: str | None = None
+
+
+_AGG = """COUNT(*) AS replies, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens,
+          COALESCE(SUM(cached_tokens),0) AS cached_tokens, COALESCE(SUM(completion_tokens),0) AS completion_tokens,
+          COALESCE(SUM(total_s),0) AS total_s,
+          COALESCE(AVG(CASE WHEN decode_tps > 0 THEN decode_tps END),0) AS decode_tps,
+          COALESCE(AVG(CASE WHEN ttft_s > 0 THEN ttft_s END),0) AS ttft_s,
+          COALESCE(MAX(peak_memory_bytes),0) AS peak_memory_bytes,
+          COALESCE(SUM(flash_bytes_read),0) AS flash_bytes_read"""
+
+
+def _where(source: str | None) -> tuple[str, tuple[Any, ...]]:
+    return ("WHERE source = ?", (source,)) if source else ("WHERE source != 'bench'", ())
+
+
+def totals(conn: sqlite3.Connection, source: str | None = None) -> Totals:
+    """Everything recorded (bench replies excluded unless `source='bench'`)."""
+    where, args = _where(source)
+    row = conn.execute(f"SELECT {_AGG} FROM stats_replies {where}", args).fetchone()
+    return Totals(*row)
+
+
+def by_model(conn: sqlite3.Connection, source: str | None = None) -> list[GroupRow]:
+    """One row per (backend, model), most used first."""
+    where, args = _where(source)
+    rows = conn.execute(
+        f"SELECT {_AGG}, backend, model FROM stats_replies {where} GROUP BY backend, model "
+        "ORDER BY replies DESC, model, backend",
+        args,
+    ).fetchall()
+    return [GroupRow(*r) for r in rows]
+
+
+def by_backend(conn: sqlite3.Connection, source: str | None = None) -> list[GroupRow]:
+    where, args = _where(source)
+    rows = conn.execute(
+        f"SELECT {_AGG}, backend, NULL FROM stats_replies {where} GROUP BY backend ORDER BY backend", args
+    ).fetchall()
+    return [GroupRow(*r) for r in rows]
+
+
+def series(conn: sqlite3.Connection, metric: str, limit: int = 200,
+           source: str | None = None) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
+    """The latest `limit` values of `metric` as (time, value) points, one list per backend, oldest first."""
+    if metric not in ("decode_tps", "ttft_s", "prompt_tps", "peak_memory_bytes", "total_s"):
+        raise ValueError(f"no series for {metric!r}")
+    where, args = _where(source)
+    rows = conn.execute(
+        f"SELECT created_at, {metric}, COALESCE(backend, '?') FROM stats_replies {where} AND {metric} > 0 "
+        "ORDER BY id DESC LIMIT ?",
+        (*args, limit),
+    ).fetchall()
+    out: dict[str, list[tuple[float, float]]] = {}
+    for t, value, backend in reversed(rows):
+        out.setdefault(backend, []).append((float(t), float(value)))
+    return out
+
+
+# --------------------------------------------------------------------------- grading
+class GradeError(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class Grade:
+    id: int
+    created_at: float
+    grade: str
+    route: str | None
+    model: str | None
+    note: str | None
+    excerpt: str | None
+    conversation_id: str | None
+    message_id: int | None
+
+
+def last_reply(conn: sqlite3.Connection, conversation_id: str | None = None) -> sqlite3.Row | None:
+    """The latest chat reply (in `conversation_id` when given)."""
+    sql = "SELECT id, conversation_id, message_id, route, model FROM stats_replies WHERE source = 'chat'"
+    args: tuple[Any, ...] = ()
+    if conversation_id:
+        sql, args = sql + " AND conversation_id = ?", (conversation_id,)
+    return conn.execute(sql + " ORDER BY id DESC LIMIT 1", args).fetchone()
+
+
+def grade_last(conn: sqlite3.Connection, grade: str, note: str = "", conversation_id: str | None = None,
+               excerpt: str = "") -> Grade:  # fmt: skip
+    """`/good` or `/bad`: grade the latest reply; grading it again replaces the earlier grade."""
+    if grade not in ("good", "bad"):
+        raise ValueError(f"a grade is 'good' or 'bad', got {grade!r}")
+    reply = last_reply(conn, conversation_id)
+    if reply is None:
+        raise GradeError("there is no reply to grade yet: ask something first")
+    reply_id, conv, message_id, route, model = tuple(reply)
+    conn.execute("DELETE FROM stats_grades WHERE reply_id = ?", (reply_id,))
+    now = time.time()
+    note_text = " ".join(note.split())[:500] or None
+    short = " ".join(excerpt.split())[:EXCERPT_CHARS] or None
+    cur = conn.execute(
+        "INSERT INTO stats_grades (created_at, reply_id, conversation_id, message_id, route, model, grade, note, excerpt) "
+        "VALUES (?,?,?,?,?,?,?,?,?)",
+        (now, reply_id, conv, message_id, route or "chat", model, grade, note_text, short),
+    )
+    conn.commit()
+    return Grade(
+        int(cur.lastrowid or 0), now, grade, route or "chat", model, note_text, short, conv, message_id
+    )
+
+
+@dataclass(frozen=True)
+class RouteCounts:
+    route: str
+    replies: int
+    good: int
+    bad: int
+
+    @property
+    def ungraded(self) -> int:
+        return max(0, self.replies - self.good - self.bad)
+
+
+def improve(conn: sqlite3.Connection, limit: int = 20) -> tuple[list[RouteCounts], list[Grade]]:
+    """`/improve`: per route, replies and grades; and the latest graded replies (bad ones first)."""
+    replies = dict(conn.execute(
+        "SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' GROUP BY 1"
+    ).fetchall())  # fmt: skip
+    graded: dict[str, dict[str, int]] = {}
+    for route, grade, n in conn.execute(
+        "SELECT COALESCE(route, 'chat'), grade, COUNT(*) FROM stats_grades GROUP BY 1, 2"
+    ):
+        graded.setdefault(route, {})[grade] = n
+    routes = list(ROUTES) + sorted((set(replies) | set(graded)) - set(ROUTES))
+    counts = [RouteCounts(r, replies.get(r, 0), graded.get(r, {}).get("good", 0), graded.get(r, {}).get("bad", 0))
+              for r in routes]  # fmt: skip
+    rows = conn.execute(
+        "SELECT id, created_at, grade, route, model, note, excerpt, conversation_id, message_id FROM stats_grades "
+        "ORDER BY grade = 'good', id DESC LIMIT ?",
+        (limit,),
+    ).fetchall()
+    return counts, [Grade(*r) for r in rows]
+
+
+# --------------------------------------------------------------------------- bench runs
+@dataclass(frozen=True)
+class BenchRun:
+    id: int
+    created_at: float
+    backend: str | None
+    model: str | None
+    prompts: int
+    max_tokens: int
+    decode_tps: float
+    ttft_s: float
+    prompt_tps: float
+    peak_memory_bytes: int
+    peak_rss_bytes: int
+    total_s: float
+    results: list[dict[str, Any]]
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians of decode tok/s, TTFT and prefill tok/s; max of the memory peaks; summed time."""
+
+    def med(key: str) -> float:
+        values = [float(r[key]) for r in results if r.get(key)]
+        return statistics.median(values) if values else 0.0
+
+    return {
+        "decode_tps": med("decode_tps"), "ttft_s": med("ttft_s"), "prompt_tps": med("prompt_tps"),
+        "peak_memory_bytes": max((int(r.get("peak_memory_bytes") or 0) for r in results), default=0),
+        "peak_rss_bytes": max((int(r.get("peak_rss_bytes") or 0) for r in results), default=0),
+        "total_s": sum(float(r.get("total_s") or 0) for r in results),
+    }  # fmt: skip
+
+
+def record_bench_run(conn: sqlite3.Connection, *, backend: str | None, model: str | None, max_tokens: int,
+                     results: list[dict[str, Any]]) -> BenchRun:  # fmt: skip
+    """Store a bench run (its summary plus each prompt's numbers) and each reply in `stats_replies`."""
+    s = summarize(results)
+    now = time.time()
+    cur = conn.execute(
+        "INSERT INTO stats_bench_runs (created_at, backend, model, prompts, max_tokens, decode_tps, ttft_s, "
+        "prompt_tps, peak_memory_bytes, peak_rss_bytes, total_s, results) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        (now, backend, model, len(results), max_tokens, s["decode_tps"], s["ttft_s"], s["prompt_tps"],
+         s["peak_memory_bytes"], s["peak_rss_bytes"], s["total_s"], json.dumps(results)),
+    )  # fmt: skip
+    run_id = int(cur.lastrowid or 0)
+    for r in results:
+        record_reply(conn, r, backend=backend, model=model, source="bench", bench_run_id=run_id)
+    conn.commit()
+    return BenchRun(run_id, now, backend, model, len(results), max_tokens, s["decode_tps"], s["ttft_s"],
+                    s["prompt_tps"], int(s["peak_memory_bytes"]), int(s["peak_rss_bytes"]), s["total_s"], results)  # fmt: skip
+
+
+def bench_runs(conn: sqlite3.Connection, limit: int = 20) -> list[BenchRun]:
+    """The latest runs, newest first."""
+    rows = conn.execute(
+        "SELECT id, created_at, backend, model, prompts, max_tokens, COALESCE(decode_tps,0), COALESCE(ttft_s,0), "
+        "COALESCE(prompt_tps,0), COALESCE(peak_memory_bytes,0), COALESCE(peak_rss_bytes,0), COALESCE(total_s,0), "
+        "results FROM stats_bench_runs ORDER BY id DESC LIMIT ?",
+        (limit,),
+    ).fetchall()
+    return [BenchRun(*r[:-1], json.loads(r[-1] or "[]")) for r in rows]
