@@ -57,6 +57,7 @@ class Session:
         self.task: asyncio.Task[None] | None = None  # the generation task, when one runs
         self.cancel: Callable[[], None] | None = None
         self.dialogs: dict[str, asyncio.Future[p.Answer]] = {}
+        self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
 
     # ------------------------------------------------------------------ plumbing
     async def run(self) -> None:
@@ -83,6 +84,7 @@ class Session:
         while True:
             try:
                 msg = await self.ws.receive()
+                self.received = time.monotonic()
             except (WebSocketDisconnect, RuntimeError):
                 return
             if msg["type"] == "websocket.disconnect":
@@ -128,17 +130,17 @@ class Session:
         if msg.conversation_id and conv is None:
             self.error("that conversation no longer exists: start a new one (File > New Conversation)")
             return
-        fragments = []
+        created = conv is None
         if conv is None:
             title = " ".join(msg.text.split())[:TITLE_CHARS] or "Untitled"
             conv = db.create_conversation(title, *self.state.engine.model_and_backend())
-            fragments += [self.state.views.conversation_field(conv.id), self.state.views.chat_title(conv.title)]
         user = db.add_message(conv.id, "user", msg.text)
-        fragments.append(self.state.views.append_message(user))
-        fragments.append(self.state.views.conversation_list(conv.id))
-        self.send(*fragments)
         overrides = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
-        self._start(conv.id, {k: v for k, v in overrides.items() if v is not None})
+        # the engine starts first; the page is updated while it reads the prompt
+        self._start(conv.id, {k: v for k, v in overrides.items() if v is not None}, first=[
+            *([self.state.views.conversation_field(conv.id), self.state.views.chat_title(conv.title)] if created else []),
+            self.state.views.append_message(user),
+        ])
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.state.db
@@ -178,8 +180,8 @@ class Session:
         return await fut
 
     # ------------------------------------------------------------------ generation
-    def _start(self, conversation_id: str, sampling: dict[str, Any] | None = None) -> None:
-        self.task = asyncio.create_task(self._generate(conversation_id, self.state.sampling | (sampling or {})))
+    def _start(self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None) -> None:
+        self.task = asyncio.create_task(self._generate(conversation_id, self.state.sampling | (sampling or {}), first or []))
 
     async def _stop_generation(self) -> None:
         if self.task is not None and not self.task.done():
@@ -189,17 +191,20 @@ class Session:
                 await asyncio.wait_for(asyncio.shield(self.task), 5)
             self.task.cancel()
 
-    async def _generate(self, conversation_id: str, sampling: dict[str, Any]) -> None:
+    async def _generate(self, conversation_id: str, sampling: dict[str, Any], first: list[str]) -> None:
         db, views, engine = self.state.db, self.state.views, self.state.engine
         history: list[Message] = [{"role": m.role, "content": m.content} for m in db.messages(conversation_id)
                                   if m.role in ("user", "assistant", "system") and m.content]  # fmt: skip
-        reply = db.add_message(conversation_id, "assistant", "", status="streaming")
-        self.send(views.append_message(reply), views.controls(generating=True))
         request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**sampling),
                                     cache_key=conversation_id)  # fmt: skip
-        stream = TokenBatcher(self, reply.id)
+        submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
+        reply = db.add_message(conversation_id, "assistant", "", status="streaming")
+        stream = TokenBatcher(self, reply.id, submitted)
+        stream.received = self.received or submitted
+        self.send(*first, views.append_message(reply), views.controls(generating=True),
+                  views.conversation_list(conversation_id))  # fmt: skip
         done: Done | None = None
         try:
             async for event in gen:
@@ -222,6 +227,8 @@ class Session:
         stats: dict[str, Any] = done.stats.to_dict() | {"finish_reason": done.finish_reason}
         if not done.stats.ttft_s:  # a stop answers at once, before the engine's own numbers exist
             stats |= stream.measured()
+        if stream.first_sent is not None:  # message in -> first token frame out, on this server
+            stats["server_ttft_s"] = stream.first_sent - stream.received
         stats |= dict(zip(("model", "backend"), self.state.engine.model_and_backend(), strict=True))
         if done.error:
             stats["error"] = done.error
@@ -239,10 +246,12 @@ class Session:
 class TokenBatcher:
     """Collects token text and sends it as one fragment per `BATCH_SECONDS` (the first at once)."""
 
-    def __init__(self, session: Session, message_id: int) -> None:
+    def __init__(self, session: Session, message_id: int, started: float) -> None:
         self.session = session
         self.message_id = message_id
-        self.started = time.monotonic()
+        self.started = started
+        self.received = started
+        self.first_sent: float | None = None
         self.first: float | None = None  # arrival of the first and the latest token
         self.latest = 0.0
         self.tokens = 0
@@ -285,6 +294,8 @@ class TokenBatcher:
         self.pending.clear()
         self.last_flush = time.monotonic()
         self.session.send(f'<div id="msg-{self.message_id}-body" hx-swap-oob="beforeend">{chunk}</div>')
+        if self.first_sent is None:
+            self.first_sent = self.last_flush
         if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
             self.last_save = self.last_flush
             self.session.state.db.save_partial(self.message_id, self.text)
