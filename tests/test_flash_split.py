@@ -1,0 +1,152 @@
+"""Split layout, reader and budget: round-trip, damage detection, refusals. Fast (tiny models)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.base import BudgetError
+from engine.flash.budget import plan_budget
+from engine.flash.reader import AlignedBuffer, UnitReader
+from engine.flash.safetensors_io import read_model_tensors
+from engine.flash.split import ALIGN, SplitError, load_manifest, split_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Path:
+    from engine.flash.synth import synth_model
+
+    return synth_model("tiny", tmp_path_factory.mktemp("synth") / "tiny", progress=False)
+
+
+@pytest.fixture
+def tiny_split(tiny: Path, tmp_path: Path) -> Path:
+    return split_model(tiny, tmp_path / "split", progress=False)
+
+
+def test_split_round_trips_unit_bytes(tiny: Path, tiny_split: Path) -> None:
+    man = load_manifest(tiny_split)
+    refs = read_model_tensors(tiny)
+    assert len(man.dense_units()) == 4
+    reader = UnitReader(man.units_path)
+    buf = AlignedBuffer(man.max_unit_bytes)
+    try:
+        for u in man.units:
+            assert u.offset % ALIGN == 0
+            reader.read(buf, u.offset, u.length).result()
+            for t in u.tensors:
+                ref = refs[f"model.layers.{u.layer}.mlp.{t.name}"]
+                with open(ref.path, "rb") as f:
+                    f.seek(ref.offset)
+                    assert bytes(buf.view[t.offset : t.offset + t.nbytes]) == f.read(ref.nbytes)
+    finally:
+        reader.close()
+        buf.close()
+    pinned = read_model_tensors(tiny_split)
+    assert not any(".mlp." in n for n in pinned)
+    assert set(pinned) | {f"model.layers.{u.layer}.mlp.{t.name}" for u in man.units for t in u.tensors} == set(refs)
+
+
+def test_split_of_the_default_model_matches_its_tensors(default_model, tmp_path: Path) -> None:
+    out = split_model(default_model.path, tmp_path / "split", progress=False)
+    man = load_manifest(out)
+    assert len(man.dense_units()) == 30
+    assert man.pinned_bytes + man.streamed_bytes == sum(r.nbytes for r in read_model_tensors(default_model.path).values())
+
+
+def test_flash_load_detects_a_damaged_unit(tiny: Path, tiny_split: Path) -> None:
+    from engine.base import ModelInfo
+    from engine.flash.backend import FlashBackend
+
+    man = load_manifest(tiny_split)
+    u = man.units[2]
+    with open(man.units_path, "r+b") as f:
+        f.seek(u.offset + 100)
+        b = f.read(1)
+        f.seek(u.offset + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    backend = FlashBackend()
+    with pytest.raises(SplitError, match=r"damaged: unit layers\.2\.mlp .*checksum"):
+        backend.load(ModelInfo("tiny", tiny, "llama", 0, split_path=tiny_split))
+
+
+def test_flash_load_detects_a_damaged_pinned_file(tiny: Path, tiny_split: Path) -> None:
+    from engine.base import ModelInfo
+    from engine.flash.backend import FlashBackend
+
+    p = tiny_split / "model-pinned.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-10] ^= 0x01
+    p.write_bytes(bytes(data))
+    with pytest.raises(SplitError, match="model-pinned.safetensors fails its checksum"):
+        FlashBackend().load(ModelInfo("tiny", tiny, "llama", 0, split_path=tiny_split))
+
+
+def test_truncated_units_file_is_refused(tiny_split: Path) -> None:
+    with open(tiny_split / "units.bin", "r+b") as f:
+        f.truncate(ALIGN)
+    with pytest.raises(SplitError, match="units.bin has 16384 bytes"):
+        load_manifest(tiny_split)
+
+
+def test_split_refuses_a_model_without_ffn_tensors(tmp_path: Path) -> None:
+    from engine.flash.safetensors_io import TensorSpec, write_header
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mystery"}))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        write_header(f, [TensorSpec("x.weight", "F32", (2,))])
+        f.write(np.zeros(2, np.float32).tobytes())
+    with pytest.raises(SplitError, match="no FFN or expert tensors.*'mystery'"):
+        split_model(tmp_path, progress=False)
+
+
+def test_budget_refuses_when_pinned_weights_do_not_fit(tiny_split: Path) -> None:
+    man = load_manifest(tiny_split)
+    with pytest.raises(BudgetError, match=r"pinned weights alone need .* MB over"):
+        plan_budget(man, 1_000_000, 2, 8192, 128)
+    plan = plan_budget(man, 200_000_000, 2, 8192, 128)
+    assert plan.total <= 200_000_000 and plan.context == 8192
+
+
+def test_budget_shrinks_the_context_to_fit(tiny_split: Path) -> None:
+    man = load_manifest(tiny_split)
+    free = plan_budget(man, None, 2, 8192, 128)
+    budget = free.fixed + 1000 * free.kv_per_token
+    plan = plan_budget(man, budget, 2, 8192, 128)
+    assert plan.context == 1000 and plan.total <= budget
+
+
+def test_reader_falls_back_where_o_direct_is_refused(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no tmpfs at /dev/shm to try O_DIRECT on")
+    f = shm / f"flash-test-{tmp_path.name}"
+    f.write_bytes(bytes(range(256)) * (ALIGN // 128))
+    try:
+        r = UnitReader(f)
+        buf = AlignedBuffer(2 * ALIGN)
+        r.read(buf, ALIGN, ALIGN).result()
+        assert bytes(buf.view[:4]) == bytes(range(4))
+        assert r.stats.bytes == ALIGN
+        r.close()
+        buf.close()
+    finally:
+        f.unlink()
+
+
+def test_synth_gguf_export_holds_the_same_weights(tiny: Path, tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from engine.flash.synth import _permute, export_gguf
+
+    src = tmp_path / "m"
+    shutil.copytree(tiny, src)
+    export_gguf(src, src / "model.gguf", progress=False)
+    g, s = mx.load(str(src / "model.gguf")), mx.load(str(src / "model.safetensors"))
+    for leaf in ("weight", "scales", "biases"):
+        assert np.array_equal(np.array(g[f"blk.1.ffn_down.{leaf}"]), np.array(s[f"model.layers.1.mlp.down_proj.{leaf}"]))
+        assert np.array_equal(np.array(g[f"blk.0.attn_q.{leaf}"]), _permute(np.array(s[f"model.layers.0.self_attn.q_proj.{leaf}"]), 4))
