@@ -182,6 +182,15 @@ class Session:
     # ------------------------------------------------------------------ generation
     def _start(self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None) -> None:
         self.task = asyncio.create_task(self._generate(conversation_id, self.state.sampling | (sampling or {}), first or []))
+        self.task.add_done_callback(self._generation_ended)
+
+    def _generation_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("generation failed", exc_info=exc)
+        self.send(self.state.views.controls(generating=False, can_regenerate=True))
+        self.error(f"the reply failed: {type(exc).__name__}: {exc}")
 
     async def _stop_generation(self) -> None:
         if self.task is not None and not self.task.done():
