@@ -140,3 +140,91 @@ def test_slash_answers(conn: sqlite3.Connection, tmp_path: Path) -> None:
     assert "Graded the last reply **bad** — too long" in run("bad", "too long")
     assert "| chat | 1 | 0 | 1 | 0 |" in run("improve")
     assert "no worker" in run("bench")
+
+
+def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from engine.worker import Worker
+    from webapp.app import create_app
+    from webapp.settings import Settings
+
+    worker = Worker()
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    app.router.routes.extend(stats_view.routes)
+    try:
+        with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+            state = app.state.flashcode
+            stats.ensure_schema(state.db.conn)
+            stats.record_reply(state.db.conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="small")
+            page = c.get("/stats/window")
+            assert page.status_code == 200 and "$0.0075" in page.text  # GPT-4o: 1000 x 2.50 + 500 x 10
+            form = {"name": ["Mine", ""], "input": ["1", ""], "cached_input": ["0.1", ""], "output": ["2", ""],
+                    "as_of": ["2026-11-01", ""]}  # fmt: skip
+            assert c.post("/stats/prices", data=form).status_code == 403  # no CSRF token
+            r = c.post("/stats/prices", data=form, headers={"x-csrf-token": state.csrf_token})
+            assert r.status_code == 200 and "Mine" in r.text and "$0.0020" in r.text  # 1000 x 1 + 500 x 2
+            assert [p.name for p in costs.load_prices(costs.prices_path(tmp_path))] == ["Mine"]
+            bad = form | {"as_of": ["yesterday", ""]}
+            r = c.post("/stats/prices", data=bad, headers={"x-csrf-token": state.csrf_token})
+            assert r.status_code == 400 and "as_of" in r.text
+            r = c.post("/stats/prices/reset", headers={"x-csrf-token": state.csrf_token})
+            assert r.status_code == 200 and not costs.prices_path(tmp_path).exists()
+    finally:
+        worker.close()
+
+
+class FakeBenchEngine:
+    """Answers every prompt with `max_tokens` tokens at made-up speeds (for the bench runner)."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        from engine.base import ModelInfo
+
+        self.model = ModelInfo(
+            name="fake-model", path=Path("/nonexistent"), architecture="fake", size_bytes=0
+        )
+        self.context_length = 4096
+        self.requests: list = []
+
+    def stream(self, request, cancel):  # noqa: ANN001, ANN201
+        from engine.base import Done, TextDelta
+
+        self.requests.append(request)
+        n = request.sampling.max_tokens
+        for i in range(n):
+            yield TextDelta("x", (i,))
+        i = len(self.requests)
+        yield Done(GenerationStats(prompt_tokens=20 + i, completion_tokens=n, ttft_s=0.1 * i, decode_tps=10.0 * i,
+                                   peak_memory_bytes=i << 20, total_s=1.0), "length", "x" * n)  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def test_bench_runs_the_fixed_prompts_greedily_and_compares_runs(conn: sqlite3.Connection) -> None:
+    import asyncio
+
+    from engine.worker import Worker
+    from webapp import benchset
+
+    engine = FakeBenchEngine()
+    worker = Worker(lambda: engine)  # type: ignore[arg-type, return-value]
+    try:
+        results = benchset.run_sync(worker, max_tokens=3)
+        assert len(results) == len(benchset.PROMPTS) == len(engine.requests)
+        assert all(r.sampling.temperature == 0 and r.sampling.seed == benchset.SEED for r in engine.requests)
+        assert [r.messages[-1]["content"] for r in engine.requests] == list(benchset.PROMPTS)
+        first = stats.record_bench_run(
+            conn, backend="fake", model="fake-model", max_tokens=3, results=results
+        )
+        assert (
+            first.decode_tps == 30.0 and first.peak_memory_bytes == 5 << 20
+        )  # median of 10..50, max of 1..5 MiB
+        text = asyncio.run(
+            stats_view.run_slash("bench", "", conn=conn, data_dir=Path("/nonexistent"), worker=worker)
+        )
+        assert "bench #2: fake-model on fake" in text and "vs bench #1" in text and "decode x2.67" in text
+    finally:
+        worker.close()

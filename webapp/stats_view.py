@@ -161,8 +161,9 @@ routes = [
 
 
 def window_pane_html() -> str:
-    """What the web app's Stats window pane should hold: it loads the window and refreshes it."""
-    return ('<div class="stats-loader" hx-get="/stats/window" hx-trigger="load, every 30s" '
+    """What the web app's Stats window pane should hold: it loads the window's content when opened."""
+    # intersect: fetched each time the (hidden) window is opened; the Refresh button does the rest
+    return ('<div class="stats-loader" hx-get="/stats/window" hx-trigger="intersect" '
             'hx-swap="innerHTML"><p>Loading stats…</p></div>')  # fmt: skip
 
 
