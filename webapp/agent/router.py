@@ -20,18 +20,10 @@ from engine.base import Message, ScoringBackend
 Route = Literal["chat", "search", "shell"]
 ROUTES: tuple[Route, ...] = ("chat", "search", "shell")
 
-ROUTING_SYSTEM = """You route requests for a coding assistant. Answer with one word:
-chat - answer from your own knowledge: explain, write or review code, talk.
-search - look up the web: news, current events, prices, docs, versions, weather, anything recent.
-shell - run a command in the project folder: list, find or read files, git, run tests, build, install.
-
-Examples:
-Explain what a Python decorator is. -> chat
-What is the latest release of Node.js? -> search
-Show the git log of this repo. -> shell
-Write a function that reverses a string. -> chat
-Search the web for rust async tutorials. -> search
-List the files in this directory. -> shell"""
+ROUTING_SYSTEM = """Route each request with one word:
+chat: explain, write or review code, talk.
+search: look up the web (news, prices, latest versions, docs).
+shell: run a command here (files, git, tests, build, install)."""
 
 ASSISTANT_PREFIX = ""  # text the assistant "already wrote" before the label
 
@@ -77,10 +69,37 @@ def route_step(
     if ASSISTANT_PREFIX:
         prompt += backend.tokenize(ASSISTANT_PREFIX)
     conts = [backend.tokenize(label) for label in labels]
-    scores = backend.score_continuations(prompt, conts)
+    scores = score_labels(backend, prompt, conts)
     table = {label: float(s) for label, s in zip(labels, scores, strict=True)}
     best = max(labels, key=lambda lab: table[lab])
     return RouteDecision(best, table)  # type: ignore[arg-type]
+
+
+def score_labels(backend: Any, prompt: list[int], conts: list[list[int]]) -> list[float]:
+    """`score_continuations`, with a fast path for in-RAM MLX models and one-token labels: the KV
+    cache of the routing instructions (the same every turn) is kept and trimmed back after each
+    route, so a route prefills only the user's words. Same numbers as the plain call."""
+    model = getattr(backend, "model_obj", None)
+    if model is None or any(len(c) != 1 for c in conts):
+        return list(backend.score_continuations(prompt, conts))
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    state = _PREFIX.get(id(backend))
+    if state is None or state[0] is not model:
+        state = (model, [], make_prompt_cache(model))
+    _, tokens, cache = state
+    n = 0
+    while n < min(len(tokens), len(prompt) - 1) and tokens[n] == prompt[n]:
+        n += 1
+    trim_prompt_cache(cache, len(tokens) - n)
+    logits = model(mx.array(prompt[n:])[None], cache=cache)[0, -1].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits)
+    _PREFIX[id(backend)] = (model, list(prompt), cache)
+    return [float(logp[c[0]].item()) for c in conts]
+
+
+_PREFIX: dict[int, tuple[Any, list[int], Any]] = {}  # id(backend) -> (model, tokens in cache, cache)
 
 
 async def route(worker: Any, text: str) -> RouteDecision:
