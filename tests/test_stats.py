@@ -228,3 +228,24 @@ def test_bench_runs_the_fixed_prompts_greedily_and_compares_runs(conn: sqlite3.C
         assert "bench #2: fake-model on fake" in text and "vs bench #1" in text and "decode x2.67" in text
     finally:
         worker.close()
+
+
+def test_stats_migrations_run_through_the_web_apps_migrate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """db.py splits scripts on ';': the stats scripts survive that (the integration path)."""
+    from webapp import db
+
+    extra = [(1000 + i, f"stats {i}", sql) for i, sql in enumerate(stats.MIGRATIONS)]
+    monkeypatch.setattr(db, "MIGRATIONS", [*db.MIGRATIONS, *extra])
+    c = sqlite3.connect(":memory:", isolation_level=None)
+    db.migrate(c)
+    stats.ensure_schema(c)  # and running ensure_schema afterwards is harmless
+    assert stats.record_reply(c, reply(5, 0, 1, 1.0, 0.1), backend="mlx", model="m") == 1
+
+
+def test_stats_slash_commands_are_registered_with_the_agent() -> None:
+    from webapp.agent.slash import help_text, parse_slash
+
+    call = parse_slash("/bad it ignored the file I named")
+    assert call is not None and (call.name, call.arg) == ("bad", "it ignored the file I named")
+    assert all(parse_slash(f"/{n}") is not None for n in stats_view.SLASH_NAMES)
+    assert "/improve" in help_text() and "/cost" in help_text()

@@ -37,12 +37,19 @@ SLASH_COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def register_slash_commands() -> None:
-    """Add the commands above to the agent's registry (`webapp.agent.slash`)."""
-    from .agent.slash import SlashCommand, register
+SLASH_NAMES = frozenset(name for name, _, _ in SLASH_COMMANDS)
 
+
+def register_slash_commands() -> bool:
+    """Add the commands above to the agent's registry (`webapp.agent.slash`); done on import.
+    The agent answers them with `SlashUnhandled(name, arg)`, which the web app passes to `run_slash`."""
+    try:
+        from .agent.slash import SlashCommand, register
+    except ImportError:  # no agent in this build: the commands have nowhere to be typed
+        return False
     for name, usage, help_text in SLASH_COMMANDS:
         register(SlashCommand(name, help_text, usage, needs_arg=False))
+    return True
 
 
 # --------------------------------------------------------------------------- the window
@@ -252,3 +259,6 @@ async def run_slash(name: str, arg: str, *, conn: sqlite3.Connection, data_dir: 
             return "/bench needs the engine: no worker is running."
         return await bench_markdown(conn, worker)
     raise ValueError(f"/{name} is not a stats command")
+
+
+register_slash_commands()
