@@ -57,16 +57,17 @@
   function post(path, values) {
     return htmx.ajax("POST", path, { values, headers: { "X-CSRF-Token": csrf() }, target: "#conversation-list", swap: "outerHTML" });
   }
-  function rename() {
+  async function rename() {
     const id = conversationId();
     if (!id) return alertBox("Send a message first: there is no conversation to rename.");
-    const title = window.prompt("Rename conversation to:", ($("#chat-title") || {}).textContent || "");
+    const title = await ask("Rename this conversation to:", { value: ($("#chat-title") || {}).textContent || "", ok: "Rename" });
     if (title && title.trim()) post(`/c/${id}/rename`, { title: title.trim() });
   }
-  function remove() {
+  async function remove() {
     const id = conversationId();
-    if (!id) return;
-    if (window.confirm(`Delete “${($("#chat-title") || {}).textContent}”? This cannot be undone.`)) post(`/c/${id}/delete`, {});
+    if (!id) return alertBox("There is no conversation to delete yet.");
+    const yes = await ask(`Delete “${($("#chat-title") || {}).textContent}”? This cannot be undone.`, { ok: "Delete" });
+    if (yes !== null) post(`/c/${id}/delete`, {});
   }
   function alertBox(text) {
     const box = document.createElement("div");
@@ -74,6 +75,28 @@
     box.innerHTML = '<div class="inner-border"><div class="alert-contents"><span class="alert-icon">!</span><p class="alert-text"></p><button type="button" class="btn btn-default alert-ok">OK</button></div></div>';
     box.querySelector(".alert-text").textContent = text;
     $("#alerts").appendChild(box);
+  }
+  // A modal System 7 dialog: resolves to the text typed (or "" without a field), or null on Cancel/Esc.
+  function ask(text, { value = null, ok = "OK" } = {}) {
+    return new Promise((resolve) => {
+      const box = document.createElement("div");
+      box.className = "alert-box outer-border modal"; box.setAttribute("role", "dialog");
+      box.innerHTML = '<div class="inner-border"><form class="alert-contents"><span class="alert-icon">?</span><p class="alert-text"></p>' +
+        (value !== null ? '<input type="text" class="dialog-input" maxlength="120">' : "") +
+        '<span class="dialog-buttons"><button type="button" class="btn dialog-cancel">Cancel</button><button type="submit" class="btn btn-default dialog-ok"></button></span></form></div>';
+      box.querySelector(".alert-text").textContent = text;
+      box.querySelector(".dialog-ok").textContent = ok;
+      const input = box.querySelector(".dialog-input");
+      if (input) input.value = value;
+      const close = (result) => { box.remove(); document.removeEventListener("keydown", onKey, true); resolve(result); };
+      const onKey = (e) => { if (e.key === "Escape") { e.stopPropagation(); e.preventDefault(); close(null); } };
+      box.querySelector("form").addEventListener("submit", (e) => { e.preventDefault(); close(input ? input.value : ""); });
+      box.querySelector(".dialog-cancel").addEventListener("click", () => close(null));
+      document.addEventListener("keydown", onKey, true);
+      $("#alerts").appendChild(box);
+      (input || box.querySelector(".dialog-ok")).focus();
+      if (input) input.select();
+    });
   }
   const click = (sel) => { const b = $(sel); if (b && !b.disabled) b.click(); };
   const actions = {

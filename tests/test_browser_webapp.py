@@ -133,5 +133,12 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     text = Path(dl.value.path()).read_text()
     assert prompt in text and "## Assistant" in text and "(stopped)" in text
 
+    # rename through the System 7 dialog (a CSRF-protected POST)
+    page.click("#conversations-window [data-action=rename]")
+    page.fill(".dialog-input", "Lighthouse story")
+    page.press(".dialog-input", "Enter")
+    page.wait_for_selector(f"#conversation-list li[data-id='{cid}']:has-text('Lighthouse story')")
+    assert page.inner_text("#chat-title") == "Lighthouse story"
+
     assert not page.errors, page.errors
     print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")
