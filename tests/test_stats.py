@@ -249,3 +249,37 @@ def test_stats_slash_commands_are_registered_with_the_agent() -> None:
     assert call is not None and (call.name, call.arg) == ("bad", "it ignored the file I named")
     assert all(parse_slash(f"/{n}") is not None for n in stats_view.SLASH_NAMES)
     assert "/improve" in help_text() and "/cost" in help_text()
+
+
+def test_ws_hooks_record_a_chat_reply_and_answer_commands(tmp_path: Path) -> None:
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    from engine.worker import Worker
+    from webapp.app import create_app
+    from webapp.settings import Settings
+
+    worker = Worker()
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    try:
+        with TestClient(app, base_url="http://127.0.0.1:8000"):
+            state = app.state.flashcode
+            stats.ensure_schema(state.db.conn)
+            conv = state.db.create_conversation("t")
+            state.db.add_message(conv.id, "user", "hi")
+            msg = state.db.add_message(conv.id, "assistant", "Hello there, friend.")
+            s = reply(30, 10, 5, 8.0, 0.2).to_dict() | {
+                "model": "m",
+                "backend": "mlx",
+                "finish_reason": "stop",
+            }
+            assert stats_view.record_chat_reply(
+                state, s, conversation_id=conv.id, message_id=msg.id, route="shell"
+            )
+            text = asyncio.run(stats_view.answer(state, "good", "nice", conv.id))
+            assert "**good** — nice" in text
+            [g] = stats.improve(state.db.conn)[1]
+            assert (g.route, g.excerpt, g.message_id) == ("shell", "Hello there, friend.", msg.id)
+    finally:
+        worker.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment
 from starlette.datastructures import FormData
@@ -25,6 +25,9 @@ from starlette.routing import Route
 from engine.worker import Worker
 
 from . import benchset, charts, costs, stats
+
+if TYPE_CHECKING:
+    from .state import AppState
 
 # (name, usage, help) for the slash-command registry
 SLASH_COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -259,6 +262,27 @@ async def run_slash(name: str, arg: str, *, conn: sqlite3.Connection, data_dir: 
             return "/bench needs the engine: no worker is running."
         return await bench_markdown(conn, worker)
     raise ValueError(f"/{name} is not a stats command")
+
+
+# --------------------------------------------------------------------------- one-line hooks for webapp.ws
+def record_chat_reply(state: AppState, reply_stats: dict[str, Any], *, conversation_id: str, message_id: int,
+                      route: str | None = None, finish_reason: str | None = None) -> int | None:  # fmt: skip
+    """Call after `db.finish_message`: records the reply with the loaded backend and model."""
+    model, backend = state.engine.model_and_backend()
+    return stats.record_reply(state.db.conn, reply_stats, backend=reply_stats.get("backend") or backend,
+                              model=reply_stats.get("model") or model, route=route or "chat",
+                              conversation_id=conversation_id, message_id=message_id,
+                              finish_reason=finish_reason or reply_stats.get("finish_reason"))  # fmt: skip
+
+
+async def answer(state: AppState, name: str, arg: str, conversation_id: str | None) -> str:
+    """A stats slash command typed in `conversation_id`, answered as Markdown."""
+    last = ""
+    if conversation_id:
+        replies = [m for m in state.db.messages(conversation_id) if m.role == "assistant"]
+        last = replies[-1].content if replies else ""
+    return await run_slash(name, arg, conn=state.db.conn, data_dir=Path(state.settings.data_dir),
+                           worker=state.engine.worker, conversation_id=conversation_id, last_reply_text=last)  # fmt: skip
 
 
 register_slash_commands()
