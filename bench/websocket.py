@@ -47,7 +47,18 @@ def start_server(home: Path, port: int) -> subprocess.Popen:
 
     models = paths.home()
     (home / "models").symlink_to(paths.models_dir(models), target_is_directory=True)
-    cmd = [sys.executable, "-m", "webapp.cli", "serve", "--backend", "mlx", "--port", str(port), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "webapp.cli",
+        "serve",
+        "--backend",
+        "mlx",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ | {"FLASHCODE_HOME": str(home)})
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -34,15 +34,30 @@ def free_port() -> int:
 @pytest.fixture
 def server(data_dir: Path) -> Iterator[str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "webapp.cli", "serve", "--backend", "mlx", "--port", str(port), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "webapp.cli",
+        "serve",
+        "--backend",
+        "mlx",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     log = (data_dir / "serve.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FLASHCODE_HOME": str(data_dir)})
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FLASHCODE_HOME": str(data_dir)}
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"flashcode serve exited {proc.returncode}: {(data_dir / 'serve.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"flashcode serve exited {proc.returncode}: {(data_dir / 'serve.log').read_text()[-2000:]}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=1).json().get("model"):
                     break

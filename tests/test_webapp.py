@@ -10,18 +10,19 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.worker import Worker
+from tests.test_ws import BASE, FakeBackend, connect, conversation_id, send, until
 from webapp.app import create_app
 from webapp.db import Database
 from webapp.settings import Settings
-
-from tests.test_ws import BASE, FakeBackend, connect, conversation_id, send, until
 
 
 @pytest.fixture
 def app_parts(tmp_path: Path) -> Iterator[tuple[TestClient, FakeBackend]]:
     fake = FakeBackend()
     worker = Worker(lambda: fake)
-    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as c:
         yield c, fake
     worker.close()
 
@@ -75,7 +76,10 @@ def test_webapp_rename_and_delete_need_csrf_token(app_parts) -> None:
     client, _ = app_parts
     cid = make_conversation(client)
     assert client.post(f"/c/{cid}/rename", data={"title": "x"}).status_code == 403
-    assert client.post(f"/c/{cid}/rename", data={"title": "x"}, headers={"X-CSRF-Token": "wrong"}).status_code == 403
+    assert (
+        client.post(f"/c/{cid}/rename", data={"title": "x"}, headers={"X-CSRF-Token": "wrong"}).status_code
+        == 403
+    )
     token = csrf(client)
     bad_origin = {"X-CSRF-Token": token, "origin": "http://evil.example"}
     assert client.post(f"/c/{cid}/delete", headers=bad_origin).status_code == 403
@@ -119,7 +123,9 @@ def test_webapp_incomplete_reply_is_shown_after_crash(tmp_path: Path) -> None:
     d.save_partial(r.id, "half a repl")
     d.conn.close()
     worker = Worker(lambda: FakeBackend())
-    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as cl:
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as cl:
         page = cl.get(f"/c/{c.id}").text
     assert "half a repl" in page and "status-incomplete" in page and "Incomplete" in page
     worker.close()

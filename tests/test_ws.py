@@ -36,7 +36,9 @@ class FakeBackend:
     def __init__(self, delay: float = 0.0, context_length: int = 2048) -> None:
         self.delay = delay
         self._context_length = context_length
-        self._model = ModelInfo(name="fake-model", path=Path("/nonexistent"), architecture="fake", size_bytes=0)
+        self._model = ModelInfo(
+            name="fake-model", path=Path("/nonexistent"), architecture="fake", size_bytes=0
+        )
         self.replies: list[list[str]] = []
         self.history: list[GenerationRequest] = []
 
@@ -150,7 +152,9 @@ def test_ws_stop_cancels_quickly(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.05)
     slow.enqueue(*[f" t{i}" for i in range(400)])
     worker = Worker(lambda: slow)
-    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as c:
         with connect(c) as ws:
             send(ws, type="send", text="long please")
             until(ws, r"t2")
@@ -185,7 +189,7 @@ def test_ws_regenerate_replaces_last_reply(client: TestClient, fake: FakeBackend
 def test_ws_regenerate_without_reply_is_an_error(client: TestClient) -> None:
     with connect(client) as ws:
         send(ws, type="regenerate", conversation_id="nope")
-        assert "role=\"alert\"" in ws.receive_text()
+        assert 'role="alert"' in ws.receive_text()
 
 
 def test_ws_escapes_model_output(client: TestClient, fake: FakeBackend) -> None:
@@ -252,7 +256,9 @@ def test_ws_busy_while_generating(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.02)
     slow.enqueue(*["x"] * 30)
     worker = Worker(lambda: slow)
-    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as c:
         with connect(c) as ws:
             send(ws, type="send", text="a")
             until(ws, r'data-state="generating"')
@@ -266,7 +272,9 @@ def test_ws_batches_fast_tokens(tmp_path: Path) -> None:
     fast = FakeBackend(delay=0.002)
     fast.enqueue(*[f"{i} " for i in range(300)])
     worker = Worker(lambda: fast)
-    with TestClient(create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE) as c:
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as c:
         with connect(c) as ws:
             send(ws, type="send", text="go")
             frames = until(ws, r'data-state="idle"')

@@ -60,7 +60,9 @@ class SecurityHeaders:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 names = {k.lower() for k, _ in headers}
-                headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items() if k.encode() not in names]
+                headers += [
+                    (k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items() if k.encode() not in names
+                ]
                 message["headers"] = headers
             await send(message)
 
@@ -99,10 +101,15 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
             db.close()
 
     app = Starlette(
-        routes=[*routes, WebSocketRoute("/ws", websocket_endpoint),
-                Mount("/static", StaticFiles(directory=find_dir("static")), name="static")],  # fmt: skip
-        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings)),
-                    Middleware(SecurityHeaders)],  # fmt: skip
+        routes=[
+            *routes,
+            WebSocketRoute("/ws", websocket_endpoint),
+            Mount("/static", StaticFiles(directory=find_dir("static")), name="static"),
+        ],  # fmt: skip
+        middleware=[
+            Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings)),
+            Middleware(SecurityHeaders),
+        ],  # fmt: skip
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )

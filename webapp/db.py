@@ -141,7 +141,9 @@ class Database:
         return StoredMessage(int(cur.lastrowid or 0), conversation_id, role, content, status, now)
 
     def save_partial(self, message_id: int, content: str) -> None:
-        self.conn.execute("UPDATE messages SET content=? WHERE id=? AND status='streaming'", (content, message_id))
+        self.conn.execute(
+            "UPDATE messages SET content=? WHERE id=? AND status='streaming'", (content, message_id)
+        )
 
     def finish_message(self, message_id: int, content: str, status: MessageStatus,
                        stats: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -206,8 +208,13 @@ def export_json(conv: Conversation, messages: list[StoredMessage]) -> dict[str, 
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
         "messages": [
-            {"role": m.role, "content": m.content, "status": m.status, "created_at": m.created_at,
-             "stats": m.stats}  # fmt: skip
+            {
+                "role": m.role,
+                "content": m.content,
+                "status": m.status,
+                "created_at": m.created_at,
+                "stats": m.stats,
+            }  # fmt: skip
             for m in messages
         ],
     }

@@ -124,8 +124,11 @@ _PARSERS = {
     "stop": lambda d: Stop(),
     "regenerate": lambda d: Regenerate(conversation_id=_str(d, "conversation_id") or ""),
     "model": _model,
-    "answer": lambda d: Answer(dialog_id=_str(d, "dialog_id") or "", choice=_str(d, "choice") or "",
-                               note=_str(d, "note", required=False, limit=2000) or ""),  # fmt: skip
+    "answer": lambda d: Answer(
+        dialog_id=_str(d, "dialog_id") or "",
+        choice=_str(d, "choice") or "",
+        note=_str(d, "note", required=False, limit=2000) or "",
+    ),  # fmt: skip
 }
 MESSAGE_TYPES = tuple(_PARSERS)
 

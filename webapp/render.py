@@ -48,7 +48,9 @@ def _highlight(code: str, lang: str, _attrs: str) -> str:
 
 @lru_cache(maxsize=1)
 def _md() -> MarkdownIt:
-    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False, "highlight": _highlight})
+    md = MarkdownIt(
+        "commonmark", {"html": False, "linkify": False, "typographer": False, "highlight": _highlight}
+    )
     md.enable("table")
     md.enable("strikethrough")
 

@@ -37,7 +37,9 @@ async def check_csrf(request: Request) -> None:
     if origin is not None and origin not in state.settings.allowed_origins:
         raise HTTPException(403, f"cross-origin request from {origin} refused")
     token = request.headers.get("x-csrf-token")
-    if token is None and request.headers.get("content-type", "").startswith(("application/x-www-form", "multipart/")):
+    if token is None and request.headers.get("content-type", "").startswith(
+        ("application/x-www-form", "multipart/")
+    ):
         token = str((await request.form()).get("csrf_token") or "")
     if not token or not secrets.compare_digest(token, state.csrf_token):
         raise HTTPException(403, "missing or stale CSRF token: reload the page and try again")
@@ -77,7 +79,9 @@ async def rename(request: Request) -> HTMLResponse:
     await check_csrf(request)
     conv = _conversation(request)
     form = await request.form()
-    title = " ".join(str(form.get("title") or request.headers.get("hx-prompt") or "").split())[:MAX_TITLE_CHARS]
+    title = " ".join(str(form.get("title") or request.headers.get("hx-prompt") or "").split())[
+        :MAX_TITLE_CHARS
+    ]
     if not title:
         raise HTTPException(400, "a title cannot be empty")
     state = _state(request)
@@ -123,7 +127,9 @@ async def pygments_stylesheet(request: Request) -> Response:
 
 async def health(request: Request) -> JSONResponse:
     e = _state(request).engine
-    return JSONResponse({"ok": True, "backend": e.backend, "model": e.model, "context_length": e.context_length})
+    return JSONResponse(
+        {"ok": True, "backend": e.backend, "model": e.model, "context_length": e.context_length}
+    )
 
 
 routes = [

@@ -57,6 +57,9 @@ class Session:
         self.task: asyncio.Task[None] | None = None  # the generation task, when one runs
         self.cancel: Callable[[], None] | None = None
         self.dialogs: dict[str, asyncio.Future[p.Answer]] = {}
+        from .agent.web import AgentBridge  # issue 4: slash commands and agent-mode turns
+
+        self.agent = AgentBridge(self)
         self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
 
     # ------------------------------------------------------------------ plumbing
@@ -136,11 +139,14 @@ class Session:
             conv = db.create_conversation(title, *self.state.engine.model_and_backend())
         user = db.add_message(conv.id, "user", msg.text)
         overrides = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
+        first = [*([self.state.views.conversation_field(conv.id), self.state.views.chat_title(conv.title)] if created else []),
+                 self.state.views.append_message(user)]  # fmt: skip
+        if self.agent.wants(conv.id, msg.text):  # a slash command, or a turn in agent mode
+            self.send(*first)
+            self.task = asyncio.create_task(self.agent.run_turn(conv.id, msg.text))
+            return
         # the engine starts first; the page is updated while it reads the prompt
-        self._start(conv.id, {k: v for k, v in overrides.items() if v is not None}, first=[
-            *([self.state.views.conversation_field(conv.id), self.state.views.chat_title(conv.title)] if created else []),
-            self.state.views.append_message(user),
-        ])
+        self._start(conv.id, {k: v for k, v in overrides.items() if v is not None}, first=first)
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.state.db
@@ -180,8 +186,12 @@ class Session:
         return await fut
 
     # ------------------------------------------------------------------ generation
-    def _start(self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None) -> None:
-        self.task = asyncio.create_task(self._generate(conversation_id, self.state.sampling | (sampling or {}), first or []))
+    def _start(
+        self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None
+    ) -> None:
+        self.task = asyncio.create_task(
+            self._generate(conversation_id, self.state.sampling | (sampling or {}), first or [])
+        )
         self.task.add_done_callback(self._generation_ended)
 
     def _generation_ended(self, task: asyncio.Task[None]) -> None:
@@ -232,7 +242,9 @@ class Session:
     def _finish(self, conversation_id: str, reply: StoredMessage, stream: TokenBatcher, done: Done) -> None:
         db, views = self.state.db, self.state.views
         text = done.text or stream.text
-        status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(done.finish_reason, "error")
+        status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(
+            done.finish_reason, "error"
+        )
         stats: dict[str, Any] = done.stats.to_dict() | {"finish_reason": done.finish_reason}
         if not done.stats.ttft_s:  # a stop answers at once, before the engine's own numbers exist
             stats |= stream.measured()
