@@ -13,6 +13,7 @@ parameter is cast to float32 after loading; quantized weights stay packed.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import sys
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import (
+    CacheMismatchError,
     ContextLimitError,
     Done,
     EngineError,
@@ -105,6 +107,139 @@ def cache_offset(cache: list[Any] | None) -> int:
     c = cache[0]
     off = getattr(c, "offset", 0)
     return int(off if isinstance(off, int) else off.item())
+
+
+# --------------------------------------------------------------------------- saved KV files
+# A saved context is one safetensors file in mlx-lm's prompt-cache format (`load_prompt_cache` reads
+# it), cut to the tokens it holds (the live buffers are padded to 256-token steps), optionally cast
+# to float16 or quantized (8/4 bits, group 64). On load it becomes plain KVCache layers in the
+# compute dtype again, so a quantized file costs precision only on the saved prefix.
+KV_FORMAT = "flashcode-kv/1"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (the rename of a file into it is durable only then)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def snapshot_cache(cache: list[Any], kv_bits: int | None, group_size: int = 64) -> list[Any]:
+    """New cache layers holding exactly the live tokens, at `kv_bits` (None: as they are)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if kv_bits not in (None, 16, 8, 4):
+        raise EngineError(f"a context is saved at 16, 8 or 4 bits (or as it is), not {kv_bits}")
+    out: list[Any] = []
+    for c in cache:
+        off = c.offset
+        if isinstance(c, QuantizedKVCache):
+            keys = tuple(x[..., :off, :] for x in c.keys)
+            values = tuple(x[..., :off, :] for x in c.values)
+            if kv_bits is None or (kv_bits == c.bits and group_size == c.group_size):
+                out.append(QuantizedKVCache.from_state((keys, values, off, c.group_size, c.bits)))
+                continue
+            k = mx.dequantize(*keys, group_size=c.group_size, bits=c.bits)
+            v = mx.dequantize(*values, group_size=c.group_size, bits=c.bits)
+        elif type(c) is KVCache:
+            k, v = c.keys[..., :off, :], c.values[..., :off, :]
+        else:
+            if kv_bits is not None:
+                raise EngineError(f"this model's {type(c).__name__} layers can be saved only as they are: "
+                                  "save without KV quantization")  # fmt: skip
+            out.append(c)
+            continue
+        if kv_bits is None:
+            out.append(KVCache.from_state((k, v, off)))
+        elif kv_bits == 16:
+            out.append(KVCache.from_state((k.astype(mx.float16), v.astype(mx.float16), off)))
+        else:
+            if k.shape[-1] % group_size or v.shape[-1] % group_size:
+                raise EngineError(f"head size {k.shape[-1]} is not a multiple of the group size {group_size}: "
+                                  "save at 16 bits")  # fmt: skip
+            qk = tuple(mx.quantize(k, group_size=group_size, bits=kv_bits))
+            qv = tuple(mx.quantize(v, group_size=group_size, bits=kv_bits))
+            out.append(QuantizedKVCache.from_state((qk, qv, off, group_size, kv_bits)))
+    mx.eval([c.state for c in out])
+    return out
+
+
+def kv_file_metadata(layers: list[Any], kv_bits: int | None, group_size: int) -> dict[str, str]:
+    first = layers[0]
+    bits = getattr(first, "bits", None)
+    if bits is None:
+        keys = first.state[0] if first.state else None
+        bits = keys.dtype.size * 8 if keys is not None else 16
+    meta = {"format": KV_FORMAT, "kv_bits": str(bits), "layers": str(len(layers))}
+    if getattr(first, "group_size", None):
+        meta["kv_group_size"] = str(first.group_size)
+    return meta
+
+
+def kv_shape(model: Any) -> tuple[int, int | None, int | None]:
+    """(layers, KV heads, head size) the model's cache must have; None where the config does not say."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", None)
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is None and getattr(args, "hidden_size", None) and getattr(args, "num_attention_heads", None):
+        head_dim = args.hidden_size // args.num_attention_heads
+    return len(model.layers), heads, head_dim
+
+
+def read_kv_file(path: Path) -> tuple[list[Any], dict[str, str]]:
+    from mlx_lm.models.cache import load_prompt_cache
+
+    if not path.is_file():
+        raise CacheMismatchError(f"saved context file {path} does not exist")
+    try:
+        layers, meta = load_prompt_cache(str(path), return_metadata=True)
+    except Exception as exc:  # mlx raises RuntimeError/ValueError/KeyError for bad files
+        raise CacheMismatchError(f"saved context file {path.name} is damaged or truncated ({exc})") from exc
+    return layers, dict(meta)
+
+
+def restore_cache(
+    layers: list[Any], expect: tuple[int, int | None, int | None], dtype: Any, path: Path
+) -> list[Any]:
+    """Check saved layers against the model's cache shape and turn them into live KVCache layers."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    n_layers, heads, head_dim = expect
+    if len(layers) != n_layers:
+        raise CacheMismatchError(f"{path.name} has {len(layers)} layers and the loaded model {n_layers}: "
+                                 "it was saved with another model")  # fmt: skip
+    out: list[Any] = []
+    try:
+        for c in layers:
+            if isinstance(c, QuantizedKVCache):
+                k = mx.dequantize(*c.keys, group_size=c.group_size, bits=c.bits).astype(dtype)
+                v = mx.dequantize(*c.values, group_size=c.group_size, bits=c.bits).astype(dtype)
+            elif type(c) is KVCache:
+                k, v = c.keys.astype(dtype), c.values.astype(dtype)
+            else:
+                out.append(c)
+                continue
+            shape_ok = k.ndim == 4 and v.ndim == 4 and k.shape[2] == v.shape[2] == c.offset
+            if not shape_ok or (heads and k.shape[1] != heads) or (head_dim and k.shape[3] != head_dim):
+                raise CacheMismatchError(f"{path.name} holds KV of shape {tuple(k.shape)}, which does not fit "
+                                         f"the loaded model ({heads} KV heads of {head_dim}): it was saved "
+                                         "with another model")  # fmt: skip
+            out.append(KVCache.from_state((k, v, c.offset)))
+        mx.eval([c.state for c in out])
+    except CacheMismatchError:
+        raise
+    except Exception as exc:  # a truncated file fails here, when its arrays are first read
+        raise CacheMismatchError(f"saved context file {path.name} is damaged or truncated ({exc})") from exc
+    return out
 
 
 class MLXBackend:
@@ -304,23 +439,56 @@ class MLXBackend:
             scores.append(float(sum(lp[n - 1 + i, t].item() for i, t in enumerate(cont))))
         return scores
 
-    def save_prompt_cache(self, path: Path, metadata: dict[str, str]) -> dict[str, Any]:
+    def save_prompt_cache(
+        self, path: Path, metadata: dict[str, str], kv_bits: int | None = None
+    ) -> dict[str, Any]:
+        """Write the live prompt cache to `path`: one safetensors file in mlx-lm's prompt-cache format
+        holding only the tokens the cache holds, at its own precision (`kv_bits=None`), as float16
+        (16) or quantized (8 or 4 bits, group 64). Atomic: temp file beside `path`, fsync, rename.
+        Returns {"tokens": the token ids it holds, "metadata": what the file carries, "bytes": size}."""
         from mlx_lm.models.cache import save_prompt_cache
 
-        if self.prompt_cache.cache is None or not self.prompt_cache.tokens:
+        self._require()
+        cache, tokens = self.prompt_cache.cache, list(self.prompt_cache.tokens)
+        if cache is None or not tokens:
             raise EngineError("there is no context to save yet: send a message first")
-        meta = dict(metadata)
-        meta["token_count"] = str(len(self.prompt_cache.tokens))
-        save_prompt_cache(str(path), self.prompt_cache.cache, meta)
-        return {"tokens": list(self.prompt_cache.tokens), "metadata": meta}
+        if cache_offset(cache) != len(tokens):
+            raise EngineError(f"the live cache holds {cache_offset(cache)} tokens but records {len(tokens)}: "
+                              "send another message, then save")  # fmt: skip
+        layers = snapshot_cache(cache, kv_bits, self.kv_group_size)
+        meta = {**metadata, **kv_file_metadata(layers, kv_bits, self.kv_group_size)}
+        meta["token_count"] = str(len(tokens))
+        path = Path(path)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.safetensors")
+        try:
+            save_prompt_cache(str(tmp), layers, meta)
+            fsync_path(tmp)
+            os.replace(tmp, path)
+            fsync_path(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return {"tokens": tokens, "metadata": meta, "bytes": path.stat().st_size}
 
     def load_prompt_cache(self, path: Path, tokens: list[int] | None = None) -> dict[str, Any]:
-        from mlx_lm.models.cache import load_prompt_cache
-
-        cache, meta = load_prompt_cache(str(path), return_metadata=True)
+        """Read a file written by `save_prompt_cache` and make it the live prompt cache, so the next
+        request prefills only what follows the longest common prefix with `tokens` (the ids the file
+        holds; without them nothing is reused). The file is read and checked against the loaded model
+        before anything changes: a damaged or foreign file raises CacheMismatchError and leaves the
+        live cache as it was."""
+        self._require()
+        layers, meta = read_kv_file(Path(path))
+        expect = kv_shape(self.model_obj)
+        cache = restore_cache(layers, expect, compute_dtype(), Path(path))
+        offset = cache_offset(cache)
+        if tokens is not None and len(tokens) != offset:
+            raise CacheMismatchError(f"{Path(path).name} holds {offset} tokens but its token list has "
+                                     f"{len(tokens)}: the context is damaged")  # fmt: skip
+        if meta.get("token_count") and int(meta["token_count"]) != offset:
+            raise CacheMismatchError(f"{Path(path).name} says {meta['token_count']} tokens but holds {offset}: "
+                                     "the context is damaged")  # fmt: skip
         self.prompt_cache.cache = cache
-        self.prompt_cache.tokens = list(tokens or [])
-        return {"metadata": meta}
+        self.prompt_cache.tokens = list(tokens) if tokens is not None else []
+        return {"metadata": meta, "tokens": offset}
 
     def _require(self) -> None:
         if self.model_obj is None:

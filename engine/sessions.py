@@ -1,0 +1,512 @@
+"""Saved project contexts: a project's KV cache on disk, listed, renamed, deleted, resumed, moved.
+
+What this module knows: the layout under `$FLASHCODE_HOME/projects/<project_id>/contexts/<id>/`
+(`meta.json`, the cache file, `tokens.json` with the token ids the cache holds), how to write it
+atomically (a hidden temp directory, fsync, one rename), which model a context belongs to (name and
+weights hash), the per-project size quota, and the portable one-file export (`.flashctx`, a zip).
+
+What it does not know: threads, HTTP, the database, conversations. `save` and `resume` call into the
+backend, so they run on the engine's worker thread (`await worker.acall(lambda b: store.save(b, ...))`);
+the rest is plain file work, safe from any thread. Resuming never touches a conversation: when it
+fails (another model, a damaged file) the caller keeps the conversation and re-reads it (re-prefill);
+`try_resume` returns the message to show for that.
+
+Display names are free text and never become paths; project and context ids must match a strict
+pattern, and every path is checked to stay inside the project's own folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+import tempfile
+import time
+import unicodedata
+import zipfile
+import zlib
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from . import __version__, paths
+from .base import CacheMismatchError, EngineError, ModelInfo, PromptCacheBackend
+
+CONTEXT_FORMAT = "flashcode-context/1"
+EXPORT_SUFFIX = ".flashctx"
+DEFAULT_QUOTA_BYTES = 4 << 30  # per project; FLASHCODE_CONTEXT_QUOTA_MB overrides
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_CTX_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
+_MEMBERS = {"meta.json", "tokens.json", "cache.safetensors", "cache.bin"}
+_MAX_NAME = 100
+
+
+class ContextNameError(EngineError):
+    """A project id, context id or name that is not allowed (path traversal, odd characters)."""
+
+
+class ContextNotFoundError(EngineError):
+    pass
+
+
+class QuotaExceededError(EngineError):
+    pass
+
+
+class ContextImportError(EngineError):
+    """An export file that is not a flashcode context, or whose model is not installed here."""
+
+
+@dataclass(frozen=True)
+class SavedContext:
+    id: str
+    project_id: str
+    name: str
+    model: str
+    model_sha256: str
+    backend: str
+    token_count: int
+    kv_bits: int
+    size_bytes: int
+    created: str  # ISO 8601, UTC
+    flashcode_version: str
+    cache_file: str
+    cache_crc32: int
+    conversation_id: str | None = None
+    problem: str | None = None  # set by `list` when a cheap check fails ("damaged: ...")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    resumed: bool
+    message: str  # what to show the user either way
+    context: SavedContext | None
+    tokens: int = 0  # tokens now in the live cache
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- names and model identity
+def check_id(value: str, what: str = "project id") -> str:
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise ContextNameError(f"{what} {value!r} is not allowed: use 1-64 letters, digits, '-' or '_'")
+    return value
+
+
+def check_context_id(value: str) -> str:
+    if not isinstance(value, str) or not _CTX_ID.fullmatch(value):
+        raise ContextNameError(
+            f"context id {value!r} is not a saved-context id (like 20261122-113000-a1b2c3)"
+        )
+    return value
+
+
+def clean_name(name: str) -> str:
+    """A display name: printable, one line, at most 100 characters. Never used as a path."""
+    text = "".join(ch if unicodedata.category(ch)[0] != "C" else " " for ch in str(name))
+    text = " ".join(text.split())[:_MAX_NAME]
+    if not text:
+        raise ContextNameError("a saved context needs a name")
+    return text
+
+
+def slug(name: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "-", unicodedata.normalize("NFKD", name)).strip("-").lower()
+    return s[:48] or "context"
+
+
+_fingerprints: dict[tuple[str, float], str] = {}
+
+
+def model_identity(model: ModelInfo) -> str:
+    """The weights hash that ties a context to a model: the imported GGUF's sha256 (`flashcode.json`),
+    else a fingerprint of config.json and the safetensors headers and sizes (names renamed models alike)."""
+    meta = model.path / "flashcode.json"
+    if meta.exists():
+        sha = json.loads(meta.read_text()).get("source_sha256")
+        if sha:
+            return str(sha)
+    key = (str(model.path), (model.path / "config.json").stat().st_mtime)
+    if key not in _fingerprints:
+        h = hashlib.sha256((model.path / "config.json").read_bytes())
+        for f in sorted(model.path.glob("*.safetensors")):
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                h.update(f.name.encode() + str(f.stat().st_size).encode() + fh.read(min(n, 64 << 20)))
+        _fingerprints[key] = "fp-" + h.hexdigest()
+    return _fingerprints[key]
+
+
+def crc32_file(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def quota_from_env() -> int:
+    mb = os.environ.get("FLASHCODE_CONTEXT_QUOTA_MB")
+    return int(float(mb) * (1 << 20)) if mb else DEFAULT_QUOTA_BYTES
+
+
+def _human(n: float) -> str:
+    from .models import human_size
+
+    return human_size(n)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Atomic: temp file in the same folder, fsync, rename, fsync the folder."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- backends
+def _kind(backend: Any) -> str:
+    if getattr(backend, "name", "") == "llama":
+        return "llama"
+    if isinstance(backend, PromptCacheBackend) and hasattr(backend, "prompt_cache"):
+        return "mlx"
+    raise EngineError(
+        f"the {getattr(backend, 'name', '?')} engine cannot save contexts: use the mlx or llama engine"
+    )
+
+
+def _llama_kv_bits(backend: Any) -> int:
+    kind = str(getattr(backend, "settings", {}).get("cache_type_k") or "f16")
+    return {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "f32": 32}.get(kind, 16)
+
+
+def _save_cache(
+    backend: Any, folder: Path, kv_bits: int | None, meta: dict[str, str]
+) -> tuple[str, list[int], int, int]:
+    """Write the backend's live cache into `folder`: (file name, token ids, token count, KV bits).
+    llama-server keeps the token ids inside its slot file, so its list is empty."""
+    if _kind(backend) == "llama":
+        if kv_bits is not None:
+            raise EngineError("llama-server saves its slot as it is: set --cache-type-k/v to quantize its KV")
+        res = backend.save_prompt_cache(folder / "cache.bin", meta)
+        Path(str(folder / "cache.bin") + ".json").unlink(missing_ok=True)  # folded into meta.json
+        return "cache.bin", [], int(res["n_saved"]), _llama_kv_bits(backend)
+    res = backend.save_prompt_cache(folder / "cache.safetensors", meta, kv_bits=kv_bits)
+    tokens = list(res["tokens"])
+    return "cache.safetensors", tokens, len(tokens), int(res["metadata"]["kv_bits"])
+
+
+def _load_cache(backend: Any, ctx: SavedContext, folder: Path, tokens: list[int]) -> int:
+    if _kind(backend) != ctx.backend:
+        raise CacheMismatchError(f"context {ctx.name!r} was saved by the {ctx.backend} engine and the "
+                                 f"{backend.name} engine is running: switch engines to resume it")  # fmt: skip
+    if ctx.backend == "llama":
+        return int(backend.load_prompt_cache(folder / ctx.cache_file)["n_restored"])
+    return int(backend.load_prompt_cache(folder / ctx.cache_file, tokens=tokens)["tokens"])
+
+
+# --------------------------------------------------------------------------- the store
+class ContextStore:
+    """Saved contexts of every project under one data directory."""
+
+    def __init__(self, root: Path | None = None, quota_bytes: int | None = None) -> None:
+        self.root = paths.projects_dir(root)
+        self.quota_bytes = quota_bytes if quota_bytes is not None else quota_from_env()
+
+    # ------------------------------------------------------------------ paths
+    def contexts_dir(self, project_id: str, create: bool = False) -> Path:
+        d = self.root / check_id(project_id) / "contexts"
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
+        if d.exists() and d.resolve() != self.root.resolve() / project_id / "contexts":
+            raise ContextNameError(f"{d} leads outside project {project_id}'s folder: refused")
+        return d
+
+    def context_dir(self, project_id: str, context_id: str) -> Path:
+        d = self.contexts_dir(project_id) / check_context_id(context_id)
+        if not (d / "meta.json").is_file() or d.is_symlink():
+            raise ContextNotFoundError(f"project {project_id} has no saved context {context_id}")
+        return d
+
+    # ------------------------------------------------------------------ reading
+    def list(self, project_id: str) -> list[SavedContext]:
+        """Newest first. A context whose files fail a cheap check is listed with `problem` set."""
+        d = self.contexts_dir(project_id)
+        out = []
+        for sub in d.iterdir() if d.is_dir() else []:
+            if _CTX_ID.fullmatch(sub.name) and (sub / "meta.json").is_file():
+                try:
+                    out.append(self._read(project_id, sub))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+        return sorted(out, key=lambda c: c.created, reverse=True)
+
+    def get(self, project_id: str, context_id: str) -> SavedContext:
+        return self._read(project_id, self.context_dir(project_id, context_id))
+
+    def usage(self, project_id: str) -> int:
+        d = self.contexts_dir(project_id)
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
+
+    def _read(self, project_id: str, folder: Path) -> SavedContext:
+        m = json.loads((folder / "meta.json").read_text())
+        cache = folder / m["cache_file"]
+        problem = None
+        if m["cache_file"] not in _MEMBERS or not cache.is_file():
+            problem = "damaged: the cache file is missing"
+        elif cache.stat().st_size != int(m["cache_bytes"]):
+            problem = f"damaged: the cache file is {cache.stat().st_size} bytes, expected {m['cache_bytes']}"
+        return SavedContext(
+            id=folder.name, project_id=project_id, name=str(m["name"]), model=str(m["model"]),
+            model_sha256=str(m["model_sha256"]), backend=str(m["backend"]), token_count=int(m["token_count"]),
+            kv_bits=int(m["kv_bits"]), size_bytes=int(m["cache_bytes"]), created=str(m["created"]),
+            flashcode_version=str(m["flashcode_version"]), cache_file=str(m["cache_file"]),
+            cache_crc32=int(m["cache_crc32"]), conversation_id=m.get("conversation_id"), problem=problem,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ saving (worker thread)
+    def save(
+        self,
+        backend: Any,
+        project_id: str,
+        name: str,
+        kv_bits: int | None = None,
+        conversation_id: str | None = None,
+    ) -> SavedContext:
+        """Save the backend's live context (the last conversation it ran) under `project_id`.
+        `kv_bits`: None keeps the cache's own precision; 16, 8 or 4 make the file smaller."""
+        name = clean_name(name)
+        model = backend.model
+        if model is None:
+            raise EngineError("no model is loaded: there is no context to save")
+        self._check_quota(project_id, 0)
+        parent = self.contexts_dir(project_id, create=True)
+        self._sweep(parent)
+        now = datetime.now(UTC)
+        cid = f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+        try:
+            header = {
+                "flashcode_context": CONTEXT_FORMAT,
+                "model": model.name,
+                "model_sha256": model_identity(model),
+            }
+            cache_file, tokens, count, bits = _save_cache(backend, tmp, kv_bits, header)
+            size = (tmp / cache_file).stat().st_size
+            self._check_quota(project_id, size, kv_bits)
+            meta = {
+                "format": CONTEXT_FORMAT, "name": name, **header, "backend": _kind(backend),
+                "token_count": count, "kv_bits": bits,
+                "flashcode_version": __version__, "created": now.isoformat(timespec="seconds"),
+                "cache_file": cache_file, "cache_bytes": size, "cache_crc32": crc32_file(tmp / cache_file),
+                "conversation_id": conversation_id,
+            }  # fmt: skip
+            _write_json(tmp / "tokens.json", {"tokens": tokens})
+            _write_json(tmp / "meta.json", meta)
+            os.rename(tmp, parent / cid)  # the context appears whole or not at all
+            _fsync(parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return self.get(project_id, cid)
+
+    def _check_quota(self, project_id: str, adding: int, kv_bits: int | None = None) -> None:
+        used = self.usage(project_id)
+        if used + adding <= self.quota_bytes:
+            return
+        hint = " or save at a lower KV precision (8 or 4 bits)" if kv_bits not in (4,) else ""
+        need = f"; this context needs {_human(adding)}" if adding else ""
+        raise QuotaExceededError(
+            f"project {project_id}'s saved contexts use {_human(used)} of its {_human(self.quota_bytes)} quota{need}: "
+            f"delete or export older contexts{hint} (the quota is FLASHCODE_CONTEXT_QUOTA_MB)"
+        )
+
+    @staticmethod
+    def _sweep(parent: Path) -> None:
+        """Remove temp folders left by a crash mid-save (older than an hour, so never a live one)."""
+        for d in parent.glob(".tmp-*"):
+            if time.time() - d.stat().st_mtime > 3600:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ resuming (worker thread)
+    def resume(self, backend: Any, project_id: str, context_id: str, verify: bool = True) -> ResumeResult:
+        """Make a saved context the backend's live cache. Raises CacheMismatchError (another model, a
+        damaged file) or ContextNotFoundError, leaving the backend's cache and every conversation as they were."""
+        t0 = time.perf_counter()
+        folder = self.context_dir(project_id, context_id)
+        ctx = self._read(project_id, folder)
+        self.check_model(ctx, backend.model)
+        if ctx.problem:
+            raise CacheMismatchError(f"saved context {ctx.name!r} is {ctx.problem}")
+        if verify and crc32_file(folder / ctx.cache_file) != ctx.cache_crc32:
+            raise CacheMismatchError(
+                f"saved context {ctx.name!r} is damaged: its cache file fails its checksum"
+            )
+        try:
+            tokens = [int(t) for t in json.loads((folder / "tokens.json").read_text())["tokens"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CacheMismatchError(
+                f"saved context {ctx.name!r} is damaged: tokens.json is unreadable"
+            ) from exc
+        if ctx.backend == "mlx" and len(tokens) != ctx.token_count:
+            raise CacheMismatchError(f"saved context {ctx.name!r} is damaged: {len(tokens)} token ids for "
+                                     f"{ctx.token_count} cached tokens")  # fmt: skip
+        n = _load_cache(backend, ctx, folder, tokens)
+        dt = time.perf_counter() - t0
+        return ResumeResult(True, f"resumed {ctx.name!r}: {n} tokens in {dt:.2f} s", ctx, n, dt)
+
+    @staticmethod
+    def check_model(ctx: SavedContext, model: ModelInfo | None) -> None:
+        if model is None:
+            raise CacheMismatchError("no model is loaded: load the context's model to resume it")
+        sha = model_identity(model)
+        if sha != ctx.model_sha256:
+            raise CacheMismatchError(
+                f"context {ctx.name!r} was saved with model {ctx.model} (weights {ctx.model_sha256[:12]}) and the "
+                f"loaded model is {model.name} (weights {sha[:12]}): load {ctx.model} to resume it"
+            )
+
+    # ------------------------------------------------------------------ managing
+    def rename(self, project_id: str, context_id: str, name: str) -> SavedContext:
+        folder = self.context_dir(project_id, context_id)
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["name"] = clean_name(name)
+        _write_json(folder / "meta.json", meta)
+        return self.get(project_id, context_id)
+
+    def delete(self, project_id: str, context_id: str) -> None:
+        folder = self.context_dir(project_id, context_id)
+        trash = folder.with_name(f".tmp-del-{context_id}")
+        os.rename(folder, trash)  # gone from the list at once, even if the removal is interrupted
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def export(self, project_id: str, context_id: str, dest: Path) -> Path:
+        """One portable file (a zip: meta.json, tokens.json, the cache). `dest` is a folder or a file path."""
+        folder = self.context_dir(project_id, context_id)
+        ctx = self._read(project_id, folder)
+        if ctx.problem:
+            raise EngineError(f"saved context {ctx.name!r} is {ctx.problem}: nothing to export")
+        dest = Path(dest)
+        if dest.is_dir():
+            dest = dest / f"{slug(ctx.name)}-{ctx.id}{EXPORT_SUFFIX}"
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=EXPORT_SUFFIX, dir=dest.parent)
+        os.close(fd)
+        try:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:  # KV data does not compress
+                for member in ("meta.json", "tokens.json", ctx.cache_file):
+                    zf.write(folder / member, member)
+            _fsync(Path(tmp))
+            os.replace(tmp, dest)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return dest
+
+    def import_file(
+        self, project_id: str, file: Path, name: str | None = None, require_model: bool = True
+    ) -> SavedContext:
+        """Add an exported context to `project_id` (a new id; nothing existing is overwritten). With
+        `require_model`, an installed model must have the context's weights hash."""
+        file = Path(file)
+        try:
+            zf = zipfile.ZipFile(file)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise ContextImportError(f"{file.name} is not a flashcode context export ({exc})") from exc
+        with zf:
+            meta = self._check_export(zf, file)
+            if require_model:
+                self._require_installed(meta, file)
+            self._check_quota(project_id, sum(i.file_size for i in zf.infolist()))
+            parent = self.contexts_dir(project_id, create=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+            try:
+                for member in ("tokens.json", meta["cache_file"]):
+                    with zf.open(member) as src, (tmp / member).open("wb") as out:
+                        shutil.copyfileobj(src, out, 8 << 20)
+                        out.flush()
+                        os.fsync(out.fileno())
+                if crc32_file(tmp / meta["cache_file"]) != int(meta["cache_crc32"]):
+                    raise ContextImportError(f"{file.name} is damaged: its cache fails its checksum")
+                if name is not None:
+                    meta["name"] = clean_name(name)
+                _write_json(tmp / "meta.json", meta)
+                cid = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+                os.rename(tmp, parent / cid)
+                _fsync(parent)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        return self.get(project_id, cid)
+
+    @staticmethod
+    def _check_export(zf: zipfile.ZipFile, file: Path) -> dict[str, Any]:
+        names = set(zf.namelist())
+        if not names <= _MEMBERS or "meta.json" not in names:
+            odd = sorted(names - _MEMBERS)
+            raise ContextImportError(
+                f"{file.name} is not a flashcode context export (unexpected entries {odd})"
+            )
+        try:
+            meta = json.loads(zf.read("meta.json"))
+            clean_name(meta["name"])
+            ok = (
+                meta.get("format") == CONTEXT_FORMAT
+                and meta["cache_file"] in names
+                and "tokens.json" in names
+            )
+            ok = ok and zf.getinfo(meta["cache_file"]).file_size == int(meta["cache_bytes"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ContextImportError(f"{file.name} has an unreadable meta.json ({exc})") from exc
+        if not ok:
+            raise ContextImportError(f"{file.name} is incomplete or damaged: re-export it")
+        return dict(meta)
+
+    @staticmethod
+    def _require_installed(meta: dict[str, Any], file: Path) -> None:
+        from .models import list_models
+
+        for m in list_models():
+            try:
+                if model_identity(m) == meta["model_sha256"]:
+                    return
+            except (OSError, ValueError):
+                continue
+        raise ContextImportError(
+            f"{file.name} was saved with model {meta['model']} (weights {str(meta['model_sha256'])[:12]}), "
+            f"which is not installed here: import that model first (`flashcode import FILE.gguf`)"
+        )
+
+
+def try_resume(store: ContextStore, backend: Any, project_id: str, context_id: str) -> ResumeResult:
+    """`resume`, but a failure becomes a result whose message says the conversation will be re-read."""
+    try:
+        return store.resume(backend, project_id, context_id)
+    except (CacheMismatchError, ContextNotFoundError, ContextNameError) as exc:
+        return ResumeResult(
+            False, f"{exc}. The conversation is kept; its next reply re-reads it from the start.", None
+        )
