@@ -225,7 +225,14 @@ def test_bench_runs_the_fixed_prompts_greedily_and_compares_runs(conn: sqlite3.C
         text = asyncio.run(
             stats_view.run_slash("bench", "", conn=conn, data_dir=Path("/nonexistent"), worker=worker)
         )
-        assert "bench #2: fake-model on fake" in text and "vs bench #1" in text and "decode x2.67" in text
+        assert "bench #2: fake-model on fake, 5 prompts x 64 tokens" in text and "decode x2.67" in text
+        text = asyncio.run(
+            stats_view.run_slash("bench", "2", conn=conn, data_dir=Path("/nonexistent"), worker=worker)
+        )
+        assert "bench #3: fake-model on fake, 5 prompts x 2 tokens" in text
+        assert "not 'lots'" in asyncio.run(
+            stats_view.run_slash("bench", "lots", conn=conn, data_dir=Path("."), worker=worker)
+        )
     finally:
         worker.close()
 

@@ -33,7 +33,11 @@ if TYPE_CHECKING:
 SLASH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("stats", "", "tokens, speed and memory so far, per model"),
     ("cost", "", "what the same tokens would have cost on cloud APIs"),
-    ("bench", "", "run the fixed benchmark prompts on the current model and compare with earlier runs"),
+    (
+        "bench",
+        "[TOKENS]",
+        "run the fixed benchmark prompts on the current model (TOKENS per reply, default 64)",
+    ),
     ("good", "[NOTE]", "grade the last reply as good (optional note)"),
     ("bad", "[NOTE]", "grade the last reply as bad (optional note: what was wrong)"),
     ("improve", "", "graded replies and counts per route (chat / search / shell)"),
@@ -260,7 +264,9 @@ async def run_slash(name: str, arg: str, *, conn: sqlite3.Connection, data_dir: 
     if name == "bench":
         if worker is None:
             return "/bench needs the engine: no worker is running."
-        return await bench_markdown(conn, worker)
+        if arg and not (arg.isdigit() and 1 <= int(arg) <= 4096):
+            return f"/bench takes a reply length in tokens (1 to 4096), not {arg!r}: /bench 32"
+        return await bench_markdown(conn, worker, int(arg) if arg else benchset.DEFAULT_MAX_TOKENS)
     raise ValueError(f"/{name} is not a stats command")
 
 
