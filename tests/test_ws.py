@@ -297,3 +297,14 @@ def test_ws_accepts_localhost_origin(client: TestClient) -> None:
         send(ws, type="stop")  # nothing to stop: no frame, no error
         send(ws, type="send", text="hi")
         until(ws, r'data-state="idle"')
+
+
+def test_ws_reply_hooks_get_the_stats(client: TestClient) -> None:
+    seen = []
+    client.app.state.flashcode.on_reply.append(lambda state, stats, **kw: seen.append((stats, kw)))
+    client.app.state.flashcode.on_reply.append(lambda *a, **kw: 1 / 0)  # a broken hook changes nothing
+    with connect(client) as ws:
+        send(ws, type="send", text="hi")
+        until(ws, r'data-state="idle"')
+    ((stats, kw),) = seen
+    assert stats["completion_tokens"] == 3 and stats["finish_reason"] == "stop" and kw["message_id"] > 0

@@ -10,6 +10,7 @@ import asyncio
 import importlib.util  # noqa: F401 - engine.registry.available_backends needs importlib.util loaded
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,3 +72,6 @@ class AppState:
     views: Views
     csrf_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.7, "max_tokens": 1024})
+    # called after every finished reply as hook(state, stats, conversation_id=..., message_id=...);
+    # later issues (stats) append theirs here instead of editing webapp.ws
+    on_reply: list[Callable[..., Any]] = field(default_factory=list)

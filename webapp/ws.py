@@ -254,6 +254,11 @@ class Session:
         if done.error:
             stats["error"] = done.error
         db.finish_message(reply.id, text, status, stats)
+        for hook in self.state.on_reply:
+            try:
+                hook(self.state, stats, conversation_id=conversation_id, message_id=reply.id)
+            except Exception:  # noqa: BLE001 - a hook must not lose the reply
+                log.exception("reply hook %r failed", hook)
         db.touch(conversation_id, *self.state.engine.model_and_backend())
         final = db.messages(conversation_id)[-1]
         fragments = [views.replace_message(final), views.controls(generating=False, can_regenerate=True)]
