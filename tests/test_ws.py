@@ -308,3 +308,19 @@ def test_ws_reply_hooks_get_the_stats(client: TestClient) -> None:
         until(ws, r'data-state="idle"')
     ((stats, kw),) = seen
     assert stats["completion_tokens"] == 3 and stats["finish_reason"] == "stop" and kw["message_id"] > 0
+
+
+def test_ws_stopped_reply_still_fills_the_context_gauge(tmp_path: Path) -> None:
+    slow = FakeBackend(delay=0.05)
+    slow.enqueue(*[f" t{i}" for i in range(100)])
+    worker = Worker(lambda: slow)
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="one two three")
+            until(ws, r"t1")
+            send(ws, type="stop")
+            frames = until(ws, r'id="context-gauge"')
+        assert re.search(r'gauge-text">\d+ / 2048', frames[-1])
+    worker.close()

@@ -237,9 +237,10 @@ class Session:
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
                 db.finish_message(reply.id, stream.text, "stopped")
-        self._finish(conversation_id, reply, stream, done)
+        self._finish(conversation_id, reply, stream, done, history)
 
-    def _finish(self, conversation_id: str, reply: StoredMessage, stream: TokenBatcher, done: Done) -> None:
+    def _finish(self, conversation_id: str, reply: StoredMessage, stream: TokenBatcher, done: Done,
+                history: list[Message]) -> None:  # fmt: skip
         db, views = self.state.db, self.state.views
         text = done.text or stream.text
         status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(
@@ -262,11 +263,22 @@ class Session:
         db.touch(conversation_id, *self.state.engine.model_and_backend())
         final = db.messages(conversation_id)[-1]
         fragments = [views.replace_message(final), views.controls(generating=False, can_regenerate=True)]
-        if done.stats.prompt_tokens:  # unknown after a stop: leave the gauge as it was
+        if done.stats.prompt_tokens:
             fragments.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
+        elif status == "stopped":  # a stop answers before the engine counted the prompt: count it now
+            asyncio.get_running_loop().create_task(self._count_prompt(final, history))
         self.send(*fragments)
         if done.error:
             self.error(done.error)
+
+    async def _count_prompt(self, reply: StoredMessage, history: list[Message]) -> None:
+        try:
+            n = await self.state.engine.worker.acall(lambda b: len(b.apply_chat_template(history)))
+        except Exception:  # noqa: BLE001 - the gauge is a nicety
+            return
+        stats = reply.stats | {"prompt_tokens": n}
+        self.state.db.finish_message(reply.id, reply.content, reply.status, stats)
+        self.send(self.state.views.gauge(n + int(stats.get("completion_tokens") or 0)))
 
 
 class TokenBatcher:
