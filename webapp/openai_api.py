@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
+from engine.base import Done, EngineError, GenerationRequest, Message, SamplingParams, TextDelta
 from engine.worker import Worker
 
 from . import stats
@@ -205,6 +205,8 @@ async def chat_completions(request: Request) -> Response:
         await check_context(worker, messages)
     except APIError as exc:
         return exc.response()
+    except EngineError as exc:  # the engine could not even template the messages
+        return APIError(500, f"the engine failed: {exc}", "server_error").response()
     req = GenerationRequest(messages=messages, sampling=sampling)
     call = Completion(request, worker, req, backend, model)
     if body.get("stream"):
