@@ -290,3 +290,54 @@ def test_ws_hooks_record_a_chat_reply_and_answer_commands(tmp_path: Path) -> Non
             assert (g.route, g.excerpt, g.message_id) == ("shell", "Hello there, friend.", msg.id)
     finally:
         worker.close()
+
+
+def test_stats_install_records_every_websocket_reply(tmp_path: Path) -> None:
+    """The integrated path: `stats_view.install(state)` in the lifespan, then a reply over the websocket."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from engine.base import Done, ModelInfo, TextDelta
+    from engine.worker import Worker
+    from webapp.app import create_app
+    from webapp.settings import Settings
+
+    class Engine(FakeBenchEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = ModelInfo(name="tiny", path=Path("/nonexistent"), architecture="fake", size_bytes=0)
+
+        def stream(self, request, cancel: threading.Event):  # noqa: ANN001, ANN201
+            yield TextDelta("Hi", (1,))
+            yield Done(
+                GenerationStats(prompt_tokens=12, completion_tokens=1, ttft_s=0.01, decode_tps=5.0),
+                "stop",
+                "Hi",
+            )
+
+        def apply_chat_template(self, messages) -> list[int]:  # noqa: ANN001
+            return [0] * 12
+
+    worker = Worker(lambda: Engine())  # type: ignore[arg-type, return-value]
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    try:
+        with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+            state = app.state.flashcode
+            stats_view.install(state)  # what the lifespan does once integrated (idempotent)
+            stats_view.install(state)
+            assert state.on_reply.count(stats_view.record_chat_reply) == 1
+            with c.websocket_connect(
+                "ws://127.0.0.1:8000/ws", headers={"origin": "http://127.0.0.1:8000"}
+            ) as ws:
+                ws.send_json({"type": "send", "text": "hello"})
+                for _ in range(50):
+                    if "msg-stats" in ws.receive_text():
+                        break
+            [row] = state.db.conn.execute(
+                "SELECT source, route, backend, model, prompt_tokens, completion_tokens, finish_reason, message_id "
+                "FROM stats_replies"
+            ).fetchall()
+            assert tuple(row)[:7] == ("chat", "chat", "fake", "tiny", 12, 1, "stop") and row[7]
+    finally:
+        worker.close()

@@ -281,6 +281,14 @@ def record_chat_reply(state: AppState, reply_stats: dict[str, Any], *, conversat
                               finish_reason=finish_reason or reply_stats.get("finish_reason"))  # fmt: skip
 
 
+def install(state: AppState) -> None:
+    """What the web app's lifespan calls once the database is open: the stats tables, and a record of
+    every finished chat reply (through `AppState.on_reply`)."""
+    stats.ensure_schema(state.db.conn)
+    if record_chat_reply not in state.on_reply:
+        state.on_reply.append(record_chat_reply)
+
+
 async def answer(state: AppState, name: str, arg: str, conversation_id: str | None) -> str:
     """A stats slash command typed in `conversation_id`, answered as Markdown."""
     last = ""
