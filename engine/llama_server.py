@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +172,7 @@ class _Spawner:
                 fut.set_exception(exc)
 
 
-_LIVE: weakref.WeakSet[LlamaServerProcess] = weakref.WeakSet()
+_LIVE: set[LlamaServerProcess] = set()  # strong refs: a forgotten backend must still be stopped at exit
 
 
 @atexit.register
