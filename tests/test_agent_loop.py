@@ -369,3 +369,32 @@ def test_agent_events_serialize(worker, fake, project, store) -> None:
     fake.enqueue_route("chat")
     for e in asyncio.run(collect(make_session(worker, project, store), "hi")):
         assert json.loads(json.dumps(e.to_dict()))["type"] == e.type
+
+
+def test_agent_stop_answers_an_open_approval_with_deny(worker, fake, project, store) -> None:
+    session = make_session(worker, project, store, Approver(None))
+
+    async def run() -> list[ev._Event]:
+        out = []
+        async for e in session.run_turn("/shell touch stopped.txt"):
+            out.append(e)
+            if isinstance(e, ev.Proposal):
+                asyncio.get_running_loop().call_later(0.1, session.stop)
+        return out
+
+    events = asyncio.run(asyncio.wait_for(run(), 10))
+    decided = of(events, ev.Decided)[0]
+    assert decided.decision == "deny" and "stopped" in decided.reason and not (project / "stopped.txt").exists()
+
+
+def test_agent_without_a_scoring_engine_answers_as_chat(project, store) -> None:
+    class NoScoring(FakeBackend):
+        score_continuations = None  # type: ignore[assignment]
+
+    w = Worker(lambda: NoScoring())
+    try:
+        events = asyncio.run(collect(make_session(w, project, store), "hello"))
+    finally:
+        w.close()
+    assert "cannot route" in of(events, ev.Notice)[0].text and of(events, ev.RouteChosen)[0].route == "chat"
+    assert of(events, ev.AnswerDone)

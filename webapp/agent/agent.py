@@ -134,10 +134,16 @@ class AgentSession:
         self.mode: Mode = "agent"
         self._run: CommandRun | None = None
         self._gen: Any = None
+        self._approval: asyncio.Future[Decision] | None = None
+        self._stopped = False
 
     # ------------------------------------------------------------------ control
     def stop(self) -> None:
-        """Kill the running command (its whole process group) and stop the reply being written."""
+        """Kill the running command (its whole process group), stop the reply being written, and
+        answer an open approval dialog with deny."""
+        self._stopped = True
+        if self._approval is not None:
+            self._approval.cancel()
         if self._run is not None:
             self._run.kill()
         if self._gen is not None:
@@ -163,8 +169,12 @@ class AgentSession:
                 yield ev
             yield TurnDone(None)
             return
-        decision = await router.route(self.worker, text)
-        yield RouteChosen(decision.route, decision.scores, decision.probabilities)
+        try:
+            decision = await router.route(self.worker, text)
+        except router.RoutingUnavailableError as exc:
+            yield Notice(f"{exc}: answering as chat", "warning")
+            decision = router.RouteDecision("chat", {}, forced=True)
+        yield RouteChosen(decision.route, decision.scores, decision.probabilities, decision.forced)
         handler = {"chat": self._chat, "search": self._search, "shell": self._shell}[decision.route]
         async for ev in handler(text):
             yield ev
@@ -354,15 +364,21 @@ class AgentSession:
     async def _ask(self, proposal: Proposal) -> Decision:
         if self.request_approval is None:
             return Decision.deny("no one is there to approve it")
+        self._stopped = False
+        self._approval = asyncio.ensure_future(self.request_approval(proposal))
         try:
-            return await asyncio.wait_for(self.request_approval(proposal), self.approval_timeout_s)
+            return await asyncio.wait_for(self._approval, self.approval_timeout_s)
         except TimeoutError:
             return Decision("deny", f"no answer within {self.approval_timeout_s:.0f} s")
         except asyncio.CancelledError:
+            if self._stopped:
+                return Decision.deny("stopped by the user")
             raise
         except Exception as exc:  # noqa: BLE001 - a broken dialog must mean "no"
             log.warning("approval failed: %s", exc)
             return Decision.deny(f"the approval dialog failed: {exc}")
+        finally:
+            self._approval = None
 
     # ------------------------------------------------------------------ the model
     async def _propose_command(self, text: str) -> str:

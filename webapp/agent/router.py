@@ -28,6 +28,10 @@ shell: run a command here (files, git, tests, build, install)."""
 ASSISTANT_PREFIX = ""  # text the assistant "already wrote" before the label
 
 
+class RoutingUnavailableError(TypeError):
+    """The loaded engine cannot score continuations (no `ScoringBackend`)."""
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     route: Route
@@ -61,10 +65,9 @@ def route_step(
     backend: Any, text: str, labels: Sequence[str] = ROUTES, system: str = ROUTING_SYSTEM
 ) -> RouteDecision:
     """Score the labels after the routing prompt. Runs on the thread that owns `backend`."""
-    if not isinstance(backend, ScoringBackend):
-        raise TypeError(
-            f"backend {getattr(backend, 'name', backend)!r} cannot score continuations, so it cannot route"
-        )
+    if not isinstance(backend, ScoringBackend) or not callable(getattr(backend, "score_continuations", None)):
+        name = getattr(backend, "name", type(backend).__name__)
+        raise RoutingUnavailableError(f"the {name} engine cannot score continuations, so it cannot route")
     prompt = list(backend.apply_chat_template(routing_messages(text, system)))
     if ASSISTANT_PREFIX:
         prompt += backend.tokenize(ASSISTANT_PREFIX)

@@ -1,0 +1,128 @@
+"""The approval flow end to end over the websocket: the app in-process (TestClient), the model's
+choices scripted (FakeBackend), the commands real subprocesses in a tmp project directory.
+Approve once, deny with a reason, always-allow, dialog timeout, kill, and a routed agent turn."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.worker import Worker
+from tests.test_agent_loop import FakeBackend
+from webapp.agent import web
+from webapp.app import create_app
+from webapp.settings import Settings
+
+BASE = "http://127.0.0.1:8000"
+ORIGIN = "http://127.0.0.1:8000"
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    p = tmp_path / "proj"
+    p.mkdir()
+    monkeypatch.chdir(p)  # the web app's project is the directory it was started in
+    return p
+
+
+@pytest.fixture
+def ws(tmp_path: Path, fake: FakeBackend, project: Path) -> Iterator:
+    worker = Worker(lambda: fake)
+    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
+    with TestClient(app, base_url=BASE) as client:
+        with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+            yield sock
+    worker.close()
+
+
+def until(sock, pattern: str, limit: int = 300) -> str:
+    frames = []
+    for _ in range(limit):
+        frames.append(sock.receive_text())
+        if re.search(pattern, frames[-1]):
+            return "".join(frames)
+    raise AssertionError(f"no frame matched {pattern!r}; got {frames[-3:]}")
+
+
+def send(sock, **fields: object) -> None:
+    sock.send_text(json.dumps(fields))
+
+
+def ask(sock, text: str, conv: list[str]) -> tuple[str, str]:
+    """Send `text`; return (frames up to the dialog, dialog id)."""
+    send(sock, type="send", text=text, **({"conversation_id": conv[0]} if conv else {}))
+    frames = until(sock, r'id="dialog-[\w-]+"')
+    if not conv:
+        conv.append(re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1))  # type: ignore[union-attr]
+    return frames, re.search(r'id="dialog-([\w-]+)"', frames).group(1)  # type: ignore[union-attr]
+
+
+def test_agent_ws_run_once_deny_and_always(ws, project: Path, fake: FakeBackend) -> None:
+    conv: list[str] = []
+    frames, dialog = ask(ws, "/shell echo hi > a.txt", conv)
+    assert "echo hi &gt; a.txt" in frames and str(project.resolve()) in frames and "30 s" in frames
+    send(ws, type="answer", dialog_id=dialog, choice="once")
+    frames = until(ws, r'id="status" class="controls" data-state="idle"')
+    assert f'id="dialog-{dialog}" hx-swap-oob="delete"' in frames and "Exit code 0" in frames
+    assert "msg-assistant" in frames and "the agent failed" not in frames  # the summary is a stored reply
+    assert (project / "a.txt").read_text() == "hi\n"
+
+    frames, dialog = ask(ws, "/shell touch denied.txt", conv)
+    send(ws, type="answer", dialog_id=dialog, choice="deny", note="not in my repo")
+    frames = until(ws, r'data-state="idle"')
+    assert "Denied: not in my repo" in frames and not (project / "denied.txt").exists()
+
+    frames, dialog = ask(ws, "/shell ls -a", conv)
+    send(ws, type="answer", dialog_id=dialog, choice="always_prefix")
+    frames = until(ws, r'data-state="idle"')
+    assert "saved rule <code>ls</code>" in frames
+    send(ws, type="send", text="/shell ls -la", conversation_id=conv[0])
+    frames = until(ws, r'data-state="idle"')
+    assert (
+        "dialog-" not in frames and "Allowed by rule: <code>ls</code>" in frames and "Exit code 0" in frames
+    )
+
+
+def test_agent_ws_dialog_timeout_denies(ws, project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(web, "DIALOG_TIMEOUT_S", 0.5)
+    send(ws, type="send", text="/shell touch late.txt")
+    frames = until(ws, r'data-state="idle"')
+    assert "Denied: no answer within" in frames and 'hx-swap-oob="delete"' in frames
+    assert not (project / "late.txt").exists()
+
+
+def test_agent_ws_stop_kills_the_command(ws, project: Path) -> None:
+    conv: list[str] = []
+    _, dialog = ask(ws, "/shell echo started; sleep 30; touch never.txt", conv)
+    send(ws, type="answer", dialog_id=dialog, choice="once")
+    until(ws, r"started")
+    send(ws, type="stop")
+    frames = until(ws, r'data-state="idle"', limit=100)
+    assert "Stopped by the user" in frames and not (project / "never.txt").exists()
+
+
+def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBackend, project: Path) -> None:
+    send(ws, type="send", text="/help")
+    frames = until(ws, r'data-state="idle"')
+    assert "/shell COMMAND" in frames and "/search QUERY" in frames
+    conv = re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1)  # type: ignore[union-attr]
+    send(ws, type="send", text="/agent", conversation_id=conv)
+    until(ws, r"Agent mode")
+    fake.enqueue_route("shell").enqueue("touch routed.txt")
+    send(ws, type="send", text="make a file", conversation_id=conv)
+    frames = until(ws, r'id="dialog-[\w-]+"')
+    assert "Route: <strong>shell</strong>" in frames and "touch routed.txt" in frames
+    dialog = re.search(r'id="dialog-([\w-]+)"', frames).group(1)  # type: ignore[union-attr]
+    send(ws, type="answer", dialog_id=dialog, choice="deny")
+    until(ws, r'data-state="idle"')
+    assert not (project / "routed.txt").exists()
