@@ -11,6 +11,7 @@ quantization. What it does not know: what the routes do (`agent.py`), threads (c
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -89,20 +90,21 @@ def score_labels(backend: Any, prompt: list[int], conts: list[list[int]]) -> lis
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     state = _PREFIX.get(id(backend))
-    if state is None or state[0] is not model:
-        state = (model, [], make_prompt_cache(model))
-    _, tokens, cache = state
+    if state is None or state[0]() is not model:
+        state = (weakref.ref(model), [], make_prompt_cache(model))
+    ref, tokens, cache = state
     n = 0
     while n < min(len(tokens), len(prompt) - 1) and tokens[n] == prompt[n]:
         n += 1
     trim_prompt_cache(cache, len(tokens) - n)
     logits = model(mx.array(prompt[n:])[None], cache=cache)[0, -1].astype(mx.float32)
     logp = logits - mx.logsumexp(logits)
-    _PREFIX[id(backend)] = (model, list(prompt), cache)
+    _PREFIX[id(backend)] = (ref, list(prompt), cache)
     return [float(logp[c[0]].item()) for c in conts]
 
 
-_PREFIX: dict[int, tuple[Any, list[int], Any]] = {}  # id(backend) -> (model, tokens in cache, cache)
+# id(backend) -> (weak ref to the model, tokens in the cache, cache); weak: a switched-out model is freed
+_PREFIX: dict[int, tuple[Any, list[int], Any]] = {}
 
 
 async def route(worker: Any, text: str) -> RouteDecision:
