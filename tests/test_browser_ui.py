@@ -1,0 +1,134 @@
+"""The page's own behaviour in Chromium, against the app served with a scripted FakeBackend (fast):
+hostile model output stays text in the real DOM, auto-scroll follows the stream, stops when the
+user scrolls up and resumes at the bottom, Shift+Return makes a newline, Regenerate works."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from engine.worker import Worker
+from tests.test_browser_webapp import ARGS, CHROMIUM, free_port
+from tests.test_ws import FakeBackend
+from webapp.app import create_app
+from webapp.settings import Settings
+
+pytestmark = [pytest.mark.browser]
+
+
+@pytest.fixture
+def fake_server(tmp_path: Path) -> Iterator[tuple[str, FakeBackend]]:
+    fake = FakeBackend(delay=0.01)
+    worker = Worker(lambda: fake)
+    port = free_port()
+    app = create_app(Settings(port=port, data_dir=tmp_path, load_model=False), worker=worker)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", fake
+    server.should_exit = True
+    thread.join(10)
+    worker.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed (make test installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1100, "height": 700})
+    pg = context.new_page()
+    pg.errors = []
+    pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+    pg.on("dialog", lambda d: pg.errors.append(f"unexpected dialog: {d.message}"))
+    yield pg
+    context.close()
+
+
+def send_and_wait(page, text: str) -> None:
+    done = page.locator(".msg-assistant:not(.status-streaming)").count()
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.msg-assistant:not(.status-streaming)').length > {done}"
+    )
+    page.wait_for_selector("#status[data-state=idle]")
+
+
+def test_browser_hostile_output_renders_as_text(fake_server, page) -> None:
+    url, fake = fake_server
+    fake.enqueue("<script>window.pwned=1</script>", ' <img src=x onerror="window.pwned=2">', " **ok**")
+    page.goto(url)
+    send_and_wait(page, '<img src=y onerror="window.pwned=3">')
+    body = page.locator(".msg-assistant .body").last
+    assert "<script>window.pwned=1</script>" in body.inner_text()
+    assert page.locator(".msg img, .msg script").count() == 0
+    assert page.evaluate("() => window.pwned") is None
+    assert body.locator("strong").inner_text() == "ok"  # markdown still renders
+    assert not page.errors, page.errors
+
+
+def test_browser_autoscroll_follows_pauses_and_resumes(fake_server, page) -> None:
+    url, fake = fake_server
+    fake.enqueue(*[f"line {i}\n\n" for i in range(120)])
+    page.goto(url)
+    send_and_wait(page, "many lines please")
+    at_bottom = "() => { const t = document.querySelector('#transcript'); return t.scrollHeight - t.scrollTop - t.clientHeight < 30 }"
+    assert page.evaluate(at_bottom)
+
+    fake.delay = 0.03
+    fake.enqueue(*[f"more {i}\n\n" for i in range(150)])
+    page.fill("#prompt", "again")
+    page.press("#prompt", "Enter")
+    page.wait_for_function(
+        "() => document.querySelector('.msg-assistant .body.streaming')?.textContent.length > 20"
+    )
+    page.evaluate(
+        "() => { const t = document.querySelector('#transcript'); t.scrollTop = 0; t.dispatchEvent(new Event('scroll')) }"
+    )
+    page.wait_for_timeout(400)
+    assert (
+        page.evaluate("() => document.querySelector('#transcript').scrollTop") < 50
+    )  # left where the user put it
+    page.evaluate(
+        "() => { const t = document.querySelector('#transcript'); t.scrollTop = t.scrollHeight; t.dispatchEvent(new Event('scroll')) }"
+    )
+    page.wait_for_selector("#status[data-state=idle]", timeout=20_000)
+    assert page.evaluate(at_bottom)  # followed again once back at the bottom
+
+
+def test_browser_shift_return_newline_and_regenerate(fake_server, page) -> None:
+    url, fake = fake_server
+    fake.enqueue("first answer")
+    fake.enqueue("second answer")
+    page.goto(url)
+    page.click("#prompt")
+    page.keyboard.type("line one")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.type("line two")
+    assert page.input_value("#prompt") == "line one\nline two"
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#status[data-state=idle] #regenerate-button:not([disabled])")
+    assert page.inner_text(".msg-user .body") == "line one\nline two"
+    page.click("#regenerate-button")
+    page.wait_for_function(
+        "() => document.querySelector('.msg-assistant:last-child .body')?.textContent.includes('second answer')"
+    )
+    assert page.locator(".msg-assistant").count() == 1
+    assert not page.errors, page.errors
