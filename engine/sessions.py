@@ -29,13 +29,14 @@ import time
 import unicodedata
 import zipfile
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from . import __version__, paths
-from .base import CacheMismatchError, EngineError, ModelInfo, PromptCacheBackend
+from .base import CacheMismatchError, EngineError, Message, ModelInfo, PromptCacheBackend
 
 CONTEXT_FORMAT = "flashcode-context/1"
 EXPORT_SUFFIX = ".flashctx"
@@ -298,13 +299,18 @@ class ContextStore:
         name: str,
         kv_bits: int | None = None,
         conversation_id: str | None = None,
+        messages: Sequence[Message] | None = None,
     ) -> SavedContext:
         """Save the backend's live context (the last conversation it ran) under `project_id`.
-        `kv_bits`: None keeps the cache's own precision; 16, 8 or 4 make the file smaller."""
+        `kv_bits`: None keeps the cache's own precision; 16, 8 or 4 make the file smaller.
+        `messages`: the conversation the user means; when given, the live cache must hold it (its
+        prompt up to the last reply), else EngineError says to send a message in it first."""
         name = clean_name(name)
         model = backend.model
         if model is None:
             raise EngineError("no model is loaded: there is no context to save")
+        if messages is not None:
+            self._check_conversation(backend, messages)
         self._check_quota(project_id, 0)
         parent = self.contexts_dir(project_id, create=True)
         self._sweep(parent)
@@ -335,6 +341,21 @@ class ContextStore:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return self.get(project_id, cid)
+
+    @staticmethod
+    def _check_conversation(backend: Any, messages: Sequence[Message]) -> None:
+        """The live MLX cache must start with the conversation's prompt (llama-server keeps its own)."""
+        if _kind(backend) != "mlx":
+            return
+        msgs = list(messages)
+        while msgs and msgs[-1].get("role") == "assistant":
+            msgs.pop()  # the reply is in the cache as generated tokens, not as templated text
+        if not msgs:
+            raise EngineError("the conversation is empty: there is no context to save yet")
+        prompt = backend.apply_chat_template(msgs)
+        if backend.prompt_cache.tokens[: len(prompt)] != prompt:
+            raise EngineError("the engine's live context belongs to another conversation (or was reset): "
+                              "send a message in this conversation, then save")  # fmt: skip
 
     def _check_quota(self, project_id: str, adding: int, kv_bits: int | None = None) -> None:
         used = self.usage(project_id)

@@ -30,7 +30,7 @@ from engine.sessions import (
 pytestmark = pytest.mark.slow
 
 TURN1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 def chat(backend, messages) -> Done:
@@ -259,3 +259,13 @@ def test_sessions_import_refuses_unknown_model_and_odd_files(saved, data_dir, tm
     with pytest.raises(ContextImportError, match="not a flashcode context"):
         store.import_file("p8", tmp_path / "junk.flashctx")
     assert store.list("p8") == []
+
+
+def test_sessions_save_checks_the_conversation(saved, mlx_backend, tmp_path):
+    store = ContextStore(tmp_path)
+    shown = [*saved.turn2, {"role": "assistant", "content": saved.live.text}]
+    ctx = store.save(mlx_backend, "p9", "checked", messages=shown, conversation_id="conv-2")
+    assert ctx.conversation_id == "conv-2"
+    elsewhere = [*TURN1[:1], {"role": "user", "content": "A different conversation."}]
+    with pytest.raises(EngineError, match="belongs to another conversation"):
+        store.save(mlx_backend, "p9", "wrong one", messages=elsewhere)
