@@ -457,6 +457,9 @@ class LlamaServerBackend:
         self.settings = dict(parallel=parallel, flash_attn=flash_attn, cache_type_k=cache_type_k,
                              cache_type_v=cache_type_v, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                              threads=threads, extra_args=tuple(extra_args))  # fmt: skip
+        if threads is None and os.environ.get("FLASHCODE_LLAMA_THREADS"):
+            threads = int(os.environ["FLASHCODE_LLAMA_THREADS"])  # the CLI has no flag for it (yet)
+            self.settings["threads"] = threads
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         self.startup_timeout = startup_timeout
         self.process: LlamaServerProcess | None = None

@@ -150,7 +150,7 @@ def mlx_first_divergence(mlx_backend, prompt: list[int], reply: list[int]) -> di
 
 
 def test_llama_and_mlx_greedy_replies_measured(llama, mlx_backend, artifacts: Path) -> None:
-    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    sampling = SamplingParams(temperature=0.0, max_tokens=10)
     rows = []
     for prompt in PROMPTS:
         prompt_ids = mlx_backend.encode_raw(prompt)

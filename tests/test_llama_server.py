@@ -241,7 +241,7 @@ def servers_for_logs(logs: set[Path]) -> list[psutil.Process]:
 
 def test_llama_cli_ask_json(home: Path) -> None:
     logs_before = set((home / "logs").glob("llama-server-*.log"))
-    env = {**os.environ, "FLASHCODE_HOME": str(home)}
+    env = {**os.environ, "FLASHCODE_HOME": str(home), "FLASHCODE_LLAMA_THREADS": str(THREADS)}
     cmd = [sys.executable, "-m", "webapp.cli", "ask", "--backend", "llama", "--json", "--temperature", "0",
            "--max-tokens", "8", "--ctx-size", "512", "Say hello"]  # fmt: skip
     out = subprocess.run(
