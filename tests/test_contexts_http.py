@@ -1,0 +1,152 @@
+"""The saved-context HTTP handlers (webapp/contexts.py) in-process: a tiny app built inline with a
+fake backend that writes a stand-in cache file, driven by TestClient. The real cache files and the
+real model are covered by tests/test_sessions.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from engine.worker import Worker
+from webapp.contexts import context_routes
+from webapp.db import Database
+from webapp.settings import Settings
+
+BASE = "http://127.0.0.1:8000"
+TOKEN = {"x-csrf-token": "t0ken"}
+
+
+class FakeCacheBackend:
+    """Enough of an MLX backend for the store: a live token list and a cache file it writes."""
+
+    name = "mlx"
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.context_length = 2048
+        self.prompt_cache = SimpleNamespace(tokens=[], cache=None)
+        self.loaded: list[int] | None = None
+
+    def close(self) -> None:
+        pass
+
+    def apply_chat_template(self, messages) -> list[int]:
+        return [len(m["content"]) for m in messages]
+
+    def run(self, messages) -> None:
+        self.prompt_cache.tokens = [*self.apply_chat_template(messages), 7]
+
+    def save_prompt_cache(
+        self, path: Path, metadata: dict[str, str], kv_bits: int | None = None
+    ) -> dict[str, Any]:
+        if not self.prompt_cache.tokens:
+            from engine.base import EngineError
+
+            raise EngineError("there is no context to save yet: send a message first")
+        Path(path).write_bytes(b"kv" * 1000)
+        return {"tokens": list(self.prompt_cache.tokens), "metadata": {"kv_bits": str(kv_bits or 32)}}
+
+    def load_prompt_cache(self, path: Path, tokens: list[int] | None = None) -> dict[str, Any]:
+        self.loaded = list(tokens or [])
+        return {"tokens": len(self.loaded)}
+
+
+@pytest.fixture
+def client(tmp_path: Path, default_model) -> Iterator[tuple[TestClient, FakeCacheBackend, Any]]:
+    fake = FakeCacheBackend(default_model)
+    worker = Worker(lambda: fake)
+    settings = Settings(data_dir=tmp_path, load_model=False)
+    db = Database(tmp_path / "flashcode.db")
+    app = Starlette(routes=context_routes)
+    app.state.flashcode = SimpleNamespace(settings=settings, db=db, engine=SimpleNamespace(worker=worker),
+                                          csrf_token=TOKEN["x-csrf-token"])  # fmt: skip
+    with TestClient(app, base_url=BASE) as c:
+        yield c, fake, db
+    worker.close()
+    db.close()
+
+
+def conversation(db, fake, *texts: str) -> str:
+    conv = db.create_conversation("t")
+    for i, text in enumerate(texts):
+        db.add_message(conv.id, "user" if i % 2 == 0 else "assistant", text)
+    fake.run([{"role": "user", "content": texts[0]}])
+    return conv.id
+
+
+def test_contexts_http_save_list_rename_resume_delete(client):
+    c, fake, db = client
+    conv = conversation(db, fake, "hello there", "hi")
+    r = c.post("/projects/default/contexts", json={"name": "greeting", "conversation_id": conv, "kv_bits": "8"},
+               headers=TOKEN)  # fmt: skip
+    assert r.status_code == 201, r.text
+    ctx = r.json()
+    assert (ctx["name"], ctx["kv_bits"], ctx["conversation_id"], ctx["token_count"]) == (
+        "greeting",
+        8,
+        conv,
+        2,
+    )
+    listed = c.get("/projects/default/contexts").json()
+    assert [x["id"] for x in listed["contexts"]] == [ctx["id"]] and listed["usage_bytes"] > 0
+    r = c.post(f"/projects/default/contexts/{ctx['id']}/rename", json={"name": "renamed"}, headers=TOKEN)
+    assert r.json()["name"] == "renamed"
+    r = c.post(f"/projects/default/contexts/{ctx['id']}/resume", headers=TOKEN)
+    assert r.json()["resumed"] and r.json()["conversation_id"] == conv and fake.loaded == [11, 7]
+    r = c.post(f"/projects/default/contexts/{ctx['id']}/delete", headers=TOKEN)
+    assert r.status_code == 204 and c.get("/projects/default/contexts").json()["contexts"] == []
+
+
+def test_contexts_http_export_import(client, tmp_path):
+    c, fake, db = client
+    conversation(db, fake, "hello there")
+    ctx = c.post("/projects/default/contexts", json={"name": "to move"}, headers=TOKEN).json()
+    r = c.get(f"/projects/default/contexts/{ctx['id']}/export")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
+    assert "to-move" in r.headers["content-disposition"]
+    r = c.post("/projects/other/contexts/import", files={"file": ("x.flashctx", r.content)}, data={"name": "moved"},
+               headers=TOKEN)  # fmt: skip
+    assert r.status_code == 201, r.text
+    assert r.json()["name"] == "moved" and r.json()["project_id"] == "other"
+    r = c.post("/projects/other/contexts/import", files={"file": ("x.flashctx", b"junk")}, headers=TOKEN)
+    assert r.status_code == 400 and "not a flashcode context" in r.json()["error"]
+
+
+def test_contexts_http_errors_are_clear(client):
+    c, fake, db = client
+    assert c.post("/projects/default/contexts", json={"name": "x"}).status_code == 403  # no CSRF token
+    r = c.post("/projects/default/contexts", json={"name": "empty"}, headers=TOKEN)
+    assert r.status_code == 409 and "send a message first" in r.json()["error"]
+    other = conversation(db, fake, "one conversation")
+    fake.run([{"role": "user", "content": "another one entirely"}])
+    r = c.post("/projects/default/contexts", json={"name": "x", "conversation_id": other}, headers=TOKEN)
+    assert r.status_code == 409 and "belongs to another conversation" in r.json()["error"]
+    assert c.get("/projects/..%2Fx/contexts").status_code in (400, 404)
+    r = c.post("/projects/default/contexts/20261122-113000-a1b2c3/resume", headers=TOKEN)
+    assert r.json()["resumed"] is False and "re-reads it from the start" in r.json()["message"]
+    assert (
+        c.post("/projects/default/contexts/nope/rename", json={"name": "y"}, headers=TOKEN).status_code == 400
+    )
+
+
+def test_contexts_http_resume_runs_on_the_worker_thread(client):
+    c, fake, db = client
+    conversation(db, fake, "hello")
+    ctx = c.post("/projects/default/contexts", json={"name": "t"}, headers=TOKEN).json()
+    seen = []
+    original = fake.load_prompt_cache
+
+    def spy(path, tokens=None):
+        seen.append(threading.current_thread().name)
+        return original(path, tokens)
+
+    fake.load_prompt_cache = spy
+    c.post(f"/projects/default/contexts/{ctx['id']}/resume", headers=TOKEN)
+    assert seen == ["flashcode-engine"]
