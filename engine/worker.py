@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -70,6 +71,9 @@ class Generation:
                 self._loop.call_soon_threadsafe(self._async_q.put_nowait, event)
             except RuntimeError:  # the loop closed under us: nobody is listening any more
                 self.cancel_event.set()
+            # Yield the GIL: the engine thread goes straight back into MLX, and without this the
+            # event loop can wait ~100-200 ms to forward the token (measured: TTFT +110 ms -> +2-14 ms).
+            time.sleep(0)
         else:
             self._sync_q.put(event)
         if isinstance(event, Done):

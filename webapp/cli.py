@@ -67,11 +67,14 @@ def cmd_setup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from engine.models import DEFAULT_MODEL
+
     from .app import create_app
     from .settings import Settings
 
     settings = Settings(host=args.host, port=args.port, data_dir=paths.home(), backend=args.backend,
-                        model=args.model, backend_options=backend_options(args))  # fmt: skip
+                        model=args.model or DEFAULT_MODEL, backend_options=backend_options(args),
+                        extra_origins=tuple(args.allow_origin or ()))  # fmt: skip
     if not settings.is_loopback:
         print(
             f"WARNING: listening on {args.host}: anyone who can reach this machine can use flashcode, "
@@ -267,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=parse_size, default=None)
     p.add_argument("--llama-url", default=None)
     p.add_argument("--ctx-size", type=int, default=None)
+    p.add_argument("--allow-origin", action="append", metavar="URL",
+                   help="also accept pages from this origin (e.g. http://my-mac.local:8000 when using --host 0.0.0.0)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
 

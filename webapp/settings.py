@@ -21,6 +21,7 @@ class Settings:
     model: str = DEFAULT_MODEL
     backend_options: dict[str, Any] = field(default_factory=dict)
     load_model: bool = True  # tests may build an app without loading a model
+    extra_origins: tuple[str, ...] = ()  # --allow-origin: e.g. http://my-mac.local:8000 with --host 0.0.0.0
 
     @property
     def is_loopback(self) -> bool:
@@ -33,4 +34,4 @@ class Settings:
         for h in hosts:
             hh = f"[{h}]" if ":" in h else h
             out.add(f"http://{hh}:{self.port}")
-        return out
+        return out | {o.rstrip("/") for o in self.extra_origins}
