@@ -84,7 +84,7 @@ def score_labels(backend: Any, prompt: list[int], conts: list[list[int]]) -> lis
     cache of the routing instructions (the same every turn) is kept and trimmed back after each
     route, so a route prefills only the user's words. Same numbers as the plain call."""
     model = getattr(backend, "model_obj", None)
-    if model is None or any(len(c) != 1 for c in conts):
+    if getattr(backend, "name", "") != "mlx" or model is None or any(len(c) != 1 for c in conts):
         return list(backend.score_continuations(prompt, conts))
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
