@@ -656,10 +656,18 @@ class LlamaServerBackend:
     def _describe_failure(self, exc: Exception) -> str:
         if isinstance(exc, ServerError):
             return str(exc)
-        if self.process is not None and not self.process.alive():
-            code = self.process.proc.returncode if self.process.proc else "?"
-            return (f"llama-server stopped during the reply (exit code {code}); the next message restarts it. "
-                    f"Log: {self.process.log_path}")  # fmt: skip
+        proc = self.process.proc if self.process is not None else None
+        if proc is not None:
+            try:  # the socket can close a moment before the dead process can be reaped
+                code = proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                log_path = self.process.log_path if self.process else None
+                return (
+                    f"llama-server stopped during the reply (exit code {code}); the next message restarts it. "
+                    f"Log: {log_path}"
+                )
         return f"lost the connection to llama-server at {self.url}: {exc}"
 
     def _fill_stats(self, stats: GenerationStats, turn: _Turn, t0: float) -> None:
