@@ -104,6 +104,9 @@ class ServerOptions:
     n_gpu_layers: int | None = None
     n_cpu_moe: int | None = None
     threads: int | None = None
+    # -b: the server handles a cancel between batches, so a Stop during a long prefill frees the slot
+    # after one batch (default 2048: the whole prompt); 512 = the default micro-batch, no slower
+    batch_size: int | None = 512
     slot_save_path: Path | None = None
     metrics: bool = True
     extra_args: tuple[str, ...] = ()
@@ -125,7 +128,7 @@ class ServerOptions:
         flags: list[tuple[str, Any]] = [
             ("-c", self.ctx_size), ("-fa", self.flash_attn), ("-ctk", self.cache_type_k),
             ("-ctv", self.cache_type_v), ("-ngl", self.n_gpu_layers), ("--n-cpu-moe", self.n_cpu_moe),
-            ("-t", self.threads), ("--slot-save-path", self.slot_save_path),
+            ("-t", self.threads), ("-b", self.batch_size), ("--slot-save-path", self.slot_save_path),
         ]  # fmt: skip
         for flag, value in flags:
             if value is not None:
@@ -447,6 +450,7 @@ class LlamaServerBackend:
         n_gpu_layers: int | None = None,
         n_cpu_moe: int | None = None,
         threads: int | None = None,
+        batch_size: int | None = 512,
         slot_save_path: str | Path | None = None,
         startup_timeout: float = 120.0,
         extra_args: Sequence[str] = (),
@@ -456,7 +460,7 @@ class LlamaServerBackend:
         self._context_override = context_length
         self.settings = dict(parallel=parallel, flash_attn=flash_attn, cache_type_k=cache_type_k,
                              cache_type_v=cache_type_v, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                             threads=threads, extra_args=tuple(extra_args))  # fmt: skip
+                             threads=threads, batch_size=batch_size, extra_args=tuple(extra_args))  # fmt: skip
         if threads is None and os.environ.get("FLASHCODE_LLAMA_THREADS"):
             threads = int(os.environ["FLASHCODE_LLAMA_THREADS"])  # the CLI has no flag for it (yet)
             self.settings["threads"] = threads

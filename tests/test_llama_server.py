@@ -131,6 +131,20 @@ def test_llama_cancel_ends_the_stream_within_200ms(llama) -> None:
     assert after.error is None and after.text
 
 
+def test_llama_cancel_during_a_long_prefill_ends_the_stream_within_200ms(llama) -> None:
+    long = ({"role": "user", "content": " ".join(f"item{i}" for i in range(120))},)  # ~300 tokens
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    t0 = time.perf_counter()
+    deltas, done = run(llama, GenerationRequest(messages=long, sampling=GREEDY), cancel)
+    assert done.finish_reason == "cancelled" and not deltas
+    assert time.perf_counter() - t0 < 0.1 + 0.2
+    _, after = run(
+        llama, GenerationRequest(messages=CHAT, sampling=SamplingParams(temperature=0, max_tokens=4))
+    )
+    assert after.error is None and after.text
+
+
 def test_llama_too_long_prompt_raises_context_limit(llama) -> None:
     long = ({"role": "user", "content": "word " * 3000},)
     with pytest.raises(ContextLimitError) as info:
