@@ -131,6 +131,7 @@ class FlashBackend(MLXBackend):
         mx.eval(obj.parameters())
         if self.memory_budget:  # freed unit arrays are recycled, not hoarded by MLX's buffer cache
             mx.set_cache_limit(plan.in_flight + plan.activations)
+        mx.clear_cache()  # the float16 originals of cast weights
         self.tokenizer = load_tokenizer(model.path, eos_token_ids=cfg.get("eos_token_id"))
         self.model_obj, self.config = obj, cfg
         self.manifest, self.reader, self.layer_stream, self.plan = man, reader, stream, plan

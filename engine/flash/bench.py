@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+RUNTIME_MARGIN = 96 << 20  # tokenizer, allocator slack, page cache of the libraries
 PROMPT = "The history of the printing press begins"
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
@@ -137,7 +138,11 @@ def child_main(args: argparse.Namespace) -> None:
     info = ModelInfo(path.name, path, "llama", 0, split_path=path / "split" if (path / "split/manifest.json").exists() else None)
     if args.child == "flash":
         # the budget is what the cap leaves once this process's runtime (Python, MLX, tokenizer) is paid
-        budget = args.memory_cap - current_rss_bytes() - (48 << 20) if args.memory_cap else None
+        import mlx.core  # noqa: F401
+        import mlx_lm.utils  # noqa: F401
+        import transformers  # noqa: F401
+
+        budget = args.memory_cap - current_rss_bytes() - RUNTIME_MARGIN if args.memory_cap else None
         backend: Any = FlashBackend(memory_budget=budget, prefetch=args.prefetch)
     elif args.child == "mmap":
         backend = LazyMLXBackend()
