@@ -92,7 +92,13 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8000])
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "resume.json")
+    ap.add_argument("--shape-only", type=int, metavar="TOKENS",
+                    help="only file sizes and resume time, on a cache of TOKENS random tokens' KV of the "
+                         "model's shape (when prefilling that many tokens would take too long); merged into --out")  # fmt: skip
     args = ap.parse_args()
+    if args.shape_only:
+        shape_only(args.shape_only, args.out)
+        return
 
     model = find_model(None)
     live = MLXBackend()
@@ -179,6 +185,42 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     for ctx in store.list("bench"):
         store.delete("bench", ctx.id)
+
+
+def shape_only(n: int, out: Path) -> None:
+    """Sizes and resume time for `n` tokens without prefilling them: random KV of the model's shape.
+    Both depend on the shape alone; re-prefill time and agreement need the real thing and are left out."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.mlx_backend import compute_dtype, kv_shape
+
+    model = find_model(None)
+    live, restarted = MLXBackend(), MLXBackend()
+    live.load(model)
+    restarted.load(model)
+    layers, heads, head_dim = kv_shape(live.model_obj)
+    cache = make_prompt_cache(live.model_obj)
+    for c in cache:
+        k = mx.random.normal((1, heads, n, head_dim)).astype(compute_dtype())
+        c.update_and_fetch(k, mx.random.normal((1, heads, n, head_dim)).astype(compute_dtype()))
+    mx.eval([c.state for c in cache])
+    live.prompt_cache.cache, live.prompt_cache.tokens = cache, [1] * n
+    store = ContextStore(Path(tempfile.mkdtemp(prefix="flashcode-bench-resume-")), quota_bytes=64 << 30)
+    row: dict[str, Any] = {"tokens": n, "synthetic_kv": True, "reprefill_s": None, "precisions": {}}
+    for bits in PRECISIONS:
+        t = time.perf_counter()
+        sc = store.save(live, "bench", f"shape {n} at {bits}", kv_bits=bits)
+        save_s = time.perf_counter() - t
+        res = store.resume(restarted, "bench", sc.id)
+        row["precisions"][str(sc.kv_bits)] = {"requested": bits or "native", "file_bytes": sc.size_bytes,
+                                              "file_mb": round(sc.size_bytes / 1e6, 1), "save_s": round(save_s, 3),
+                                              "resume_s": round(res.seconds, 3)}  # fmt: skip
+        store.delete("bench", sc.id)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result.setdefault("sizes", {})[str(n)] = row
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
