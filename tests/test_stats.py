@@ -341,3 +341,11 @@ def test_stats_install_records_every_websocket_reply(tmp_path: Path) -> None:
             assert tuple(row)[:7] == ("chat", "chat", "fake", "tiny", 12, 1, "stop") and row[7]
     finally:
         worker.close()
+
+
+def test_stats_note_fragment_renders_markdown_escaped(conn: sqlite3.Connection) -> None:
+    from webapp.views import make_environment
+
+    stats.record_reply(conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="<b>x</b>")
+    html = stats_view.note_html(make_environment(), "stats", stats_view.stats_markdown(conn))
+    assert 'hx-swap-oob="beforeend"' in html and "<table>" in html and "<b>x</b>" not in html

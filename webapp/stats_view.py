@@ -281,6 +281,18 @@ def record_chat_reply(state: AppState, reply_stats: dict[str, Any], *, conversat
                               finish_reason=finish_reason or reply_stats.get("finish_reason"))  # fmt: skip
 
 
+def note_html(env: Environment, command: str, markdown: str) -> str:
+    """A slash command's answer as an out-of-band fragment appended to the transcript."""
+    from .render import render_markdown
+
+    return env.get_template("stats/note.html").render(command=command, body=render_markdown(markdown))
+
+
+async def answer_fragment(state: AppState, name: str, arg: str, conversation_id: str | None) -> str:
+    """`answer` rendered for the chat: what the agent bridge sends for `SlashUnhandled(name, arg)`."""
+    return note_html(state.views.env, name, await answer(state, name, arg, conversation_id))
+
+
 def install(state: AppState) -> None:
     """What the web app's lifespan calls once the database is open: the stats tables, and a record of
     every finished chat reply (through `AppState.on_reply`)."""
