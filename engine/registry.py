@@ -26,6 +26,16 @@ def available_backends() -> list[str]:
     return out
 
 
+def backend_class(name: str) -> Any:
+    if name not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    module_name, attr = BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
+
+
 def backend_factory(name: str, **options: Any) -> Callable[[], Backend]:
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")

@@ -87,7 +87,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         db = Database(paths.database_path(settings.data_dir))
         if db.recovered:
             log.warning("%d reply(s) cut by a previous crash were kept and marked incomplete", db.recovered)
-        engine = EngineState(worker or start_worker(settings))
+        engine = EngineState(worker or start_worker(settings), options=dict(settings.backend_options))
         await engine.refresh()
         state = AppState(settings=settings, db=db, engine=engine, views=None)  # type: ignore[arg-type]
         state.views = Views(state)

@@ -110,17 +110,47 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- generation
-def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+# CLI flag (argparse dest) -> backend constructor keyword
+_ENGINE_OPTIONS = {
+    "kv_bits": "kv_bits", "memory_budget": "memory_budget", "llama_url": "url", "ctx_size": "context_length",
+    "llama_binary": "binary", "llama_threads": "threads", "flash_attn": "flash_attn",
+    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v", "parallel": "parallel",
+    "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe",
+}  # fmt: skip
+_BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_url": {"llama"},
+               "llama_binary": {"llama"}, "llama_threads": {"llama"}, "flash_attn": {"llama"},
+               "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
+               "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}}  # fmt: skip
+
+
+def backend_options(args: argparse.Namespace, backend: str | None = None) -> dict[str, Any]:
+    """Keyword options for the backend from the engine flags the user gave (only those it takes)."""
     opts: dict[str, Any] = {}
-    if getattr(args, "kv_bits", None):
-        opts["kv_bits"] = args.kv_bits
-    if getattr(args, "memory_budget", None):
-        opts["memory_budget"] = args.memory_budget
-    if getattr(args, "llama_url", None):
-        opts["url"] = args.llama_url
-    if getattr(args, "ctx_size", None):
-        opts["context_length"] = args.ctx_size
+    for flag, key in _ENGINE_OPTIONS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if backend is not None and flag in _BACKEND_OF and backend not in _BACKEND_OF[flag]:
+            raise SystemExit(f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}")
+        opts[key] = value
     return opts
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (mlx, flash)")
+    g.add_argument("--memory-budget", type=parse_size, default=None, help="flash: hard memory budget, e.g. 300MB")
+    g.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
+    g.add_argument("--llama-url", default=None, help="llama: attach to a llama-server already running at URL")
+    g.add_argument("--llama-binary", default=None, help="llama: path of the llama-server binary to run")
+    g.add_argument("--llama-threads", type=int, default=None, help="llama: CPU threads (-t)")
+    g.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None, help="llama: flash attention")
+    g.add_argument("--cache-type-k", choices=["f16", "q8_0", "q4_0"], default=None, help="llama: K cache type")
+    g.add_argument("--cache-type-v", choices=["f16", "q8_0", "q4_0"], default=None,
+                   help="llama: V cache type (quantized V needs --flash-attn on)")
+    g.add_argument("--parallel", type=int, default=None, help="llama: parallel slots")
+    g.add_argument("--n-gpu-layers", type=int, default=None, help="llama: layers offloaded to the GPU")
+    g.add_argument("--n-cpu-moe", type=int, default=None, help="llama: keep the experts of the first N layers on the CPU")
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -153,7 +183,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from .engine_host import make_loaded_backend, resolve_backend
 
     name = resolve_backend(args.backend)
-    backend = make_loaded_backend(name, args.model, backend_options(args))
+    backend = make_loaded_backend(name, args.model, backend_options(args, name))
     try:
         if args.raw:
             request = GenerationRequest(prompt=args.prompt, sampling=_sampling(args))
@@ -192,7 +222,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .engine_host import make_loaded_backend, resolve_backend
 
     name = resolve_backend(args.backend)
-    backend = make_loaded_backend(name, args.model, backend_options(args))
+    backend = make_loaded_backend(name, args.model, backend_options(args, name))
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print(f"flashcode chat — {backend.model.name} on {name}. /clear resets, /exit or Ctrl-D quits, "
           "Ctrl-C stops a reply.", file=sys.stderr)  # fmt: skip
@@ -242,10 +272,7 @@ def add_generation_args(p: argparse.ArgumentParser, backends: Sequence[str] = ("
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (MLX)")
-    p.add_argument("--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB")
-    p.add_argument("--llama-url", default=None, help="llama backend: attach to a llama-server already running at URL")
-    p.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
+    add_engine_args(p)
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)")
 
 
@@ -266,10 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
     p.add_argument("--model", default=None)
-    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None)
-    p.add_argument("--memory-budget", type=parse_size, default=None)
-    p.add_argument("--llama-url", default=None)
-    p.add_argument("--ctx-size", type=int, default=None)
+    add_engine_args(p)
     p.add_argument("--allow-origin", action="append", metavar="URL",
                    help="also accept pages from this origin (e.g. http://my-mac.local:8000 when using --host 0.0.0.0)")
     p.add_argument("--log-level", default="info")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import platform
 import sys
@@ -43,9 +44,26 @@ def resolve_backend(name: str) -> str:
     return default_backend() if name in ("auto", "", None) else name
 
 
+def options_for(backend: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The subset of engine options this backend's constructor takes (flags for another engine
+    are kept in settings, so they apply again when the user switches back)."""
+    from engine.registry import backend_class
+
+    accepted: set[str] = set()
+    for klass in backend_class(backend).__mro__:  # a subclass passing **kwargs up takes its parent's too
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters
+        accepted |= {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return {k: v for k, v in (options or {}).items() if k in accepted - {"self"}}
+
+
 def make_loaded_backend(backend: str, model: str | None, options: dict[str, Any] | None = None) -> Backend:
     """Build a backend and load a model into it (call on the thread that will own it)."""
-    b = backend_factory(resolve_backend(backend), **(options or {}))()
+    name = resolve_backend(backend)
+    b = backend_factory(name, **options_for(name, options))()
     b.load(find_model(model))
     return b
 

@@ -7,7 +7,6 @@ context length, read on the worker thread after each (re)load, plus `switch()` t
 from __future__ import annotations
 
 import asyncio
-import importlib.util  # noqa: F401 - engine.registry.available_backends needs importlib.util loaded
 import logging
 import secrets
 from collections.abc import Callable
@@ -32,6 +31,7 @@ class EngineState:
     backend: str | None = None
     model: str | None = None
     context_length: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # engine flags from the CLI, kept across switches
 
     def model_and_backend(self) -> tuple[str | None, str | None]:
         return self.model, self.backend
@@ -51,12 +51,12 @@ class EngineState:
 
         previous = (self.backend, self.model)
         try:
-            await asyncio.to_thread(self.worker.switch, lambda: make_loaded_backend(backend, model))
+            await asyncio.to_thread(self.worker.switch, lambda: make_loaded_backend(backend, model, self.options))
         except Exception:
             if previous[0] and previous[1]:
                 with_previous = previous
                 try:
-                    await asyncio.to_thread(self.worker.switch, lambda: make_loaded_backend(*with_previous))
+                    await asyncio.to_thread(self.worker.switch, lambda: make_loaded_backend(*with_previous, self.options))
                 except Exception:  # noqa: BLE001
                     log.exception("could not restore %s on %s", previous[1], previous[0])
             raise
