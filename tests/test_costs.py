@@ -95,4 +95,5 @@ def test_prices_from_form_drops_empty_rows_and_rejects_duplicates() -> None:
 def test_format_usd_keeps_small_amounts_visible() -> None:
     assert costs.format_usd(0) == "$0.00"
     assert costs.format_usd(0.0026) == "$0.0026"
+    assert costs.format_usd(0.0000425) == "<$0.0001"
     assert costs.format_usd(1234.5) == "$1,234.50"

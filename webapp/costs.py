@@ -149,6 +149,8 @@ def format_usd(amount: float) -> str:
     """$12.34, or more digits for small amounts so a few replies do not read as $0.00."""
     if amount == 0:
         return "$0.00"
+    if 0 < abs(amount) < 0.0001:
+        return "<$0.0001"
     if abs(amount) < 0.01:
         return f"${amount:.4f}"
     return f"${amount:,.2f}"
