@@ -173,3 +173,55 @@ def test_openai_bearer_token(tmp_path: Path, engine: FakeEngine, monkeypatch: py
         assert c.get("/v1/models", headers={"authorization": "Bearer nope"}).status_code == 401
         c.headers["authorization"] = "Bearer s3cret"
         assert chat(c).status_code == 200
+
+
+class SlowEngine(FakeEngine):
+    """Streams up to 500 tokens, 20 ms apart, and remembers whether it was cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__(context_length=4096)
+        self.cancelled = threading.Event()
+
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[TextDelta | Done]:
+        import time
+
+        for i in range(500):
+            if cancel.is_set():
+                self.cancelled.set()
+                yield Done(GenerationStats(completion_tokens=i), "cancelled", "")
+                return
+            time.sleep(0.02)
+            yield TextDelta(f" t{i}", (i,))
+        yield Done(GenerationStats(completion_tokens=500), "length", "")
+
+
+def test_openai_stream_stops_the_engine_when_the_client_leaves(tmp_path: Path) -> None:
+    import socket
+    import time
+
+    import httpx
+    import uvicorn
+
+    engine = SlowEngine()
+    worker = Worker(lambda: engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(Settings(data_dir=tmp_path, port=port, load_model=False), worker=worker)
+    app.router.routes.extend(openai_api.routes)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        body = {"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 500}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk
+            assert '" t0"' in next(ln for ln in lines if ln)
+        assert engine.cancelled.wait(5), "the engine kept generating after the client left"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        worker.close()
