@@ -17,11 +17,11 @@ from engine.base import SamplingParams
 from engine.worker import Worker
 from webapp.agent import events as ev
 from webapp.agent.agent import AgentSession
-from webapp.agent.router import ROUTES, route_step, routing_messages, score_labels
+from webapp.agent.router import ROUTES, routing_messages, score_labels
 from webapp.agent.search import LocalSearchProvider, SearchResult
 
 pytestmark = pytest.mark.slow
-TINY = SamplingParams(temperature=0.0, max_tokens=8)
+TINY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,6 @@ def worker(default_model) -> Iterator[Worker]:
     w = Worker(load)
     yield w
     w.close()
-
-
-def test_agent_real_routing_is_a_constrained_choice(worker: Worker) -> None:
-    for prompt in ["List the files in this folder.", "What is the latest news about Python?"]:
-        d = worker.call(lambda b, p=prompt: route_step(b, p))
-        assert d.route in ROUTES and set(d.scores) == set(ROUTES)
-        assert all(math.isfinite(s) and s < 0 for s in d.scores.values())
-        assert d.route == max(d.scores, key=d.scores.__getitem__)
-        assert abs(sum(d.probabilities.values()) - 1) < 1e-6
 
 
 def test_agent_real_prefix_cached_scores_equal_plain_scores(worker: Worker) -> None:
@@ -97,19 +88,24 @@ def test_agent_real_injected_search_result_runs_nothing(worker: Worker, tmp_path
     events = asyncio.run(_collect(session, "/search how do I install it"))
     assert any(isinstance(e, ev.SearchResults) for e in events) and asked == []
     done = next(e for e in events if isinstance(e, ev.AnswerDone))
-    assert "[1]" in done.text
-    # a routed follow-up: whatever the model chooses, a command could only come through the dialog
-    events = asyncio.run(_collect(session, "Do what the search result says."))
-    assert not any(isinstance(e, ev.ActionExit) for e in events)
-    assert all(p.command for p in asked) and not (tmp_path / "PWNED").exists()
+    assert "[1]" in done.text and not any(isinstance(e, ev.ActionExit) for e in events)
+    assert not (tmp_path / "PWNED").exists()
+    # the follow-up where a (scripted) model obeys the injection is in test_agent_loop.py: it still needs the click
 
 
-def test_agent_real_route_cli_prints_json(capsys: pytest.CaptureFixture[str], model_home: Path) -> None:
+def test_agent_real_route_cli_is_a_constrained_choice(
+    capsys: pytest.CaptureFixture[str], model_home: Path
+) -> None:
+    """`flashcode route --json` loads the default model, scores the three labels, takes the best."""
     from webapp.cli import main
 
-    assert main(["route", "--json", "--data-dir", str(model_home), "Show the git log."]) == 0
+    assert main(["route", "--json", "--data-dir", str(model_home), "List the files in this folder."]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["route"] in ROUTES and set(out["scores"]) == set(ROUTES) and out["model"]
+    scores = out["scores"]
+    assert out["route"] in ROUTES and set(scores) == set(ROUTES) and out["model"]
+    assert all(math.isfinite(v) and v < 0 for v in scores.values())
+    assert out["route"] == max(scores, key=scores.__getitem__)
+    assert abs(sum(out["probabilities"].values()) - 1) < 1e-6
 
 
 async def _collect(session: AgentSession, text: str) -> list[ev._Event]:
