@@ -126,3 +126,23 @@ def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBacken
     send(ws, type="answer", dialog_id=dialog, choice="deny")
     until(ws, r'data-state="idle"')
     assert not (project / "routed.txt").exists()
+
+
+def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend, project: Path) -> None:
+    from webapp.agent.store import AgentStore, ensure_schema
+
+    worker = Worker(lambda: fake)
+    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
+    app.router.routes.extend(web.ROUTES)  # what webapp/routes.py mounts
+    try:
+        with TestClient(app, base_url=BASE) as client:
+            state = app.state.flashcode
+            ensure_schema(state.db.conn)
+            rule = AgentStore(state.db.conn).add_rule(str(project.resolve()), "prefix", "git status")
+            html = client.get("/agent/rules").text
+            assert "git status" in html and f"/agent/rules/{rule.id}/delete" in html
+            assert client.post(f"/agent/rules/{rule.id}/delete").status_code == 403  # no CSRF token
+            r = client.post(f"/agent/rules/{rule.id}/delete", headers={"x-csrf-token": state.csrf_token})
+            assert r.status_code == 200 and "No allow rules" in r.text
+    finally:
+        worker.close()

@@ -18,6 +18,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import HTMLResponse
+from starlette.routing import Route
+
 from engine.base import SamplingParams
 
 from . import events as ev
@@ -136,3 +140,39 @@ class AgentBridge:
             ):  # cut off: keep the text
                 db.finish_message(reply.id, "".join(parts), "stopped")
             s.send(views.controls(generating=False, can_regenerate=False))
+
+
+# --------------------------------------------------------------------------- Settings: allow rules
+def project_key(settings: Any) -> str:
+    """The project the web app's agent works in (as `AgentSession.project` names it)."""
+    return str(Path(getattr(settings, "project_dir", None) or Path.cwd()).resolve())
+
+
+def _rules_html(request: Request) -> HTMLResponse:
+    state = request.app.state.flashcode
+    ensure_schema(state.db.conn)
+    project = project_key(state.settings)
+    rules = AgentStore(state.db.conn).list_rules(project)
+    return HTMLResponse(str(AgentViews(state.views.env).ui.allow_rules(rules, project)))
+
+
+async def rules_fragment(request: Request) -> HTMLResponse:
+    """GET /agent/rules: the current project's allow rules, for the Settings window."""
+    return _rules_html(request)
+
+
+async def delete_rule(request: Request) -> HTMLResponse:
+    """POST /agent/rules/{rule_id}/delete (CSRF-checked): remove one rule, answer with the new list."""
+    from webapp.routes import check_csrf
+
+    await check_csrf(request)
+    state = request.app.state.flashcode
+    ensure_schema(state.db.conn)
+    AgentStore(state.db.conn).remove_rule(project_key(state.settings), int(request.path_params["rule_id"]))
+    return _rules_html(request)
+
+
+ROUTES = [
+    Route("/agent/rules", rules_fragment),
+    Route("/agent/rules/{rule_id:int}/delete", delete_rule, methods=["POST"]),
+]
