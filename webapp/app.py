@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import paths
 from engine.worker import Worker
 
+from . import openai_api, stats_view
 from .db import Database
 from .engine_host import start_worker
 from .routes import routes
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         await engine.refresh()
         state = AppState(settings=settings, db=db, engine=engine, views=None)  # type: ignore[arg-type]
         state.views = Views(state)
+        stats_view.install(state)
         app.state.flashcode = state
         app.state.worker = engine.worker
         try:
@@ -103,6 +105,8 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     app = Starlette(
         routes=[
             *routes,
+            *stats_view.routes,
+            *openai_api.routes,
             WebSocketRoute("/ws", websocket_endpoint),
             Mount("/static", StaticFiles(directory=find_dir("static")), name="static"),
         ],  # fmt: skip

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_bench_mlx)
+    from .benchset import add_parser as add_bench_run
+
+    add_bench_run(bsub)
     for name, script, help_text in (
         ("llama", "llama.py", "llama-server adapter vs raw llama-server"),
         ("websocket", "websocket.py", "tokens delivered to a websocket client vs the backend"),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
+from . import stats_view
 from .db import StoredMessage
 from .render import render_markdown
 
@@ -37,9 +38,7 @@ def make_environment() -> Environment:
 PLACEHOLDERS = [
     ("projects-window", "Projects", "<p>Projects, their working directories and saved contexts arrive here.</p>"
                                     "<p>Until then every conversation belongs to the default project.</p>"),
-    ("stats-window", "Stats", "<p>Per-model tok/s, time to first token and what the same tokens would "
-                              "have cost on a cloud API arrive here.</p><p>Each reply already shows its numbers "
-                              "under it.</p>"),
+    ("stats-window", "Stats", stats_view.window_pane_html()),
 ]  # fmt: skip
 
 
