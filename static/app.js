@@ -162,9 +162,10 @@
     follow();
   });
   document.body.addEventListener("htmx:afterSwap", (e) => {
-    if (e.detail.target && e.detail.target.id === "chat-window") { stick = true; follow(); }
+    const toChat = e.detail.target && e.detail.target.id === "chat-window";
+    if (toChat) { stick = true; follow(); }
     markSelected(conversationId());
-    focusWindow($("#chat-window"));
+    if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had
   });
   window.addEventListener("popstate", () => location.reload());
 
