@@ -77,6 +77,9 @@ def test_shell_bypass_attempts_are_not_covered_by_a_prefix_rule(command: str) ->
         "f() { rm -rf ~; }; f",
         "$CMD -rf ~",
         "/bin/r? -rf ~",
+        "{rm,-rf,~}",
+        "find . {-exec,rm,x,+}",
+        "echo {1..3}",
         "ls 'unclosed",
         'ls "unclosed',
         "ls )",
@@ -111,6 +114,19 @@ def test_shell_exec_options_block_prefix_rules() -> None:
     assert not check_command("git -c core.pager=sh status", [Rule("prefix", "git")]).allowed
     assert not check_command("tar --to-command=sh -xf a.tar", [Rule("prefix", "tar")]).allowed
     assert check_command("find . -name '*.py'", [Rule("prefix", "find")]).allowed
+    assert check_command("find . -name x -exec echo {} +", []).prefix is None  # `{}` is fine, -exec is not
+
+
+@pytest.mark.parametrize(
+    "command", ["uv run bash -c id", "docker exec box sh", "npm exec evil", "npx evil", "poetry run sh"]
+)
+def test_shell_runner_subcommands_are_never_prefix_allowed(command: str) -> None:
+    prog = command.split()[0]
+    assert not check_command(
+        command, [Rule("prefix", prog), Rule("prefix", " ".join(command.split()[:2]))]
+    ).allowed
+    with pytest.raises(ValueError):
+        validate_rule("prefix", " ".join(command.split()[:2]))
 
 
 def test_shell_every_part_must_be_allowed() -> None:

@@ -9,18 +9,20 @@ What is covered
   `'r'm`, `r\\m` and `"sh"` are seen as `rm` and `sh`.
 - Redirections (`>`, `>>`, `<`, `2>`, `&>`, `>&`, `>|`, `<>`) belong to their part: a part that
   redirects anywhere but `/dev/null` or another descriptor can only be allowed by an exact rule.
-- Interpreters and wrappers (sh, bash, python, node, env, xargs, sudo, eval, exec, timeout, ...,
-  by basename, so `/bin/sh` too) can never be prefix-allowed; nor can a part that starts with
-  variable assignments (`PATH=... cmd`), nor one with an exec-like option (`find -exec`,
-  `git -c`, `tar --to-command`, ...).
+- Interpreters and wrappers (sh, bash, python, node, env, xargs, sudo, eval, exec, timeout, npx,
+  ..., by basename, so `/bin/sh` too) can never be prefix-allowed; nor can a part that starts with
+  variable assignments (`PATH=... cmd`), one with an exec-like option (`find -exec`, `git -c`,
+  `tar --to-command`, ...), or a runner subcommand (`uv run`, `docker exec`, `npm exec`, ...).
 - Anything this parser does not understand fails closed (`ShellParseError`): here-documents,
-  `$'...'`, `${...}`, `$((...))`, control flow (`if`, `for`, `while`, `case`, functions), globs or
+  `$'...'`, `${...}`, `$((...))`, brace expansion `{a,b}`, control flow (`if`, `for`, `while`, `case`, functions), globs or
   `$` in the command name, control characters, unbalanced quotes or parentheses. Such a command
   can still be shown and run once by an explicit click, never allowed by a rule.
 
 What is not covered
 - What an allowed program does with its arguments: a prefix rule for `make` or `npm run` runs
   whatever the project's Makefile or package.json says; `git` aliases and hooks run code.
+- Globs in arguments: they expand to the project's file names (a file named `-exec` would be an
+  argument); command names may not be globs.
 - Aliases and shell functions from rc files (commands run with a non-interactive `bash -c`, which
   reads none), and `$VAR` expansion in arguments (the value is the environment's).
 - Resource limits and sandboxing: an approved command runs with the user's rights.
@@ -43,7 +45,7 @@ WRAPPERS = frozenset(
     deno bun perl ruby php lua luajit tclsh wish awk gawk mawk nawk sed osascript pwsh powershell
     env xargs sudo su doas eval exec source . command builtin nohup time timeout nice ionice
     strace ltrace gdb lldb watch setsid stdbuf unbuffer script ssh chroot flock chrt taskset nsenter
-    unshare parallel runuser pkexec systemd-run at batch crontab expect""".split()
+    unshare parallel runuser pkexec systemd-run at batch crontab expect npx pnpx bunx uvx pipx""".split()
 )
 _VERSIONED = re.compile(r"^(python|pypy|ruby|perl|php|lua|node)[0-9.]*$")
 
@@ -60,6 +62,11 @@ EXEC_OPTIONS: dict[str, tuple[str, ...]] = {
     "vi": ("-c", "+"),
     "man": ("-P", "--pager", "-H"),
 }  # fmt: skip
+# Subcommands that run an arbitrary program given as an argument (`uv run bash ...`).
+RUNNER_SUBCOMMANDS = frozenset({("uv", "run"), ("uv", "tool"), ("poetry", "run"), ("pipenv", "run"), ("pdm", "run"),
+                                ("hatch", "run"), ("conda", "run"), ("docker", "run"), ("docker", "exec"),
+                                ("kubectl", "exec"), ("npm", "exec"), ("pnpm", "exec"), ("yarn", "exec"),
+                                ("pnpm", "dlx"), ("yarn", "dlx"), ("bun", "x"), ("git", "submodule")})  # fmt: skip
 # Programs whose first non-option argument is a subcommand (suggested prefix: `git status`).
 SUBCOMMAND_TOOLS = frozenset(
     "git npm pnpm yarn cargo go make uv pip pip3 docker kubectl poetry hatch dotnet brew apt".split()
@@ -118,6 +125,8 @@ class Part:
                 + ", ".join(a.split("=")[0] for a in self.assignments)
                 + ")"
             )
+        if len(self.argv) > 1 and (prog, self.argv[1]) in RUNNER_SUBCOMMANDS:
+            return f"`{prog} {self.argv[1]}` runs other programs, so it can only be allowed exactly"
         bad = exec_option(prog, self.argv[1:])
         if bad:
             return f"`{prog} {bad}` can run other programs"
@@ -313,6 +322,8 @@ class _Parser:
             elif c == "`":
                 self.backtick()
                 out.append("$(...)")
+            elif c == "{" and self.brace_expansion():
+                raise self.error("brace expansion `{a,b}` is not supported")
             elif ord(c) < 32 or c == "\x7f":
                 raise self.error("control character in the command")
             else:
@@ -321,6 +332,16 @@ class _Parser:
         if not out:
             raise self.error(f"unexpected `{s[self.i] if self.i < len(s) else 'end'}`")
         return "".join(out)
+
+    def brace_expansion(self) -> bool:
+        """Whether the unquoted `{` at i opens a `{a,b}` or `{1..3}` expansion."""
+        j = self.i + 1
+        while j < len(self.s) and self.s[j] not in " \t\n;&|()<>}":
+            j += 1
+        if j >= len(self.s) or self.s[j] != "}":
+            return False
+        inner = self.s[self.i + 1 : j]
+        return "," in inner or ".." in inner
 
     def double_quoted(self) -> str:
         out: list[str] = []
@@ -493,10 +514,9 @@ def validate_rule(kind: RuleKind, pattern: str) -> Rule:
         parts = parse_command(pattern)
         if len(parts) != 1 or parts[0].redirects or parts[0].assignments:
             raise ValueError(f"a prefix rule must be one plain command, got {pattern!r}")
-        if is_wrapper(parts[0].argv[0]):
-            raise ValueError(f"`{parts[0].program}` runs other programs: it can never be prefix-allowed")
-        if exec_option(parts[0].argv[0], parts[0].argv[1:]):
-            raise ValueError(f"{pattern!r} can run other programs: it can never be prefix-allowed")
+        blocker = parts[0].prefix_blocker()
+        if blocker:
+            raise ValueError(f"{pattern!r} can never be prefix-allowed: {blocker}")
     else:
         parse_command(pattern)  # an exact rule must at least be understood
     return Rule(kind, pattern)
