@@ -133,7 +133,6 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
 
     worker = Worker(lambda: fake)
     app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
-    app.router.routes.extend(web.ROUTES)  # what webapp/routes.py mounts
     try:
         with TestClient(app, base_url=BASE) as client:
             state = app.state.flashcode

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .agent.web import ROUTES as agent_routes
 from .db import Conversation, export_json, export_markdown
 from .render import pygments_css
 from .state import AppState
@@ -142,4 +143,5 @@ routes = [
     Route("/c/{conversation_id:str}/export.md", export_md),
     Route("/c/{conversation_id:str}/export.json", export_json_route),
     Route("/static/pygments.css", pygments_stylesheet),
+    *agent_routes,  # issue 4: GET /agent/rules, POST /agent/rules/{id}/delete (Settings)
 ]
