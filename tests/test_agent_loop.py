@@ -384,7 +384,9 @@ def test_agent_stop_answers_an_open_approval_with_deny(worker, fake, project, st
 
     events = asyncio.run(asyncio.wait_for(run(), 10))
     decided = of(events, ev.Decided)[0]
-    assert decided.decision == "deny" and "stopped" in decided.reason and not (project / "stopped.txt").exists()
+    assert (
+        decided.decision == "deny" and "stopped" in decided.reason and not (project / "stopped.txt").exists()
+    )
 
 
 def test_agent_without_a_scoring_engine_answers_as_chat(project, store) -> None:
@@ -398,3 +400,15 @@ def test_agent_without_a_scoring_engine_answers_as_chat(project, store) -> None:
         w.close()
     assert "cannot route" in of(events, ev.Notice)[0].text and of(events, ev.RouteChosen)[0].route == "chat"
     assert of(events, ev.AnswerDone)
+
+
+def test_agent_route_cli_prints_the_route_and_three_scores(monkeypatch, capsys) -> None:
+    from webapp import engine_host
+    from webapp.cli import main
+
+    fake = FakeBackend().enqueue_route("search")
+    monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    assert main(["route", "latest numpy release"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "search" and len(lines) == 4
+    assert lines[2].startswith("* search") and "logprob" in lines[2] and "%" in lines[2]
