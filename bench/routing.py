@@ -27,13 +27,13 @@ def load_set(path: Path = DATA) -> list[dict[str, str]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def evaluate(backend, rows: list[dict[str, str]]) -> dict:
-    from webapp.agent.router import ROUTES, route_step
+def evaluate(backend, rows: list[dict[str, str]], system: str | None = None) -> dict:
+    from webapp.agent.router import ROUTES, ROUTING_SYSTEM, route_step
 
     preds = []
     t0 = time.perf_counter()
     for row in rows:
-        d = route_step(backend, row["prompt"])
+        d = route_step(backend, row["prompt"], system=system or ROUTING_SYSTEM)
         preds.append({"prompt": row["prompt"], "expected": row["route"], "route": d.route,
                       "scores": {k: round(v, 3) for k, v in d.scores.items()}})  # fmt: skip
     elapsed = time.perf_counter() - t0
@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--backend", default="mlx")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
+    ap.add_argument(
+        "--system", default=None, help="file with an alternative routing instruction (to compare prompts)"
+    )
     args = ap.parse_args(argv)
 
     from webapp.engine_host import make_loaded_backend
@@ -72,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = make_loaded_backend(args.backend, args.model)
     try:
         rows = load_set()
-        result = evaluate(backend, rows)
+        system = Path(args.system).read_text().strip() if args.system else None
+        result = evaluate(backend, rows, system)
     finally:
         name = backend.model.name if backend.model else None
         backend.close()
     result = {"model": name, "backend": args.backend, "machine": f"{platform.system()} {platform.machine()}",
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}  # fmt: skip
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "system_prompt": "custom: " + args.system if args.system else "router.ROUTING_SYSTEM", **result}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"{name} on {args.backend}: routing accuracy {result['accuracy']:.1%} ({result['correct']}/{result['n']}), "
