@@ -150,3 +150,26 @@ def test_contexts_http_resume_runs_on_the_worker_thread(client):
     fake.load_prompt_cache = spy
     c.post(f"/projects/default/contexts/{ctx['id']}/resume", headers=TOKEN)
     assert seen == ["flashcode-engine"]
+
+
+def test_contexts_http_pane_for_htmx(client):
+    c, fake, db = client
+    conv = conversation(db, fake, "<b>hello</b>")
+    hx = {**TOKEN, "hx-request": "true"}
+    r = c.get("/projects/default/window", headers={"hx-request": "true"})
+    assert 'id="contexts-pane"' in r.text and "No saved contexts yet" in r.text
+    r = c.post("/projects/default/contexts", data={"name": "<script>x</script>", "conversation_id": conv,
+                                                   "kv_bits": "8"}, headers=hx)  # fmt: skip
+    assert (
+        r.status_code == 200
+        and "Saved" in r.text
+        and "<script>x" not in r.text
+        and "&lt;script&gt;" in r.text
+    )
+    cid = c.get("/projects/default/contexts").json()["contexts"][0]["id"]
+    r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
+    assert "resumed" in r.text and f'href="/c/{conv}"' in r.text
+    r = c.post("/projects/default/contexts", data={"name": ""}, headers=hx)  # an error lands in the pane
+    assert r.status_code == 200 and 'role="alert"' in r.text
+    r = c.post(f"/projects/default/contexts/{cid}/delete", headers=hx)
+    assert "Deleted." in r.text and "No saved contexts yet" in r.text
