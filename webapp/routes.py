@@ -21,6 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from .agent.web import ROUTES as agent_routes
+from .contexts import context_routes
 from .db import Conversation, export_json, export_markdown
 from .render import pygments_css
 from .state import AppState
@@ -144,4 +145,5 @@ routes = [
     Route("/c/{conversation_id:str}/export.json", export_json_route),
     Route("/static/pygments.css", pygments_stylesheet),
     *agent_routes,  # issue 4: GET /agent/rules, POST /agent/rules/{id}/delete (Settings)
+    *context_routes,  # issue 6: /projects/{id}/window and /projects/{id}/contexts... (Projects)
 ]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from . import stats_view
+from . import contexts, stats_view
 from .db import StoredMessage
 from .render import render_markdown
 
@@ -36,8 +36,7 @@ def make_environment() -> Environment:
 
 
 PLACEHOLDERS = [
-    ("projects-window", "Projects", "<p>Projects, their working directories and saved contexts arrive here.</p>"
-                                    "<p>Until then every conversation belongs to the default project.</p>"),
+    ("projects-window", "Projects", contexts.window_pane_html("default")),
     ("stats-window", "Stats", stats_view.window_pane_html()),
 ]  # fmt: skip
 
