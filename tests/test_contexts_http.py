@@ -173,3 +173,15 @@ def test_contexts_http_pane_for_htmx(client):
     assert r.status_code == 200 and 'role="alert"' in r.text
     r = c.post(f"/projects/default/contexts/{cid}/delete", headers=hx)
     assert "Deleted." in r.text and "No saved contexts yet" in r.text
+
+
+def test_contexts_http_mounted_in_the_app(tmp_path, default_model):
+    from webapp.app import create_app
+
+    worker = Worker(lambda: FakeCacheBackend(default_model))
+    with TestClient(
+        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+    ) as c:
+        assert 'hx-get="/projects/default/window"' in c.get("/").text
+        assert 'id="contexts-pane"' in c.get("/projects/default/window", headers={"hx-request": "true"}).text
+    worker.close()
