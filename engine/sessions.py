@@ -272,8 +272,10 @@ class ContextStore:
         return self._read(project_id, self.context_dir(project_id, context_id))
 
     def usage(self, project_id: str) -> int:
+        """Bytes on disk of the project's saved contexts (a save in progress not counted)."""
         d = self.contexts_dir(project_id)
-        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
+        subs = [x for x in d.iterdir() if not x.name.startswith(".tmp-")] if d.is_dir() else []
+        return sum(f.stat().st_size for x in subs for f in x.rglob("*") if f.is_file())
 
     def _read(self, project_id: str, folder: Path) -> SavedContext:
         m = json.loads((folder / "meta.json").read_text())

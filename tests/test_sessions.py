@@ -190,7 +190,9 @@ def test_sessions_quota_refuses_with_clear_message(mlx_backend, tmp_path):
         store.save(mlx_backend, "p5", "too big")
     assert not any((store.root / "p5" / "contexts").iterdir())  # no partial context left behind
     roomy = ContextStore(tmp_path, quota_bytes=1 << 30)
-    roomy.save(mlx_backend, "p5", "fits", kv_bits=4)
+    one = roomy.save(mlx_backend, "p5", "fits", kv_bits=4)
+    snug = ContextStore(tmp_path, quota_bytes=int(one.size_bytes * 1.5) + 65536)
+    snug.save(mlx_backend, "p5b", "just fits", kv_bits=4)  # the file being written is counted once
     with pytest.raises(QuotaExceededError, match="saved contexts use"):
         ContextStore(tmp_path, quota_bytes=10).save(mlx_backend, "p5", "full")
 
