@@ -184,7 +184,7 @@ def test_sessions_refuse_contexts_folder_linked_elsewhere(saved, tmp_path):
         store.list("p4")
 
 
-def test_sessions_quota_refuses_with_clear_message(mlx_backend, tmp_path):
+def test_sessions_quota_refuses_with_clear_message(saved, mlx_backend, tmp_path):
     store = ContextStore(tmp_path, quota_bytes=100_000)
     with pytest.raises(QuotaExceededError, match=r"quota.*delete or export older contexts.*8 or 4 bits"):
         store.save(mlx_backend, "p5", "too big")
