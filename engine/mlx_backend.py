@@ -186,11 +186,12 @@ def kv_file_metadata(layers: list[Any], kv_bits: int | None, group_size: int) ->
 
 def kv_shape(model: Any) -> tuple[int, int | None, int | None]:
     """(layers, KV heads, head size) the model's cache must have; None where the config does not say."""
-    args = getattr(model, "args", None)
-    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", None)
+    args: Any = getattr(model, "args", None)
+    n_heads = getattr(args, "num_attention_heads", None)
+    heads = getattr(args, "num_key_value_heads", None) or n_heads
     head_dim = getattr(args, "head_dim", None)
-    if head_dim is None and getattr(args, "hidden_size", None) and getattr(args, "num_attention_heads", None):
-        head_dim = args.hidden_size // args.num_attention_heads
+    if head_dim is None and n_heads and getattr(args, "hidden_size", None):
+        head_dim = args.hidden_size // n_heads
     return len(model.layers), heads, head_dim
 
 
