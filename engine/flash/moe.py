@@ -1,0 +1,241 @@
+"""The MoE expert sniper: each MoE layer reads only the experts its router picks, from the split.
+
+What it knows: mlx-lm's `SwitchGLU` contract (`switch_mlp(x, indices)` -> per-(token, k) outputs,
+weighted and summed by the model's own MoE block), and how to give the very same answer from
+per-expert units: the router and top-k run on the device in the model's own block; one host sync
+per layer reads the chosen ids; the expert cache (experts.py) says which are resident; the misses
+are read in parallel (direct I/O, one preadv per expert) into a staging buffer and copied into a
+fixed-shape per-layer *bank* (`slots` experts per tensor, updated in place slot by slot); an
+id-to-slot remap turns the router's ids into bank indices for `mx.gather_qmm`. No per-token
+stacking. A prefill chunk reads each distinct expert once (in groups of at most `slots` when the
+chunk needs more experts than a layer's bank holds; each (token, k) output comes from exactly one
+group, so the result is unchanged).
+
+Opt-in, lossy, off by default: `top_k` (fewer active experts per token).
+
+What it does not know: budgets (backend.py sizes the cache), tokenization, attention.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from .experts import ExpertCache
+from .reader import AlignedBuffer, UnitReader
+from .split import Manifest, Unit, UnitTensor, check_unit
+
+_NP = {
+    "U32": np.uint32,
+    "U8": np.uint8,
+    "F16": np.float16,
+    "F32": np.float32,
+    "BF16": np.uint16,
+    "I32": np.int32,
+}
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_units(man: Manifest) -> dict[int, list[Unit]]:
+    """layer -> its expert units indexed by expert id."""
+    by_layer: dict[int, dict[int, Unit]] = {}
+    for u in man.units:
+        if u.kind == "expert" and u.expert is not None:
+            by_layer.setdefault(u.layer, {})[u.expert] = u
+    return {layer: [d[e] for e in range(len(d))] for layer, d in sorted(by_layer.items())}
+
+
+def _mx_dtype(dtype: str) -> Any:
+    import mlx.core as mx
+
+    return {"U32": mx.uint32, "U8": mx.uint8, "F16": mx.float16, "F32": mx.float32, "BF16": mx.bfloat16,
+            "I32": mx.int32}[dtype]  # fmt: skip
+
+
+@dataclass
+class MoEStats:
+    calls: int = 0
+    host_syncs: int = 0
+    experts_read: int = 0
+    read_wait_s: float = 0.0  # time the compute thread waited on reads
+    trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
+
+
+class ExpertStream:
+    """Per-layer banks + the cache + parallel reads of misses. One instance serves every MoE layer."""
+
+    def __init__(self, man: Manifest, reader: UnitReader, cache: ExpertCache, max_misses: int = 16,
+                 verify: bool = False, record: bool = False) -> None:  # fmt: skip
+        import mlx.core as mx
+
+        self.man, self.reader, self.cache = man, reader, cache
+        self.units = expert_units(man)
+        self.layers = list(self.units)  # model layer numbers that are MoE
+        if len(self.layers) != cache.n_layers:
+            raise ValueError(
+                f"the cache has {cache.n_layers} layers but the split has {len(self.layers)} MoE layers"
+            )
+        self.n_experts = len(self.units[self.layers[0]])
+        self.unit_bytes = max(u.padded for us in self.units.values() for u in us)
+        self.max_misses = max(1, min(max_misses, cache.slots))
+        self.staging = AlignedBuffer(self.max_misses * self.unit_bytes)
+        self.template: dict[int, list[UnitTensor]] = {li: self.units[li][0].tensors for li in self.layers}
+        self.banks: list[dict[str, Any]] = []
+        for li in self.layers:
+            bank = {
+                t.name: mx.zeros((cache.slots, *t.shape), dtype=_mx_dtype(t.dtype)) for t in self.template[li]
+            }
+            mx.eval(list(bank.values()))
+            self.banks.append(bank)
+        self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
+        self.verified: set[tuple[int, int]] | None = set() if verify else None
+        self.stats = MoEStats()
+        self.record = record
+
+    @property
+    def bank_bytes(self) -> int:
+        return sum(a.nbytes for b in self.banks for a in b.values())
+
+    def ensure(self, i: int, ids: np.ndarray) -> None:
+        """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i]."""
+        res = self.cache.access(i, [int(k) for k in ids])
+        misses = [(k, s) for k, s, hit in res if not hit]
+        for k, s, _ in res:
+            self.slot_of[i, k] = s
+        for j in range(0, len(misses), self.max_misses):
+            self._load(i, misses[j : j + self.max_misses])
+
+    def _load(self, i: int, misses: list[tuple[int, int]]) -> None:
+        import mlx.core as mx
+
+        layer = self.layers[i]
+        n, ub = len(misses), self.unit_bytes
+        futs = []
+        for j, (k, _) in enumerate(misses):  # all reads in flight at once: the pool spreads them
+            u = self.units[layer][k]
+            part = SimpleNamespace(size=ub, view=self.staging.view[j * ub : (j + 1) * ub])
+            futs.append(self.reader.read(part, u.offset, u.length))  # type: ignore[arg-type]
+        t0 = time.perf_counter()
+        for f in futs:
+            f.result()
+        self.stats.read_wait_s += time.perf_counter() - t0
+        self.stats.experts_read += n
+        if self.verified is not None:
+            for j, (k, _) in enumerate(misses):
+                if (layer, k) not in self.verified:
+                    check_unit(self.man, self.units[layer][k], self.staging.view[j * ub : (j + 1) * ub])
+                    self.verified.add((layer, k))
+        raw = np.frombuffer(self.staging.view, dtype=np.uint8, count=n * ub).reshape(n, ub)
+        bank = self.banks[i]
+        for t in self.template[layer]:
+            rows = raw[:, t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(n, *t.shape)
+            new = mx.array(rows)  # copies out of the staging buffer, which the next layer reuses
+            if t.dtype == "BF16":
+                new = new.view(mx.bfloat16)
+            b = bank[t.name]
+            for j, (_, s) in enumerate(misses):
+                b[s : s + 1] = new[j : j + 1]  # slice update: in place once evaluated, O(expert)
+            bank[t.name] = b
+        mx.eval(list(bank.values()))
+
+    def close(self) -> None:
+        self.banks = []
+        self.staging.close()
+
+
+class StreamedSwitchGLU:
+    """Drop-in for mlx-lm's `SwitchGLU` (`switch_mlp`): the same math on the layer's expert bank."""
+
+    def __init__(self, stream: ExpertStream, index: int) -> None:
+        self.stream = stream
+        self.index = index
+        layer = stream.layers[index]
+        q = stream.man.quant
+        self.q = {p: q.get(f"model.layers.{layer}.mlp.switch_mlp.{p}") or q["default"] for p in PROJS}
+
+    def _proj(self, x: Any, idx: Any, p: str, sort: bool) -> Any:
+        import mlx.core as mx
+
+        b, q = self.stream.banks[self.index], self.q[p]
+        return mx.gather_qmm(x, b[f"{p}.weight"], b[f"{p}.scales"], b.get(f"{p}.biases"), rhs_indices=idx,
+                             transpose=True, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
+                             sorted_indices=sort)  # fmt: skip
+
+    def _glu(self, x: Any, idx: Any, indices_shape: tuple[int, ...]) -> Any:
+        """SwitchGLU.__call__ with bank indices (mirrors mlx-lm so results match bit for bit)."""
+        import mlx.core as mx
+        from mlx_lm.models.activations import swiglu
+        from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
+
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = idx.size >= 64
+        inv = None
+        if do_sort:
+            x, idx, inv = _gather_sort(x, idx)
+        up, gate = self._proj(x, idx, "up_proj", do_sort), self._proj(x, idx, "gate_proj", do_sort)
+        y = self._proj(swiglu(gate, up), idx, "down_proj", do_sort)
+        if do_sort:
+            y = _scatter_unsort(y, inv, indices_shape)
+        return y.squeeze(-2)
+
+    def __call__(self, x: Any, indices: Any) -> Any:
+        import mlx.core as mx
+
+        st = self.stream
+        chosen = np.array(indices)  # the one host sync of the layer: the router's choice
+        st.stats.calls += 1
+        st.stats.host_syncs += 1
+        ids = np.unique(chosen)
+        if st.record:
+            st.stats.trace.append((self.index, ids.tolist()))
+        slots = st.cache.slots
+        if len(ids) <= slots:
+            st.ensure(self.index, ids)
+            return self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
+        out = None  # a prefill chunk needing more experts than the bank: groups of `slots`, each read once
+        for g in range(0, len(ids), slots):
+            group = ids[g : g + slots]
+            st.ensure(self.index, group)
+            mine = np.isin(chosen, group)
+            table = st.slot_of[self.index]
+            idx = np.where(mine, table[chosen], table[group[0]]).astype(np.uint32)
+            y = self._glu(x, mx.array(idx), chosen.shape)
+            out = y if out is None else mx.where(mx.array(mine)[..., None], y, out)
+            mx.eval(out)  # before the bank's slots are reused by the next group
+            st.stats.host_syncs += 1
+        return out
+
+
+def moe_blocks(model: Any) -> list[tuple[int, Any]]:
+    """(layer number, MoE block) for every block whose `mlp` holds a SwitchGLU-style `switch_mlp`."""
+    return [
+        (i, layer.mlp)
+        for i, layer in enumerate(model.layers)
+        if hasattr(getattr(layer, "mlp", None), "switch_mlp")
+    ]
+
+
+def attach_moe(model: Any, stream: ExpertStream, top_k: int | None = None) -> None:
+    """Replace each MoE block's `switch_mlp` with a StreamedSwitchGLU (placeholders leave the tree unevaluated)."""
+    blocks = moe_blocks(model)
+    if [i for i, _ in blocks] != stream.layers:
+        raise ValueError(
+            f"the split's MoE layers {stream.layers[:4]}... do not match the model's {[i for i, _ in blocks][:4]}..."
+        )
+    for index, (_, block) in enumerate(blocks):
+        if "switch_mlp" in block:
+            del block["switch_mlp"]
+        block.switch_mlp = StreamedSwitchGLU(stream, index)
+        if top_k is not None:  # opt-in, lossy: fewer active experts per token
+            if not hasattr(block, "top_k"):
+                raise ValueError(f"{type(block).__name__} has no top_k to lower")
+            block.top_k = min(top_k, block.top_k)
+
+
+def top_k_of(model: Any) -> int:
+    blocks = moe_blocks(model)
+    return int(getattr(blocks[0][1], "top_k", 8)) if blocks else 0

@@ -1,0 +1,172 @@
+"""The MoE expert sniper: streamed experts give mlx-lm's in-RAM answer, within the cache's budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.flash.experts import POLICIES, ExpertCache, simulate
+
+PROMPT = [[1, 5, 300, 77, 9000, 5, 12, 44, 1000, 3] * 4]  # 40 tokens x top-4: the sorted gather path
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Path:
+    from engine.flash.split import split_model
+    from engine.flash.synth_moe import synth_moe
+
+    model = synth_moe("moe-tiny", tmp_path_factory.mktemp("moe") / "m", skew=2.0, progress=False)
+    split_model(model, progress=False)
+    return model
+
+
+def streamed_model(model: Path, slots: int, policy: str = "lru") -> tuple[Any, Any]:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.backend import cast_pinned
+    from engine.flash.moe import ExpertStream, attach_moe
+    from engine.flash.reader import UnitReader
+    from engine.flash.split import load_manifest
+
+    man = load_manifest(model / "split")
+    obj, _ = load_model(model / "split", lazy=True, strict=False)
+    unit = max(u.padded for u in man.units)
+    stream = ExpertStream(
+        man, UnitReader(man.units_path), ExpertCache(3, slots, unit, policy), verify=True, record=True
+    )
+    attach_moe(obj, stream)
+    cast_pinned(obj)
+    mx.eval(obj.parameters())
+    return obj, stream
+
+
+def greedy(model: Any, n: int = 8) -> tuple[list[int], Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = model(mx.array(PROMPT), cache=cache)[:, -1]
+    out, logits = [], []
+    for _ in range(n):
+        t = mx.argmax(y, -1)
+        out.append(t.item())
+        logits.append(y)
+        y = model(t[:, None], cache=cache)[:, -1]
+    return out, mx.concatenate(logits)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe: Path) -> tuple[Any, list[int], Any]:
+    """mlx-lm's own in-RAM model (float32 on CPU, as MLXBackend runs it) and its greedy reply."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(tiny_moe)
+    ref.set_dtype(mx.float32)
+    return ref, *greedy(ref)
+
+
+@pytest.mark.parametrize("slots,policy,decode", [(6, "lru", True), (16, "s3fifo", False), (4, "lfu", False)])
+def test_moe_streamed_matches_mlx_lm(
+    tiny_moe: Path, reference: Any, slots: int, policy: str, decode: bool
+) -> None:
+    """Same greedy tokens, logits within 1e-4, whether the bank holds every expert or fewer than a chunk needs."""
+    import mlx.core as mx
+
+    ref, toks_ref, logits_ref = reference
+    streamed, stream = streamed_model(tiny_moe, slots, policy)
+    full_ref, full = ref(mx.array(PROMPT)), streamed(mx.array(PROMPT))
+    assert mx.abs(full_ref - full).max().item() <= 1e-4
+    if decode:
+        toks, logits = greedy(streamed)
+        assert toks == toks_ref
+        assert mx.abs(logits - logits_ref).max().item() <= 1e-4
+    assert stream.cache.used_bytes <= stream.cache.capacity_bytes
+    assert stream.stats.experts_read > 0
+
+
+def test_moe_prefill_reads_each_distinct_expert_once(tiny_moe: Path) -> None:
+    import mlx.core as mx
+
+    streamed, stream = streamed_model(tiny_moe, 16)
+    streamed(mx.array(PROMPT))
+    distinct = sum(len(ids) for _, ids in stream.stats.trace)
+    assert stream.stats.experts_read == distinct
+    assert stream.stats.host_syncs == 3  # one per MoE layer for the whole 40-token chunk
+
+
+def test_moe_lower_top_k_is_opt_in_and_reads_less(tiny_moe: Path) -> None:
+    import mlx.core as mx
+
+    from engine.flash.moe import moe_blocks
+
+    streamed, stream = streamed_model(tiny_moe, 16)
+    assert all(b.top_k == 4 for _, b in moe_blocks(streamed))
+    for _, b in moe_blocks(streamed):
+        b.top_k = 2
+    streamed(mx.array([[5, 6, 7]]))
+    assert all(len(ids) <= 6 for _, ids in stream.stats.trace)
+
+
+def _trace(rng: np.random.Generator, skewed: bool, n: int = 400) -> list[tuple[int, list[int]]]:
+    p = 1.0 / np.arange(1, 65) ** (1.2 if skewed else 0.0)
+    p /= p.sum()
+    return [(t % 4, sorted(set(rng.choice(64, size=8, replace=False, p=p).tolist()))) for t in range(n)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_expert_cache_never_exceeds_its_budget(policy: str) -> None:
+    rng = np.random.default_rng(0)
+    budget = 50_000_000
+    cache = ExpertCache.for_budget(
+        budget, n_layers=4, n_experts=64, unit_bytes=1_000_000, min_slots=8, policy=policy
+    )
+    assert cache.capacity_bytes <= budget and cache.slots == 12
+    for layer, ids in _trace(rng, skewed=True):
+        res = cache.access(layer, ids)
+        assert [k for k, _, _ in res] == ids
+        slots = [s for _, s, _ in res]
+        assert len(set(slots)) == len(slots) and all(0 <= s < cache.slots for s in slots)
+        assert all(cache.layers[layer].slot[k] == s for k, s, _ in res)
+        assert cache.used_bytes <= cache.capacity_bytes <= budget
+
+
+def test_expert_cache_refuses_a_budget_below_one_token() -> None:
+    from engine.base import BudgetError
+
+    with pytest.raises(BudgetError, match="raise --memory-budget"):
+        ExpertCache.for_budget(10_000_000, n_layers=4, n_experts=64, unit_bytes=1_000_000, min_slots=8)
+
+
+def test_expert_cache_skew_raises_hit_rates() -> None:
+    rng = np.random.default_rng(1)
+    uni = {p: simulate(_trace(rng, False), 4, 16, p)["hit_rate"] for p in POLICIES}
+    skew = {p: simulate(_trace(rng, True), 4, 16, p)["hit_rate"] for p in POLICIES}
+    assert all(skew[p] > uni[p] for p in POLICIES)
+    assert all(0.1 < uni[p] < 0.4 for p in POLICIES)  # 16 of 64 slots, uniform routing: ~25%
+
+
+def test_moe_gguf_export_has_the_same_weights(tiny_moe: Path, tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from engine.flash.synth_moe import export_gguf_moe
+
+    gguf = export_gguf_moe(tiny_moe, tmp_path / "m.gguf", progress=False)
+    g = mx.load(str(gguf))
+    src = mx.load(str(tiny_moe / "model.safetensors"))
+    for name, mod in (
+        ("blk.1.ffn_down_exps", "model.layers.1.mlp.switch_mlp.down_proj"),
+        ("blk.0.attn_q", "model.layers.0.self_attn.q_proj"),
+    ):
+        got = mx.dequantize(
+            g[f"{name}.weight"], g[f"{name}.scales"], g[f"{name}.biases"], group_size=32, bits=4
+        )
+        want = mx.dequantize(
+            src[f"{mod}.weight"], src[f"{mod}.scales"], src[f"{mod}.biases"], group_size=64, bits=4
+        )
+        assert mx.array_equal(got, want)
+    assert mx.array_equal(g["blk.2.ffn_gate_inp.weight"], src["model.layers.2.mlp.gate.weight"])
