@@ -21,9 +21,9 @@ def test_flash_runs_a_model_twice_the_cap_under_it(tmp_path_factory: pytest.Temp
         split_model(model, progress=False)
         size = (model / "model.safetensors").stat().st_size
         assert size >= 2 * CAP, f"the synthetic model ({size} bytes) must be at least twice the cap"
-        capped = run_child("flash", model, 4, CAP, timeout=600)
+        capped = run_child("flash", model, 4, CAP, timeout=600, prompt="Once")
         assert capped["status"] == "ok", capped
-        ram = run_child("ram", model, 4, None, timeout=600)
+        ram = run_child("ram", model, 4, None, timeout=600, prompt="Once")
         assert ram["status"] == "ok", ram
         assert capped["tokens"] == ram["tokens"] and len(ram["tokens"]) == 4
         assert capped["cgroup_peak_bytes"] <= CAP

@@ -100,8 +100,10 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def run_child(mode: str, model: Path, tokens: int, cap: int | None, timeout: float, extra: list[str] | None = None) -> dict[str, Any]:
+def run_child(mode: str, model: Path, tokens: int, cap: int | None, timeout: float, extra: list[str] | None = None,
+              prompt: str = PROMPT) -> dict[str, Any]:  # fmt: skip
     cmd = [sys.executable, "-m", "engine.flash.bench", "--child", mode, "--model", str(model), "--tokens", str(tokens)]
+    cmd += ["--prompt", prompt]
     cmd += [*(extra or []), *(["--memory-cap", str(cap)] if cap else [])]
     cg = MemoryCgroup(f"flashcode-{mode}", cap) if cap else None
     t0 = time.perf_counter()
@@ -151,7 +153,7 @@ def child_main(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     backend.load(info)
     load_s = time.perf_counter() - t0
-    req = GenerationRequest(prompt=PROMPT, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens))
+    req = GenerationRequest(prompt=args.prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens))
     done = None
     ids: list[int] = []
     for ev in backend.stream(req, threading.Event()):
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--memory-cap", type=_size, default=None)
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--child", choices=["flash", "ram", "mmap"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="write the JSON here")
