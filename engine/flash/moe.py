@@ -239,3 +239,50 @@ def attach_moe(model: Any, stream: ExpertStream, top_k: int | None = None) -> No
 def top_k_of(model: Any) -> int:
     blocks = moe_blocks(model)
     return int(getattr(blocks[0][1], "top_k", 8)) if blocks else 0
+
+
+def has_experts(man: Manifest) -> bool:
+    return any(u.kind == "expert" for u in man.units)
+
+
+def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
+                 top_k: int | None = None, verify: bool = False) -> ExpertStream:  # fmt: skip
+    """Size the expert cache from what the budget leaves (after pinned weights, buffers and a KV cache of
+    up to 4096 tokens, else 256), build the banks and attach the streamed layers. Sets `plan.context`."""
+    from .budget import MIN_CONTEXT
+
+    units = expert_units(man)
+    n_layers, n_experts = len(units), len(next(iter(units.values())))
+    unit = max(u.padded for us in units.values() for u in us)
+    k = top_k_of(model) if top_k is None else min(top_k, top_k_of(model))
+    max_misses = 2 * k
+    if budget is None:
+        cache = ExpertCache(n_layers, n_experts, unit, policy)  # no budget: every expert may stay, as in RAM
+    else:
+        staging = max(0, max_misses * unit - plan.buffers)  # the dense read-ahead buffers go unused for MoE
+        for ctx in (min(plan.context, 4096), MIN_CONTEXT):
+            left = budget - plan.fixed - staging - ctx * plan.kv_per_token
+            if left >= k * n_layers * unit:
+                break
+        cache = ExpertCache.for_budget(left, n_layers, n_experts, unit, min_slots=k, policy=policy)
+        plan.context = ctx
+    stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
+    attach_moe(model, stream, top_k)
+    return stream
+
+
+def moe_extra(stream: ExpertStream, since: dict[str, int], tokens: int) -> dict[str, Any]:
+    """What a request adds to `Done.stats.extra`: hit rate over the request, experts read per token, the cache."""
+    hits = sum(s.hits for s in stream.cache.stats) - since["hits"]
+    misses = sum(s.misses for s in stream.cache.stats) - since["misses"]
+    return {
+        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "experts_read_per_token": (stream.stats.experts_read - since["read"]) / max(1, tokens),
+        "expert_cache": stream.cache.report(),
+        "moe_host_syncs": stream.stats.host_syncs - since["syncs"],
+    }
+
+
+def moe_counters(stream: ExpertStream) -> dict[str, int]:
+    return {"hits": sum(s.hits for s in stream.cache.stats), "misses": sum(s.misses for s in stream.cache.stats),
+            "read": stream.stats.experts_read, "syncs": stream.stats.host_syncs}  # fmt: skip
