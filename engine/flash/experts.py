@@ -234,4 +234,6 @@ def simulate(
         ids = list(ids)
         for i in range(0, len(ids), slots):
             cache.access(layer, ids[i : i + slots])
-    return cache.report()
+    rep = cache.report()
+    rep["hits"], rep["misses"] = sum(s.hits for s in cache.stats), sum(s.misses for s in cache.stats)
+    return rep

@@ -131,16 +131,14 @@ class ExpertStream:
                     self.verified.add((layer, k))
         raw = np.frombuffer(self.staging.view, dtype=np.uint8, count=n * ub).reshape(n, ub)
         bank = self.banks[i]
-        for t in self.template[layer]:
-            rows = raw[:, t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(n, *t.shape)
-            new = mx.array(rows)  # copies out of the staging buffer, which the next layer reuses
-            if t.dtype == "BF16":
-                new = new.view(mx.bfloat16)
-            b = bank[t.name]
-            for j, (_, s) in enumerate(misses):
-                b[s : s + 1] = new[j : j + 1]  # slice update: in place once evaluated, O(expert)
-            bank[t.name] = b
-        mx.eval(list(bank.values()))
+        for j, (_, s) in enumerate(misses):
+            for t in self.template[layer]:
+                # a contiguous view: mx.array copies just these bytes (a strided one copies its whole span)
+                new = mx.array(raw[j, t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(1, *t.shape))
+                if t.dtype == "BF16":
+                    new = new.view(mx.bfloat16)
+                bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
+            mx.eval(list(bank.values()))  # one expert's copies in flight at a time
 
     def close(self) -> None:
         self.banks = []

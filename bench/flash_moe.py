@@ -1,0 +1,298 @@
+"""Flash streaming II benchmark: the MoE expert sniper under a cgroup cap, against its ceilings.
+
+    .venv/bin/python bench/flash_moe.py --preset qwen3-30b-a3b --layers 8 --memory-cap 1GB --tokens 8 \
+        --out bench/results/flash-moe.json
+
+For each routing (uniform: skew 0; skewed: --skew, default 2) it makes the synthetic model under
+--work (default $FLASHCODE_HOME/synth; never the repo), its split and its qwen3moe GGUF, then, with
+the page cache dropped before each capped run:
+- the direct-read bandwidth for expert-sized random reads, as many in flight as the engine issues;
+- flash under the cap (live policy --policy, default lru): decode tok/s, TTFT, decode hit rate,
+  decode bytes/token; the decode routing trace replayed through lru / lfu / s3fifo at the same size;
+- the same model in RAM, uncapped (compute ceiling; --skip ram where it does not fit);
+- llama-server (mmap, -t 2) on the GGUF under the same cap (`vs_llama`).
+I/O ceiling = bandwidth / ((1 - hit rate) x expert bytes a token routes to); ceiling = min(I/O,
+compute); `ceiling_ratio` = flash decode tok/s / ceiling. Runs as root (cgroups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.flash.bench import (  # noqa: E402
+    PROMPT,
+    RUNTIME_MARGIN,
+    MemoryCgroup,
+    _child_env,
+    _ratio,
+    _size,
+    drop_page_cache,
+    run_child,
+    run_llama,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- child (one engine run)
+def child_main(args: argparse.Namespace) -> None:
+    import threading
+
+    import mlx.core  # noqa: F401
+    import mlx_lm.utils  # noqa: F401
+    import transformers  # noqa: F401
+
+    from engine.base import GenerationRequest, ModelInfo, SamplingParams
+    from engine.flash.backend import FlashBackend, current_rss_bytes
+    from engine.flash.experts import POLICIES, simulate
+    from engine.flash.moe import moe_counters
+
+    path = Path(args.model)
+    budget = args.memory_cap - current_rss_bytes() - RUNTIME_MARGIN if args.memory_cap else None
+    backend = FlashBackend(memory_budget=budget, expert_policy=args.policy, top_k=args.top_k or None)
+    t0 = time.perf_counter()
+    backend.load(ModelInfo(path.name, path, "qwen3_moe", 0, split_path=path / "split"))
+    load_s = time.perf_counter() - t0
+    es = backend.expert_stream
+    es.record = True
+    req = GenerationRequest(
+        prompt=args.prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens)
+    )
+    ids: list[int] = []
+    first: dict[str, Any] | None = None
+    done = None
+    for ev in backend.stream(req, threading.Event()):
+        if hasattr(ev, "token_ids"):
+            ids += list(ev.token_ids)
+            if first is None:  # decode starts: counters after the prefill
+                first = {
+                    **moe_counters(es),
+                    "bytes": backend.reader.stats.bytes,
+                    "trace": len(es.stats.trace),
+                }
+        else:
+            done = ev
+    assert done is not None and first is not None
+    s = done.stats
+    last = moe_counters(es)
+    hits, misses = last["hits"] - first["hits"], last["misses"] - first["misses"]
+    decode_tokens = max(1, s.completion_tokens - 1)
+    trace = es.stats.trace
+    sims = {}
+    for p in POLICIES:  # the same accesses, each policy at the live cache's size; decode part scored
+        warm = simulate(trace[: first["trace"]], es.cache.n_layers, es.cache.slots, p)
+        full = simulate(trace, es.cache.n_layers, es.cache.slots, p)
+        n = full["hits"] + full["misses"] - warm["hits"] - warm["misses"]
+        sims[p] = round((full["hits"] - warm["hits"]) / max(1, n), 4)
+    out = {
+        "mode": "flash",
+        "load_s": round(load_s, 2),
+        "ttft_s": s.ttft_s,
+        "decode_tps": s.decode_tps,
+        "tokens": ids,
+        "completion_tokens": s.completion_tokens,
+        "peak_rss_bytes": s.peak_rss_bytes,
+        "decode_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        "decode_bytes_per_token": (backend.reader.stats.bytes - first["bytes"]) / decode_tokens,
+        "decode_experts_read_per_token": (misses) / decode_tokens,
+        "policy_decode_hit_rates": sims,
+        "slots_per_layer": es.cache.slots,
+        "extra": s.extra,
+        "error": done.error,
+    }
+    print(json.dumps(out, default=str))
+
+
+def run_flash(model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
+           "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT]  # fmt: skip
+    cg = MemoryCgroup("flashcode-moe", cap)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(), preexec_fn=cg.enter
+        )
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        out: dict[str, Any] = json.loads(lines[-1]) if p.returncode == 0 and lines else {}
+        out["status"] = "ok" if out else f"failed (exit {p.returncode})"
+        if not lines:
+            out["stderr_tail"] = p.stderr[-1500:]
+    except subprocess.TimeoutExpired:
+        out = {"status": f"timed out after {timeout:.0f} s"}
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    out["cgroup_peak_bytes"] = cg.peak()
+    cg.remove()
+    return out
+
+
+# --------------------------------------------------------------------------- bandwidth
+def expert_bandwidth(split: Path, in_flight: int, total: int = 1 << 30) -> dict[str, Any]:
+    """Direct reads of random whole experts, `in_flight` at a time (what one layer's misses look like)."""
+    from engine.flash.moe import expert_units
+    from engine.flash.reader import AlignedBuffer, UnitReader
+    from engine.flash.split import load_manifest
+
+    man = load_manifest(split)
+    units = [u for us in expert_units(man).values() for u in us]
+    size = max(u.padded for u in units)
+    reader = UnitReader(man.units_path, threads=in_flight)
+    bufs = [AlignedBuffer(size) for _ in range(in_flight)]
+    rng = random.Random(0)
+    n = max(in_flight, total // size // in_flight * in_flight)
+    t0 = time.perf_counter()
+    for _ in range(n // in_flight):
+        futs = [
+            reader.read(b, u.offset, u.length)
+            for b, u in zip(bufs, rng.sample(units, in_flight), strict=True)
+        ]
+        for f in futs:
+            f.result()
+    dt = time.perf_counter() - t0
+    reader.close()
+    for b in bufs:
+        b.close()
+    return {
+        "bandwidth_Bps": n * size / dt,
+        "unit_bytes": size,
+        "reads": n,
+        "in_flight": in_flight,
+        "direct": reader.direct,
+    }
+
+
+# --------------------------------------------------------------------------- one routing config
+def prepare(work: Path, preset: str, layers: int | None, skew: float, gguf: bool) -> Path:
+    from engine.flash.split import split_model
+    from engine.flash.synth_moe import export_gguf_moe, synth_moe
+
+    model = work / f"{preset}-l{layers or 'all'}-skew{skew:g}"
+    if not (model / "model.safetensors").exists():
+        log(f"synth {model.name} ...")
+        synth_moe(preset, model, layers=layers, skew=skew, progress=False)
+    if not (model / "split/manifest.json").exists():
+        log("split ...")
+        split_model(model, progress=False)
+    if gguf and not (model / "model.gguf").exists():
+        log("GGUF export ...")
+        export_gguf_moe(model, model / "model.gguf", progress=False)
+    return model
+
+
+def bench_one(
+    model: Path, cap: int, tokens: int, policy: str, top_k: int, skip: set[str], timeout: float
+) -> dict[str, Any]:
+    from engine.flash.split import load_manifest
+
+    cfg = json.loads((model / "config.json").read_text())
+    man = load_manifest(model / "split")
+    k = top_k or cfg["num_experts_per_tok"]
+    unit = max(u.padded for u in man.units if u.kind == "expert")
+    res: dict[str, Any] = {"model": str(model), "model_bytes": (model / "model.safetensors").stat().st_size,
+                           "memory_cap": cap, "tokens": tokens, "layers": cfg["num_hidden_layers"], "top_k": k,
+                           "router_skew": cfg.get("flashcode_router_skew"), "expert_bytes": unit}  # fmt: skip
+    res["page_cache_dropped"] = drop_page_cache()
+    res["bandwidth"] = expert_bandwidth(model / "split", in_flight=k)
+    log(f"  bandwidth {res['bandwidth']['bandwidth_Bps'] / 1e9:.2f} GB/s ({k} expert reads in flight)")
+    drop_page_cache()
+    res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k)
+    f = res["flash"]
+    log(f"  flash: {f['status']} {f.get('decode_tps', 0):.3f} tok/s, hit {f.get('decode_hit_rate')}")
+    if "ram" not in skip:
+        res["ram"] = run_child("ram", model, tokens, None, timeout, prompt=PROMPT)
+        log(f"  ram: {res['ram']['status']} {res['ram'].get('decode_tps', 0):.3f} tok/s")
+    if "llama" not in skip and (model / "model.gguf").exists():
+        drop_page_cache()
+        res["llama"] = run_llama(model / "model.gguf", tokens, cap, timeout, threads=2)
+        log(f"  llama: {res['llama']['status']} {res['llama'].get('decode_tps', 0):.3f} tok/s")
+    return summarize(res, unit * k * cfg["num_hidden_layers"])
+
+
+def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
+    flash, ram = res["flash"], res.get("ram", {})
+    tps = flash.get("decode_tps") or 0.0
+    hit = flash.get("decode_hit_rate") or 0.0
+    bw = res["bandwidth"]["bandwidth_Bps"]
+    need = max(1.0, (1 - hit) * routed_bytes)
+    io = bw / need
+    compute = ram.get("decode_tps") or None
+    ceiling = min(io, compute) if compute else io
+    res.update({
+        "decode_tps": tps, "ttft_s": flash.get("ttft_s"), "hit_rate": hit,
+        "policy_hit_rates": flash.get("policy_decode_hit_rates"),
+        "routed_bytes_per_token": routed_bytes, "bytes_per_token": flash.get("decode_bytes_per_token"),
+        "measured_bandwidth_Bps": bw, "engine_read_bandwidth_Bps": (flash.get("extra") or {}).get("read_bandwidth_Bps"),
+        "io_ceiling_tps": io, "compute_ceiling_tps": compute, "ceiling_tps": ceiling,
+        "ceiling_bound": "compute" if compute and compute < io else "io",
+        "ceiling_ratio": _ratio(tps, ceiling), "vs_llama": _ratio(tps, res.get("llama", {}).get("decode_tps")),
+        "same_tokens_as_ram": flash.get("tokens") == ram.get("tokens") if ram.get("tokens") else None,
+        "cgroup_peak_bytes": flash.get("cgroup_peak_bytes"), "peak_rss_bytes": flash.get("peak_rss_bytes"),
+    })  # fmt: skip
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument(
+        "--skew", type=float, default=2.0, help="router skew of the skewed run (the uniform run uses 0)"
+    )
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--memory-cap", type=_size, default=None)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument(
+        "--top-k", type=int, default=0, help="opt-in, lossy: fewer active experts (0 = the model's)"
+    )
+    ap.add_argument("--skip", action="append", default=[], choices=["ram", "llama"])
+    ap.add_argument("--work", default=None, help="where models are made (default $FLASHCODE_HOME/synth)")
+    ap.add_argument("--keep", action="store_true", help="keep the models (default: delete them after)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prompt", default=PROMPT, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child_main(args)
+        return 0
+    if not args.memory_cap:
+        ap.error("--memory-cap is required")
+    work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")
+    results: dict[str, Any] = {"preset": args.preset, "layers": args.layers, "policy": args.policy,
+                               "top_k": args.top_k or None, "machine": {"cpus": os.cpu_count()}, "runs": {}}  # fmt: skip
+    for routing in args.routing.split(","):
+        skew = 0.0 if routing == "uniform" else args.skew
+        model = prepare(work, args.preset, args.layers, skew, gguf="llama" not in args.skip)
+        log(f"{routing} routing ({model.name}) under {args.memory_cap / 1e9:.2f} GB ...")
+        results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
+                                             set(args.skip), args.timeout)  # fmt: skip
+        if not args.keep:
+            shutil.rmtree(model, ignore_errors=True)
+    head = results["runs"].get("skewed") or next(iter(results["runs"].values()))
+    for key in ("decode_tps", "ttft_s", "hit_rate", "bytes_per_token", "measured_bandwidth_Bps", "io_ceiling_tps",
+                "compute_ceiling_tps", "ceiling_tps", "ceiling_ratio", "vs_llama"):  # fmt: skip
+        results[key] = head.get(key)
+    text = json.dumps(results, indent=1, default=str)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
