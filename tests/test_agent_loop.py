@@ -354,13 +354,13 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
 def test_agent_slash_registry_is_extensible(worker, fake, project, store) -> None:
     from webapp.agent import slash
 
-    slash.register(slash.SlashCommand("stats", "show stats"))
+    slash.register(slash.SlashCommand("zzz-test", "a command another module adds"))
     try:
-        events = asyncio.run(collect(make_session(worker, project, store), "/stats"))
-        assert of(events, ev.SlashUnhandled)[0].name == "stats"
-        assert "/stats" in slash.help_text()
+        events = asyncio.run(collect(make_session(worker, project, store), "/zzz-test"))
+        assert of(events, ev.SlashUnhandled)[0].name == "zzz-test"
+        assert "/zzz-test" in slash.help_text()
     finally:
-        slash.REGISTRY.pop("stats")
+        slash.REGISTRY.pop("zzz-test")
 
 
 def test_agent_events_serialize(worker, fake, project, store) -> None:

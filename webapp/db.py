@@ -26,6 +26,12 @@ from typing import Any
 MessageStatus = str  # "complete" | "streaming" | "stopped" | "incomplete" | "error"
 
 # (version, name, sql). Append only.
+def _agent_migration() -> str:
+    from .agent.store import MIGRATIONS as AGENT_MIGRATIONS
+
+    return AGENT_MIGRATIONS[0]
+
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (
         1,
@@ -52,6 +58,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
         CREATE INDEX conversations_by_update ON conversations(updated_at);
         """,
     ),
+    (2, "agent allow rules and actions", _agent_migration()),
 ]
 
 

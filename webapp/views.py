@@ -73,7 +73,11 @@ class Views:
                 ("Context", f"{e.context_length} tokens"), ("Listening on", f"{s.host}:{s.port}"),
                 ("Data", str(self.state.db.path.parent))]  # fmt: skip
         items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in rows)
-        return f"<dl>{items}</dl><p>Pick another model or backend with the menu at the top of the chat window.</p>"
+        return (
+            f"<dl>{items}</dl><p>Pick another model or backend with the menu at the top of the chat window.</p>"
+            "<h3>Shell allow rules</h3>"
+            '<div hx-get="/agent/rules" hx-trigger="load" hx-swap="outerHTML"></div>'
+        )
 
     def model_choices(self) -> list[tuple[str, str]]:
         from engine.models import list_models

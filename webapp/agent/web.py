@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from engine.base import SamplingParams
 
+from .. import stats_view
 from . import events as ev
 from .agent import AgentSession
 from .search import DDGSProvider
@@ -107,12 +108,17 @@ class AgentBridge:
         s, db, views = self.session, self.session.state.db, self.session.state.views
         agent = self.agent_for(conversation_id)
         reply: Any = None
+        route: str | None = None
         parts: list[str] = []
         s.cancel = agent.stop
         s.send(views.controls(generating=True))
         try:
             async for e in agent.run_turn(text):
-                if isinstance(e, ev.AnswerDelta):
+                if isinstance(e, ev.RouteChosen):
+                    route = e.route
+                if isinstance(e, ev.SlashUnhandled) and e.name in stats_view.SLASH_NAMES:
+                    s.send(await stats_view.answer_fragment(s.state, e.name, e.arg, conversation_id))
+                elif isinstance(e, ev.AnswerDelta):
                     if reply is None:
                         reply = db.add_message(conversation_id, "assistant", "", status="streaming")
                         s.send(views.append_message(reply))
@@ -124,7 +130,10 @@ class AgentBridge:
                     status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(
                         e.finish_reason, "error"
                     )
-                    db.finish_message(reply.id, e.text, status, e.stats | {"finish_reason": e.finish_reason})
+                    stats = e.stats | {"finish_reason": e.finish_reason}
+                    db.finish_message(reply.id, e.text, status, stats)
+                    for hook in s.state.on_reply:
+                        hook(s.state, stats, conversation_id=conversation_id, message_id=reply.id, route=route)
                     s.send(views.replace_message(db.messages(conversation_id)[-1]))
                 elif fragment := self.views.event(e):
                     s.send(fragment)
