@@ -174,7 +174,9 @@ def expert_bandwidth(split: Path, in_flight: int, total: int = 1 << 30) -> dict[
 
 
 # --------------------------------------------------------------------------- one routing config
-def prepare(work: Path, preset: str, layers: int | None, skew: float, gguf: bool) -> Path:
+def prepare(
+    work: Path, preset: str, layers: int | None, skew: float, gguf: bool, drop_source: bool = False
+) -> Path:
     from engine.flash.split import split_model
     from engine.flash.synth_moe import export_gguf_moe, synth_moe
 
@@ -188,11 +190,22 @@ def prepare(work: Path, preset: str, layers: int | None, skew: float, gguf: bool
     if gguf and not (model / "model.gguf").exists():
         log("GGUF export ...")
         export_gguf_moe(model, model / "model.gguf", progress=False)
+    if (
+        drop_source and (model / "model.safetensors").exists()
+    ):  # disk: the split and the GGUF are all the runs need
+        (model / "model.safetensors").unlink()
     return model
 
 
 def bench_one(
-    model: Path, cap: int, tokens: int, policy: str, top_k: int, skip: set[str], timeout: float
+    model: Path,
+    cap: int,
+    tokens: int,
+    policy: str,
+    top_k: int,
+    skip: set[str],
+    timeout: float,
+    compute_tps: float | None = None,
 ) -> dict[str, Any]:
     from engine.flash.split import load_manifest
 
@@ -200,7 +213,7 @@ def bench_one(
     man = load_manifest(model / "split")
     k = top_k or cfg["num_experts_per_tok"]
     unit = max(u.padded for u in man.units if u.kind == "expert")
-    res: dict[str, Any] = {"model": str(model), "model_bytes": (model / "model.safetensors").stat().st_size,
+    res: dict[str, Any] = {"model": str(model), "model_bytes": man.source["bytes"],
                            "memory_cap": cap, "tokens": tokens, "layers": cfg["num_hidden_layers"], "top_k": k,
                            "router_skew": cfg.get("flashcode_router_skew"), "expert_bytes": unit}  # fmt: skip
     res["page_cache_dropped"] = drop_page_cache()
@@ -210,7 +223,11 @@ def bench_one(
     res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k)
     f = res["flash"]
     log(f"  flash: {f['status']} {f.get('decode_tps', 0):.3f} tok/s, hit {f.get('decode_hit_rate')}")
-    if "ram" not in skip:
+    if (
+        compute_tps
+    ):  # the model does not fit in RAM here: a compute ceiling measured elsewhere, labelled as such
+        res["ram"] = {"status": "not run (given --compute-ceiling)", "decode_tps": compute_tps}
+    elif "ram" not in skip:
         res["ram"] = run_child("ram", model, tokens, None, timeout, prompt=PROMPT)
         log(f"  ram: {res['ram']['status']} {res['ram'].get('decode_tps', 0):.3f} tok/s")
     if "llama" not in skip and (model / "model.gguf").exists():
@@ -261,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="where models are made (default $FLASHCODE_HOME/synth)")
     ap.add_argument("--keep", action="store_true", help="keep the models (default: delete them after)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument(
+        "--compute-ceiling", type=float, default=None, help="tok/s in RAM measured or extrapolated elsewhere"
+    )
+    ap.add_argument(
+        "--drop-source", action="store_true", help="delete model.safetensors once split and exported"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -276,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
                                "top_k": args.top_k or None, "machine": {"cpus": os.cpu_count()}, "runs": {}}  # fmt: skip
     for routing in args.routing.split(","):
         skew = 0.0 if routing == "uniform" else args.skew
-        model = prepare(work, args.preset, args.layers, skew, gguf="llama" not in args.skip)
+        model = prepare(
+            work, args.preset, args.layers, skew, gguf="llama" not in args.skip, drop_source=args.drop_source
+        )
         log(f"{routing} routing ({model.name}) under {args.memory_cap / 1e9:.2f} GB ...")
         results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
-                                             set(args.skip), args.timeout)  # fmt: skip
+                                             set(args.skip), args.timeout, args.compute_ceiling)  # fmt: skip
         if not args.keep:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))

@@ -23,7 +23,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Path
     return model
 
 
-def streamed_model(model: Path, slots: int, policy: str = "lru") -> tuple[Any, Any]:
+def streamed_model(model: Path, slots: int, policy: str = "lru", prefetch: bool = False) -> tuple[Any, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
@@ -38,7 +38,7 @@ def streamed_model(model: Path, slots: int, policy: str = "lru") -> tuple[Any, A
     stream = ExpertStream(
         man, UnitReader(man.units_path), ExpertCache(3, slots, unit, policy), verify=True, record=True
     )
-    attach_moe(obj, stream)
+    attach_moe(obj, stream, prefetch_next=prefetch)
     cast_pinned(obj)
     mx.eval(obj.parameters())
     return obj, stream
@@ -70,21 +70,25 @@ def reference(tiny_moe: Path) -> tuple[Any, list[int], Any]:
     return ref, *greedy(ref)
 
 
-@pytest.mark.parametrize("slots,policy,decode", [(6, "lru", True), (16, "s3fifo", False), (4, "lfu", False)])
+@pytest.mark.parametrize(
+    "slots,policy,decode,prefetch",
+    [(6, "lru", True, False), (5, "lru", True, True), (16, "s3fifo", False, False), (4, "lfu", False, False)],
+)
 def test_moe_streamed_matches_mlx_lm(
-    tiny_moe: Path, reference: Any, slots: int, policy: str, decode: bool
+    tiny_moe: Path, reference: Any, slots: int, policy: str, decode: bool, prefetch: bool
 ) -> None:
     """Same greedy tokens, logits within 1e-4, whether the bank holds every expert or fewer than a chunk needs."""
     import mlx.core as mx
 
     ref, toks_ref, logits_ref = reference
-    streamed, stream = streamed_model(tiny_moe, slots, policy)
+    streamed, stream = streamed_model(tiny_moe, slots, policy, prefetch)
     full_ref, full = ref(mx.array(PROMPT)), streamed(mx.array(PROMPT))
     assert mx.abs(full_ref - full).max().item() <= 1e-4
     if decode:
         toks, logits = greedy(streamed)
         assert toks == toks_ref
         assert mx.abs(logits - logits_ref).max().item() <= 1e-4
+        assert not prefetch or stream.stats.prefetched > 0
     assert stream.cache.used_bytes <= stream.cache.capacity_bytes
     assert stream.stats.experts_read > 0
 

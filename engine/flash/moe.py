@@ -11,7 +11,9 @@ stacking. A prefill chunk reads each distinct expert once (in groups of at most 
 chunk needs more experts than a layer's bank holds; each (token, k) output comes from exactly one
 group, so the result is unchanged).
 
-Opt-in, lossy, off by default: `top_k` (fewer active experts per token).
+Opt-in, off by default: `prefetch_next` (exact: layer i guesses layer i+1's experts with layer i+1's
+router on its own input and starts reading the uncached guesses while it computes; a guess enters
+the bank only if the router then picks it); `top_k` (lossy: fewer active experts per token).
 
 What it does not know: budgets (backend.py sizes the cache), tokenization, attention.
 """
@@ -62,6 +64,8 @@ class MoEStats:
     host_syncs: int = 0
     experts_read: int = 0
     read_wait_s: float = 0.0  # time the compute thread waited on reads
+    prefetched: int = 0  # experts read ahead on a guess (opt-in)
+    prefetch_used: int = 0  # of which the router then picked
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
@@ -106,43 +110,88 @@ class ExpertStream:
         misses = [(k, s) for k, s, hit in res if not hit]
         for k, s, _ in res:
             self.slot_of[i, k] = s
+        ready = self._take_prefetched(i)
         for j in range(0, len(misses), self.max_misses):
-            self._load(i, misses[j : j + self.max_misses])
+            self._load(i, misses[j : j + self.max_misses], ready)
 
-    def _load(self, i: int, misses: list[tuple[int, int]]) -> None:
+    # ------------------------------------------------------------------ opt-in next-layer prefetch
+    def enable_prefetch(self, k: int) -> None:
+        """Guess layer i+1's experts from layer i's input and start reading the uncached ones (exact: a
+        wrong guess costs only bandwidth; prefetched bytes enter the bank only when the router picks them)."""
+        self.pf_staging = AlignedBuffer(k * self.unit_bytes)
+        self.pf_k = k
+        self.pf: dict[int, tuple[int, Any]] = {}  # expert -> (position in pf_staging, future)
+        self.pf_layer = -1
+
+    def prefetch(self, i: int, guess: np.ndarray) -> None:
+        if getattr(self, "pf_k", 0) == 0 or i >= len(self.layers):
+            return
+        self._take_prefetched(-1)  # drain the previous guesses before their buffer is reused
+        layer, ub, resident = self.layers[i], self.unit_bytes, self.cache.layers[i].slot
+        todo = [int(k) for k in guess if int(k) not in resident][: self.pf_k]
+        for j, k in enumerate(todo):
+            u = self.units[layer][k]
+            part = SimpleNamespace(size=ub, view=self.pf_staging.view[j * ub : (j + 1) * ub])
+            self.pf[k] = (j, self.reader.read(part, u.offset, u.length))  # type: ignore[arg-type]
+        self.pf_layer = i
+        self.stats.prefetched += len(todo)
+
+    def _take_prefetched(self, i: int) -> dict[int, memoryview]:
+        """Completed prefetches for layer index `i` (all pending ones are waited for and dropped)."""
+        if not getattr(self, "pf", None):
+            return {}
+        ub, out = self.unit_bytes, {}
+        for k, (j, fut) in self.pf.items():
+            fut.exception()
+            if self.pf_layer == i:
+                out[k] = self.pf_staging.view[j * ub : (j + 1) * ub]
+        self.pf = {}
+        return out
+
+    def _load(
+        self, i: int, misses: list[tuple[int, int]], ready: dict[int, memoryview] | None = None
+    ) -> None:
         import mlx.core as mx
 
         layer = self.layers[i]
-        n, ub = len(misses), self.unit_bytes
-        futs = []
+        ub, ready = self.unit_bytes, ready or {}
+        futs, views = [], []
         for j, (k, _) in enumerate(misses):  # all reads in flight at once: the pool spreads them
+            if k in ready:
+                views.append(ready[k])
+                self.stats.prefetch_used += 1
+                continue
             u = self.units[layer][k]
-            part = SimpleNamespace(size=ub, view=self.staging.view[j * ub : (j + 1) * ub])
-            futs.append(self.reader.read(part, u.offset, u.length))  # type: ignore[arg-type]
+            view = self.staging.view[j * ub : (j + 1) * ub]
+            futs.append(self.reader.read(SimpleNamespace(size=ub, view=view), u.offset, u.length))  # type: ignore[arg-type]
+            views.append(view)
         t0 = time.perf_counter()
         for f in futs:
             f.result()
         self.stats.read_wait_s += time.perf_counter() - t0
-        self.stats.experts_read += n
+        self.stats.experts_read += len(futs)
         if self.verified is not None:
-            for j, (k, _) in enumerate(misses):
+            for (k, _), view in zip(misses, views, strict=True):
                 if (layer, k) not in self.verified:
-                    check_unit(self.man, self.units[layer][k], self.staging.view[j * ub : (j + 1) * ub])
+                    check_unit(self.man, self.units[layer][k], view)
                     self.verified.add((layer, k))
-        raw = np.frombuffer(self.staging.view, dtype=np.uint8, count=n * ub).reshape(n, ub)
         bank = self.banks[i]
-        for j, (_, s) in enumerate(misses):
+        for (_, s), view in zip(misses, views, strict=True):
+            raw = np.frombuffer(view, dtype=np.uint8, count=ub)
             for t in self.template[layer]:
                 # a contiguous view: mx.array copies just these bytes (a strided one copies its whole span)
-                new = mx.array(raw[j, t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(1, *t.shape))
+                new = mx.array(raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(1, *t.shape))
                 if t.dtype == "BF16":
                     new = new.view(mx.bfloat16)
                 bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
             mx.eval(list(bank.values()))  # one expert's copies in flight at a time
 
     def close(self) -> None:
+        self._take_prefetched(-1)
         self.banks = []
         self.staging.close()
+        if getattr(self, "pf_k", 0):
+            self.pf_staging.close()
 
 
 class StreamedSwitchGLU:
@@ -154,6 +203,7 @@ class StreamedSwitchGLU:
         layer = stream.layers[index]
         q = stream.man.quant
         self.q = {p: q.get(f"model.layers.{layer}.mlp.switch_mlp.{p}") or q["default"] for p in PROJS}
+        self.next_gate: Any = None  # the next MoE block's router, when next-layer prefetch is on
 
     def _proj(self, x: Any, idx: Any, p: str, sort: bool) -> Any:
         import mlx.core as mx
@@ -193,6 +243,12 @@ class StreamedSwitchGLU:
         slots = st.cache.slots
         if len(ids) <= slots:
             st.ensure(self.index, ids)
+            if (
+                self.next_gate is not None and chosen.size <= 64
+            ):  # opt-in: decode-sized calls guess the next layer
+                logits = np.array(self.next_gate(x.reshape(-1, x.shape[-1])[-1:]))[0]
+                st.stats.host_syncs += 1
+                st.prefetch(self.index + 1, np.argsort(-logits)[: chosen.shape[-1]])
             return self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
         out = None  # a prefill chunk needing more experts than the bank: groups of `slots`, each read once
         for g in range(0, len(ids), slots):
@@ -217,7 +273,9 @@ def moe_blocks(model: Any) -> list[tuple[int, Any]]:
     ]
 
 
-def attach_moe(model: Any, stream: ExpertStream, top_k: int | None = None) -> None:
+def attach_moe(
+    model: Any, stream: ExpertStream, top_k: int | None = None, prefetch_next: bool = False
+) -> None:
     """Replace each MoE block's `switch_mlp` with a StreamedSwitchGLU (placeholders leave the tree unevaluated)."""
     blocks = moe_blocks(model)
     if [i for i, _ in blocks] != stream.layers:
@@ -232,6 +290,10 @@ def attach_moe(model: Any, stream: ExpertStream, top_k: int | None = None) -> No
             if not hasattr(block, "top_k"):
                 raise ValueError(f"{type(block).__name__} has no top_k to lower")
             block.top_k = min(top_k, block.top_k)
+    if prefetch_next and len(blocks) > 1:  # opt-in: layer i guesses layer i+1's experts with i+1's router
+        for index in range(len(blocks) - 1):
+            blocks[index][1].switch_mlp.next_gate = blocks[index + 1][1].gate
+        stream.enable_prefetch(int(getattr(blocks[0][1], "top_k", 8)))
 
 
 def top_k_of(model: Any) -> int:
@@ -244,7 +306,7 @@ def has_experts(man: Manifest) -> bool:
 
 
 def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
-                 top_k: int | None = None, verify: bool = False) -> ExpertStream:  # fmt: skip
+                 top_k: int | None = None, verify: bool = False, prefetch_next: bool = False) -> ExpertStream:  # fmt: skip
     """Size the expert cache from what the budget leaves (after pinned weights, buffers and a KV cache of
     up to 4096 tokens, else 256), build the banks and attach the streamed layers. Sets `plan.context`."""
     from .budget import MIN_CONTEXT
@@ -257,7 +319,9 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
     if budget is None:
         cache = ExpertCache(n_layers, n_experts, unit, policy)  # no budget: every expert may stay, as in RAM
     else:
-        staging = max(0, max_misses * unit - plan.buffers)  # the dense read-ahead buffers go unused for MoE
+        staging = max(
+            0, (max_misses + k * prefetch_next) * unit - plan.buffers
+        )  # dense read-ahead buffers unused
         for ctx in (min(plan.context, 4096), MIN_CONTEXT):
             left = budget - plan.fixed - staging - ctx * plan.kv_per_token
             if left >= k * n_layers * unit:
@@ -265,7 +329,7 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
         cache = ExpertCache.for_budget(left, n_layers, n_experts, unit, min_slots=k, policy=policy)
         plan.context = ctx
     stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
-    attach_moe(model, stream, top_k)
+    attach_moe(model, stream, top_k, prefetch_next)
     return stream
 
 
