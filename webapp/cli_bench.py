@@ -31,6 +31,18 @@ def cmd_bench_mlx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flash(args: argparse.Namespace) -> int:
+    from engine.flash.bench import main
+
+    argv = ["--model", args.model, "--memory-cap", args.memory_cap, "--tokens", args.tokens,
+            "--out", args.out or str(RESULTS / "flash-dense.json")]  # fmt: skip
+    if args.prefetch:
+        argv += ["--prefetch", args.prefetch]
+    for s in args.skip:
+        argv += ["--skip", s]
+    return int(main(argv) or 0)
+
+
 def _script(name: str) -> Any:
     """Benchmarks kept as scripts under bench/ (they run from a source checkout)."""
 
@@ -56,6 +68,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_bench_mlx)
+    p = bsub.add_parser("flash", help="flash engine under a cgroup memory cap vs RAM, lazy mmap and llama-server")
+    p.add_argument("--model", required=True, help="model directory (e.g. made by `flashcode synth llama-8b`)")
+    p.add_argument("--memory-cap", required=True, help="cgroup memory cap, e.g. 1.75GB (needs root)")
+    p.add_argument("--tokens", default="8")
+    p.add_argument("--prefetch", default=None)
+    p.add_argument("--skip", action="append", default=[], choices=["ram", "mmap", "llama"])
+    p.add_argument("--out", default=None, help="default bench/results/flash-dense.json")
+    p.set_defaults(func=_flash)
     from .benchset import add_parser as add_bench_run
 
     add_bench_run(bsub)
