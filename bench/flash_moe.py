@@ -62,7 +62,12 @@ def child_main(args: argparse.Namespace) -> None:
 
     path = Path(args.model)
     budget = args.memory_cap - current_rss_bytes() - RUNTIME_MARGIN if args.memory_cap else None
-    backend = FlashBackend(memory_budget=budget, expert_policy=args.policy, top_k=args.top_k or None)
+    backend = FlashBackend(
+        memory_budget=budget,
+        expert_policy=args.policy,
+        top_k=args.top_k or None,
+        expert_prefetch=args.prefetch_next,
+    )
     t0 = time.perf_counter()
     backend.load(ModelInfo(path.name, path, "qwen3_moe", 0, split_path=path / "split"))
     load_s = time.perf_counter() - t0
@@ -110,15 +115,20 @@ def child_main(args: argparse.Namespace) -> None:
         "decode_experts_read_per_token": (misses) / decode_tokens,
         "policy_decode_hit_rates": sims,
         "slots_per_layer": es.cache.slots,
+        "read_wait_s_total": round(es.stats.read_wait_s, 3),  # the compute thread blocked on expert reads
+        "prefetched": es.stats.prefetched,
+        "prefetch_used": es.stats.prefetch_used,
         "extra": s.extra,
         "error": done.error,
     }
     print(json.dumps(out, default=str))
 
 
-def run_flash(model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int) -> dict[str, Any]:
+def run_flash(
+    model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int, prefetch_next: bool = False
+) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
-           "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT]  # fmt: skip
+           "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, *(["--prefetch-next"] if prefetch_next else [])]  # fmt: skip
     cg = MemoryCgroup("flashcode-moe", cap)
     t0 = time.perf_counter()
     try:
@@ -206,6 +216,7 @@ def bench_one(
     skip: set[str],
     timeout: float,
     compute_tps: float | None = None,
+    prefetch_next: bool = False,
 ) -> dict[str, Any]:
     from engine.flash.split import load_manifest
 
@@ -220,7 +231,7 @@ def bench_one(
     res["bandwidth"] = expert_bandwidth(model / "split", in_flight=k)
     log(f"  bandwidth {res['bandwidth']['bandwidth_Bps'] / 1e9:.2f} GB/s ({k} expert reads in flight)")
     drop_page_cache()
-    res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k)
+    res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next)
     f = res["flash"]
     log(f"  flash: {f['status']} {f.get('decode_tps', 0):.3f} tok/s, hit {f.get('decode_hit_rate')}")
     if (
@@ -271,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-cap", type=_size, default=None)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--policy", default="lru")
+    ap.add_argument("--prefetch-next", action="store_true", help="opt-in, exact: next-layer expert prefetch")
     ap.add_argument(
         "--top-k", type=int, default=0, help="opt-in, lossy: fewer active experts (0 = the model's)"
     )
@@ -296,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--memory-cap is required")
     work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")
     results: dict[str, Any] = {"preset": args.preset, "layers": args.layers, "policy": args.policy,
+                               "prefetch_next": args.prefetch_next,
                                "top_k": args.top_k or None, "machine": {"cpus": os.cpu_count()}, "runs": {}}  # fmt: skip
     for routing in args.routing.split(","):
         skew = 0.0 if routing == "uniform" else args.skew
@@ -304,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         log(f"{routing} routing ({model.name}) under {args.memory_cap / 1e9:.2f} GB ...")
         results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
-                                             set(args.skip), args.timeout, args.compute_ceiling)  # fmt: skip
+                                             set(args.skip), args.timeout, args.compute_ceiling, args.prefetch_next)  # fmt: skip
         if not args.keep:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))
