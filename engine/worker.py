@@ -45,13 +45,12 @@ class Generation:
     def cancel(self) -> None:
         """Stop now: the consumer gets `Done("cancelled")` at once, with the text so far. The engine
         thread stops at its next token boundary; whatever it still sends for this request is dropped."""
-        self.cancel_event.set()
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            stats = GenerationStats(completion_tokens=self._tokens)
-            self._deliver(Done(stats, "cancelled", "".join(self._text)))
+            if not self._closed:
+                self._closed = True
+                stats = GenerationStats(completion_tokens=self._tokens)
+                self._deliver(Done(stats, "cancelled", "".join(self._text)))
+        self.cancel_event.set()  # after our Done is queued, so the engine's own Done cannot overtake it
 
     def _put(self, event: Event) -> None:
         """Called on the worker thread."""
