@@ -174,3 +174,27 @@ def test_moe_gguf_export_has_the_same_weights(tiny_moe: Path, tmp_path: Path) ->
         )
         assert mx.array_equal(got, want)
     assert mx.array_equal(g["blk.2.ffn_gate_inp.weight"], src["model.layers.2.mlp.gate.weight"])
+
+
+def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
+    """FlashBackend detects the MoE split: same greedy tokens as MLXBackend, hit rate and bytes in the stats."""
+    import threading
+
+    from engine.base import Done, GenerationRequest, ModelInfo, SamplingParams
+    from engine.flash.backend import FlashBackend
+    from engine.mlx_backend import MLXBackend
+
+    req = GenerationRequest(prompt="Once upon a time", sampling=SamplingParams(temperature=0.0, max_tokens=6))
+    info = ModelInfo("moe-tiny", tiny_moe, "qwen3_moe", 0, split_path=tiny_moe / "split")
+    runs = {}
+    for backend in (MLXBackend(), FlashBackend(memory_budget=60_000_000)):
+        backend.load(info)
+        events = list(backend.stream(req, threading.Event()))
+        runs[backend.name] = [t for ev in events for t in getattr(ev, "token_ids", [])], events[-1]
+        backend.close()
+    (ram, _), (flash, done) = runs["mlx"], runs["flash"]
+    assert flash == ram and len(ram) == 6
+    assert isinstance(done, Done)
+    extra = done.stats.extra
+    assert 0.0 <= extra["hit_rate"] <= 1.0 and extra["bytes_read"] > 0
+    assert extra["expert_cache"]["used_bytes"] <= extra["expert_cache"]["capacity_bytes"] < 60_000_000

@@ -22,6 +22,7 @@ from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, Mod
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
 from .budget import BudgetPlan, plan_budget
 from .dense import LayerStream, attach
+from .moe import has_experts, load_experts, moe_counters, moe_extra
 from .reader import UnitReader
 from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
 
@@ -68,6 +69,9 @@ class FlashBackend(MLXBackend):
         prefetch: int = 2,
         verify_limit: int = 2 << 30,
         auto_split: bool = True,
+        expert_policy: str = "lru",
+        top_k: int | None = None,
+        expert_prefetch: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -76,6 +80,9 @@ class FlashBackend(MLXBackend):
         self.prefetch = prefetch
         self.verify_limit = verify_limit
         self.auto_split = auto_split
+        self.expert_policy, self.top_k = expert_policy, top_k  # MoE: cache policy; top_k < the model's is lossy
+        self.expert_prefetch = expert_prefetch  # MoE: exact next-layer guess-and-read (moe.py)
+        self.expert_stream: Any = None
         self.manifest: Manifest | None = None
         self.reader: UnitReader | None = None
         self.layer_stream: LayerStream | None = None
@@ -119,8 +126,13 @@ class FlashBackend(MLXBackend):
             if verify_now:
                 self._verify_units(man, reader)
             obj, cfg = load_model(root, lazy=True, strict=False)
-            stream = LayerStream(man, reader, depth=self.prefetch, verify=not verify_now)
-            attach(obj, stream)
+            stream, experts = None, None
+            if has_experts(man):  # MoE: only the routed experts are read (moe.py)
+                experts = load_experts(obj, man, reader, plan, self.memory_budget, self.expert_policy, self.top_k,
+                                       verify=not verify_now, prefetch_next=self.expert_prefetch)  # fmt: skip
+            else:
+                stream = LayerStream(man, reader, depth=self.prefetch, verify=not verify_now)
+                attach(obj, stream)
         except SplitError:
             reader.close()
             raise
@@ -135,6 +147,7 @@ class FlashBackend(MLXBackend):
         self.tokenizer = load_tokenizer(model.path, eos_token_ids=cfg.get("eos_token_id"))
         self.model_obj, self.config = obj, cfg
         self.manifest, self.reader, self.layer_stream, self.plan = man, reader, stream, plan
+        self.expert_stream = experts
         if self.memory_budget:
             self._context_override = plan.context
         self._model_info = model
@@ -158,6 +171,7 @@ class FlashBackend(MLXBackend):
         self._require()
         assert self.reader is not None
         b0, r0 = self.reader.stats.bytes, self.reader.stats.read_s
+        m0 = moe_counters(self.expert_stream) if self.expert_stream else None
         for ev in super().stream(request, cancel):
             if isinstance(ev, Done):
                 s = ev.stats
@@ -174,6 +188,8 @@ class FlashBackend(MLXBackend):
                     "budget": self.plan.as_dict() if self.plan else None,
                     "rss_bytes": current_rss_bytes(),
                 })  # fmt: skip
+                if self.expert_stream and m0 is not None:
+                    s.extra.update(moe_extra(self.expert_stream, m0, tokens + 1))
                 s.peak_rss_bytes = peak_rss_bytes()
             yield ev
 
@@ -184,15 +200,20 @@ class FlashBackend(MLXBackend):
         dt = now - self._live["t"]
         if dt > 0.2:
             self._live = {"t": now, "bytes": total, "Bps": (total - self._live["bytes"]) / dt}
-        return {"bytes_read": total, "bytes_per_s": self._live["Bps"], "rss_bytes": current_rss_bytes(),
+        live = {"bytes_read": total, "bytes_per_s": self._live["Bps"], "rss_bytes": current_rss_bytes(),
                 "memory_budget": self.memory_budget}  # fmt: skip
+        if self.expert_stream is not None:
+            live["hit_rate"] = self.expert_stream.cache.hit_rate()
+        return live
 
     def close(self) -> None:
         if self.layer_stream is not None:
             self.layer_stream.close()
+        if self.expert_stream is not None:
+            self.expert_stream.close()
         if self.reader is not None:
             self.reader.close()
-        self.layer_stream = self.reader = self.manifest = None
+        self.layer_stream = self.reader = self.manifest = self.expert_stream = None
         if self.model_obj is not None or self._model_info is not None:
             super().close()
 

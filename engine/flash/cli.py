@@ -15,12 +15,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_split)
 
     p = subparsers.add_parser("synth", help="write a random-weight quantized model of a real architecture")
-    p.add_argument("preset", help="llama-8b, llama-3b, llama-1b, tiny, ffn-heavy")
+    p.add_argument("preset", help="llama-8b, llama-3b, llama-1b, tiny, ffn-heavy; MoE: qwen3-30b-a3b, moe-tiny, moe-heavy")
     p.add_argument("--layers", type=int, default=None, help="fewer (or more) transformer layers than the preset")
     p.add_argument("--out", default=None, help="output directory (default $FLASHCODE_HOME/models/synth-PRESET[-LN])")
     p.add_argument("--gguf", action="store_true", help="also export the same weights as a Q4_1 GGUF for llama-server")
     p.add_argument("--split", action="store_true", help="also write the flash split layout")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0, help="MoE presets: router popularity skew (0 = near-uniform routing)")
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
     p.set_defaults(func=cmd_synth)
 
@@ -45,9 +46,15 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     name = f"synth-{args.preset}" + (f"-l{args.layers}" if args.layers else "")
     out = Path(args.out) if args.out else paths.models_dir(paths.home(args.data_dir)) / name
-    synth_model(args.preset, out, layers=args.layers, seed=args.seed)
+    from .synth_moe import MOE_PRESETS, export_gguf_moe, synth_moe
+
+    moe = args.preset in MOE_PRESETS
+    if moe:
+        synth_moe(args.preset, out, layers=args.layers, seed=args.seed, skew=args.skew)
+    else:
+        synth_model(args.preset, out, layers=args.layers, seed=args.seed)
     if args.gguf:
-        export_gguf(out, out / "model.gguf")
+        (export_gguf_moe if moe else export_gguf)(out, out / "model.gguf")
     if args.split:
         split_model(out)
     print(f"synthetic model written to {out}")
