@@ -60,3 +60,25 @@ def data_dir(tmp_path: Path, model_home: Path, monkeypatch: pytest.MonkeyPatch) 
 def artifacts() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+# MLX can crash while the interpreter tears down after several engine threads (each with its own
+# MLX streams) have come and gone: every test passes, then the process dies with SIGSEGV at exit
+# (seen with the agent and stats real-model modules in one run; each alone exits cleanly). A user's
+# process has one engine thread, so this only bites the test runner: once pytest has reported,
+# leave without running interpreter teardown, keeping pytest's exit status.
+_exit_status = {"code": 0}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status["code"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get("FLASHCODE_TEST_HARD_EXIT", "1") == "1":
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status["code"])
