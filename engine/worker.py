@@ -40,6 +40,7 @@ class Generation:
         self._closed = False
         self._text: list[str] = []
         self._tokens = 0
+        self._first_sent = False
         self.done = threading.Event()
 
     def cancel(self) -> None:
@@ -70,9 +71,12 @@ class Generation:
                 self._loop.call_soon_threadsafe(self._async_q.put_nowait, event)
             except RuntimeError:  # the loop closed under us: nobody is listening any more
                 self.cancel_event.set()
-            # Yield the GIL: the engine thread goes straight back into MLX, and without this the
-            # event loop can wait ~100-200 ms to forward the token (measured: TTFT +110 ms -> +2-14 ms).
-            time.sleep(0)
+            # Yield the GIL: the engine thread goes straight back into MLX, which holds it while it
+            # computes, so without this the event loop can wait a whole token (~100-250 ms here) to
+            # forward a token. The first token gets a few ms so the loop can send it (TTFT).
+            first = isinstance(event, TextDelta) and not self._first_sent
+            self._first_sent = self._first_sent or first
+            time.sleep(0.005 if first else 0)
         else:
             self._sync_q.put(event)
         if isinstance(event, Done):
