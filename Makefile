@@ -21,7 +21,7 @@ run: setup
 	$(BIN)/flashcode serve --host $(HOST) --port $(PORT)
 
 test: setup llama chromium
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the quick inner loop: no browser, no llama-server, no slow model tests
 check: setup
