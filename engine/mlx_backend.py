@@ -35,6 +35,7 @@ from .base import (
     ModelLoadError,
     TextDelta,
 )
+from .paths import fsync_path
 from .stops import StopFilter
 
 log = logging.getLogger(__name__)
@@ -115,20 +116,6 @@ def cache_offset(cache: list[Any] | None) -> int:
 # to float16 or quantized (8/4 bits, group 64). On load it becomes plain KVCache layers in the
 # compute dtype again, so a quantized file costs precision only on the saved prefix.
 KV_FORMAT = "flashcode-kv/1"
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (the rename of a file into it is durable only then)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
 
 
 def snapshot_cache(cache: list[Any], kv_bits: int | None, group_size: int = 64) -> list[Any]:

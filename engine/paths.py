@@ -53,3 +53,17 @@ def projects_dir(root: Path | None = None) -> Path:
 
 def database_path(root: Path | None = None) -> Path:
     return (root or home()) / "flashcode.db"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (the rename of a file into it is durable only then)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)

@@ -37,6 +37,7 @@ from typing import Any
 
 from . import __version__, paths
 from .base import CacheMismatchError, EngineError, Message, ModelInfo, PromptCacheBackend
+from .paths import fsync_path
 
 CONTEXT_FORMAT = "flashcode-context/1"
 EXPORT_SUFFIX = ".flashctx"
@@ -164,19 +165,6 @@ def _human(n: float) -> str:
     return human_size(n)
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: Any) -> None:
     """Atomic: temp file in the same folder, fsync, rename, fsync the folder."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
@@ -186,7 +174,7 @@ def _write_json(path: Path, data: Any) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     finally:
         Path(tmp).unlink(missing_ok=True)
 
@@ -338,7 +326,7 @@ class ContextStore:
             _write_json(tmp / "tokens.json", {"tokens": tokens})
             _write_json(tmp / "meta.json", meta)
             os.rename(tmp, parent / cid)  # the context appears whole or not at all
-            _fsync(parent)
+            fsync_path(parent)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -444,7 +432,7 @@ class ContextStore:
             with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:  # KV data does not compress
                 for member in ("meta.json", "tokens.json", ctx.cache_file):
                     zf.write(folder / member, member)
-            _fsync(Path(tmp))
+            fsync_path(Path(tmp))
             os.replace(tmp, dest)
         finally:
             Path(tmp).unlink(missing_ok=True)
@@ -480,7 +468,7 @@ class ContextStore:
                 _write_json(tmp / "meta.json", meta)
                 cid = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
                 os.rename(tmp, parent / cid)
-                _fsync(parent)
+                fsync_path(parent)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
