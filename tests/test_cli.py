@@ -93,3 +93,19 @@ def test_chat_streams_and_exits(model_home):
 def test_setup_is_idempotent(model_home):
     proc = flashcode("setup", "--quiet", home=model_home, timeout=120)
     assert proc.returncode == 0 and "smollm2-135m-instruct-q4_1" in proc.stdout
+
+
+def test_flash_moe_options_reach_the_engine(model_home, tmp_path):
+    """The MoE opt-ins are flags: the run reports the policy it was given; bad values are refused plainly."""
+    proc = flashcode("synth", "moe-tiny", "--out", str(tmp_path / "moe"), "--skew", "2", home=model_home)
+    assert proc.returncode == 0, proc.stderr
+    proc = flashcode("ask", "--backend", "flash", "--model", str(tmp_path / "moe"), "--memory-budget", "200MB",
+                     "--expert-policy", "lfu", "--routing-bias", "2", "--top-k-experts", "3", "--expert-prefetch",
+                     "--temperature", "0", "--max-tokens", "4", "--json", "hi", home=model_home)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["expert_cache"]["policy"] == "lfu" and 0 <= out["hit_rate"] <= 1 and out["completion_tokens"] == 4
+    proc = flashcode("ask", "--backend", "flash", "--routing-bias", "-1", "hi", home=model_home)
+    assert proc.returncode == 2 and "not a number of 0 or more" in proc.stderr
+    proc = flashcode("ask", "--backend", "llama", "--routing-bias", "1", "hi", home=model_home)
+    assert proc.returncode != 0 and "applies to the flash backend, not llama" in proc.stderr

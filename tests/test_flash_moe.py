@@ -44,12 +44,12 @@ def streamed_model(model: Path, slots: int, policy: str = "lru", prefetch: bool 
     return obj, stream
 
 
-def greedy(model: Any, n: int = 8) -> tuple[list[int], Any]:
+def greedy(model: Any, n: int = 8, prompt: list[list[int]] = PROMPT) -> tuple[list[int], Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    y = model(mx.array(PROMPT), cache=cache)[:, -1]
+    y = model(mx.array(prompt), cache=cache)[:, -1]
     out, logits = [], []
     for _ in range(n):
         t = mx.argmax(y, -1)

@@ -74,6 +74,62 @@ def test_flash_load_detects_a_damaged_unit(tiny: Path, tiny_split: Path) -> None
         backend.load(ModelInfo("tiny", tiny, "llama", 0, split_path=tiny_split))
 
 
+def test_dense_units_stream_one_projection_at_a_time(tiny_split: Path) -> None:
+    from engine.flash.dense import max_piece_bytes, unit_pieces
+
+    man = load_manifest(tiny_split)
+    for u in man.dense_units():
+        pieces = unit_pieces(u)
+        assert [p.projections for p in pieces] == [["gate_proj"], ["up_proj"], ["down_proj"]]
+        assert pieces[0].start == 0 and pieces[-1].end == u.length  # the pieces tile the unit
+        assert all(a.end == b.start for a, b in zip(pieces, pieces[1:], strict=False))
+        assert all(p.read_start % ALIGN == 0 and p.read_start + p.read_length <= u.padded for p in pieces)
+    assert max_piece_bytes(man) < man.max_unit_bytes
+    plan = plan_budget(man, None, 1, 8192, 128)
+    assert plan.buffers == plan.in_flight == max_piece_bytes(man)
+
+
+def test_a_unit_in_another_order_streams_whole(tiny_split: Path) -> None:
+    from engine.flash.dense import unit_pieces
+    from engine.flash.split import UnitTensor
+
+    u = load_manifest(tiny_split).dense_units()[0]
+    down_first = sorted(u.tensors, key=lambda t: (not t.name.startswith("down"), t.offset))
+    pos, moved = 0, []
+    for t in down_first:
+        moved.append(UnitTensor(t.name, t.dtype, t.shape, pos, t.nbytes))
+        pos += t.nbytes
+    u.tensors = moved
+    (piece,) = unit_pieces(u)
+    assert piece.projections == ["gate_proj", "up_proj", "down_proj"] and piece.end == u.length
+
+
+def test_streaming_detects_a_damaged_unit_on_its_first_read(tiny: Path, tiny_split: Path) -> None:
+    """Past `verify_limit` units are checked as they stream: a running CRC over a unit's pieces."""
+    import threading
+
+    from engine.base import GenerationRequest, ModelInfo, SamplingParams
+    from engine.flash.backend import FlashBackend
+    from engine.flash.dense import unit_pieces
+
+    man = load_manifest(tiny_split)
+    u = man.dense_units()[1]
+    down = unit_pieces(u)[-1]
+    with open(man.units_path, "r+b") as f:  # a flipped byte in the last piece: caught only after all three
+        f.seek(u.offset + down.start + 5)
+        b = f.read(1)
+        f.seek(u.offset + down.start + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    backend = FlashBackend(verify_limit=0)
+    backend.load(ModelInfo("tiny", tiny, "llama", 0, split_path=tiny_split))
+    try:
+        req = GenerationRequest(prompt="hello", sampling=SamplingParams(temperature=0.0, max_tokens=2))
+        with pytest.raises(SplitError, match=r"damaged: unit layers\.1\.mlp .*checksum"):
+            list(backend.stream(req, threading.Event()))
+    finally:
+        backend.close()
+
+
 def test_flash_load_detects_a_damaged_pinned_file(tiny: Path, tiny_split: Path) -> None:
     from engine.base import ModelInfo
     from engine.flash.backend import FlashBackend

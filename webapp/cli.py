@@ -115,12 +115,14 @@ _ENGINE_OPTIONS = {
     "kv_bits": "kv_bits", "memory_budget": "memory_budget", "llama_url": "url", "ctx_size": "context_length",
     "llama_binary": "binary", "llama_threads": "threads", "flash_attn": "flash_attn",
     "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v", "parallel": "parallel",
-    "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe",
+    "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "expert_policy": "expert_policy",
+    "expert_prefetch": "expert_prefetch", "top_k_experts": "top_k", "routing_bias": "routing_bias",
 }  # fmt: skip
 _BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_url": {"llama"},
                "llama_binary": {"llama"}, "llama_threads": {"llama"}, "flash_attn": {"llama"},
                "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
-               "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}}  # fmt: skip
+               "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}, "expert_policy": {"flash"},
+               "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"}}  # fmt: skip
 
 
 def backend_options(args: argparse.Namespace, backend: str | None = None) -> dict[str, Any]:
@@ -134,6 +136,26 @@ def backend_options(args: argparse.Namespace, backend: str | None = None) -> dic
             raise SystemExit(f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}")
         opts[key] = value
     return opts
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more, e.g. 1.0")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -151,6 +173,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parallel", type=int, default=None, help="llama: parallel slots")
     g.add_argument("--n-gpu-layers", type=int, default=None, help="llama: layers offloaded to the GPU")
     g.add_argument("--n-cpu-moe", type=int, default=None, help="llama: keep the experts of the first N layers on the CPU")
+    g.add_argument("--expert-policy", choices=["lru", "lfu", "s3fifo"], default=None,
+                   help="flash, MoE: expert cache policy (default lru)")
+    g.add_argument("--expert-prefetch", action="store_true", default=None,
+                   help="flash, MoE: read the next layer's likely experts ahead (exact)")
+    g.add_argument("--top-k-experts", type=_positive_int, default=None,
+                   help="flash, MoE: fewer active experts per token than the model's (lossy)")
+    g.add_argument("--routing-bias", type=_non_negative_float, default=None,
+                   help="flash, MoE: router logit bonus for cached experts, e.g. 1.0 (lossy; default 0: off)")
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:

@@ -72,6 +72,7 @@ class FlashBackend(MLXBackend):
         expert_policy: str = "lru",
         top_k: int | None = None,
         expert_prefetch: bool = False,
+        routing_bias: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -82,6 +83,7 @@ class FlashBackend(MLXBackend):
         self.auto_split = auto_split
         self.expert_policy, self.top_k = expert_policy, top_k  # MoE: cache policy; top_k < the model's is lossy
         self.expert_prefetch = expert_prefetch  # MoE: exact next-layer guess-and-read (moe.py)
+        self.routing_bias = routing_bias  # MoE: > 0 is lossy cache-aware routing (moe.py)
         self.expert_stream: Any = None
         self.manifest: Manifest | None = None
         self.reader: UnitReader | None = None
@@ -129,7 +131,8 @@ class FlashBackend(MLXBackend):
             stream, experts = None, None
             if has_experts(man):  # MoE: only the routed experts are read (moe.py)
                 experts = load_experts(obj, man, reader, plan, self.memory_budget, self.expert_policy, self.top_k,
-                                       verify=not verify_now, prefetch_next=self.expert_prefetch)  # fmt: skip
+                                       verify=not verify_now, prefetch_next=self.expert_prefetch,
+                                       routing_bias=self.routing_bias)  # fmt: skip
             else:
                 stream = LayerStream(man, reader, depth=self.prefetch, verify=not verify_now)
                 attach(obj, stream)

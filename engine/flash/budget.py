@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..base import BudgetError
+from .dense import max_piece_bytes
 from .split import Manifest, dtype_size
 
 MIN_CONTEXT = 256  # below this the model is useless for the agent
@@ -74,9 +75,9 @@ def plan_budget(
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     pinned = pinned_resident_bytes(man, float_bytes)
-    unit = man.max_unit_bytes
+    unit = max_piece_bytes(man) if man.dense_units() else man.max_unit_bytes  # dense: one projection at a time
     buffers = n_buffers * unit
-    in_flight = unit  # the layer being computed (its predecessor's arrays are freed, then recycled)
+    in_flight = unit  # the piece being computed (its predecessor's arrays are freed, then recycled)
     activations = prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
     kv_per_token = layers * 2 * kv_heads * head_dim * float_bytes
     plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length)

@@ -1,10 +1,13 @@
-"""Dense FFN streaming: each layer's FFN read from the split while the previous layer computes.
+"""Dense FFN streaming: each FFN projection read from the split while the previous one computes.
 
-What it knows: the order layers run in (0..N-1, then 0 again for the next token), the double
-buffering that overlaps the next unit's read with the current layer's compute, turning a unit's
-bytes into MLX arrays, and the FFN math of mlx-lm's llama-family MLP (SwiGLU over three quantized
-linears) written with `mx.quantized_matmul` on those arrays — nothing is assigned into the
-nn.Module tree. Attention, norms and embeddings stay the model's own modules with pinned weights.
+What it knows: the order the FFN weights are needed in — layer 0..N-1, and inside a layer its
+pieces (gate, up, then down: one projection's tensors each, when the unit stores them in that
+order; the whole unit otherwise) — the read-ahead that overlaps the next piece's read with the
+current piece's compute, turning a piece's bytes into MLX arrays, and the FFN math of mlx-lm's
+llama-family MLP (SwiGLU over three quantized linears) written with `mx.quantized_matmul` on those
+arrays — nothing is assigned into the nn.Module tree. Attention, norms and embeddings stay the
+model's own modules with pinned weights. Streaming a projection at a time instead of a whole FFN
+cuts what is resident for streaming from two FFNs to two projections (llama-8b: 220 -> 73 MB).
 
 What it does not know: where the bytes come from (reader.py) or memory budgets (budget.py).
 """
@@ -12,54 +15,112 @@ What it does not know: where the bytes come from (reader.py) or memory budgets (
 from __future__ import annotations
 
 import threading
+import zlib
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .reader import AlignedBuffer, UnitReader
-from .split import Manifest, Unit, check_unit
+from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor
 
 _NP = {"U32": np.uint32, "U8": np.uint8, "F16": np.float16, "F32": np.float32, "BF16": np.uint16, "I32": np.int32}
+ORDER = ("gate_proj", "up_proj", "down_proj")  # the order the FFN needs its weights in
 
 
-def unit_arrays(unit: Unit, data: memoryview) -> dict[str, Any]:
-    """Copy a unit's bytes out of the (reused) buffer into MLX arrays, one per tensor."""
+def tensor_arrays(tensors: list[UnitTensor], raw: np.ndarray, base: int = 0) -> dict[str, Any]:
+    """Copy tensors out of the (reused) buffer into MLX arrays; `raw[t.offset - base]` is a tensor's first byte."""
     import mlx.core as mx
 
-    raw = np.frombuffer(data, dtype=np.uint8, count=unit.length)
     out = {}
-    for t in unit.tensors:
-        arr = raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
+    for t in tensors:
+        arr = raw[t.offset - base : t.offset - base + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
         a = mx.array(arr)
         out[t.name] = a.view(mx.bfloat16) if t.dtype == "BF16" else a
     return out
 
 
+@dataclass
+class Piece:
+    """A byte range of a dense unit holding whole projections; the pieces of a unit tile it exactly."""
+
+    unit: Unit
+    index: int  # inside the unit
+    last: bool
+    start: int  # from the unit's start
+    end: int
+    tensors: list[UnitTensor]
+
+    @property
+    def projections(self) -> list[str]:
+        names = {t.name.split(".")[0] for t in self.tensors}
+        return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else -1)
+
+    @property
+    def read_start(self) -> int:  # O_DIRECT reads start and end on ALIGN boundaries (units start on one)
+        return self.start // ALIGN * ALIGN
+
+    @property
+    def read_length(self) -> int:
+        return -(-(self.end - self.read_start) // ALIGN) * ALIGN
+
+
+def unit_pieces(unit: Unit) -> list[Piece]:
+    """One piece per projection when the unit stores them gate, up, down (down last is what matters:
+    it needs both others' outputs); a single piece for any other layout."""
+    tensors = sorted(unit.tensors, key=lambda t: t.offset)
+    groups: list[list[UnitTensor]] = []
+    for t in tensors:
+        proj = t.name.split(".")[0]
+        if groups and groups[-1][0].name.split(".")[0] == proj:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    names = [g[0].name.split(".")[0] for g in groups]
+    if len(set(names)) != len(names) or set(names) != set(ORDER) or names[-1] != "down_proj":
+        groups = [tensors]
+    starts = [0] + [g[0].offset for g in groups[1:]]
+    ends = starts[1:] + [unit.length]
+    return [Piece(unit, k, k == len(groups) - 1, s, e, g) for k, (s, e, g) in enumerate(zip(starts, ends, groups, strict=True))]
+
+
+def max_piece_bytes(man: Manifest) -> int:
+    """The largest read (with its alignment) the dense stream makes: what one buffer must hold."""
+    return max((p.read_length for u in man.dense_units() for p in unit_pieces(u)), default=0)
+
+
 class LayerStream:
-    """Hands out layer i's FFN arrays, keeping the next `depth` layers' reads in flight."""
+    """Hands out the FFN pieces in the order they are computed, keeping the next `depth` reads in flight."""
 
     def __init__(self, man: Manifest, reader: UnitReader, depth: int = 2, verify: bool = False) -> None:
         self.man = man
         self.units = man.dense_units()
+        self.pieces = [p for u in self.units for p in unit_pieces(u)]
+        self.first = {}  # layer -> index of its first piece
+        for k, p in enumerate(self.pieces):
+            self.first.setdefault(p.unit.layer, k)
+        self.by_layer = [[p for p in self.pieces if p.unit.layer == u.layer] for u in self.units]
         self.reader = reader
         self.depth = max(1, depth)
-        self.buffers = [AlignedBuffer(man.max_unit_bytes) for _ in range(self.depth)]
+        size = max(p.read_length for p in self.pieces)
+        self.buffers = [AlignedBuffer(size) for _ in range(self.depth)]
         self.free = list(self.buffers)
         self.pending: dict[int, tuple[Future[float], AlignedBuffer]] = {}
-        self.verify_left = set(range(len(self.units))) if verify else set()
+        self.verify_left = {u.layer for u in self.units} if verify else set()
+        self.crc: dict[int, tuple[int, int]] = {}  # layer -> (next piece index, running CRC-32)
         self.lock = threading.Lock()
 
     @property
     def n_layers(self) -> int:
         return len(self.units)
 
-    def _submit(self, i: int) -> None:
-        if i in self.pending or not self.free:
+    def _submit(self, k: int) -> None:
+        if k in self.pending or not self.free:
             return
         buf = self.free.pop()
-        u = self.units[i]
-        self.pending[i] = (self.reader.read(buf, u.offset, u.length), buf)
+        p = self.pieces[k]
+        self.pending[k] = (self.reader.read(buf, p.unit.offset + p.read_start, p.read_length), buf)
 
     def _drain(self) -> None:
         for fut, buf in self.pending.values():
@@ -67,22 +128,47 @@ class LayerStream:
             self.free.append(buf)
         self.pending.clear()
 
-    def get(self, i: int) -> dict[str, Any]:
-        if i not in self.pending:
+    def _verify(self, p: Piece, data: memoryview) -> None:
+        """Running CRC over a unit's pieces in order; checked against the unit's at its last piece."""
+        layer = p.unit.layer
+        index, crc = self.crc.get(layer, (0, 0))
+        if index != p.index:  # an aborted forward skipped pieces: check this unit on a later pass
+            self.crc.pop(layer, None)
+            if p.index:
+                return
+            index, crc = 0, 0
+        crc = zlib.crc32(data, crc)
+        if not p.last:
+            self.crc[layer] = (index + 1, crc)
+            return
+        self.crc.pop(layer, None)
+        if crc != p.unit.crc32:
+            raise SplitError(f"the split at {self.man.root} is damaged: unit {p.unit.key} (offset {p.unit.offset}) "
+                             "fails its checksum; run `flashcode split MODEL` again")  # fmt: skip
+        self.verify_left.discard(layer)
+
+    def pieces_of(self, layer: int) -> list[Piece]:
+        return self.by_layer[layer]
+
+    def get(self, layer: int, index: int) -> dict[str, Any]:
+        """The arrays of piece `index` of `layer`'s FFN; starts the reads of the pieces after it."""
+        k = self.first[layer] + index
+        if k not in self.pending:
             if not self.free:  # out of order (an aborted forward): drop the stale prefetches
                 self._drain()
-            self._submit(i)
-        fut, buf = self.pending.pop(i)
+            self._submit(k)
+        fut, buf = self.pending.pop(k)
+        p = self.pieces[k]
         try:
             fut.result()
-            if i in self.verify_left:
-                check_unit(self.man, self.units[i], buf.view)
-                self.verify_left.discard(i)
-            arrays = unit_arrays(self.units[i], buf.view)
+            raw = np.frombuffer(buf.view, dtype=np.uint8, count=p.read_length)
+            if layer in self.verify_left:
+                self._verify(p, buf.view[p.start - p.read_start : p.end - p.read_start])
+            arrays = tensor_arrays(p.tensors, raw, p.read_start)
         finally:
             self.free.append(buf)
-        for k in range(1, self.depth + 1):  # the next layers (wrapping into the next token)
-            self._submit((i + k) % self.n_layers)
+        for d in range(1, self.depth + 1):  # the next pieces (wrapping into the next token)
+            self._submit((k + d) % len(self.pieces))
         return arrays
 
     def close(self) -> None:
@@ -97,7 +183,7 @@ class StreamedFFN:
     def __init__(self, stream: LayerStream, layer: int) -> None:
         self.stream = stream
         self.layer = layer
-        self.q = {p: stream.man.quant_for(layer, p) for p in ("gate_proj", "up_proj", "down_proj")}
+        self.q = {p: stream.man.quant_for(layer, p) for p in ORDER}
 
     def _linear(self, x: Any, w: dict[str, Any], proj: str) -> Any:
         import mlx.core as mx
@@ -113,10 +199,17 @@ class StreamedFFN:
         import mlx.core as mx
         from mlx_lm.models.activations import swiglu
 
-        w = self.stream.get(self.layer)
-        y = self._linear(swiglu(self._linear(x, w, "gate_proj"), self._linear(x, w, "up_proj")), w, "down_proj")
-        mx.eval(y)  # compute now, so this layer's weights are released before the next one lands
-        return y
+        out: dict[str, Any] = {}
+        for piece in self.stream.pieces_of(self.layer):
+            w = self.stream.get(self.layer, piece.index)
+            for proj in piece.projections:
+                if proj == "down_proj":
+                    out[proj] = self._linear(swiglu(out.pop("gate_proj"), out.pop("up_proj")), w, proj)
+                else:
+                    out[proj] = self._linear(x, w, proj)
+            mx.eval(list(out.values()))  # compute now, so this piece's weights are released before the next lands
+            del w
+        return out["down_proj"]
 
 
 def attach(model: Any, stream: LayerStream) -> None:

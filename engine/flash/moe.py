@@ -197,12 +197,12 @@ class ExpertStream:
 class StreamedSwitchGLU:
     """Drop-in for mlx-lm's `SwitchGLU` (`switch_mlp`): the same math on the layer's expert bank."""
 
-    def __init__(self, stream: ExpertStream, index: int) -> None:
+    def __init__(self, stream: ExpertStream, index: int, block_name: str = "mlp") -> None:
         self.stream = stream
         self.index = index
         layer = stream.layers[index]
         q = stream.man.quant
-        self.q = {p: q.get(f"model.layers.{layer}.mlp.switch_mlp.{p}") or q["default"] for p in PROJS}
+        self.q = {p: q.get(f"model.layers.{layer}.{block_name}.switch_mlp.{p}") or q["default"] for p in PROJS}
         self.next_gate: Any = None  # the next MoE block's router, when next-layer prefetch is on
 
     def _proj(self, x: Any, idx: Any, p: str, sort: bool) -> Any:
@@ -264,41 +264,78 @@ class StreamedSwitchGLU:
         return out
 
 
+class CacheAwareRouter:
+    """Opt-in, lossy: wraps a MoE block's router (`block.gate`) and adds `bias` to the logits of the
+    experts resident in the layer's bank, before the block's own softmax and top-k. A near-tie then
+    goes to an expert already in memory; a clear winner still wins. Generic over every block that
+    computes `self.gate(x)` (qwen3_moe, qwen3_next, mixtral, olmoe)."""
+
+    def __init__(self, gate: Any, stream: ExpertStream, index: int, bias: float) -> None:
+        self.gate, self.stream, self.index, self.bias = gate, stream, index, float(bias)
+
+    def __call__(self, x: Any) -> Any:
+        import mlx.core as mx
+
+        logits = self.gate(x)
+        mask = np.zeros(self.stream.n_experts, dtype=np.float32)
+        mask[list(self.stream.cache.layers[self.index].slot)] = self.bias
+        return logits + mx.array(mask).astype(logits.dtype)
+
+
+BLOCK_NAMES = ("mlp", "block_sparse_moe")  # where mlx-lm's MoE models keep the block (mixtral: the latter)
+TOP_K_NAMES = ("top_k", "num_experts_per_tok")  # what they call its top-k (mixtral: the latter)
+
+
+def _block_name(layer: Any) -> str | None:
+    return next((n for n in BLOCK_NAMES if hasattr(getattr(layer, n, None), "switch_mlp")), None)
+
+
 def moe_blocks(model: Any) -> list[tuple[int, Any]]:
-    """(layer number, MoE block) for every block whose `mlp` holds a SwitchGLU-style `switch_mlp`."""
-    return [
-        (i, layer.mlp)
-        for i, layer in enumerate(model.layers)
-        if hasattr(getattr(layer, "mlp", None), "switch_mlp")
-    ]
+    """(layer number, MoE block) for every block (`mlp` or `block_sparse_moe`) holding a SwitchGLU `switch_mlp`."""
+    return [(i, getattr(layer, name)) for i, layer in enumerate(model.layers) if (name := _block_name(layer))]
+
+
+def block_top_k(block: Any) -> int | None:
+    return next((int(getattr(block, n)) for n in TOP_K_NAMES if hasattr(block, n)), None)
+
+
+def set_block_top_k(block: Any, k: int) -> None:
+    name = next((n for n in TOP_K_NAMES if hasattr(block, n)), None)
+    if name is None:
+        raise ValueError(f"{type(block).__name__} has no top_k to lower")
+    setattr(block, name, min(k, int(getattr(block, name))))
 
 
 def attach_moe(
-    model: Any, stream: ExpertStream, top_k: int | None = None, prefetch_next: bool = False
+    model: Any, stream: ExpertStream, top_k: int | None = None, prefetch_next: bool = False, routing_bias: float = 0.0
 ) -> None:
     """Replace each MoE block's `switch_mlp` with a StreamedSwitchGLU (placeholders leave the tree unevaluated)."""
+    import mlx.nn as nn
+
     blocks = moe_blocks(model)
     if [i for i, _ in blocks] != stream.layers:
         raise ValueError(
             f"the split's MoE layers {stream.layers[:4]}... do not match the model's {[i for i, _ in blocks][:4]}..."
         )
-    for index, (_, block) in enumerate(blocks):
+    for index, (i, block) in enumerate(blocks):
         if "switch_mlp" in block:
             del block["switch_mlp"]
-        block.switch_mlp = StreamedSwitchGLU(stream, index)
+        block.switch_mlp = StreamedSwitchGLU(stream, index, _block_name(model.layers[i]) or "mlp")
         if top_k is not None:  # opt-in, lossy: fewer active experts per token
-            if not hasattr(block, "top_k"):
-                raise ValueError(f"{type(block).__name__} has no top_k to lower")
-            block.top_k = min(top_k, block.top_k)
+            set_block_top_k(block, top_k)
+        if routing_bias:  # opt-in, lossy: cache-aware routing (the router module stays in the parameter tree)
+            if not isinstance(getattr(block, "gate", None), nn.Module):
+                raise ValueError(f"{type(block).__name__} has no router `gate` to bias")
+            object.__setattr__(block, "gate", CacheAwareRouter(block["gate"], stream, index, routing_bias))
     if prefetch_next and len(blocks) > 1:  # opt-in: layer i guesses layer i+1's experts with i+1's router
         for index in range(len(blocks) - 1):
             blocks[index][1].switch_mlp.next_gate = blocks[index + 1][1].gate
-        stream.enable_prefetch(int(getattr(blocks[0][1], "top_k", 8)))
+        stream.enable_prefetch(block_top_k(blocks[0][1]) or 8)
 
 
 def top_k_of(model: Any) -> int:
     blocks = moe_blocks(model)
-    return int(getattr(blocks[0][1], "top_k", 8)) if blocks else 0
+    return (block_top_k(blocks[0][1]) or 8) if blocks else 0
 
 
 def has_experts(man: Manifest) -> bool:
@@ -306,7 +343,8 @@ def has_experts(man: Manifest) -> bool:
 
 
 def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
-                 top_k: int | None = None, verify: bool = False, prefetch_next: bool = False) -> ExpertStream:  # fmt: skip
+                 top_k: int | None = None, verify: bool = False, prefetch_next: bool = False,
+                 routing_bias: float = 0.0) -> ExpertStream:  # fmt: skip
     """Size the expert cache from what the budget leaves (after pinned weights, buffers and a KV cache of
     up to 4096 tokens, else 256), build the banks and attach the streamed layers. Sets `plan.context`."""
     from .budget import MIN_CONTEXT
@@ -316,6 +354,8 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
     unit = max(u.padded for us in units.values() for u in us)
     k = top_k_of(model) if top_k is None else min(top_k, top_k_of(model))
     max_misses = 2 * k
+    if routing_bias < 0:
+        raise ValueError(f"routing_bias must be >= 0 (a logit bonus for cached experts), not {routing_bias}")
     if budget is None:
         cache = ExpertCache(n_layers, n_experts, unit, policy)  # no budget: every expert may stay, as in RAM
     else:
@@ -329,7 +369,7 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
         cache = ExpertCache.for_budget(left, n_layers, n_experts, unit, min_slots=k, policy=policy)
         plan.context = ctx
     stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
-    attach_moe(model, stream, top_k, prefetch_next)
+    attach_moe(model, stream, top_k, prefetch_next, routing_bias)
     return stream
 
 

@@ -8,8 +8,6 @@ fault. What it does not know: what the bytes mean (dense.py) or which unit comes
 
 from __future__ import annotations
 
-from typing import Any
-
 import logging
 import mmap
 import os
@@ -19,6 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .split import ALIGN
 

@@ -1,12 +1,14 @@
 """`flashcode split`: an MLX model directory -> a streamable layout, and that layout read back.
 
 What it knows: which tensors are streamed units (a dense layer's FFN: `model.layers.N.mlp.*`; one
-expert of a MoE layer: `model.layers.N.mlp.switch_mlp.*[e]`) and which are pinned (everything
+expert of a MoE layer: `model.layers.N.{mlp,block_sparse_moe}.switch_mlp.*[e]`, mlx-lm's SwitchGLU
+in qwen3_moe / qwen3_next / olmoe and mixtral) and which are pinned (everything
 else); the on-disk layout:
 
     split/manifest.json            units, their offsets, tensor layout, quantization, checksums
     split/model-pinned.safetensors the pinned tensors (an mlx-lm model dir minus the streamed ones)
-    split/units.bin                every unit as one contiguous block, each aligned to 16 KiB
+    split/units.bin                every unit as one contiguous block, each aligned to 16 KiB; a
+                                   dense unit holds gate, up, down in that order (streamed in turn)
     split/config.json, tokenizer*  copied, so the split directory is self-describing
 
 What it does not know: how units are read (reader.py) or computed (dense.py).
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 ALIGN = 16 << 10  # one unit = one aligned read; 16 KiB covers 4K-sector O_DIRECT and Apple SSD pages
 MANIFEST_VERSION = 1
 _DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 
 
 class SplitError(ModelLoadError):
@@ -123,7 +125,9 @@ def plan_units(refs: dict[str, TensorRef]) -> tuple[list[tuple[str, str, int, in
             for e in range(n_exp):
                 experts.setdefault((int(m[1]), e), []).append((f"{m[2]}.{m[3]}", ref, e * per, per))
             streamed.add(name)
-    plan = [(f"layers.{i}.mlp", "dense_ffn", i, None, dense[i]) for i in sorted(dense)]
+    order = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}  # the order the FFN needs them: read one at a time
+    plan = [(f"layers.{i}.mlp", "dense_ffn", i, None, sorted(dense[i], key=lambda p: (order[p[0].split(".")[0]], p[0])))
+            for i in sorted(dense)]  # fmt: skip
     plan += [(f"layers.{i}.expert.{e}", "expert", i, e, experts[(i, e)]) for (i, e) in sorted(experts)]
     return plan, streamed
 

@@ -1,0 +1,152 @@
+"""The expert sniper on every SwitchGLU family it claims, and its opt-in cache-aware routing.
+
+Each architecture is a tiny random model built from mlx-lm's own classes, quantized to 4 bits,
+saved as an mlx-lm directory and split; the streamed model (a bank smaller than the experts, so
+experts are read and evicted) must give mlx-lm's in-RAM logits and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.flash.experts import ExpertCache
+
+PROMPT = [[1, 5, 300, 77, 400, 5, 12, 44, 100, 3] * 4]  # 40 tokens: the sorted gather path
+COMMON = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}  # fmt: skip
+CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "olmoe": {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16},
+    "qwen3_next": {
+        "intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "shared_expert_intermediate_size": 64, "head_dim": 16,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 4096, "full_attention_interval": 2, "norm_topk_prob": True,
+    },
+}  # fmt: skip
+
+
+def make_model(arch: str, out: Path) -> Path:
+    """A random 4-bit mlx-lm model directory of `arch` (router included in the quantization where it fits)."""
+    import importlib
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    mx.random.seed(7)
+    config = {"model_type": arch, **COMMON, **CONFIGS[arch]}
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # random weights at a useful scale (the default init of a 64-wide model is fine), then 4-bit
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith("gate"))
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[Any, Any]:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.backend import cast_pinned
+    from engine.flash.moe import ExpertStream, attach_moe, expert_units
+    from engine.flash.reader import UnitReader
+    from engine.flash.split import load_manifest
+
+    man = load_manifest(model_dir / "split")
+    obj, _ = load_model(model_dir / "split", lazy=True, strict=False)
+    unit = max(u.padded for u in man.units)
+    cache = ExpertCache.for_budget(slots * unit * len(expert_units(man)), len(expert_units(man)), 8, unit, min_slots=2)
+    stream = ExpertStream(man, UnitReader(man.units_path), cache, verify=True, record=True)
+    attach_moe(obj, stream, routing_bias=routing_bias)
+    cast_pinned(obj)
+    mx.eval(obj.parameters())
+    return obj, stream
+
+
+def greedy(model: Any, n: int = 6) -> tuple[list[int], Any]:
+    from tests.test_flash_moe import greedy as greedy_on
+
+    return greedy_on(model, n, PROMPT)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_streamed_experts_match_mlx_lm_for(arch: str, tmp_path: Path, model_home: Path) -> None:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.split import load_manifest, split_model
+
+    model_dir = make_model(arch, tmp_path / arch)
+    split_model(model_dir, progress=False)
+    man = load_manifest(model_dir / "split")
+    assert sum(u.kind == "expert" for u in man.units) == 4 * 8  # every layer's 8 experts are units
+    assert not any("switch_mlp" in n for n in man.pinned_tensors)
+    ref, _ = load_model(model_dir)
+    ref.set_dtype(mx.float32)
+    model, stream = streamed(model_dir, slots=3)  # 3 of 8 experts per layer: reads and evictions
+    assert mx.abs(ref(mx.array(PROMPT)) - model(mx.array(PROMPT))).max().item() <= 1e-4
+    toks_ref, logits_ref = greedy(ref)
+    toks, logits = greedy(model)
+    assert toks == toks_ref
+    assert mx.abs(logits - logits_ref).max().item() <= 1e-4
+    assert stream.stats.experts_read > 3 * 4 and stream.cache.used_bytes <= stream.cache.capacity_bytes
+
+
+def decode_hit_rate(model: Any, stream: Any, n: int) -> tuple[float, list[int]]:
+    """Prefill PROMPT, then the hit rate over `n` greedy decode steps only."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = model(mx.array(PROMPT), cache=cache)[:, -1]
+    h0, m0 = sum(s.hits for s in stream.cache.stats), sum(s.misses for s in stream.cache.stats)
+    toks = []
+    for _ in range(n):
+        t = mx.argmax(y, -1)
+        toks.append(t.item())
+        y = model(t[:, None], cache=cache)[:, -1]
+    hits = sum(s.hits for s in stream.cache.stats) - h0
+    misses = sum(s.misses for s in stream.cache.stats) - m0
+    return hits / (hits + misses), toks
+
+
+def test_cache_aware_routing_is_opt_in_lossy_and_raises_the_hit_rate(tmp_path: Path, model_home: Path) -> None:
+    """A logit bonus for resident experts: more hits, fewer reads; the answer may change, so it is off by default."""
+    from engine.flash.moe import CacheAwareRouter, moe_blocks
+    from engine.flash.split import split_model
+
+    model_dir = make_model("olmoe", tmp_path / "olmoe")
+    split_model(model_dir, progress=False)
+    rates = {}
+    for bias in (0.0, 2.0, 1e4):
+        model, stream = streamed(model_dir, slots=3, routing_bias=bias)
+        rates[bias], _ = decode_hit_rate(model, stream, 12)
+    assert rates[2.0] > rates[0.0], rates
+    assert rates[1e4] == 1.0  # a huge bonus keeps every top-k inside the resident set: no reads at all
+    plain, _ = streamed(model_dir, slots=3)
+    assert not any(isinstance(b.gate, CacheAwareRouter) for _, b in moe_blocks(plain))  # off unless asked
+
+
+def test_routing_bias_must_not_be_negative(tmp_path: Path, model_home: Path) -> None:
+    from engine.flash.budget import plan_budget
+    from engine.flash.moe import load_experts
+    from engine.flash.reader import UnitReader
+    from engine.flash.split import load_manifest, split_model
+
+    model_dir = make_model("olmoe", tmp_path / "olmoe")
+    split_model(model_dir, progress=False)
+    man = load_manifest(model_dir / "split")
+    from mlx_lm.utils import load_model
+
+    obj, _ = load_model(model_dir / "split", lazy=True, strict=False)
+    with pytest.raises(ValueError, match="routing_bias must be >= 0"):
+        load_experts(obj, man, UnitReader(man.units_path), plan_budget(man, None, 1, 256, 128), None, routing_bias=-1.0)
