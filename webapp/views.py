@@ -114,6 +114,9 @@ class Views:
     def gauge(self, used: int) -> str:
         return str(self.ui.gauge(used, self.state.engine.context_length, oob=True))
 
+    def engine_meter(self, meter: dict[str, Any] | None) -> str:
+        return str(self.ui.engine_meter(meter, oob=True))
+
     def conversation_list(self, current_id: str | None, oob: bool = True) -> str:
         conversations = self.state.db.list_conversations()
         count = str(self.ui.conversation_count(len(conversations), oob=True))

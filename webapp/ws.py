@@ -32,6 +32,7 @@ from .state import AppState
 
 log = logging.getLogger(__name__)
 SAVE_PARTIAL_SECONDS = 1.0  # how often a growing reply is written to SQLite (crash safety)
+METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
 TITLE_CHARS = 48
 
 
@@ -168,7 +169,7 @@ class Session:
         except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
             self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
         self.send(self.state.views.model_picker(), self.state.views.controls(generating=False),
-                  self.state.views.gauge(0))  # fmt: skip
+                  self.state.views.gauge(0), self.state.views.engine_meter(None))  # fmt: skip
 
     def _answer(self, msg: p.Answer) -> None:
         fut = self.dialogs.pop(msg.dialog_id, None)
@@ -225,6 +226,7 @@ class Session:
         self.send(*first, views.append_message(reply), views.controls(generating=True),
                   views.conversation_list(conversation_id))  # fmt: skip
         done: Done | None = None
+        meter = asyncio.create_task(self._meter(stream))
         try:
             async for event in gen:
                 if isinstance(event, TextDelta):
@@ -232,12 +234,34 @@ class Session:
                 elif isinstance(event, Done):
                     done = event
         finally:
+            meter.cancel()
             self.cancel = None
             stream.close()
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
                 db.finish_message(reply.id, stream.text, "stopped")
         self._finish(conversation_id, reply, stream, done, history)
+
+    async def _meter(self, stream: TokenBatcher) -> None:
+        """While a reply is written, send the engine's live numbers (flash: disk rate, MB per token, expert
+        hits, memory) every METER_SECONDS — through prefill too, when no token arrives for a long time.
+        `live_stats()` reads counters only (no MLX), so it is safe off the worker's thread."""
+        live = getattr(self.state.engine.worker.backend, "live_stats", None)
+        if live is None:
+            return
+        start = live().get("bytes_read", 0)
+        while True:
+            await asyncio.sleep(METER_SECONDS)
+            try:
+                now = live()
+            except Exception:  # noqa: BLE001 - a meter must never break a reply (e.g. the model was closed)
+                return
+            read = now.get("bytes_read", 0) - start
+            self.send(self.state.views.engine_meter({
+                "bytes_per_s": now.get("bytes_per_s", 0.0), "rss_bytes": now.get("rss_bytes", 0),
+                "memory_budget": now.get("memory_budget"), "hit_rate": now.get("hit_rate"),
+                "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,
+            }))  # fmt: skip
 
     def _finish(self, conversation_id: str, reply: StoredMessage, stream: TokenBatcher, done: Done,
                 history: list[Message]) -> None:  # fmt: skip

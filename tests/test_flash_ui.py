@@ -1,0 +1,59 @@
+"""The flash engine in the web app: live disk rate, MB per token and memory while a reply is written.
+
+Real parts: the default model, split and streamed by FlashBackend under a memory budget, on the
+engine worker, behind the real app and websocket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.worker import Worker
+from tests.test_ws import BASE, connect, send, until
+from webapp import ws as ws_module
+from webapp.app import create_app
+from webapp.settings import Settings
+
+
+@pytest.fixture
+def flash_client(default_model, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                 monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:  # fmt: skip
+    from engine.flash.backend import FlashBackend
+    from engine.flash.split import split_model
+
+    split = split_model(default_model.path, tmp_path_factory.mktemp("flash-ui") / "split", progress=False)
+    model = dataclasses.replace(default_model, split_path=split)
+
+    def load() -> FlashBackend:
+        b = FlashBackend(memory_budget=300_000_000)
+        b.load(model)
+        return b
+
+    monkeypatch.setattr(ws_module, "METER_SECONDS", 0.2)
+    worker = Worker(load)
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    with TestClient(app, base_url=BASE) as c:
+        yield c
+    worker.close()
+
+
+def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -> None:
+    page = flash_client.get("/").text
+    assert re.search(r'id="engine-meter" class="engine-meter" hidden', page)  # nothing to show before a reply
+    with connect(flash_client) as ws:
+        send(ws, type="send", text="Write three sentences about the sea.", conversation_id="",
+             max_tokens=48, temperature=0)  # fmt: skip
+        frames = until(ws, r'data-state="idle"', limit=2000)
+    meters = [f for f in frames if 'id="engine-meter"' in f]
+    assert meters, "the meter is sent while the reply streams"
+    last = meters[-1]
+    assert re.search(r"Disk \d+\.\d\d GB/s", last) and re.search(r"Mem \d+\.\d\d / 0\.30 GB", last)
+    assert re.search(r"\d+ MB/token", "".join(meters))  # once tokens arrived: bytes read per token
+    footer = "".join(frames)
+    assert re.search(r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer)  # the finished reply keeps the number
