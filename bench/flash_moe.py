@@ -67,6 +67,7 @@ def child_main(args: argparse.Namespace) -> None:
         expert_policy=args.policy,
         top_k=args.top_k or None,
         expert_prefetch=args.prefetch_next,
+        routing_bias=args.bias,
     )
     t0 = time.perf_counter()
     backend.load(ModelInfo(path.name, path, "qwen3_moe", 0, split_path=path / "split"))
@@ -125,10 +126,12 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 def run_flash(
-    model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int, prefetch_next: bool = False
+    model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int, prefetch_next: bool = False,
+    bias: float = 0.0,
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
-           "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, *(["--prefetch-next"] if prefetch_next else [])]  # fmt: skip
+           "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, "--bias", str(bias),
+           *(["--prefetch-next"] if prefetch_next else [])]  # fmt: skip
     cg = MemoryCgroup("flashcode-moe", cap)
     t0 = time.perf_counter()
     try:
@@ -217,6 +220,7 @@ def bench_one(
     timeout: float,
     compute_tps: float | None = None,
     prefetch_next: bool = False,
+    biases: tuple[float, ...] = (),
 ) -> dict[str, Any]:
     from engine.flash.split import load_manifest
 
@@ -241,6 +245,19 @@ def bench_one(
     elif "ram" not in skip:
         res["ram"] = run_child("ram", model, tokens, None, timeout, prompt=PROMPT)
         log(f"  ram: {res['ram']['status']} {res['ram'].get('decode_tps', 0):.3f} tok/s")
+    exact = res["flash"].get("tokens") or []
+    for b in biases:  # opt-in, lossy: cache-aware routing at the same cap; its quality = agreement with exact
+        drop_page_cache()
+        r = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, bias=b)
+        toks = r.get("tokens") or []
+        agree = next((i for i, (a, c) in enumerate(zip(toks, exact, strict=False)) if a != c), min(len(toks), len(exact)))
+        res.setdefault("routing_bias", {})[str(b)] = {
+            "status": r["status"], "decode_tps": r.get("decode_tps"), "decode_hit_rate": r.get("decode_hit_rate"),
+            "decode_bytes_per_token": r.get("decode_bytes_per_token"), "ttft_s": r.get("ttft_s"),
+            "same_tokens_as_exact": toks == exact, "tokens_before_divergence": agree, "tokens": toks,
+        }  # fmt: skip
+        log(f"  routing bias {b}: {r['status']} {r.get('decode_tps') or 0:.3f} tok/s, hit {r.get('decode_hit_rate')}, "
+            f"{agree}/{len(exact)} tokens as exact")  # fmt: skip
     if "llama" not in skip and (model / "model.gguf").exists():
         drop_page_cache()
         res["llama"] = run_llama(model / "model.gguf", tokens, cap, timeout, threads=2)
@@ -286,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--top-k", type=int, default=0, help="opt-in, lossy: fewer active experts (0 = the model's)"
     )
+    ap.add_argument("--routing-bias", default="", help="opt-in, lossy: extra flash runs at these cache-aware "
+                    "routing biases, e.g. 1,4 (compared with the exact run)")
+    ap.add_argument("--bias", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--skip", action="append", default=[], choices=["ram", "llama"])
     ap.add_argument("--work", default=None, help="where models are made (default $FLASHCODE_HOME/synth)")
     ap.add_argument("--keep", action="store_true", help="keep the models (default: delete them after)")
@@ -317,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         log(f"{routing} routing ({model.name}) under {args.memory_cap / 1e9:.2f} GB ...")
         results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
-                                             set(args.skip), args.timeout, args.compute_ceiling, args.prefetch_next)  # fmt: skip
+                                             set(args.skip), args.timeout, args.compute_ceiling, args.prefetch_next,
+                                             tuple(float(b) for b in args.routing_bias.split(",") if b))  # fmt: skip
         if not args.keep:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))

@@ -13,14 +13,17 @@ from typing import Any
 
 import pytest
 
-from engine.flash.experts import ExpertCache
-
 PROMPT = [[1, 5, 300, 77, 400, 5, 12, 44, 100, 3] * 4]  # 40 tokens: the sorted gather path
 COMMON = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}  # fmt: skip
 CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
     "olmoe": {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16},
+    "qwen3_moe": {  # layer 1 is a dense MLP (`mlp_only_layers`): streamed as FFN pieces beside the experts
+        "intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], "head_dim": 16, "max_position_embeddings": 4096,
+        "norm_topk_prob": True,
+    },
     "qwen3_next": {
         "intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "shared_expert_intermediate_size": 64, "head_dim": 16,
@@ -53,23 +56,29 @@ def make_model(arch: str, out: Path) -> Path:
 
 
 def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[Any, Any]:
+    """The split model as FlashBackend builds it (`stream_model`), with `slots` experts per layer's bank."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from engine.flash.backend import cast_pinned
-    from engine.flash.moe import ExpertStream, attach_moe, expert_units
+    from engine.flash.backend import cast_pinned, stream_model
+    from engine.flash.budget import plan_budget
+    from engine.flash.moe import expert_units
     from engine.flash.reader import UnitReader
     from engine.flash.split import load_manifest
 
     man = load_manifest(model_dir / "split")
     obj, _ = load_model(model_dir / "split", lazy=True, strict=False)
-    unit = max(u.padded for u in man.units)
-    cache = ExpertCache.for_budget(slots * unit * len(expert_units(man)), len(expert_units(man)), 8, unit, min_slots=2)
-    stream = ExpertStream(man, UnitReader(man.units_path), cache, verify=True, record=True)
-    attach_moe(obj, stream, routing_bias=routing_bias)
+    plan = plan_budget(man, None, 2, 256, 128)
+    unit = max(u.padded for u in man.units if u.kind == "expert")
+    layers = len(expert_units(man))
+    staging = 2 * 2 * unit + (0 if man.dense_units() else -plan.buffers)  # load_experts' staging for top-2
+    budget = plan.fixed + 256 * plan.kv_per_token + max(0, staging) + slots * layers * unit
+    _, experts = stream_model(obj, man, UnitReader(man.units_path), plan, budget, verify=True, routing_bias=routing_bias)
+    assert experts.cache.slots == slots
+    experts.record = True
     cast_pinned(obj)
     mx.eval(obj.parameters())
-    return obj, stream
+    return obj, experts
 
 
 def greedy(model: Any, n: int = 6) -> tuple[list[int], Any]:
@@ -88,7 +97,9 @@ def test_streamed_experts_match_mlx_lm_for(arch: str, tmp_path: Path, model_home
     model_dir = make_model(arch, tmp_path / arch)
     split_model(model_dir, progress=False)
     man = load_manifest(model_dir / "split")
-    assert sum(u.kind == "expert" for u in man.units) == 4 * 8  # every layer's 8 experts are units
+    moe_layers = 4 - len(CONFIGS[arch].get("mlp_only_layers", []))
+    assert sum(u.kind == "expert" for u in man.units) == moe_layers * 8  # every MoE layer's 8 experts are units
+    assert len(man.dense_units()) == 4 - moe_layers
     assert not any("switch_mlp" in n for n in man.pinned_tensors)
     ref, _ = load_model(model_dir)
     ref.set_dtype(mx.float32)
@@ -98,7 +109,7 @@ def test_streamed_experts_match_mlx_lm_for(arch: str, tmp_path: Path, model_home
     toks, logits = greedy(model)
     assert toks == toks_ref
     assert mx.abs(logits - logits_ref).max().item() <= 1e-4
-    assert stream.stats.experts_read > 3 * 4 and stream.cache.used_bytes <= stream.cache.capacity_bytes
+    assert stream.stats.experts_read > 3 * moe_layers and stream.cache.used_bytes <= stream.cache.capacity_bytes
 
 
 def decode_hit_rate(model: Any, stream: Any, n: int) -> tuple[float, list[int]]:

@@ -59,6 +59,21 @@ def cast_pinned(model: Any) -> None:
     model.update(tree_unflatten(updates))
 
 
+def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan, budget: int | None, *,
+                 verify: bool = False, prefetch: int = 2, policy: str = "lru", top_k: int | None = None,
+                 expert_prefetch: bool = False, routing_bias: float = 0.0) -> tuple[LayerStream | None, Any]:  # fmt: skip
+    """Attach the streamed layers to a pinned-only model: MoE layers read their routed experts (moe.py),
+    dense layers — all of a dense model, a MoE model's `mlp_only_layers` — their FFN pieces (dense.py)."""
+    stream, experts = None, None
+    if has_experts(man):
+        experts = load_experts(model, man, reader, plan, budget, policy, top_k, verify=verify,
+                               prefetch_next=expert_prefetch, routing_bias=routing_bias)  # fmt: skip
+    if man.dense_units():
+        stream = LayerStream(man, reader, depth=prefetch, verify=verify)
+        attach(model, stream, set(experts.layers) if experts is not None else set())
+    return stream, experts
+
+
 class FlashBackend(MLXBackend):
     name = "flash"
 
@@ -128,14 +143,9 @@ class FlashBackend(MLXBackend):
             if verify_now:
                 self._verify_units(man, reader)
             obj, cfg = load_model(root, lazy=True, strict=False)
-            stream, experts = None, None
-            if has_experts(man):  # MoE: only the routed experts are read (moe.py)
-                experts = load_experts(obj, man, reader, plan, self.memory_budget, self.expert_policy, self.top_k,
-                                       verify=not verify_now, prefetch_next=self.expert_prefetch,
-                                       routing_bias=self.routing_bias)  # fmt: skip
-            else:
-                stream = LayerStream(man, reader, depth=self.prefetch, verify=not verify_now)
-                attach(obj, stream)
+            stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
+                                           prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
+                                           expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias)  # fmt: skip
         except SplitError:
             reader.close()
             raise

@@ -100,7 +100,7 @@ class LayerStream:
         self.first = {}  # layer -> index of its first piece
         for k, p in enumerate(self.pieces):
             self.first.setdefault(p.unit.layer, k)
-        self.by_layer = [[p for p in self.pieces if p.unit.layer == u.layer] for u in self.units]
+        self.by_layer = {u.layer: [p for p in self.pieces if p.unit.layer == u.layer] for u in self.units}
         self.reader = reader
         self.depth = max(1, depth)
         size = max(p.read_length for p in self.pieces)
@@ -212,12 +212,17 @@ class StreamedFFN:
         return out["down_proj"]
 
 
-def attach(model: Any, stream: LayerStream) -> None:
-    """Point every transformer block's `mlp` at a StreamedFFN (the pinned model has no FFN weights)."""
-    layers = model.layers
-    if len(layers) != stream.n_layers:
-        raise ValueError(f"the split has {stream.n_layers} FFN units but the model has {len(layers)} layers")
-    for i, layer in enumerate(layers):
+def attach(model: Any, stream: LayerStream, moe_layers: set[int] | None = None) -> None:
+    """Point each dense block's `mlp` at a StreamedFFN (the pinned model has no FFN weights). In a MoE
+    model the layers in `moe_layers` keep their (expert-streamed) block; every other layer needs a unit."""
+    layers, moe_layers = model.layers, moe_layers or set()
+    dense = {u.layer for u in stream.units}
+    missing = [i for i in range(len(layers)) if i not in dense and i not in moe_layers]
+    if missing or len(dense) + len(moe_layers) != len(layers):
+        raise ValueError(f"the split has FFN units for {len(dense)} layers and experts for {len(moe_layers)}, "
+                         f"but the model has {len(layers)} layers (no FFN for layers {missing[:8]})")  # fmt: skip
+    for i in sorted(dense):
+        layer = layers[i]
         if not hasattr(layer, "mlp"):
             raise ValueError(f"layer {i} of {type(model).__name__} has no `mlp`: not a dense llama-family block")
         if "mlp" in layer:  # drop the placeholder MLP (lazy, never evaluated) from the parameter tree

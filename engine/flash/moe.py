@@ -359,9 +359,9 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
     if budget is None:
         cache = ExpertCache(n_layers, n_experts, unit, policy)  # no budget: every expert may stay, as in RAM
     else:
-        staging = max(
-            0, (max_misses + k * prefetch_next) * unit - plan.buffers
-        )  # dense read-ahead buffers unused
+        staging = (max_misses + k * prefetch_next) * unit
+        if not man.dense_units():  # no dense layer: the plan's read-ahead buffers are never made
+            staging = max(0, staging - plan.buffers)
         for ctx in (min(plan.context, 4096), MIN_CONTEXT):
             left = budget - plan.fixed - staging - ctx * plan.kv_per_token
             if left >= k * n_layers * unit:
