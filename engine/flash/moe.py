@@ -99,6 +99,9 @@ class ExpertStream:
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
         self.record = record
+        # On the CPU each expert's bank update is evaluated at once (bounded memory, and a CPU sync is
+        # cheap); on a GPU every sync serialises Python with the device, so updates join the graph.
+        self.eval_each = mx.default_device() == mx.cpu
 
     @property
     def bank_bytes(self) -> int:
@@ -184,7 +187,9 @@ class ExpertStream:
                 if t.dtype == "BF16":
                     new = new.view(mx.bfloat16)
                 bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
-            mx.eval(list(bank.values()))  # one expert's copies in flight at a time
+            if self.eval_each:  # CPU: one expert's copies in flight at a time (memory)
+                mx.eval(list(bank.values()))
+        # GPU: no sync here; the updates (`mx.array` copied the bytes already) ride in the layer's graph
 
     def close(self) -> None:
         self._take_prefetched(-1)
@@ -249,7 +254,10 @@ class StreamedSwitchGLU:
                 logits = np.array(self.next_gate(x.reshape(-1, x.shape[-1])[-1:]))[0]
                 st.stats.host_syncs += 1
                 st.prefetch(self.index + 1, np.argsort(-logits)[: chosen.shape[-1]])
-            return self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
+            y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
+            if not st.eval_each:  # GPU: start this layer now, while Python builds the next one's graph
+                mx.async_eval(y)
+            return y
         out = None  # a prefill chunk needing more experts than the bank: groups of `slots`, each read once
         for g in range(0, len(ids), slots):
             group = ids[g : g + slots]
