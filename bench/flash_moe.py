@@ -62,12 +62,15 @@ def child_main(args: argparse.Namespace) -> None:
 
     path = Path(args.model)
     budget = args.memory_cap - current_rss_bytes() - RUNTIME_MARGIN if args.memory_cap else None
+    if budget and args.engine_share < 1:  # leave the rest of the cap to the OS page cache
+        budget = int(budget * args.engine_share)
     backend = FlashBackend(
         memory_budget=budget,
         expert_policy=args.policy,
         top_k=args.top_k or None,
         expert_prefetch=args.prefetch_next,
         routing_bias=args.bias,
+        direct_io=not args.buffered,
     )
     t0 = time.perf_counter()
     backend.load(ModelInfo(path.name, path, "qwen3_moe", 0, split_path=path / "split"))
@@ -125,12 +128,16 @@ def child_main(args: argparse.Namespace) -> None:
     print(json.dumps(out, default=str))
 
 
+ENGINE_SHARE, BUFFERED = 1.0, False  # set from the command line (the OS-cache experiment)
+
+
 def run_flash(
     model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int, prefetch_next: bool = False,
     bias: float = 0.0,
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
            "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, "--bias", str(bias),
+           "--engine-share", str(ENGINE_SHARE), *(["--buffered"] if BUFFERED else []),
            *(["--prefetch-next"] if prefetch_next else [])]  # fmt: skip
     cg = MemoryCgroup("flashcode-moe", cap)
     t0 = time.perf_counter()
@@ -306,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing-bias", default="", help="opt-in, lossy: extra flash runs at these cache-aware "
                     "routing biases, e.g. 1,4 (compared with the exact run)")
     ap.add_argument("--bias", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-share", type=float, default=1.0,
+                    help="give the engine this share of the budget the cap leaves (the rest: OS page cache)")
+    ap.add_argument("--buffered", action="store_true", help="read experts through the page cache (no O_DIRECT)")
     ap.add_argument("--skip", action="append", default=[], choices=["ram", "llama"])
     ap.add_argument("--work", default=None, help="where models are made (default $FLASHCODE_HOME/synth)")
     ap.add_argument("--keep", action="store_true", help="keep the models (default: delete them after)")
@@ -326,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.memory_cap:
         ap.error("--memory-cap is required")
+    global ENGINE_SHARE, BUFFERED
+    ENGINE_SHARE, BUFFERED = args.engine_share, args.buffered
     work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")
     results: dict[str, Any] = {"preset": args.preset, "layers": args.layers, "policy": args.policy,
+                               "engine_share": args.engine_share, "buffered": args.buffered,
                                "prefetch_next": args.prefetch_next,
                                "top_k": args.top_k or None, "machine": {"cpus": os.cpu_count()}, "runs": {}}  # fmt: skip
     for routing in args.routing.split(","):

@@ -62,7 +62,7 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[An
 
     from engine.flash.backend import cast_pinned, stream_model
     from engine.flash.budget import plan_budget
-    from engine.flash.moe import expert_units
+    from engine.flash.moe import expert_units, resident_expert_bytes
     from engine.flash.reader import UnitReader
     from engine.flash.split import load_manifest
 
@@ -72,7 +72,7 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[An
     unit = max(u.padded for u in man.units if u.kind == "expert")
     layers = len(expert_units(man))
     staging = 2 * 2 * unit + (0 if man.dense_units() else -plan.buffers)  # load_experts' staging for top-2
-    budget = plan.fixed + 256 * plan.kv_per_token + max(0, staging) + slots * layers * unit
+    budget = plan.fixed + 256 * plan.kv_per_token + max(0, staging) + slots * layers * resident_expert_bytes(expert_units(man))
     _, experts = stream_model(obj, man, UnitReader(man.units_path), plan, budget, verify=True, routing_bias=routing_bias)
     assert experts.cache.slots == slots
     experts.record = True

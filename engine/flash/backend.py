@@ -88,6 +88,7 @@ class FlashBackend(MLXBackend):
         top_k: int | None = None,
         expert_prefetch: bool = False,
         routing_bias: float = 0.0,
+        direct_io: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -99,6 +100,7 @@ class FlashBackend(MLXBackend):
         self.expert_policy, self.top_k = expert_policy, top_k  # MoE: cache policy; top_k < the model's is lossy
         self.expert_prefetch = expert_prefetch  # MoE: exact next-layer guess-and-read (moe.py)
         self.routing_bias = routing_bias  # MoE: > 0 is lossy cache-aware routing (moe.py)
+        self.direct_io = direct_io  # False: read units through the page cache (measured, off by default)
         self.expert_stream: Any = None
         self.manifest: Manifest | None = None
         self.reader: UnitReader | None = None
@@ -138,7 +140,7 @@ class FlashBackend(MLXBackend):
             plan = plan_budget(man, self.memory_budget, 1, ctx, self.prefill_step_size, float_bytes)
         verify_pinned(man)
         verify_now = man.streamed_bytes <= self.verify_limit
-        reader = UnitReader(man.units_path, threads=self.io_threads)
+        reader = UnitReader(man.units_path, threads=self.io_threads, direct=self.direct_io)
         try:
             if verify_now:
                 self._verify_units(man, reader)

@@ -30,14 +30,19 @@ ORDER = ("gate_proj", "up_proj", "down_proj")  # the order the FFN needs its wei
 
 
 def tensor_arrays(tensors: list[UnitTensor], raw: np.ndarray, base: int = 0) -> dict[str, Any]:
-    """Copy tensors out of the (reused) buffer into MLX arrays; `raw[t.offset - base]` is a tensor's first byte."""
+    """Copy tensors out of the (reused) buffer into MLX arrays; `raw[t.offset - base]` is a tensor's first byte.
+    On the CPU float16/bfloat16 tensors (scales, biases) become float32, as in the in-RAM model: the same
+    results, and `quantized_matmul` runs 8-20% faster with them (measured, 4096x14336, group 32 and 64)."""
     import mlx.core as mx
 
+    cpu = mx.default_device() == mx.cpu
     out = {}
     for t in tensors:
         arr = raw[t.offset - base : t.offset - base + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
         a = mx.array(arr)
-        out[t.name] = a.view(mx.bfloat16) if t.dtype == "BF16" else a
+        if t.dtype == "BF16":
+            a = a.view(mx.bfloat16)
+        out[t.name] = a.astype(mx.float32) if cpu and t.dtype in ("F16", "BF16") else a
     return out
 
 
@@ -85,8 +90,12 @@ def unit_pieces(unit: Unit) -> list[Piece]:
     return [Piece(unit, k, k == len(groups) - 1, s, e, g) for k, (s, e, g) in enumerate(zip(starts, ends, groups, strict=True))]
 
 
-def max_piece_bytes(man: Manifest) -> int:
-    """The largest read (with its alignment) the dense stream makes: what one buffer must hold."""
+def max_piece_bytes(man: Manifest, resident: bool = False) -> int:
+    """The largest read (with its alignment) the dense stream makes: what one buffer must hold; with
+    `resident`, the largest piece as MLX arrays on the CPU (float16 tensors as float32)."""
+    if resident:
+        return max((sum(t.nbytes * (2 if t.dtype in ("F16", "BF16") else 1) for t in p.tensors)
+                    for u in man.dense_units() for p in unit_pieces(u)), default=0)  # fmt: skip
     return max((p.read_length for u in man.dense_units() for p in unit_pieces(u)), default=0)
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from .experts import ExpertCache
 from .reader import AlignedBuffer, UnitReader
+from .safetensors_io import DTYPE_SIZES
 from .split import Manifest, Unit, UnitTensor, check_unit
 
 _NP = {
@@ -49,6 +50,20 @@ def expert_units(man: Manifest) -> dict[int, list[Unit]]:
         if u.kind == "expert" and u.expert is not None:
             by_layer.setdefault(u.layer, {})[u.expert] = u
     return {layer: [d[e] for e in range(len(d))] for layer, d in sorted(by_layer.items())}
+
+
+def bank_dtype(dtype: str) -> str:
+    """How a unit tensor sits in the bank: float16/bfloat16 scales and biases become float32 on the CPU,
+    where `gather_qmm` runs ~1.5x faster with float32 ones (what the in-RAM model holds; same results)."""
+    import mlx.core as mx
+
+    return "F32" if dtype in ("F16", "BF16") and mx.default_device() == mx.cpu else dtype
+
+
+def resident_expert_bytes(units: dict[int, list[Unit]]) -> int:
+    """Bytes one expert takes in a bank (the cache's unit of account)."""
+    return max(sum(t.nbytes // DTYPE_SIZES[t.dtype] * DTYPE_SIZES[bank_dtype(t.dtype)] for t in u.tensors)
+               for us in units.values() for u in us)  # fmt: skip
 
 
 def _mx_dtype(dtype: str) -> Any:
@@ -91,7 +106,7 @@ class ExpertStream:
         self.banks: list[dict[str, Any]] = []
         for li in self.layers:
             bank = {
-                t.name: mx.zeros((cache.slots, *t.shape), dtype=_mx_dtype(t.dtype)) for t in self.template[li]
+                t.name: mx.zeros((cache.slots, *t.shape), dtype=_mx_dtype(bank_dtype(t.dtype))) for t in self.template[li]
             }
             mx.eval(list(bank.values()))
             self.banks.append(bank)
@@ -186,6 +201,8 @@ class ExpertStream:
                 new = mx.array(raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(1, *t.shape))
                 if t.dtype == "BF16":
                     new = new.view(mx.bfloat16)
+                if new.dtype != bank[t.name].dtype:
+                    new = new.astype(bank[t.name].dtype)  # CPU: float32 scales/biases (exact, faster)
                 bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
             if self.eval_each:  # CPU: one expert's copies in flight at a time (memory)
                 mx.eval(list(bank.values()))
@@ -359,22 +376,23 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
 
     units = expert_units(man)
     n_layers, n_experts = len(units), len(next(iter(units.values())))
-    unit = max(u.padded for us in units.values() for u in us)
+    unit = max(u.padded for us in units.values() for u in us)  # on disk and in staging
+    resident = resident_expert_bytes(units)  # in a bank
     k = top_k_of(model) if top_k is None else min(top_k, top_k_of(model))
     max_misses = 2 * k
     if routing_bias < 0:
         raise ValueError(f"routing_bias must be >= 0 (a logit bonus for cached experts), not {routing_bias}")
     if budget is None:
-        cache = ExpertCache(n_layers, n_experts, unit, policy)  # no budget: every expert may stay, as in RAM
+        cache = ExpertCache(n_layers, n_experts, resident, policy)  # no budget: every expert may stay, as in RAM
     else:
         staging = (max_misses + k * prefetch_next) * unit
         if not man.dense_units():  # no dense layer: the plan's read-ahead buffers are never made
             staging = max(0, staging - plan.buffers)
         for ctx in (min(plan.context, 4096), MIN_CONTEXT):
             left = budget - plan.fixed - staging - ctx * plan.kv_per_token
-            if left >= k * n_layers * unit:
+            if left >= k * n_layers * resident:
                 break
-        cache = ExpertCache.for_budget(left, n_layers, n_experts, unit, min_slots=k, policy=policy)
+        cache = ExpertCache.for_budget(left, n_layers, n_experts, resident, min_slots=k, policy=policy)
         plan.context = ctx
     stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
     attach_moe(model, stream, top_k, prefetch_next, routing_bias)

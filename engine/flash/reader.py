@@ -24,9 +24,12 @@ from .split import ALIGN
 log = logging.getLogger(__name__)
 
 
-def open_direct(path: Path) -> tuple[int, bool]:
-    """(fd, direct?) — falls back to buffered reads, with a log line, where the filesystem refuses."""
+def open_direct(path: Path, direct: bool = True) -> tuple[int, bool]:
+    """(fd, direct?) — falls back to buffered reads, with a log line, where the filesystem refuses.
+    `direct=False` reads through the page cache on purpose (measured: docs/flash-moe.md)."""
     flags = os.O_RDONLY
+    if not direct:
+        return os.open(path, flags), False
     if hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, flags | os.O_DIRECT), True
@@ -76,9 +79,9 @@ class ReadStats:
 class UnitReader:
     """Reads [offset, offset+length) of one file into a buffer, split across `threads` preadv calls."""
 
-    def __init__(self, path: Path, threads: int = 4, chunk: int = 4 << 20) -> None:
+    def __init__(self, path: Path, threads: int = 4, chunk: int = 4 << 20, direct: bool = True) -> None:
         self.path = Path(path)
-        self.fd, self.direct = open_direct(self.path)
+        self.fd, self.direct = open_direct(self.path, direct)
         self.threads = threads
         self.chunk = max(ALIGN, chunk // ALIGN * ALIGN)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flash-read")
