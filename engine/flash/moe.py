@@ -110,13 +110,17 @@ class ExpertStream:
             }
             mx.eval(list(bank.values()))
             self.banks.append(bank)
+        # CPU: misses are written into the banks' memory directly (numpy views); GPU: as MLX slice updates
+        # that join the layer's graph (every extra sync there serialises Python with the device).
+        self.eval_each = mx.default_device() == mx.cpu
+        # CPU: writable numpy views of the banks (MLX arrays, evaluated once, never replaced on the CPU).
+        # Safe: a layer's bank is written only after its router readback, which has evaluated every
+        # earlier use of it (the previous token's), and grouped prefill evaluates each group first.
+        self.bank_np = [{k: np.array(v, copy=False) for k, v in b.items()} for b in self.banks] if self.eval_each else []
         self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
         self.record = record
-        # On the CPU each expert's bank update is evaluated at once (bounded memory, and a CPU sync is
-        # cheap); on a GPU every sync serialises Python with the device, so updates join the graph.
-        self.eval_each = mx.default_device() == mx.cpu
 
     @property
     def bank_bytes(self) -> int:
@@ -194,6 +198,17 @@ class ExpertStream:
                     check_unit(self.man, self.units[layer][k], view)
                     self.verified.add((layer, k))
         bank = self.banks[i]
+        if self.eval_each:  # CPU: straight into the bank's memory through numpy views (no MLX op, no sync)
+            for (_, s), view in zip(misses, views, strict=True):
+                raw = np.frombuffer(view, dtype=np.uint8, count=ub)
+                for t in self.template[layer]:
+                    src = raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
+                    dst = self.bank_np[i][t.name][s]
+                    if t.dtype == "BF16" and dst.dtype == np.float32:  # bfloat16 = the top half of a float32
+                        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
+                    else:
+                        np.copyto(dst, src)
+            return
         for (_, s), view in zip(misses, views, strict=True):
             raw = np.frombuffer(view, dtype=np.uint8, count=ub)
             for t in self.template[layer]:
@@ -204,8 +219,6 @@ class ExpertStream:
                 if new.dtype != bank[t.name].dtype:
                     new = new.astype(bank[t.name].dtype)  # CPU: float32 scales/biases (exact, faster)
                 bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
-            if self.eval_each:  # CPU: one expert's copies in flight at a time (memory)
-                mx.eval(list(bank.values()))
         # GPU: no sync here; the updates (`mx.array` copied the bytes already) ride in the layer's graph
 
     def close(self) -> None:
