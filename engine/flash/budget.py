@@ -77,9 +77,7 @@ def plan_budget(
     pinned = pinned_resident_bytes(man, float_bytes)
     unit = max_piece_bytes(man) if man.dense_units() else man.max_unit_bytes  # dense: one projection at a time
     buffers = n_buffers * unit
-    # the piece being computed (its predecessor's arrays are freed, then recycled), as MLX arrays:
-    # on the CPU its float16 scales/biases are float32 there (dense.py)
-    in_flight = max_piece_bytes(man, resident=float_bytes == 4) if man.dense_units() else unit
+    in_flight = unit  # the piece being computed, in MLX arrays the stream reuses (dense.py)
     activations = prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
     kv_per_token = layers * 2 * kv_heads * head_dim * float_bytes
     plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length)

@@ -31,18 +31,15 @@ ORDER = ("gate_proj", "up_proj", "down_proj")  # the order the FFN needs its wei
 
 def tensor_arrays(tensors: list[UnitTensor], raw: np.ndarray, base: int = 0) -> dict[str, Any]:
     """Copy tensors out of the (reused) buffer into MLX arrays; `raw[t.offset - base]` is a tensor's first byte.
-    On the CPU float16/bfloat16 tensors (scales, biases) become float32, as in the in-RAM model: the same
-    results, and `quantized_matmul` runs 8-20% faster with them (measured, 4096x14336, group 32 and 64)."""
+    Scales and biases stay float16: `quantized_matmul` is 8-20% faster with float32 ones on the CPU, but
+    converting a piece's costs more than that saves (12 vs 6 ms per llama-8b projection, measured)."""
     import mlx.core as mx
 
-    cpu = mx.default_device() == mx.cpu
     out = {}
     for t in tensors:
         arr = raw[t.offset - base : t.offset - base + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
         a = mx.array(arr)
-        if t.dtype == "BF16":
-            a = a.view(mx.bfloat16)
-        out[t.name] = a.astype(mx.float32) if cpu and t.dtype in ("F16", "BF16") else a
+        out[t.name] = a.view(mx.bfloat16) if t.dtype == "BF16" else a
     return out
 
 
@@ -90,12 +87,8 @@ def unit_pieces(unit: Unit) -> list[Piece]:
     return [Piece(unit, k, k == len(groups) - 1, s, e, g) for k, (s, e, g) in enumerate(zip(starts, ends, groups, strict=True))]
 
 
-def max_piece_bytes(man: Manifest, resident: bool = False) -> int:
-    """The largest read (with its alignment) the dense stream makes: what one buffer must hold; with
-    `resident`, the largest piece as MLX arrays on the CPU (float16 tensors as float32)."""
-    if resident:
-        return max((sum(t.nbytes * (2 if t.dtype in ("F16", "BF16") else 1) for t in p.tensors)
-                    for u in man.dense_units() for p in unit_pieces(u)), default=0)  # fmt: skip
+def max_piece_bytes(man: Manifest) -> int:
+    """The largest read (with its alignment) the dense stream makes: what one buffer must hold."""
     return max((p.read_length for u in man.dense_units() for p in unit_pieces(u)), default=0)
 
 
@@ -118,7 +111,6 @@ class LayerStream:
         self.pending: dict[int, tuple[Future[float], AlignedBuffer]] = {}
         self.verify_left = {u.layer for u in self.units} if verify else set()
         self.crc: dict[int, tuple[int, int]] = {}  # layer -> (next piece index, running CRC-32)
-        self.dest: dict[tuple[str, int, str], Any] = {}  # CPU: MLX arrays the pieces are copied into
         self.lock = threading.Lock()
 
     @property
@@ -160,33 +152,6 @@ class LayerStream:
     def pieces_of(self, layer: int) -> list[Piece]:
         return self.by_layer[layer]
 
-    def _arrays(self, p: Piece, raw: np.ndarray) -> dict[str, Any]:
-        """A piece's tensors as MLX arrays. On the CPU they are copied straight into MLX-owned memory
-        allocated once (numpy views of evaluated arrays, one per tensor role and size: gate, up and down
-        share them), float16 converted to float32 on the way: 4x faster than `mx.array(numpy)` (5 vs
-        1.2 GB/s, measured), which copied 3.5 GB per llama-8b token. Safe because every piece is
-        evaluated before the next one is taken (StreamedFFN), so nothing pending reads the memory."""
-        import mlx.core as mx
-
-        if mx.default_device() != mx.cpu:
-            return tensor_arrays(p.tensors, raw, p.read_start)
-        out = {}
-        for t in p.tensors:
-            if t.dtype not in ("F16", "F32", "U32", "U8", "I32"):  # e.g. bfloat16: numpy cannot hold it
-                out.update(tensor_arrays([t], raw, p.read_start))
-                continue
-            src = raw[t.offset - p.read_start : t.offset - p.read_start + t.nbytes].view(_NP[t.dtype])
-            dtype = np.float32 if t.dtype == "F16" else _NP[t.dtype]
-            key = (t.name.rsplit(".", 1)[-1], src.size, np.dtype(dtype).str)
-            if key not in self.dest:
-                self.dest[key] = mx.zeros((src.size,), dtype=getattr(mx, np.dtype(dtype).name))
-                mx.eval(self.dest[key])
-            arr = self.dest[key].reshape(t.shape)
-            mx.eval(arr)  # a reshape of an evaluated contiguous array shares its buffer
-            np.copyto(np.array(arr, copy=False).reshape(-1), src)
-            out[t.name] = arr
-        return out
-
     def get(self, layer: int, index: int) -> dict[str, Any]:
         """The arrays of piece `index` of `layer`'s FFN; starts the reads of the pieces after it."""
         k = self.first[layer] + index
@@ -201,7 +166,7 @@ class LayerStream:
             raw = np.frombuffer(buf.view, dtype=np.uint8, count=p.read_length)
             if layer in self.verify_left:
                 self._verify(p, buf.view[p.start - p.read_start : p.end - p.read_start])
-            arrays = self._arrays(p, raw)
+            arrays = tensor_arrays(p.tensors, raw, p.read_start)
         finally:
             self.free.append(buf)
         for d in range(1, self.depth + 1):  # the next pieces (wrapping into the next token)
@@ -209,7 +174,6 @@ class LayerStream:
         return arrays
 
     def close(self) -> None:
-        self.dest.clear()
         self._drain()
         for b in self.buffers:
             b.close()
