@@ -128,16 +128,13 @@ def child_main(args: argparse.Namespace) -> None:
     print(json.dumps(out, default=str))
 
 
-ENGINE_SHARE, BUFFERED = 1.0, False  # set from the command line (the OS-cache experiment)
-
-
 def run_flash(
     model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int, prefetch_next: bool = False,
-    bias: float = 0.0,
+    bias: float = 0.0, child_flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
            "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, "--bias", str(bias),
-           "--engine-share", str(ENGINE_SHARE), *(["--buffered"] if BUFFERED else []),
+           *child_flags,
            *(["--prefetch-next"] if prefetch_next else [])]  # fmt: skip
     cg = MemoryCgroup("flashcode-moe", cap)
     t0 = time.perf_counter()
@@ -228,6 +225,7 @@ def bench_one(
     compute_tps: float | None = None,
     prefetch_next: bool = False,
     biases: tuple[float, ...] = (),
+    child_flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from engine.flash.split import load_manifest
 
@@ -242,7 +240,7 @@ def bench_one(
     res["bandwidth"] = expert_bandwidth(model / "split", in_flight=k)
     log(f"  bandwidth {res['bandwidth']['bandwidth_Bps'] / 1e9:.2f} GB/s ({k} expert reads in flight)")
     drop_page_cache()
-    res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next)
+    res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=child_flags)
     f = res["flash"]
     log(f"  flash: {f['status']} {f.get('decode_tps', 0):.3f} tok/s, hit {f.get('decode_hit_rate')}")
     if (
@@ -255,7 +253,7 @@ def bench_one(
     exact = res["flash"].get("tokens") or []
     for b in biases:  # opt-in, lossy: cache-aware routing at the same cap; its quality = agreement with exact
         drop_page_cache()
-        r = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, bias=b)
+        r = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, bias=b, child_flags=child_flags)
         toks = r.get("tokens") or []
         agree = next((i for i, (a, c) in enumerate(zip(toks, exact, strict=False)) if a != c), min(len(toks), len(exact)))
         res.setdefault("routing_bias", {})[str(b)] = {
@@ -336,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.memory_cap:
         ap.error("--memory-cap is required")
-    global ENGINE_SHARE, BUFFERED
-    ENGINE_SHARE, BUFFERED = args.engine_share, args.buffered
+    child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []))
     work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")
     results: dict[str, Any] = {"preset": args.preset, "layers": args.layers, "policy": args.policy,
                                "engine_share": args.engine_share, "buffered": args.buffered,
@@ -351,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{routing} routing ({model.name}) under {args.memory_cap / 1e9:.2f} GB ...")
         results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
                                              set(args.skip), args.timeout, args.compute_ceiling, args.prefetch_next,
-                                             tuple(float(b) for b in args.routing_bias.split(",") if b))  # fmt: skip
+                                             tuple(float(b) for b in args.routing_bias.split(",") if b), child_flags)  # fmt: skip
         if not args.keep:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))

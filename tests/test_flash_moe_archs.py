@@ -175,7 +175,7 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
     ref, _ = load_model(model_dir)
     ref.set_dtype(mx.float32)
     model, stream = streamed(model_dir, slots=3)
-    stream.eval_each = False
+    stream.host_writes = False
     toks_ref, logits_ref = greedy(ref)
     toks, logits = greedy(model)
     assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4

@@ -14,7 +14,6 @@ What it does not know: where the bytes come from (reader.py) or memory budgets (
 
 from __future__ import annotations
 
-import threading
 import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -111,7 +110,6 @@ class LayerStream:
         self.pending: dict[int, tuple[Future[float], AlignedBuffer]] = {}
         self.verify_left = {u.layer for u in self.units} if verify else set()
         self.crc: dict[int, tuple[int, int]] = {}  # layer -> (next piece index, running CRC-32)
-        self.lock = threading.Lock()
 
     @property
     def n_layers(self) -> int:

@@ -112,11 +112,11 @@ class ExpertStream:
             self.banks.append(bank)
         # CPU: misses are written into the banks' memory directly (numpy views); GPU: as MLX slice updates
         # that join the layer's graph (every extra sync there serialises Python with the device).
-        self.eval_each = mx.default_device() == mx.cpu
+        self.host_writes = mx.default_device() == mx.cpu
         # CPU: writable numpy views of the banks (MLX arrays, evaluated once, never replaced on the CPU).
         # Safe: a layer's bank is written only after its router readback, which has evaluated every
         # earlier use of it (the previous token's), and grouped prefill evaluates each group first.
-        self.bank_np = [{k: np.array(v, copy=False) for k, v in b.items()} for b in self.banks] if self.eval_each else []
+        self.bank_np = [{k: np.array(v, copy=False) for k, v in b.items()} for b in self.banks] if self.host_writes else []
         self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
@@ -198,7 +198,7 @@ class ExpertStream:
                     check_unit(self.man, self.units[layer][k], view)
                     self.verified.add((layer, k))
         bank = self.banks[i]
-        if self.eval_each:  # CPU: straight into the bank's memory through numpy views (no MLX op, no sync)
+        if self.host_writes:  # CPU: straight into the bank's memory through numpy views (no MLX op, no sync)
             for (_, s), view in zip(misses, views, strict=True):
                 raw = np.frombuffer(view, dtype=np.uint8, count=ub)
                 for t in self.template[layer]:
@@ -285,7 +285,7 @@ class StreamedSwitchGLU:
                 st.stats.host_syncs += 1
                 st.prefetch(self.index + 1, np.argsort(-logits)[: chosen.shape[-1]])
             y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
-            if not st.eval_each:  # GPU: start this layer now, while Python builds the next one's graph
+            if not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
                 mx.async_eval(y)
             return y
         out = None  # a prefill chunk needing more experts than the bank: groups of `slots`, each read once

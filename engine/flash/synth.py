@@ -194,7 +194,8 @@ _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
 
 
-def gguf_name(mod: str) -> str:
+def gguf_name(mod: str, names: dict[str, str] = _GGUF_NAMES) -> str:
+    """An mlx-lm module path -> llama.cpp's tensor name (without `.weight`); `names` maps a block's modules."""
     if mod == "model.embed_tokens":
         return "token_embd"
     if mod == "model.norm":
@@ -202,7 +203,7 @@ def gguf_name(mod: str) -> str:
     if mod == "lm_head":
         return "output"
     _, _, i, rest = mod.split(".", 3)
-    return f"blk.{i}.{_GGUF_NAMES[rest]}"
+    return f"blk.{i}.{names[rest]}"
 
 
 def export_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path | None = None, progress: bool = True) -> Path:

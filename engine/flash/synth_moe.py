@@ -31,6 +31,7 @@ import numpy as np
 
 from .safetensors_io import TensorSpec, write_header
 from .synth import VOCAB, default_tokenizer_dir
+from .synth import gguf_name as dense_gguf_name
 
 GROUP, BITS = 64, 4
 
@@ -206,14 +207,7 @@ _GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
 
 
 def gguf_name(mod: str) -> str:
-    if mod == "model.embed_tokens":
-        return "token_embd"
-    if mod == "model.norm":
-        return "output_norm"
-    if mod == "lm_head":
-        return "output"
-    _, _, i, rest = mod.split(".", 3)
-    return f"blk.{i}.{_GGUF[rest]}"
+    return dense_gguf_name(mod, _GGUF)
 
 
 def _order(mod: str) -> tuple[int, str]:
