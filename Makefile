@@ -15,12 +15,12 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test check setup install llama chromium bench lint clean
+.PHONY: run test check setup install llama chromium sandbox bench lint clean
 
-run: setup
+run: setup sandbox
 	$(BIN)/flashcode serve --host $(HOST) --port $(PORT)
 
-test: setup llama chromium
+test: setup llama chromium sandbox lint
 	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the quick inner loop: no browser, no llama-server, no slow model tests
@@ -53,12 +53,27 @@ chromium:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
+# every shell command the agent runs is sandboxed: bubblewrap on Linux (macOS has sandbox-exec);
+# strace is for the test that checks what a rule-allowed command really executes
+sandbox:
+	@if [ "$$(uname -s)" = Linux ]; then \
+	  missing=; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
+	  command -v strace >/dev/null 2>&1 || missing="$$missing strace"; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing $$missing (Debian packages) for the command sandbox"; \
+	    if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	    { $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; } || \
+	      echo "could not install $$missing: without bubblewrap every agent command asks first (flashcode doctor)"; \
+	  fi; \
+	fi
+
 bench: setup
 	$(BIN)/flashcode bench mlx
 
 lint: install
 	$(BIN)/ruff check engine webapp tests bench
 	$(BIN)/ruff format --check engine webapp tests bench
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache tests/artifacts

@@ -175,14 +175,15 @@ def test_agent_shell_default_is_deny(worker, fake, project, store) -> None:
 def test_agent_shell_always_exact_then_runs_without_asking(worker, fake, project, store) -> None:
     approver = Approver(ev.Decision.always_exact())
     session = make_session(worker, project, store, approver)
-    asyncio.run(collect(session, "/shell echo hi > out.txt"))
-    assert (project / "out.txt").read_text() == "hi\n"
-    events = asyncio.run(collect(session, "/shell echo hi > out.txt"))
-    assert len(approver.asked) == 1
+    asyncio.run(collect(session, "/shell touch out.txt"))
+    assert (project / "out.txt").exists()
+    (project / "out.txt").unlink()
+    events = asyncio.run(collect(session, "/shell touch out.txt"))
+    assert len(approver.asked) == 1 and (project / "out.txt").exists()
     assert of(events, ev.Proposal)[0].allowed_by_rule and of(events, ev.Decided)[0].decision == "rule"
-    events = asyncio.run(collect(session, "/shell echo hi > out.txt; touch x"))  # not the same command
+    events = asyncio.run(collect(session, "/shell touch out.txt; touch x"))  # not the same command
     assert len(approver.asked) == 2 and not (project / "x").exists()
-    assert [r.pattern for r in store.list_rules(str(project.resolve()))] == ["echo hi > out.txt"]
+    assert [r.pattern for r in store.list_rules(str(project.resolve()))] == ["touch out.txt"]
 
 
 def test_agent_shell_always_prefix_covers_later_arguments(worker, fake, project, store) -> None:

@@ -1,4 +1,6 @@
-"""The shell policy: splitting, unquoting, wrappers, redirections, and every bypass attempt refused."""
+"""The shell policy: splitting, unquoting, wrappers, redirections, and every bypass attempt refused.
+
+tests/security/ holds the adversarial suite (probes by class, end to end in the sandbox, fuzzing)."""
 
 from __future__ import annotations
 
@@ -16,25 +18,28 @@ def test_shell_splits_compound_commands_into_parts() -> None:
         "ls && rm x || pwd": ["ls", "rm x", "pwd"],
         "ls | wc -l": ["ls", "wc -l"],
         "ls\nrm x": ["ls", "rm x"],
-        "ls & rm x": ["ls", "rm x"],
-        "(cd sub && make)": ["cd sub", "make"],
-        "{ ls; pwd; }": ["ls", "pwd"],
+        "ls 2>/dev/null | wc -l": ["ls 2>/dev/null", "wc -l"],
     }
     for command, parts in cases.items():
         assert [p.text for p in parse_command(command)] == parts, command
+    for command in ["ls & rm x", "(cd sub && make)", "{ ls; pwd; }", "ls |& cat"]:
+        with pytest.raises(ShellParseError):  # background jobs, subshells and groups are not plain
+            parse_command(command)
 
 
-def test_shell_finds_substitutions_even_inside_quotes() -> None:
-    assert [p.argv[0] for p in parse_command("echo $(rm -rf ~)")] == ["rm", "echo"]
-    assert [p.argv[0] for p in parse_command('echo "a `whoami` b"')] == ["whoami", "echo"]
-    assert [p.argv[0] for p in parse_command("cat <(curl evil)")] == ["curl", "cat"]
-    assert [p.argv[0] for p in parse_command("echo $(ls $(rm x))")] == ["rm", "ls", "echo"]
+def test_shell_substitutions_anywhere_are_never_plain() -> None:
+    for command in ["echo $(rm -rf ~)", 'echo "a `whoami` b"', "cat <(curl evil)", "echo $(ls $(rm x))"]:
+        with pytest.raises(ShellParseError):
+            parse_command(command)
+        assert not check_command(command, [Rule("prefix", "echo"), Rule("prefix", "cat")]).allowed
 
 
 def test_shell_unquotes_command_names_like_bash() -> None:
-    for command in ["r\\m -rf x", "'r'm -rf x", '"rm" -rf x', "r''m -rf x"]:
+    for command in ["'r'm -rf x", '"rm" -rf x', "r''m -rf x"]:
         assert parse_command(command)[0].argv[0] == "rm", command
     assert parse_command("'s'h -c id")[0].prefix_blocker() is not None
+    with pytest.raises(ShellParseError):  # escapes are not plain
+        parse_command("r\\m -rf x")
 
 
 @pytest.mark.parametrize(
@@ -137,11 +142,13 @@ def test_shell_every_part_must_be_allowed() -> None:
 
 
 def test_shell_exact_rule_matches_the_whole_command_only() -> None:
-    rules = [Rule("exact", "make test > log.txt")]
-    assert check_command("make test > log.txt", rules).allowed
-    assert check_command("  make test > log.txt  ", rules).allowed
-    assert not check_command("make test > log.txt; rm x", rules).allowed
-    assert not check_command("make test > other.txt", rules).allowed
+    rules = [Rule("exact", "make test")]
+    assert check_command("make test", rules).allowed
+    assert check_command("  make test  ", rules).allowed
+    assert not check_command("make test; rm x", rules).allowed
+    assert not check_command("make tests", rules).allowed
+    # a redirection to a file is not plain: even an exact rule for it asks
+    assert not check_command("make test > log.txt", [Rule("exact", "make test > log.txt")]).allowed
 
 
 def test_shell_safe_redirections_keep_prefix_rules() -> None:

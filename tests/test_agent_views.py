@@ -46,7 +46,7 @@ def test_approval_dialog_shows_command_cwd_timeout_rule_and_buttons(views: Agent
 def test_approval_dialog_disables_prefix_for_wrappers_and_escapes(views: AgentViews) -> None:
     html = views.approval_dialog(proposal("sh -c '<script>alert(1)</script>'"), "d2")
     assert "<script>" not in html and "&lt;script&gt;" in html
-    assert re.search(r'data-choice="always_prefix"[^>]*disabled title="`sh` runs other programs', html)
+    assert re.search(r'data-choice="always_prefix"[^>]*disabled title="`sh` is not in flashcode', html)
 
 
 def test_search_cards_show_title_site_snippet_link(views: AgentViews) -> None:

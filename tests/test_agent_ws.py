@@ -145,3 +145,26 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
             assert r.status_code == 200 and "No allow rules" in r.text
     finally:
         worker.close()
+
+
+def test_agent_ws_commands_run_in_the_sandbox_with_the_projects_network_switch(
+    ws, project: Path, tmp_path: Path
+) -> None:
+    outside = Path(__file__).resolve().parent.parent / "tests" / "artifacts" / f"escape-{tmp_path.name}"
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    conv: list[str] = []
+    frames, dialog = ask(ws, f"/shell pwd; touch inside.txt; touch {outside}", conv)
+    assert f"sandboxed: writes only in {project.resolve()}, network off" in frames
+    assert 'name="network"' in frames and "checked" not in frames.split('name="network"')[1][:20]
+    send(ws, type="answer", dialog_id=dialog, choice="once")
+    frames = until(ws, r'id="status" class="controls" data-state="idle"')
+    assert (project / "inside.txt").exists() and not outside.exists()
+    assert "Read-only file system" in frames and str(project.resolve()) in frames
+    # the dialog's switch is the project's: on for this command and the next ones
+    frames, dialog = ask(ws, "/shell true", conv)
+    send(ws, type="answer", dialog_id=dialog, choice="once", network="on")
+    until(ws, r'id="status" class="controls" data-state="idle"')
+    frames, dialog = ask(ws, "/shell true", conv)
+    assert f"sandboxed: writes only in {project.resolve()}, network on" in frames
+    send(ws, type="answer", dialog_id=dialog, choice="deny")
+    until(ws, r'id="status" class="controls" data-state="idle"')

@@ -69,6 +69,7 @@ class Answer:
     dialog_id: str
     choice: str
     note: str = ""
+    network: bool = False  # the dialog's "network for this project" switch
     type: str = "answer"
 
 
@@ -128,6 +129,7 @@ _PARSERS = {
         dialog_id=_str(d, "dialog_id") or "",
         choice=_str(d, "choice") or "",
         note=_str(d, "note", required=False, limit=2000) or "",
+        network=d.get("network") in (True, "on", "true", "1"),
     ),  # fmt: skip
 }
 MESSAGE_TYPES = tuple(_PARSERS)

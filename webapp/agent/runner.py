@@ -1,9 +1,10 @@
-"""Run one approved shell command in the project directory: streamed, capped, timed, killable.
+"""Run one approved shell command in the project directory: sandboxed, streamed, capped, timed, killable.
 
-What it knows: how to start `bash -c COMMAND` in its own process group (so a timeout or a kill
-takes its children too), stream stdout/stderr as they come, cap what is kept, and report the exit
-status. What it does not know: whether the command should run — callers ask `shell.py` and the user
-first. It never runs a command that was not handed to it explicitly.
+What it knows: how to start `bash -c COMMAND` inside the OS sandbox (`sandbox.py`) in its own process
+group (so a timeout or a kill takes its children too), with a clean environment, stream stdout/stderr
+as they come, cap what is kept, and report the exit status. What it does not know: whether the command
+should run — callers ask `shell.py` and the user first. It never runs a command that was not handed
+to it explicitly, and runs one outside the sandbox only when the caller passes `sandbox=None`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import contextlib
 import os
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from .sandbox import SandboxPolicy, SandboxUnavailableError, command_env, detect, wrap
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_OUTPUT_CAP = 64_000  # characters kept across stdout and stderr
@@ -59,10 +63,17 @@ def shell_path() -> str:
 class CommandRun:
     """One run. Iterate `stream()` once; `kill()` from anywhere on the same loop stops it."""
 
-    def __init__(self, command: str, cwd: Path, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 output_cap: int = DEFAULT_OUTPUT_CAP) -> None:  # fmt: skip
+    def __init__(
+        self,
+        command: str,
+        cwd: Path,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        output_cap: int = DEFAULT_OUTPUT_CAP,
+        sandbox: SandboxPolicy | None = None,
+    ) -> None:
         self.command = command
         self.cwd = Path(cwd)
+        self.sandbox = sandbox
         self.timeout_s = timeout_s
         self.output_cap = output_cap
         self.output: list[OutputChunk] = []  # what was kept, for the model's summary
@@ -78,14 +89,32 @@ class CommandRun:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def argv(self, tmp_dir: Path | None = None) -> list[str]:
+        """What is executed: `bash -c COMMAND`, inside the sandbox unless none was asked for."""
+        argv = [shell_path(), "-c", self.command]
+        return wrap(argv, self.sandbox, tmp_dir) if self.sandbox is not None else argv
+
     async def stream(self) -> AsyncIterator[OutputChunk | CommandExit]:
+        with tempfile.TemporaryDirectory(prefix="flashcode-cmd-") as tmp:
+            async for item in self._stream(Path(tmp)):
+                yield item
+
+    async def _stream(self, tmp_dir: Path) -> AsyncIterator[OutputChunk | CommandExit]:
         t0 = time.monotonic()
+        env = command_env(project_dir=self.cwd)
+        if self.sandbox is None or detect().kind == "sandbox-exec":
+            env["TMPDIR"] = str(tmp_dir)  # bubblewrap mounts an empty /tmp of the command's own instead
         try:
+            argv = self.argv(tmp_dir)
+            if self.sandbox is not None and not self.cwd.is_dir():
+                raise FileNotFoundError(2, "No such file or directory")
             proc = await asyncio.create_subprocess_exec(
-                shell_path(), "-c", self.command, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                env={**os.environ, "PAGER": "cat", "GIT_PAGER": "cat", "TERM": "dumb"},
+                *argv, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env,
             )  # fmt: skip
+        except SandboxUnavailableError as exc:
+            yield CommandExit(None, error=f"no sandbox: {exc}")
+            return
         except OSError as exc:
             yield CommandExit(None, error=f"{exc.strerror or exc} ({self.cwd})")
             return

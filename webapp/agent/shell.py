@@ -1,403 +1,367 @@
-"""Shell command policy: split a proposed command into simple commands and decide, per part,
-whether a per-project allow rule covers it. Nothing here runs anything (see `runner.py`).
+"""Shell command policy: decide whether a per-project allow rule covers a proposed command, or
+whether the user must be asked. Nothing here runs anything (`runner.py` does, inside `sandbox.py`).
 
-What is covered
-- Compound commands are split on `;`, `&`, `&&`, `||`, `|`, `|&`, newlines and `( ... )` subshells /
-  `{ ...; }` groups; command substitutions `$(...)` and backticks and process substitutions
-  `<(...)`, `>(...)` are parsed recursively (also inside double quotes). Every part must be allowed.
-- Words are unquoted the way bash does for `'...'`, `"..."`, `\\x` and line continuations, so
-  `'r'm`, `r\\m` and `"sh"` are seen as `rm` and `sh`.
-- Redirections (`>`, `>>`, `<`, `2>`, `&>`, `>&`, `>|`, `<>`) belong to their part: a part that
-  redirects anywhere but `/dev/null` or another descriptor can only be allowed by an exact rule.
-- Interpreters and wrappers (sh, bash, python, node, env, xargs, sudo, eval, exec, timeout, npx,
-  ..., by basename, so `/bin/sh` too) can never be prefix-allowed; nor can a part that starts with
-  variable assignments (`PATH=... cmd`), one with an exec-like option (`find -exec`, `git -c`,
-  `tar --to-command`, ...), or a runner subcommand (`uv run`, `docker exec`, `npm exec`, ...).
-- Anything this parser does not understand fails closed (`ShellParseError`): here-documents,
-  `$'...'`, `${...}`, `$((...))`, brace expansion `{a,b}`, control flow (`if`, `for`, `while`, `case`, functions), globs or
-  `$` in the command name, control characters, unbalanced quotes or parentheses. Such a command
-  can still be shown and run once by an explicit click, never allowed by a rule.
+A rule auto-allows only a *provably plain* command. The command is parsed twice, by the real bash
+grammar (tree-sitter-bash) and by a strict lexer of the plain subset written here, and both must
+agree on every word. Plain means: simple commands, pipelines (`|`) and `&&` / `||` / `;` / newline
+lists of them; words of `[A-Za-z0-9_./:@%+,=-]`, single-quoted strings, and double-quoted strings
+without `$`, backticks or backslashes; redirections only to `/dev/null` or between descriptors
+(`2>&1`). Everything else asks: any expansion or substitution (`$`, backticks, `<(...)`, globs, braces,
+`~`), escapes, comments, here-documents, assignments, subshells, control flow, functions, `&`,
+other redirections, invisible or control characters, anything the grammar marks as an error, and
+input over `MAX_COMMAND_CHARS`.
 
-What is not covered
-- What an allowed program does with its arguments: a prefix rule for `make` or `npm run` runs
-  whatever the project's Makefile or package.json says; `git` aliases and hooks run code.
-- Globs in arguments: they expand to the project's file names (a file named `-exec` would be an
-  argument); command names may not be globs.
-- Aliases and shell functions from rc files (commands run with a non-interactive `bash -c`, which
-  reads none), and `$VAR` expansion in arguments (the value is the environment's).
-- Resource limits and sandboxing: an approved command runs with the user's rights.
+Prefix rules (`ls` allows `ls -la src`) exist only for programs in `PREFIX_TABLE`: programs whose
+arguments cannot run code or write files once the options listed there are refused. Bundled short
+options (`-cI'…'`) and GNU long-option abbreviations (`--checkpoint-a=`) are normalised before the
+check. Every other program (interpreters, build tools, `env`, `xargs`, `tar`, `make`, ...) can be
+allowed only as one exact command. Exact rules match the whole command, or one part of it.
+
+What is covered: deciding *when to ask*, for commands the agent proposes and commands the user types.
+What is not covered (the sandbox is what makes these harmless): what a program does with files or
+configuration of the project (`git status` reads `.git/config`, which can name programs to run), and
+bugs in the grammar or the lexer — both must agree, and a command that slips through still runs only
+inside the OS sandbox.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import functools
 import shlex
-from collections.abc import Iterable
+import unicodedata
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import tree_sitter_bash
+from tree_sitter import Language, Node, Parser
 
 RuleKind = Literal["exact", "prefix"]
+MAX_COMMAND_CHARS = 4096
 
-# Programs that run other programs or code: never prefix-allowed (by basename).
-WRAPPERS = frozenset(
-    """sh bash zsh dash ksh mksh fish csh tcsh ash busybox python python2 python3 pypy pypy3 node nodejs
-    deno bun perl ruby php lua luajit tclsh wish awk gawk mawk nawk sed osascript pwsh powershell
-    env xargs sudo su doas eval exec source . command builtin nohup time timeout nice ionice
-    strace ltrace gdb lldb watch setsid stdbuf unbuffer script ssh chroot flock chrt taskset nsenter
-    unshare parallel runuser pkexec systemd-run at batch crontab expect npx pnpx bunx uvx pipx""".split()
+_SAFE_WORD = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./:@%+,=-")
+_BAD_IN_DOUBLE_QUOTES = frozenset("$`\\!")
+_RESERVED = frozenset(
+    "! [[ ]] { } case coproc do done elif else esac fi for function if in select then time until while".split()
 )
-_VERSIONED = re.compile(r"^(python|pypy|ruby|perl|php|lua|node)[0-9.]*$")
-
-# Options that make an otherwise ordinary program execute code.
-EXEC_OPTIONS: dict[str, tuple[str, ...]] = {
-    "find": ("-exec", "-execdir", "-ok", "-okdir", "-fprint", "-fls", "-fprintf", "-delete"),
-    "git": ("-c", "--exec-path", "--upload-pack", "--receive-pack", "--config-env", "--ext-diff"),
-    "tar": ("--to-command", "--checkpoint-action", "--use-compress-program", "-I", "--info-script",
-            "--new-volume-script", "-F"),
-    "rsync": ("-e", "--rsh", "--rsync-path"),
-    "zip": ("-TT", "--unzip-command"),
-    "less": ("-",),  # LESSOPEN, !cmd: a pager is interactive anyway
-    "vim": ("-c", "+"),
-    "vi": ("-c", "+"),
-    "man": ("-P", "--pager", "-H"),
-}  # fmt: skip
-# Subcommands that run an arbitrary program given as an argument (`uv run bash ...`).
-RUNNER_SUBCOMMANDS = frozenset({("uv", "run"), ("uv", "tool"), ("poetry", "run"), ("pipenv", "run"), ("pdm", "run"),
-                                ("hatch", "run"), ("conda", "run"), ("docker", "run"), ("docker", "exec"),
-                                ("kubectl", "exec"), ("npm", "exec"), ("pnpm", "exec"), ("yarn", "exec"),
-                                ("pnpm", "dlx"), ("yarn", "dlx"), ("bun", "x"), ("git", "submodule")})  # fmt: skip
-# Programs whose first non-option argument is a subcommand (suggested prefix: `git status`).
-SUBCOMMAND_TOOLS = frozenset(
-    "git npm pnpm yarn cargo go make uv pip pip3 docker kubectl poetry hatch dotnet brew apt".split()
+_DEV_NULL = "/dev/null"
+# Builtins that change how later parts of the same command run: a command with one of them can be
+# allowed only by an exact rule for the whole command, never part by part.
+STATEFUL_BUILTINS = frozenset(
+    ". alias bind builtin command compgen complete declare enable eval exec export fc getopts hash history "
+    "let local mapfile printf read readarray readonly set shift shopt source test trap typeset ulimit umask "
+    "unalias unset [".split()
 )
-SAFE_REDIRECT_TARGETS = frozenset({"/dev/null"})
-_KEYWORDS = frozenset(
-    "if then else elif fi for while until do done case esac select function coproc [[ ]]".split()
-)
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=")
-_FD_DUP = re.compile(r"^&?[0-9]*-?$")
 
 
 class ShellParseError(ValueError):
-    """The command uses shell syntax the policy does not understand; it cannot be rule-allowed."""
+    """The command is not provably plain: no rule may allow it (the user can still run it once)."""
 
 
+# --------------------------------------------------------------------------- the prefix table
 @dataclass(frozen=True)
-class Part:
-    """One simple command: its words (unquoted), its redirections and leading assignments."""
+class ProgramSpec:
+    """A program that may be prefix-allowed, and the options that disqualify a command."""
 
-    argv: tuple[str, ...]
-    redirects: tuple[tuple[str, str], ...] = ()
-    assignments: tuple[str, ...] = ()
+    deny_short: str = ""  # short option letters, alone or bundled (`-uo` has `o`)
+    deny_long: tuple[str, ...] = ()  # GNU long options; any abbreviation of one counts
+    deny_args: tuple[str, ...] = ()  # argument prefixes refused anywhere (find's `-exec`, `-fprint0`)
+    subcommands: Mapping[str, ProgramSpec] | None = None  # only these subcommands, no options before
 
-    @property
-    def text(self) -> str:
-        """Canonical form, used for exact per-part rules and shown in the dialog."""
-        words = [*self.assignments, *(shlex.quote(a) for a in self.argv)]
-        words += [f"{op}{shlex.quote(t)}" for op, t in self.redirects]
-        return " ".join(words)
-
-    @property
-    def program(self) -> str:
-        return os.path.basename(self.argv[0]) if self.argv else ""
-
-    def unsafe_redirects(self) -> list[str]:
-        out = []
-        for op, target in self.redirects:
-            if op.endswith("&") and _FD_DUP.match(target):  # 2>&1, >&2, <&0, >&-
-                continue
-            if target in SAFE_REDIRECT_TARGETS and ">" in op:
-                continue
-            out.append(f"{op}{target}")
-        return out
-
-    def prefix_blocker(self) -> str | None:
-        """Why no prefix rule may ever cover this part, or None."""
-        prog = self.program
-        if not self.argv:
-            return "it is only a redirection"
-        if is_wrapper(prog):
-            return f"`{prog}` runs other programs or code, so it can only be allowed exactly"
-        if self.assignments:
-            return (
-                "it sets variables for the command ("
-                + ", ".join(a.split("=")[0] for a in self.assignments)
-                + ")"
-            )
-        if len(self.argv) > 1 and (prog, self.argv[1]) in RUNNER_SUBCOMMANDS:
-            return f"`{prog} {self.argv[1]}` runs other programs, so it can only be allowed exactly"
-        bad = exec_option(prog, self.argv[1:])
-        if bad:
-            return f"`{prog} {bad}` can run other programs"
-        redir = self.unsafe_redirects()
-        if redir:
-            return "it redirects to a file (" + ", ".join(redir) + ")"
+    def blocker(self, program: str, args: tuple[str, ...]) -> str | None:
+        """Why `program args` cannot be covered by a prefix rule, or None."""
+        if self.subcommands is not None:
+            if not args or args[0].startswith("-"):
+                return f"options before a `{program}` subcommand (like `-c`, `-C`) can run programs"
+            sub = self.subcommands.get(args[0])
+            if sub is None:
+                names = ", ".join(sorted(self.subcommands))
+                return f"`{program} {args[0]}` is not one of the subcommands that may be prefix-allowed ({names})"
+            return sub.blocker(f"{program} {args[0]}", args[1:])
+        for arg in args:
+            if arg == "--":
+                break
+            if any(arg.startswith(p) for p in self.deny_args):
+                return f"`{program} {arg}` can run programs or write files"
+            if arg.startswith("--"):
+                name = arg[2:].split("=", 1)[0]
+                hit = next((o for o in self.deny_long if name and o.startswith(name)), None)
+                if hit:
+                    return f"`{program} {arg}` (--{hit}) can run programs or write files"
+            elif arg.startswith("-") and len(arg) > 1:
+                hit = next((c for c in arg[1:] if c in self.deny_short), None)
+                if hit:
+                    return f"`{program} {arg}` (-{hit}) can run programs or write files"
         return None
 
 
-def is_wrapper(program: str) -> bool:
-    name = os.path.basename(program)
-    return name in WRAPPERS or bool(_VERSIONED.match(name))
+_PLAIN = ProgramSpec()
+_GIT_READ = ProgramSpec(deny_short="O", deny_long=("output", "ext-diff", "open-files-in-pager", "textconv"))
+PREFIX_TABLE: Mapping[str, ProgramSpec] = {
+    **dict.fromkeys(
+        "ls cat head tail wc pwd echo true false cut tr nl tac rev fold paste comm join column expand "
+        "unexpand diff cmp basename dirname realpath readlink stat du df id whoami uname nproc printenv "
+        "sha1sum sha256sum sha512sum md5sum b2sum cksum od hexdump grep sleep".split(),
+        _PLAIN,
+    ),
+    "printf": ProgramSpec(deny_short="v"),  # printf -v 'a[$(cmd)]' evaluates the subscript
+    "rg": ProgramSpec(deny_short="z", deny_long=("pre", "pre-glob", "search-zip", "hostname-bin")),
+    "find": ProgramSpec(deny_args=("-exec", "-ok", "-delete", "-fprint", "-fls")),
+    "sort": ProgramSpec(deny_short="oT", deny_long=("output", "compress-program", "temporary-directory")),
+    "tree": ProgramSpec(deny_short="o"),
+    "file": ProgramSpec(deny_short="CzZ", deny_long=("compile", "uncompress")),  # -z may run gzip
+    "date": ProgramSpec(deny_short="s", deny_long=("set",)),
+    "git": ProgramSpec(
+        subcommands={
+            **dict.fromkeys(("status", "ls-files", "rev-parse", "describe", "shortlog"), ProgramSpec()),
+            **dict.fromkeys(("diff", "log", "show", "grep", "blame"), _GIT_READ),
+        }
+    ),
+}
 
 
-def exec_option(program: str, args: Iterable[str]) -> str | None:
-    opts = EXEC_OPTIONS.get(os.path.basename(program), ())
-    for a in args:
-        for o in opts:
-            if a == o or (o.startswith("--") and a.startswith(o + "=")) or (o == "+" and a.startswith("+")):
-                return a
-            if len(o) == 2 and o.startswith("-") and not a.startswith("--") and a.startswith(o) and o != "-":
-                return a  # -cfoo, -Ifoo
-        if program.endswith("less") and a.startswith("!"):
-            return a
-    return None
+def prefix_table_reason(program: str) -> str:
+    return (
+        f"`{program}` is not in flashcode's table of programs whose arguments cannot run code or write "
+        "files, so only this exact command can be allowed"
+    )
 
 
 # --------------------------------------------------------------------------- parsing
-_OPERATORS = ("&&", "||", "|&", ";;", ";", "&", "|", "\n")
-_REDIRECTS = ("&>>", "&>", ">>", ">&", ">|", "<>", "<&", ">", "<")
+@dataclass(frozen=True)
+class Part:
+    """One simple command: its words (unquoted) and its (harmless) redirections."""
+
+    argv: tuple[str, ...]
+    redirects: tuple[str, ...] = ()  # as written: `2>/dev/null`, `2>&1`
+
+    @property
+    def text(self) -> str:
+        """Canonical form, used for exact per-part rules."""
+        return " ".join([shlex.join(self.argv), *self.redirects]).strip()
+
+    @property
+    def program(self) -> str:
+        return self.argv[0] if self.argv else ""
+
+    def prefix_blocker(self) -> str | None:
+        """Why no prefix rule may cover this part, or None."""
+        spec = PREFIX_TABLE.get(self.program)
+        if spec is None:
+            return prefix_table_reason(self.program)
+        return spec.blocker(self.program, self.argv[1:])
 
 
-class _Parser:
-    """A small recursive scanner over bash syntax; raises ShellParseError when unsure."""
+@functools.cache
+def _parser() -> Parser:
+    return Parser(Language(tree_sitter_bash.language()))
 
-    def __init__(self, text: str) -> None:
-        self.s = text
-        self.i = 0
-        self.parts: list[Part] = []
 
-    def error(self, what: str) -> ShellParseError:
-        return ShellParseError(
-            f"{what} (at character {self.i + 1}); this command can only be run once by hand"
+def _check_characters(command: str) -> None:
+    if not command.strip():
+        raise ShellParseError("the command is empty")
+    if len(command) > MAX_COMMAND_CHARS:
+        raise ShellParseError(
+            f"the command is {len(command):,} characters; rules cover at most {MAX_COMMAND_CHARS:,}"
         )
+    for ch in command:
+        if ch in "\n\t":
+            continue
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+            raise ShellParseError(f"the command contains an invisible or control character (U+{ord(ch):04X})")
 
-    def parse(self, closer: str | None = None) -> list[Part]:
-        words: list[str] = []
-        redirects: list[tuple[str, str]] = []
-        depth_here = 0
-        while True:
-            self.skip_blanks()
-            if self.i >= len(self.s):
-                if closer is not None:
-                    raise self.error(f"missing `{closer}`")
-                break
-            c = self.s[self.i]
-            if c == "#":  # at a word start: a comment to the end of the line
-                while self.i < len(self.s) and self.s[self.i] != "\n":
-                    self.i += 1
-                continue
-            if c == ")" and depth_here:
-                depth_here -= 1
-                self.i += 1
-                self.flush(words, redirects)
-                continue
-            if closer is not None and c == closer:
-                self.i += 1
-                break
-            if c == ")":
-                raise self.error("unbalanced `)`")
-            op = None if self.s.startswith("&>", self.i) else self.match(_OPERATORS)
-            if op:
-                if op == ";;":
-                    raise self.error("`;;` outside case")
-                self.i += len(op)
-                self.flush(words, redirects)
-                continue
-            if c == "(":
-                if words or redirects:
-                    raise self.error("`(` after a word (function definitions are not supported)")
-                if self.s.startswith("((", self.i):
-                    raise self.error("arithmetic `((...))` is not supported")
-                depth_here += 1
-                self.i += 1
-                continue
-            redir = self.redirection(words)
-            if redir:
-                redirects.append(redir)
-                continue
-            if c in "<>" and self.s.startswith("(", self.i + 1):
-                self.i += 2
-                self.parts.extend(_Parser(self.s).sub(self, ")"))
-                words.append("/dev/fd/63")  # what bash passes for a process substitution
-                continue
-            word = self.word()
-            if not words and not redirects and word in ("{", "}", "!"):
-                continue
-            if not words and word == "}":
-                continue
-            words.append(word)
-        if depth_here:
-            raise self.error("unbalanced `(`")
-        self.flush(words, redirects)
-        return self.parts
 
-    def sub(self, outer: _Parser, closer: str) -> list[Part]:
-        """Parse a nested command starting at outer.i up to `closer`; advance outer past it."""
-        self.i = outer.i
-        parts = self.parse(closer)
-        outer.i = self.i
-        return parts
+def _node_text(node: Node) -> str:
+    return (node.text or b"").decode("utf-8", "surrogatepass")
 
-    def flush(self, words: list[str], redirects: list[tuple[str, str]]) -> None:
-        if not words and not redirects:
-            return
-        assignments: list[str] = []
-        while words and _ASSIGNMENT.match(words[0]):
-            assignments.append(words.pop(0))
-        if words:
-            head = words[0]
-            if head in _KEYWORDS:
-                raise self.error(f"shell keyword `{head}` is not supported")
-            if any(ch in head for ch in "$*?[`") or "\x00" in head:
-                raise self.error(f"the command name `{head}` is computed or a glob")
-            if head in ("{", "}", "!"):
-                raise self.error(f"`{head}` in an unexpected place")
-        self.parts.append(Part(tuple(words), tuple(redirects), tuple(assignments)))
-        words.clear()
-        redirects.clear()
 
-    def skip_blanks(self) -> None:
-        while self.i < len(self.s):
-            if self.s[self.i] in " \t":
-                self.i += 1
-            elif self.s.startswith("\\\n", self.i):
-                self.i += 2
-            else:
-                break
-
-    def match(self, options: tuple[str, ...]) -> str | None:
-        for o in options:
-            if self.s.startswith(o, self.i):
-                return o
-        return None
-
-    def redirection(self, words: list[str]) -> tuple[str, str] | None:
-        j = self.i
-        while j < len(self.s) and self.s[j].isdigit():
-            j += 1
-        if self.s.startswith("<<", j):
-            raise self.error("here-documents and here-strings are not supported")
-        op = None
-        for o in _REDIRECTS:
-            if self.s.startswith(o, j):
-                op = o
-                break
-        if op is None or (j > self.i and op.startswith("&")):
-            return None
-        if self.s.startswith("(", j + len(op)) and op in ("<", ">"):
-            return None  # process substitution
-        fd = self.s[self.i : j]
-        self.i = j + len(op)
-        self.skip_blanks()
-        if self.i >= len(self.s) or self.s[self.i] in ";&|\n()<>":
-            raise self.error(f"redirection `{op}` without a target")
-        target = self.word()
-        return (fd + op, target)
-
-    def word(self) -> str:
-        out: list[str] = []
-        s = self.s
-        while self.i < len(s):
-            c = s[self.i]
-            if c in " \t\n;&|()<>":
-                break
-            if c == "'":
-                end = s.find("'", self.i + 1)
-                if end < 0:
-                    raise self.error("unclosed single quote")
-                out.append(s[self.i + 1 : end])
-                self.i = end + 1
-            elif c == '"':
-                self.i += 1
-                out.append(self.double_quoted())
-            elif c == "\\":
-                if self.i + 1 >= len(s):
-                    raise self.error("trailing backslash")
-                if s[self.i + 1] != "\n":
-                    out.append(s[self.i + 1])
-                self.i += 2
-            elif c == "$":
-                out.append(self.dollar())
-            elif c == "`":
-                self.backtick()
-                out.append("$(...)")
-            elif c == "{" and self.brace_expansion():
-                raise self.error("brace expansion `{a,b}` is not supported")
-            elif ord(c) < 32 or c == "\x7f":
-                raise self.error("control character in the command")
-            else:
-                out.append(c)
-                self.i += 1
-        if not out:
-            raise self.error(f"unexpected `{s[self.i] if self.i < len(s) else 'end'}`")
+def _word_value(node: Node) -> str:
+    """The value of one argument node of the plain subset (quotes removed), or ShellParseError."""
+    kind, text = node.type, _node_text(node)
+    if kind in ("word", "number"):
+        bad = next((c for c in text if c not in _SAFE_WORD), None)
+        if bad is not None or not text:
+            raise ShellParseError(f"`{text}` has {bad!r}, which bash may expand or treat specially")
+        return text
+    if kind == "raw_string":
+        return text[1:-1]
+    if kind == "string":
+        out = []
+        for child in node.children:
+            if child.type == '"':
+                continue
+            if child.type != "string_content":
+                raise ShellParseError(f"{text} contains {child.type.replace('_', ' ')}")
+            value = _node_text(child)
+            if any(c in _BAD_IN_DOUBLE_QUOTES for c in value):
+                raise ShellParseError(
+                    f"{text} contains `$`, a backtick, `!` or a backslash inside double quotes"
+                )
+            out.append(value)
         return "".join(out)
+    if kind == "concatenation":
+        return "".join(_word_value(c) for c in node.children)
+    raise ShellParseError(f"`{text}` is a {kind.replace('_', ' ')}")
 
-    def brace_expansion(self) -> bool:
-        """Whether the unquoted `{` at i opens a `{a,b}` or `{1..3}` expansion."""
-        j = self.i + 1
-        while j < len(self.s) and self.s[j] not in " \t\n;&|()<>}":
-            j += 1
-        if j >= len(self.s) or self.s[j] != "}":
-            return False
-        inner = self.s[self.i + 1 : j]
-        return "," in inner or ".." in inner
 
-    def double_quoted(self) -> str:
-        out: list[str] = []
-        s = self.s
-        while True:
-            if self.i >= len(s):
-                raise self.error("unclosed double quote")
-            c = s[self.i]
-            if c == '"':
-                self.i += 1
-                return "".join(out)
-            if c == "\\" and self.i + 1 < len(s) and s[self.i + 1] in '$`"\\\n':
-                if s[self.i + 1] != "\n":
-                    out.append(s[self.i + 1])
-                self.i += 2
-            elif c == "$":
-                out.append(self.dollar())
-            elif c == "`":
-                self.backtick()
-                out.append("$(...)")
-            else:
-                out.append(c)
-                self.i += 1
+def _redirect(node: Node) -> str:
+    text = _node_text(node)
+    if node.type != "file_redirect":
+        raise ShellParseError(f"`{text}` is a {node.type.replace('_', ' ')}")
+    ops = [c.type for c in node.children if not c.is_named]
+    target = node.child_by_field_name("destination")
+    value = _word_value(target) if target is not None else ""
+    if ops in ([">"], [">>"], ["&>"], ["&>>"]) and value == _DEV_NULL:
+        return text
+    if ops == [">&"] and value.isdigit():
+        return text
+    raise ShellParseError(f"`{text}` redirects to a file (only /dev/null and `2>&1` are plain)")
 
-    def dollar(self) -> str:
-        s = self.s
-        nxt = s[self.i + 1] if self.i + 1 < len(s) else ""
-        if nxt == "(":
-            if s.startswith("((", self.i + 1):
-                raise self.error("arithmetic `$((...))` is not supported")
-            self.i += 2
-            self.parts.extend(_Parser(s).sub(self, ")"))
-            return "$(...)"
-        if nxt in ("{", "'", '"', "["):
-            raise self.error(f"`${nxt}` expansions are not supported")
-        self.i += 1
-        return "$"
 
-    def backtick(self) -> None:
-        end = self.s.find("`", self.i + 1)
-        if end < 0:
-            raise self.error("unclosed backtick")
-        inner = self.s[self.i + 1 : end]
-        if "\\" in inner:
-            raise self.error("escapes inside backticks are not supported")
-        self.parts.extend(_Parser(inner).parse())
-        self.i = end + 1
+def _command(node: Node, redirects: tuple[str, ...] = ()) -> Part:
+    argv: list[str] = []
+    for child in node.children:
+        if child.type == "command_name":
+            if child.named_child_count != 1:
+                raise ShellParseError(f"`{_node_text(child)}` is not a plain command name")
+            argv.append(_word_value(child.named_children[0]))
+        elif child.type in ("word", "number", "raw_string", "string", "concatenation"):
+            argv.append(_word_value(child))
+        elif child.type == "file_redirect":
+            redirects = (*redirects, _redirect(child))
+        else:
+            raise ShellParseError(f"`{_node_text(child)}` is a {child.type.replace('_', ' ')}")
+    if not argv:
+        raise ShellParseError("a part of the command runs no program")
+    if argv[0] in _RESERVED:
+        raise ShellParseError(f"`{argv[0]}` is a bash keyword")
+    return Part(tuple(argv), redirects)
+
+
+def _grammar_parts(command: str) -> list[Part]:
+    """Parts of the command by the bash grammar, or ShellParseError for anything not plain."""
+    tree = _parser().parse(command.encode("utf-8", "surrogatepass"))
+    root = tree.root_node
+    if root.has_error:
+        raise ShellParseError("bash would not parse it as written (a syntax error)")
+    parts: list[Part] = []
+    stack: list[Node] = [root]
+    while stack:  # iterative: deep nesting cannot exhaust Python's stack
+        node = stack.pop()
+        kind = node.type
+        if kind in ("program", "list", "pipeline"):
+            for child in reversed(node.children):
+                if child.is_named:
+                    stack.append(child)
+                elif child.type not in (";", "&&", "||", "|"):
+                    raise ShellParseError(f"`{child.type}` is not a plain list operator")
+        elif kind == "command":
+            parts.append(_command(node))
+        elif kind == "redirected_statement":
+            body = node.child_by_field_name("body")
+            redirects = tuple(_redirect(c) for c in node.children_by_field_name("redirect"))
+            if len(redirects) != node.named_child_count - 1:
+                raise ShellParseError(f"`{_node_text(node)[:60]}` has parts the policy does not know")
+            if body is None or body.type != "command":
+                raise ShellParseError("a redirection applies to a compound statement")
+            parts.append(_command(body, redirects))
+        else:
+            raise ShellParseError(f"`{_node_text(node)[:60]}` is a {kind.replace('_', ' ')}")
+    return parts
+
+
+def _lexer_parts(command: str) -> list[tuple[str, ...]]:
+    """The argv of each part by a strict lexer of the plain subset: the grammar's cross-check."""
+    parts: list[tuple[str, ...]] = []
+    words: list[str] = []
+    i, n = 0, len(command)
+
+    def end_part() -> None:
+        if not words:
+            raise ShellParseError("an operator has no command before it")
+        parts.append(tuple(words))
+        words.clear()
+
+    while i < n:
+        ch = command[i]
+        if ch in " \t":
+            i += 1
+        elif ch == "\n" or ch == ";":
+            if words:
+                end_part()
+            i += 1
+        elif command.startswith(("&&", "||"), i):
+            end_part()
+            i += 2
+        elif ch == "|":
+            end_part()
+            i += 1
+        elif ch in "<>&" or (ch.isdigit() and _redirect_at(command, i)):
+            i = _skip_redirect(command, i)
+        else:
+            word, i = _lex_word(command, i)
+            words.append(word)
+    if words:
+        parts.append(tuple(words))
+    return parts
+
+
+def _redirect_at(command: str, i: int) -> bool:
+    j = i
+    while j < len(command) and command[j].isdigit():
+        j += 1
+    return j < len(command) and command[j] == ">"
+
+
+def _skip_redirect(command: str, i: int) -> int:
+    """Skip a harmless redirection at i (`2>/dev/null`, `>>/dev/null`, `&>/dev/null`, `2>&1`)."""
+    j = i
+    while j < len(command) and command[j].isdigit():
+        j += 1
+    for op in ("&>>", "&>", ">>", ">&", ">"):
+        if command.startswith(op, j):
+            j += len(op)
+            break
+    else:
+        raise ShellParseError(f"`{command[i : i + 10]}` is not a plain redirection")
+    while j < len(command) and command[j] in " \t":
+        j += 1
+    target, j = _lex_word(command, j)
+    if not (target == _DEV_NULL and op != ">&") and not (op == ">&" and target.isdigit()):
+        raise ShellParseError(f"a redirection to `{target}` is not plain")
+    return j
+
+
+def _lex_word(command: str, i: int) -> tuple[str, int]:
+    out: list[str] = []
+    n = len(command)
+    while i < n and command[i] not in " \t\n;|&<>":
+        ch = command[i]
+        if ch in "'\"":
+            close = command.find(ch, i + 1)
+            if close < 0:
+                raise ShellParseError("a quote is not closed")
+            value = command[i + 1 : close]
+            if ch == '"' and any(c in _BAD_IN_DOUBLE_QUOTES for c in value):
+                raise ShellParseError("`$`, a backtick, `!` or a backslash inside double quotes")
+            out.append(value)
+            i = close + 1
+        elif ch in _SAFE_WORD:
+            out.append(ch)
+            i += 1
+        else:
+            raise ShellParseError(f"{ch!r} may be expanded or treated specially by bash")
+    if not out:
+        raise ShellParseError("an empty word")
+    return "".join(out), i
 
 
 def parse_command(command: str) -> list[Part]:
-    """Every simple command in `command`, substitutions included; raises ShellParseError."""
-    if not command.strip():
-        raise ShellParseError("the command is empty")
-    parts = _Parser(command).parse()
-    if not any(p.argv for p in parts):
-        raise ShellParseError("the command runs no program")
+    """The parts of a provably plain command; ShellParseError (with the reason) for anything else."""
+    _check_characters(command)
+    parts = _grammar_parts(command)
+    if [p.argv for p in parts] != _lexer_parts(command):
+        raise ShellParseError("the bash grammar and the strict lexer read it differently")
     return parts
 
 
@@ -412,14 +376,38 @@ class Rule:
         return f"{'exact' if self.kind == 'exact' else 'prefix'} rule `{self.pattern}`"
 
 
-def prefix_matches(rule: Rule, part: Part) -> bool:
+def _rule_parts(rule: Rule) -> list[Part] | None:
     try:
-        words = tuple(shlex.split(rule.pattern))
-    except ValueError:
+        return parse_command(rule.pattern)
+    except ShellParseError:
+        return None
+
+
+def prefix_matches(rule: Rule, part: Part) -> bool:
+    """A prefix rule covers a part: same leading words, a program in the table, no refused option."""
+    parts = _rule_parts(rule)
+    if not parts or len(parts) != 1 or parts[0].redirects:
         return False
-    if not words or is_wrapper(words[0]) or part.prefix_blocker() is not None:
+    words = parts[0].argv
+    return part.argv[: len(words)] == words and _valid_prefix(words) is None and part.prefix_blocker() is None
+
+
+def _valid_prefix(words: tuple[str, ...]) -> str | None:
+    spec = PREFIX_TABLE.get(words[0])
+    if spec is None:
+        return prefix_table_reason(words[0])
+    if spec.subcommands is not None and len(words) < 2:
+        return f"a `{words[0]}` prefix rule must name the subcommand (e.g. `{words[0]} status`)"
+    return spec.blocker(words[0], words[1:])
+
+
+def exact_matches(rule: Rule, command: str, part: Part | None = None) -> bool:
+    if rule.kind != "exact":
         return False
-    return part.argv[: len(words)] == words
+    if part is None:
+        return rule.pattern.strip() == command.strip()
+    parts = _rule_parts(rule)
+    return parts is not None and len(parts) == 1 and parts[0].text == part.text
 
 
 def normalize(command: str) -> str:
@@ -435,7 +423,7 @@ class Verdict:
     allowed: bool = False
     rules: list[Rule] = field(default_factory=list)  # the rules that matched
     reason: str = ""  # why it is (not) allowed, one line
-    parse_error: str | None = None
+    parse_error: str | None = None  # why it is not a plain command (then no rule can allow it)
     prefix: str | None = None  # the prefix "Always allow this prefix" would save, if any
     prefix_blocked: str | None = None  # why no prefix can be offered
 
@@ -447,17 +435,29 @@ class Verdict:
     def can_always_prefix(self) -> bool:
         return self.prefix is not None
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "command": self.command,
+            "allowed": self.allowed,
+            "reason": self.reason,
+            "parse_error": self.parse_error,
+            "prefix": self.prefix,
+            "prefix_blocked": self.prefix_blocked,
+            "parts": [list(p.argv) for p in self.parts],
+        }
+
 
 def suggest_prefix(part: Part) -> str:
-    argv = part.argv
-    words = [argv[0]]
-    if part.program in SUBCOMMAND_TOOLS and len(argv) > 1 and not argv[1].startswith("-"):
-        words.append(argv[1])
-    return shlex.join(words)
+    spec = PREFIX_TABLE.get(part.program)
+    n = 2 if spec is not None and spec.subcommands is not None else 1
+    return shlex.join(part.argv[:n])
 
 
-def check_command(command: str, rules: Iterable[Rule]) -> Verdict:
-    """Decide whether the per-project `rules` allow `command`, and explain it."""
+def check_command(command: str, rules: Iterable[Rule], *, sandboxed: bool = True) -> Verdict:
+    """Decide whether the per-project `rules` allow `command`, and explain it.
+
+    `sandboxed=False` (no OS sandbox on this machine): rules never allow anything; every command asks.
+    """
     command = normalize(command)
     rules = list(rules)
     v = Verdict(command)
@@ -465,25 +465,29 @@ def check_command(command: str, rules: Iterable[Rule]) -> Verdict:
         v.parts = parse_command(command)
     except ShellParseError as exc:
         v.parse_error = str(exc)
-        v.reason = f"not understood by the policy: {exc}"
-        v.prefix_blocked = "the command could not be parsed"
+        v.reason = f"not a plain command ({exc}), so no rule can allow it"
+        v.prefix_blocked = "only plain commands can be allowed by a rule"
         return v
     _offer_prefix(v)
-    for r in rules:
-        if r.kind == "exact" and r.pattern == command:
-            v.allowed, v.rules, v.reason = True, [r], f"allowed by the {r.describe()}"
-            return v
-    missing: list[str] = []
+    if not sandboxed:
+        v.reason = "there is no OS sandbox on this machine, so every command asks"
+        return v
+    whole = next((r for r in rules if exact_matches(r, command)), None)
+    if whole is not None:
+        v.allowed, v.rules, v.reason = True, [whole], f"allowed by the {whole.describe()}"
+        return v
+    missing: list[Part] = []
+    per_part = not any(p.program in STATEFUL_BUILTINS for p in v.parts) or len(v.parts) == 1
     for part in v.parts:
-        hit = next((r for r in rules if r.kind == "exact" and r.pattern == part.text), None)
+        hit = next((r for r in rules if per_part and exact_matches(r, command, part)), None)
         hit = hit or next((r for r in rules if r.kind == "prefix" and prefix_matches(r, part)), None)
         if hit is None:
-            missing.append(part.text)
+            missing.append(part)
         elif hit not in v.rules:
             v.rules.append(hit)
     if missing:
-        v.reason = "no allow rule matches " + ", ".join(f"`{m}`" for m in missing)
-        blocked = [b for p in v.parts if (b := p.prefix_blocker())]
+        v.reason = "no allow rule matches " + ", ".join(f"`{m.text}`" for m in missing)
+        blocked = [b for p in missing if (b := p.prefix_blocker()) and p.program in PREFIX_TABLE]
         if blocked:
             v.reason += f" ({blocked[0]})"
         return v
@@ -496,27 +500,31 @@ def _offer_prefix(v: Verdict) -> None:
     if len(v.parts) != 1:
         v.prefix_blocked = f"it has {len(v.parts)} parts; a prefix rule covers one simple command"
         return
-    blocker = v.parts[0].prefix_blocker()
+    part = v.parts[0]
+    blocker = part.prefix_blocker()
+    if blocker is None and part.redirects:
+        blocker = "it has redirections; a prefix rule covers a command without them"
     if blocker:
         v.prefix_blocked = blocker
         return
-    v.prefix = suggest_prefix(v.parts[0])
+    v.prefix = suggest_prefix(part)
 
 
 def validate_rule(kind: RuleKind, pattern: str) -> Rule:
-    """Refuse rules that could never be safe: prefix rules for wrappers or compound text."""
+    """Refuse rules that could never be safe: prefix rules outside the table, anything not plain."""
     pattern = normalize(pattern)
     if kind not in ("exact", "prefix"):
         raise ValueError(f"rule kind must be 'exact' or 'prefix', got {kind!r}")
     if not pattern:
         raise ValueError("an allow rule needs a command")
-    if kind == "prefix":
+    try:
         parts = parse_command(pattern)
-        if len(parts) != 1 or parts[0].redirects or parts[0].assignments:
-            raise ValueError(f"a prefix rule must be one plain command, got {pattern!r}")
-        blocker = parts[0].prefix_blocker()
+    except ShellParseError as exc:
+        raise ValueError(f"{pattern!r} is not a plain command ({exc}); no rule can allow it") from None
+    if kind == "prefix":
+        if len(parts) != 1 or parts[0].redirects:
+            raise ValueError(f"a prefix rule must be one plain command without redirections, got {pattern!r}")
+        blocker = _valid_prefix(parts[0].argv)
         if blocker:
             raise ValueError(f"{pattern!r} can never be prefix-allowed: {blocker}")
-    else:
-        parse_command(pattern)  # an exact rule must at least be understood
     return Rule(kind, pattern)

@@ -40,6 +40,13 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX IF NOT EXISTS agent_actions_project ON agent_actions (project, created_at);
     """,
+    """
+    CREATE TABLE IF NOT EXISTS agent_project_settings (
+        project TEXT PRIMARY KEY,
+        network INTEGER NOT NULL DEFAULT 0,
+        updated_at REAL NOT NULL
+    );
+    """,
 ]
 
 
@@ -66,6 +73,21 @@ class ActionRecord:
 class AgentStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+
+    # ------------------------------------------------------------------ sandbox settings
+    def network_allowed(self, project: str) -> bool:
+        """Whether the project's commands may use the network (off unless the user turned it on)."""
+        row = self.conn.execute("SELECT network FROM agent_project_settings WHERE project = ?", (project,))
+        found = row.fetchone()
+        return bool(found and found[0])
+
+    def set_network_allowed(self, project: str, allowed: bool) -> None:
+        self.conn.execute(
+            "INSERT INTO agent_project_settings (project, network, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (project) DO UPDATE SET network = excluded.network, updated_at = excluded.updated_at",
+            (project, int(allowed), time.time()),
+        )
+        self.conn.commit()
 
     # ------------------------------------------------------------------ allow rules
     def add_rule(self, project: str, kind: RuleKind, pattern: str) -> Rule:

@@ -1,0 +1,103 @@
+"""The sandbox layer: detection, the no-sandbox fallback (every command asks), the clean environment,
+and the macOS profile's text. tests/security/ runs the adversarial probes inside bubblewrap."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_agent_loop import Approver, collect, make_session, of
+from webapp.agent import events as ev
+from webapp.agent import sandbox
+from webapp.agent.runner import CommandRun
+from webapp.agent.shell import Rule, check_command
+
+pytest_plugins = ["tests.test_agent_loop"]
+
+
+@pytest.fixture
+def no_sandbox(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("FLASHCODE_NO_SANDBOX", "1")
+    sandbox.detect.cache_clear()
+    yield
+    sandbox.detect.cache_clear()
+
+
+def test_sandbox_is_detected_on_this_machine() -> None:
+    status = sandbox.detect()
+    assert status.available and status.kind == "bubblewrap", status.reason
+
+
+def test_without_a_sandbox_rules_never_auto_allow(no_sandbox: None) -> None:
+    assert not sandbox.detect().available
+    v = check_command("ls -la", [Rule("prefix", "ls"), Rule("exact", "ls -la")], sandboxed=False)
+    assert not v.allowed and "no OS sandbox" in v.reason and v.prefix == "ls"
+
+
+def test_without_a_sandbox_the_agent_asks_and_says_so(no_sandbox: None, worker, fake, project, store) -> None:
+    store.add_rule(str(project.resolve()), "prefix", "ls")
+    approver = Approver(ev.Decision.once())
+    events = asyncio.run(collect(make_session(worker, project, store, approver), "/shell ls"))
+    (proposal,) = of(events, ev.Proposal)
+    assert not proposal.allowed_by_rule and not proposal.sandboxed and len(approver.asked) == 1
+    assert proposal.sandbox.startswith("NOT sandboxed: disabled by FLASHCODE_NO_SANDBOX")
+    assert of(events, ev.ActionExit)[0].exit_code == 0  # approved once, it runs (unsandboxed)
+
+
+def test_a_rule_allowed_command_runs_in_the_sandbox(worker, fake, project, store, tmp_path: Path) -> None:
+    store.add_rule(str(project.resolve()), "prefix", "cat")
+    events = asyncio.run(collect(make_session(worker, project, store, None), "/shell cat /proc/1/comm"))
+    (proposal,) = of(events, ev.Proposal)
+    assert proposal.allowed_by_rule and proposal.sandboxed and "network off" in proposal.sandbox
+    out = "".join(e.text for e in of(events, ev.ActionOutput))
+    assert (
+        of(events, ev.ActionExit)[0].exit_code == 0 and out.strip() == "bwrap"
+    )  # PID 1 of its own namespace
+
+
+def test_command_env_drops_secrets_and_relative_path_entries(tmp_path: Path) -> None:
+    env = {
+        "PATH": f".:bin::/usr/bin:{tmp_path}/bin:/bin",
+        "OPENAI_API_KEY": "sk-1",
+        "HOME": "/h",
+        "LC_ALL": "C",
+    }
+    out = sandbox.command_env(env, project_dir=tmp_path)
+    assert out["PATH"] == "/usr/bin:/bin" and "OPENAI_API_KEY" not in out
+    assert out["HOME"] == "/h" and out["LC_ALL"] == "C" and out["PAGER"] == "cat"
+
+
+def test_sandboxed_run_sees_no_secret_env_and_writes_only_in_the_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    project = tmp_path / "p"
+    project.mkdir()
+    run = CommandRun(
+        "env; touch ok; touch /usr/x 2>&1; echo done", project, sandbox=sandbox.SandboxPolicy(project)
+    )
+
+    async def go() -> list:
+        return [item async for item in run.stream()]
+
+    items = asyncio.run(go())
+    text = run.transcript()
+    assert "sk-secret" not in text and "done" in text and "Read-only file system" in text
+    assert (project / "ok").exists() and items[-1].exit_code == 0
+
+
+def test_seatbelt_profile_limits_writes_secrets_and_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    project = tmp_path / 'we"ird'
+    project.mkdir()
+    text = sandbox.seatbelt_profile(sandbox.SandboxPolicy(project), "/private/tmp/x")
+    assert "(deny file-write*)" in text and '(subpath "/private/tmp/x")' in text
+    assert f'(subpath "{tmp_path}/we\\"ird")' in text  # quoted, not broken out of
+    assert f'(subpath "{tmp_path}/.ssh")' in text and '(deny network* (remote ip "*:*"))' in text
+    assert "deny network" not in sandbox.seatbelt_profile(sandbox.SandboxPolicy(project, network=True))
