@@ -18,6 +18,7 @@ pattern, and every path is checked to stay inside the project's own folder.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import time
 import unicodedata
 import zipfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,7 +46,13 @@ DEFAULT_QUOTA_BYTES = 4 << 30  # per project; FLASHCODE_CONTEXT_QUOTA_MB overrid
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _CTX_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
 _MEMBERS = {"meta.json", "tokens.json", "cache.safetensors", "cache.bin"}
+_CACHE_OF = {"mlx": "cache.safetensors", "llama": "cache.bin"}  # backend -> its cache file
 _MAX_NAME = 100
+# An import inflates nothing before checking what its zip header declares (a zip bomb is refused unread).
+MAX_META_BYTES = 64 << 10
+MAX_TOKENS_BYTES = 64 << 20  # ~6M token ids as JSON
+_ZIP_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+_SHA = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class ContextNameError(EngineError):
@@ -157,6 +164,119 @@ def crc32_file(path: Path) -> int:
 def quota_from_env() -> int:
     mb = os.environ.get("FLASHCODE_CONTEXT_QUOTA_MB")
     return int(float(mb) * (1 << 20)) if mb else DEFAULT_QUOTA_BYTES
+
+
+# --------------------------------------------------------------------------- import checks
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _shown(value: Any) -> str:
+    return f"{_clip(repr(value))} ({type(value).__name__})"
+
+
+def _whole(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high  # not a bool, not a float
+
+
+def _plain(value: Any, limit: int) -> bool:
+    """One line of printable text, 1..limit characters (no controls, no bidi overrides)."""
+    return (isinstance(value, str) and 0 < len(value) <= limit
+            and not any(unicodedata.category(ch)[0] == "C" for ch in value))  # fmt: skip
+
+
+def _iso_time(value: Any) -> bool:
+    try:
+        return _plain(value, 40) and bool(datetime.fromisoformat(value))
+    except ValueError:
+        return False
+
+
+_META_RULES: list[tuple[str, str, Callable[[Any], bool]]] = [
+    ("format", repr(CONTEXT_FORMAT), lambda v: v == CONTEXT_FORMAT),
+    ("name", "text", lambda v: isinstance(v, str)),
+    ("model", "a model name (text, 1-200 characters)", lambda v: _plain(v, 200)),
+    ("model_sha256", "a weights hash (letters, digits, '-', '_')",
+     lambda v: isinstance(v, str) and bool(_SHA.fullmatch(v))),
+    ("backend", "'mlx' or 'llama'", lambda v: isinstance(v, str) and v in _CACHE_OF),
+    ("token_count", "a whole number of tokens >= 0", lambda v: _whole(v, 0, 1 << 31)),
+    ("kv_bits", "a whole number of bits, 1-64", lambda v: _whole(v, 1, 64)),
+    ("cache_bytes", "a whole number of bytes >= 0", lambda v: _whole(v, 0, 1 << 50)),
+    ("cache_crc32", "a CRC-32 (a whole number below 2**32)", lambda v: _whole(v, 0, 0xFFFFFFFF)),
+    ("cache_file", "the cache file's name", lambda v: isinstance(v, str) and v in _CACHE_OF.values()),
+    ("created", "an ISO 8601 time", _iso_time),
+    ("flashcode_version", "a version (text, 1-40 characters)", lambda v: _plain(v, 40)),
+    ("conversation_id", "a conversation id or null",
+     lambda v: v is None or (isinstance(v, str) and bool(_ID.fullmatch(v)))),
+]  # fmt: skip
+
+
+def check_meta(meta: Any, source: str) -> dict[str, Any]:
+    """An imported meta.json, field by field: the known fields, the name cleaned. Raises
+    ContextImportError naming the field, the value found and what it must be."""
+    fix = "re-export it with flashcode"
+    if not isinstance(meta, dict):
+        raise ContextImportError(f"{source} has a bad meta.json: it must be a JSON object, "
+                                 f"found {_shown(meta)}: {fix}")  # fmt: skip
+    for field, want, ok in _META_RULES:
+        if field == "conversation_id" and field not in meta:
+            continue  # optional
+        if field not in meta:
+            raise ContextImportError(f"{source} has a bad meta.json: the field {field!r} is missing: {fix}")
+        if not ok(meta[field]):
+            raise ContextImportError(f"{source} has a bad meta.json: {field!r} must be {want}, "
+                                     f"found {_shown(meta[field])}: {fix}")  # fmt: skip
+    if meta["cache_file"] != _CACHE_OF[meta["backend"]]:
+        raise ContextImportError(f"{source} has a bad meta.json: 'cache_file' of a {meta['backend']} context is "
+                                 f"{_CACHE_OF[meta['backend']]!r}, found {_shown(meta['cache_file'])}: {fix}")  # fmt: skip
+    out = {field: meta.get(field) for field, _, _ in _META_RULES}
+    try:
+        out["name"] = clean_name(meta["name"])
+    except ContextNameError as exc:
+        raise ContextImportError(
+            f"{source} has a bad meta.json: 'name' is empty without its control characters: {fix}"
+        ) from exc
+    return out
+
+
+def _inflate(zf: zipfile.ZipFile, info: zipfile.ZipInfo, out: Any, limit: int) -> int:
+    """Copy one member into `out` (a binary file or a BytesIO), never more than its declared size
+    nor `limit` bytes, whatever the compressed stream holds. Returns the bytes written."""
+    if info.file_size > limit:
+        raise ContextImportError(f"{info.filename} declares {_human(info.file_size)}; a context's "
+                                 f"{info.filename} is at most {_human(limit)}: refused unread")  # fmt: skip
+    done = 0
+    try:
+        with zf.open(info) as src:
+            while chunk := src.read(1 << 20):
+                done += len(chunk)
+                if done > info.file_size:
+                    raise ContextImportError(f"{info.filename} inflates past its declared size: refused")
+                out.write(chunk)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as exc:
+        raise ContextImportError(f"{info.filename} is damaged ({exc}): re-export it") from exc
+    if done != info.file_size:
+        raise ContextImportError(
+            f"{info.filename} is truncated ({done} of {info.file_size} bytes): re-export it"
+        )
+    return done
+
+
+def _check_tokens(path: Path, meta: dict[str, Any], source: str) -> None:
+    """tokens.json must hold whole token ids; an MLX cache holds exactly `token_count` of them."""
+    try:
+        tokens = json.loads(path.read_bytes())["tokens"]
+    except (ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise ContextImportError(
+            f"{source} has an unreadable tokens.json ({type(exc).__name__}): re-export it"
+        ) from exc
+    if not isinstance(tokens, list) or not all(_whole(t, 0, 1 << 31) for t in tokens):
+        raise ContextImportError(
+            f"{source} has a bad tokens.json: 'tokens' must be a list of token ids: re-export it"
+        )
+    if meta["backend"] == "mlx" and len(tokens) != meta["token_count"]:
+        raise ContextImportError(f"{source} is damaged: its tokens.json holds {len(tokens)} token ids for {meta['token_count']} "
+                                 "cached tokens: re-export it")  # fmt: skip
 
 
 def _human(n: float) -> str:
@@ -442,30 +562,33 @@ class ContextStore:
         self, project_id: str, file: Path, name: str | None = None, require_model: bool = True
     ) -> SavedContext:
         """Add an exported context to `project_id` (a new id; nothing existing is overwritten). With
-        `require_model`, an installed model must have the context's weights hash."""
+        `require_model`, an installed model must have the context's weights hash. Every check runs
+        before the context appears; a refused import leaves nothing behind."""
         file = Path(file)
         try:
             zf = zipfile.ZipFile(file)
-        except (OSError, zipfile.BadZipFile) as exc:
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
             raise ContextImportError(f"{file.name} is not a flashcode context export ({exc})") from exc
         with zf:
             meta = self._check_export(zf, file)
             if require_model:
                 self._require_installed(meta, file)
+            if name is not None:
+                meta["name"] = clean_name(name)
             self._check_quota(project_id, sum(i.file_size for i in zf.infolist()))
             parent = self.contexts_dir(project_id, create=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
             try:
-                for member in ("tokens.json", meta["cache_file"]):
-                    with zf.open(member) as src, (tmp / member).open("wb") as out:
-                        shutil.copyfileobj(src, out, 8 << 20)
+                for member, limit in (("tokens.json", MAX_TOKENS_BYTES), (meta["cache_file"], 1 << 50)):
+                    with (tmp / member).open("wb") as out:
+                        _inflate(zf, zf.getinfo(member), out, limit)
                         out.flush()
                         os.fsync(out.fileno())
-                if crc32_file(tmp / meta["cache_file"]) != int(meta["cache_crc32"]):
+                _check_tokens(tmp / "tokens.json", meta, file.name)
+                if crc32_file(tmp / meta["cache_file"]) != meta["cache_crc32"]:
                     raise ContextImportError(f"{file.name} is damaged: its cache fails its checksum")
-                if name is not None:
-                    meta["name"] = clean_name(name)
                 _write_json(tmp / "meta.json", meta)
+                self._read(project_id, tmp)  # what `list` and `get` will read must read back
                 cid = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
                 os.rename(tmp, parent / cid)
                 fsync_path(parent)
@@ -476,26 +599,38 @@ class ContextStore:
 
     @staticmethod
     def _check_export(zf: zipfile.ZipFile, file: Path) -> dict[str, Any]:
-        names = set(zf.namelist())
-        if not names <= _MEMBERS or "meta.json" not in names:
-            odd = sorted(names - _MEMBERS)
+        """The zip's directory and meta.json, checked from the declared sizes before anything is inflated."""
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        if not set(names) <= _MEMBERS or "meta.json" not in names:
+            odd = sorted(set(names) - _MEMBERS)
+            shown = ", ".join(_clip(repr(n), 40) for n in odd[:3])
+            shown += f" and {len(odd) - 3} more" if len(odd) > 3 else ""
             raise ContextImportError(
-                f"{file.name} is not a flashcode context export (unexpected entries {odd})"
+                f"{file.name} is not a flashcode context export (unexpected entries [{shown}])"
             )
+        if len(set(names)) != len(names):
+            raise ContextImportError(f"{file.name} holds the same entry twice: re-export it")
+        for info in infos:
+            if info.compress_type not in _ZIP_METHODS or info.flag_bits & 0x1:
+                raise ContextImportError(f"{file.name}: {info.filename} is encrypted or compressed with method "
+                                         f"{info.compress_type}; flashcode reads stored or deflated entries: re-export it")  # fmt: skip
+        buf = io.BytesIO()
+        _inflate(zf, zf.getinfo("meta.json"), buf, MAX_META_BYTES)
         try:
-            meta = json.loads(zf.read("meta.json"))
-            clean_name(meta["name"])
-            ok = (
-                meta.get("format") == CONTEXT_FORMAT
-                and meta["cache_file"] in names
-                and "tokens.json" in names
+            raw = json.loads(buf.getvalue())
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
+            raise ContextImportError(
+                f"{file.name} has an unreadable meta.json ({type(exc).__name__}): re-export it"
+            ) from exc
+        meta = check_meta(raw, file.name)
+        if meta["cache_file"] not in names or "tokens.json" not in names:
+            raise ContextImportError(
+                f"{file.name} is incomplete (it needs tokens.json and {meta['cache_file']}): re-export it"
             )
-            ok = ok and zf.getinfo(meta["cache_file"]).file_size == int(meta["cache_bytes"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ContextImportError(f"{file.name} has an unreadable meta.json ({exc})") from exc
-        if not ok:
+        if zf.getinfo(meta["cache_file"]).file_size != meta["cache_bytes"]:
             raise ContextImportError(f"{file.name} is incomplete or damaged: re-export it")
-        return dict(meta)
+        return meta
 
     @staticmethod
     def _require_installed(meta: dict[str, Any], file: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,22 @@ async def window(request: Request) -> Response:
 
 async def _fields(request: Request) -> dict[str, Any]:
     if request.headers.get("content-type", "").startswith("application/json"):
-        body = await request.json()
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+            raise HTTPException(400, f"the request body is not readable JSON ({type(exc).__name__}): "
+                                     'send an object like {"name": "my context"}') from exc  # fmt: skip
         return body if isinstance(body, dict) else {}
     return dict(await request.form())
+
+
+def _kv_bits(value: Any) -> int | None:
+    """The form's KV precision: "native" (or nothing) keeps the cache's own; else 16, 8 or 4 bits."""
+    if value in (None, "", "native"):
+        return None
+    if str(value) not in ("16", "8", "4"):
+        raise HTTPException(400, f"kv_bits {str(value)[:40]!r} is not a KV precision: use 16, 8, 4 or native")
+    return int(str(value))
 
 
 def _history(request: Request, conversation_id: str) -> list[Message]:
@@ -165,7 +179,7 @@ async def save_context(request: Request) -> Response:
     f = await _fields(request)
     store, pid = _store(request), request.path_params["project_id"]
     conv = str(f.get("conversation_id") or "")
-    bits = int(f["kv_bits"]) if f.get("kv_bits") not in (None, "", "native") else None
+    bits = _kv_bits(f.get("kv_bits"))
     history = _history(request, conv) if conv else None
     try:
         ctx = await _state(request).engine.worker.acall(
@@ -218,11 +232,18 @@ async def delete_context(request: Request) -> Response:
 
 async def export_context(request: Request) -> Response:
     store, pid, cid = _store(request), request.path_params["project_id"], request.path_params["context_id"]
+    try:
+        await asyncio.to_thread(store.get, pid, cid)  # the id first: nothing is made for an unknown one
+    except EngineError as exc:
+        return _error(exc)
     tmp = Path(tempfile.mkdtemp(prefix="flashcode-export-"))
     try:
         path = await asyncio.to_thread(store.export, pid, cid, tmp)
-    except EngineError as exc:
-        return _error(exc)
+    except BaseException as exc:
+        _remove(tmp)  # nothing to send, nothing left behind
+        if isinstance(exc, EngineError):
+            return _error(exc)
+        raise
     return FileResponse(path, filename=path.name, media_type="application/zip",
                         background=BackgroundTask(_remove, tmp))  # fmt: skip
 
@@ -246,7 +267,8 @@ async def import_context(request: Request) -> Response:
         with dest.open("wb") as out:
             while chunk := await upload.read(8 << 20):
                 out.write(chunk)
-        name = str(form.get("name") or "") or None
+        name = form.get("name")
+        name = name if isinstance(name, str) and name else None
         ctx = await asyncio.to_thread(store.import_file, pid, dest, name)
     except EngineError as exc:
         return _error(exc, request)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
 
-from . import router
+from . import router, sandbox
 from .events import (
     ActionExit,
     ActionOutput,
@@ -57,6 +57,7 @@ from .search import DDGSProvider, SearchProvider, SearchResult, SearchUnavailabl
 from .shell import Verdict, check_command
 from .slash import SlashCall, SlashError, help_text, parse_slash
 from .store import AgentStore, ensure_schema
+from .untrusted import attribute, neutralise
 
 log = logging.getLogger(__name__)
 ApprovalCallback = Callable[[Proposal], Awaitable[Decision]]
@@ -76,10 +77,12 @@ _CITE = re.compile(r"\[(\d{1,2})\]")
 
 
 def quote_untrusted(source: str, text: str, limit: int = UNTRUSTED_CHARS) -> str:
-    """Wrap data for the model; the closing tag cannot be forged from inside."""
+    """Wrap data for the model; nothing inside (nor in `source`) can open or close the block: each
+    `<` that reads as the start of an `untrusted` tag (any case; spaces, slashes, NULs or invisible
+    characters in it; full-width or lookalike characters) becomes `&lt;`, controls show as ␀ and
+    friends (`untrusted.py`)."""
     body = text[-limit:] if len(text) > limit else text
-    body = re.sub(r"</?\s*untrusted", "<_untrusted", body, flags=re.I)
-    return f'<untrusted source="{source}">\n{body}\n</untrusted>'
+    return f'<untrusted source="{attribute(source)}">\n{neutralise(body)}\n</untrusted>'
 
 
 def extract_command(reply: str) -> str:
@@ -112,6 +115,7 @@ class AgentSession:
         output_cap: int = DEFAULT_OUTPUT_CAP,
         history: list[Message] | None = None,
         on_model: Callable[[str], Awaitable[None]] | None = None,
+        hidden: tuple[Path, ...] = (),
     ) -> None:
         self.worker = worker
         self.files = ProjectFiles(Path(project_dir))
@@ -131,6 +135,7 @@ class AgentSession:
         self.output_cap = output_cap
         self.history: list[Message] = list(history or [])
         self.on_model = on_model
+        self.hidden = tuple(Path(h) for h in hidden)  # paths commands never see (flashcode's data dir)
         self.mode: Mode = "agent"
         self._run: CommandRun | None = None
         self._gen: Any = None
@@ -256,9 +261,11 @@ class AgentSession:
                 async for ev in self._chat(text):
                     yield ev
                 return
-        verdict = check_command(command, self.store.list_rules(self.project))
+        box = sandbox.detect()
+        rules = self.store.list_rules(self.project)
+        verdict = check_command(command, rules, sandboxed=box.available)
         action_id = self.store.record_proposal(self.project, "shell", verdict.command, self.conversation_id)
-        proposal = self._shell_proposal(action_id, verdict)
+        proposal = self._shell_proposal(action_id, verdict, box)
         yield proposal
         decided = await self._decide(proposal, verdict)
         yield decided
@@ -269,7 +276,8 @@ class AgentSession:
             yield AnswerDelta(answer)
             yield AnswerDone(answer)
             return
-        run = CommandRun(verdict.command, self.project_dir, self.shell_timeout_s, self.output_cap)
+        policy = self.sandbox_policy() if box.available else None
+        run = CommandRun(verdict.command, self.project_dir, self.shell_timeout_s, self.output_cap, policy)
         self._run = run
         try:
             async for item in run.stream():
@@ -337,12 +345,19 @@ class AgentSession:
             yield ev
 
     # ------------------------------------------------------------------ approval
-    def _shell_proposal(self, action_id: int, v: Verdict) -> Proposal:
+    def sandbox_policy(self) -> sandbox.SandboxPolicy:
+        """What the project's commands may touch: the project directory, and the network if allowed."""
+        network = self.store.network_allowed(self.project)
+        return sandbox.SandboxPolicy(self.project_dir, network=network, hidden=self.hidden)
+
+    def _shell_proposal(self, action_id: int, v: Verdict, box: sandbox.SandboxStatus) -> Proposal:
         choices = ("deny", "once") if v.parse_error else (
             ("deny", "once", "always_exact", "always_prefix") if v.prefix else ("deny", "once", "always_exact"))  # fmt: skip
+        policy = self.sandbox_policy()
         return Proposal(action_id, "shell", v.command, str(self.project_dir), self.shell_timeout_s,
                         allowed_by_rule=v.allowed, rule_text=v.reason, parse_error=v.parse_error,
-                        prefix=v.prefix, prefix_blocked=v.prefix_blocked, choices=choices)  # fmt: skip
+                        prefix=v.prefix, prefix_blocked=v.prefix_blocked, choices=choices,
+                        sandbox=box.describe(policy), sandboxed=box.available, network=policy.network)  # fmt: skip
 
     async def _decide(self, proposal: Proposal, verdict: Verdict | None) -> Decided:
         """Ask (unless a rule allows it), apply an always-allow, and record the decision."""
@@ -354,6 +369,8 @@ class AgentSession:
         kind, rule, reason = decision.kind, None, decision.reason
         if kind not in proposal.choices:
             kind, reason = "deny", f"{kind} was not offered for this action"
+        if proposal.tool == "shell" and decision.network is not None and kind != "deny":
+            self.store.set_network_allowed(self.project, decision.network)
         if kind == "always_exact":
             rule = self.store.add_rule(self.project, "exact", proposal.command).pattern
         elif kind == "always_prefix" and proposal.prefix:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from .runner import CommandExit, OutputChunk
+from .visible import proposal_warnings
 
 DecisionKind = Literal["deny", "once", "always_exact", "always_prefix"]
 DECISIONS: tuple[DecisionKind, ...] = ("deny", "once", "always_exact", "always_prefix")
@@ -106,13 +107,22 @@ class Proposal(_Event):
     prefix_blocked: str | None = None  # why that button is disabled
     diff: str | None = None  # for writes
     choices: tuple[DecisionKind, ...] = DECISIONS
+    warnings: tuple[str, ...] = ()  # shown first in the dialog; invisible characters and .git/ add theirs
+    sandbox: str = ""  # "sandboxed: writes only in <project>, network off", or why it is not sandboxed
+    sandboxed: bool = True
+    network: bool = False  # whether the project's commands may use the network
     type: str = "proposal"
+
+    def __post_init__(self) -> None:
+        found = proposal_warnings(self.tool, self.command, self.diff)
+        object.__setattr__(self, "warnings", tuple(dict.fromkeys((*self.warnings, *found))))
 
 
 @dataclass(frozen=True)
 class Decision(_Event):
     kind: DecisionKind = "deny"
     reason: str = ""
+    network: bool | None = None  # the project's network switch as the dialog left it (None: unchanged)
     type: str = "decision"
 
     @classmethod
@@ -132,10 +142,10 @@ class Decision(_Event):
         return cls("always_prefix")
 
     @classmethod
-    def from_answer(cls, choice: str, note: str = "") -> Decision:
+    def from_answer(cls, choice: str, note: str = "", network: bool | None = None) -> Decision:
         """A dialog answer from the client; anything unexpected is a deny."""
         if choice in DECISIONS and choice != "deny":
-            return cls(choice)  # type: ignore[arg-type]
+            return cls(choice, network=network)  # type: ignore[arg-type]
         return cls.deny(note.strip()[:2000] if choice == "deny" else f"unknown choice {choice[:40]!r}")
 
 

@@ -5,18 +5,37 @@ resolved root, or `PathOutsideProjectError` is raised; that a write or edit is f
 `FileChange` with a unified diff, applied only after approval, and refused if the file changed in
 between. What it does not know: approval itself (the agent loop asks), the model, the UI.
 
-Not covered: a symlink swapped in between the check and the write by another process on the same
-machine (time-of-check/time-of-use); the project root is trusted.
+How a write stays inside: at apply time every folder from the root down is opened again without
+following symlinks (O_NOFOLLOW, one `openat` per name), the target is opened the same way and must
+be a regular file with one link (a hard link would share its contents with a file elsewhere) whose
+text is still the diff's, and the new text goes to a temp file in that folder that is renamed
+over the name: a symlink swapped in after the check is replaced, never followed. Bad paths (NUL
+bytes, names past the system's limits, symlink loops, deep nesting) raise `FileToolError` with a
+message, never anything else.
+
+Not covered: the project root itself is trusted; a read may follow a hard link out of the project
+(package managers such as pnpm hard-link whole trees).
 """
 
 from __future__ import annotations
 
 import difflib
+import errno
 import os
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 MAX_READ_BYTES = 200_000
+MAX_EDIT_BYTES = 5 << 20  # the file tools diff and rewrite text files up to this size
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux (1024 on macOS is checked by the system itself)
+MAX_NAME_BYTES = 255
+MAX_DEPTH = 64  # names in a path, counted from /
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
 
 
 class FileToolError(Exception):
@@ -36,6 +55,54 @@ class FileChange:
     type: str = "file_change"
 
 
+def shown(path: str, limit: int = 120) -> str:
+    """A path for a message: invisible characters escaped (repr), at most `limit` characters."""
+    text = repr(str(path))[1:-1]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _os_message(path: str, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"{shown(path)}: a symlink loop (a link that leads back to itself): remove the link or use another path"
+    if exc.errno == errno.ENAMETOOLONG:
+        return f"{shown(path)}: the path is too long for this system (at most {MAX_NAME_BYTES} bytes a name)"
+    if exc.errno == errno.ENOTDIR:
+        return f"{shown(path)}: a part of the path is a file, not a folder"
+    return f"{shown(path)}: {exc.strerror or exc}"
+
+
+def _check_path(path: str, given: str | None = None) -> None:
+    """Refuse a path no tool here can show or reopen: not UTF-8, too long, too deep."""
+    given = path if given is None else given
+    try:
+        data = path.encode("utf-8")
+    except UnicodeError as exc:  # a lone surrogate: no UTF-8 name, nothing the page or database can hold
+        raise FileToolError(
+            f"not a file path: {shown(given)} holds characters that are not UTF-8 text"
+        ) from exc
+    parts = Path(path).parts
+    if len(data) >= MAX_PATH_BYTES or any(len(p.encode()) > MAX_NAME_BYTES for p in parts):
+        raise FileToolError(f"{shown(given)}: the path is too long (at most {MAX_PATH_BYTES - 1} bytes in all, "
+                            f"{MAX_NAME_BYTES} bytes a name)")  # fmt: skip
+    if len(parts) > MAX_DEPTH:
+        raise FileToolError(
+            f"{shown(given)} is nested {len(parts)} folders deep; the file tools go at most {MAX_DEPTH} deep"
+        )
+
+
+@contextmanager
+def _os_errors(path: str) -> Iterator[None]:
+    """OSError (and the RuntimeError older Pythons raise for symlink loops) -> FileToolError."""
+    try:
+        yield
+    except FileToolError:
+        raise
+    except OSError as exc:
+        raise FileToolError(_os_message(path, exc)) from exc
+    except RuntimeError as exc:  # Path.resolve on Python < 3.13: "Symlink loop from ..."
+        raise FileToolError(_os_message(path, OSError(errno.ELOOP, str(exc)))) from exc
+
+
 class ProjectFiles:
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve(strict=True)
@@ -45,34 +112,121 @@ class ProjectFiles:
     def resolve(self, path: str | Path) -> Path:
         """The real path of `path` (relative to the root, or absolute); refused if outside."""
         raw = str(path).strip()
-        if not raw or "\x00" in raw:
-            raise FileToolError(f"not a file path: {raw!r}")
-        p = Path(os.path.expanduser(raw)) if raw.startswith("~") else Path(raw)
-        full = (p if p.is_absolute() else self.root / p).resolve(strict=False)
+        if not raw:
+            raise FileToolError("not a file path: it is empty")
+        if "\x00" in raw:
+            raise FileToolError(f"not a file path: {shown(raw)} has a NUL byte, which no file name can hold")
+        _check_path(raw)
+        with _os_errors(raw):
+            p = Path(os.path.expanduser(raw)) if raw.startswith("~") else Path(raw)
+            full = (p if p.is_absolute() else self.root / p).resolve(strict=False)
         if full != self.root and not full.is_relative_to(self.root):
             raise PathOutsideProjectError(
-                f"{raw} resolves to {full}, outside the project {self.root}: refused"
+                f"{shown(raw)} resolves to {shown(str(full))}, outside the project {self.root}: refused"
             )
+        _check_path(str(full), raw)  # a link may lead somewhere deeper or to a name that is not UTF-8
         return full
 
     def relative(self, full: Path) -> str:
         return str(full.relative_to(self.root)) if full != self.root else "."
 
+    # ------------------------------------------------------------------ opening without following links
+    def _open_dir(self, parts: tuple[str, ...], create: bool = False) -> int | None:
+        """A descriptor of root/parts, each folder opened without following a symlink; None if one
+        is missing (created when `create`). Refuses a symlink or a file on the way."""
+        fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            for i, part in enumerate(parts):
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        os.close(fd)
+                        return None
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    where = shown("/".join(parts[: i + 1]))
+                    raise PathOutsideProjectError(
+                        f"{where} is a symlink or a file, not a folder (it changed after the path was "
+                        "checked): refused; propose the change again"
+                    ) from exc
+                os.close(fd)
+                fd = nxt
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_file(self, dfd: int, name: str, rel: str) -> int | None:
+        """`name` in the folder `dfd`, opened for reading without following a symlink; None if absent."""
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PathOutsideProjectError(
+                    f"{shown(rel)} is now a symlink (it changed after the path was checked): refused"
+                ) from exc
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise FileToolError(f"{shown(rel)} is not a regular file")
+        return fd
+
+    def _open_target(self, full: Path) -> int | None:
+        """The regular file at `full`, opened for reading with no link followed on the way; None if absent."""
+        parts = full.relative_to(self.root).parts
+        dfd = self._open_dir(parts[:-1])
+        if dfd is None:
+            return None
+        try:
+            return self._open_file(dfd, parts[-1], self.relative(full))
+        finally:
+            os.close(dfd)
+
+    @staticmethod
+    def _text(fd: int, rel: str) -> tuple[str, int]:
+        """The text and mode of an open regular file (closed after). Refused when it has more than
+        one hard link (writing it would change its other names, maybe outside the project, too) or
+        is too big to diff."""
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_nlink > 1:
+                raise FileToolError(
+                    f"{shown(rel)} has {st.st_nlink} hard links: another name, maybe outside the project, "
+                    "shares its contents and would change too: refused (copy it to a new file to edit it)"
+                )
+            if st.st_size > MAX_EDIT_BYTES:
+                raise FileToolError(f"{shown(rel)} is {st.st_size:,} bytes; the file tools edit text files "
+                                    f"up to {MAX_EDIT_BYTES:,} bytes")  # fmt: skip
+            return f.read(MAX_EDIT_BYTES + 1).decode("utf-8", errors="replace"), st.st_mode
+
+    # ------------------------------------------------------------------ the tools
     def read(self, path: str, max_bytes: int = MAX_READ_BYTES) -> str:
         full = self.resolve(path)
-        if not full.is_file():
-            raise FileToolError(f"{path}: no such file in the project")
-        with full.open("rb") as f:
-            data = f.read(max_bytes + 1)
+        parts = full.relative_to(self.root).parts
+        if not parts:
+            raise FileToolError(f"{shown(path)} is the project directory, not a file")
+        with _os_errors(path):
+            fd = self._open_target(full)
+            if fd is None:
+                raise FileToolError(f"{shown(path)}: no such file in the project")
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(max_bytes + 1)
         text = data[:max_bytes].decode("utf-8", errors="replace")
         return text + (f"\n[... truncated at {max_bytes} bytes]" if len(data) > max_bytes else "")
 
     def _current(self, full: Path) -> str | None:
-        if not full.exists():
-            return None
-        if not full.is_file():
-            raise FileToolError(f"{self.relative(full)} is not a regular file")
-        return full.read_text(encoding="utf-8", errors="replace")
+        """The file's text now; None when there is no such file."""
+        rel = self.relative(full)
+        with _os_errors(rel):
+            fd = self._open_target(full)
+            return None if fd is None else self._text(fd, rel)[0]
 
     def propose_write(self, path: str, content: str) -> FileChange:
         full = self.resolve(path)
@@ -83,25 +237,57 @@ class ProjectFiles:
 
     def propose_edit(self, path: str, find: str, replace: str) -> FileChange:
         full = self.resolve(path)
+        if full == self.root:
+            raise FileToolError(f"{shown(path)} is the project directory, not a file")
         old = self._current(full)
         if old is None:
-            raise FileToolError(f"{path}: no such file in the project")
+            raise FileToolError(f"{shown(path)}: no such file in the project")
         count = old.count(find) if find else 0
         if count != 1:
             raise FileToolError(
-                f"{path}: the text to replace occurs {count} times; it must occur exactly once"
+                f"{shown(path)}: the text to replace occurs {count} times; it must occur exactly once"
             )
         new = old.replace(find, replace, 1)
         return FileChange(self.relative(full), old, new, unified_diff(self.relative(full), old, new))
 
     def apply(self, change: FileChange) -> None:
-        """Write an approved change; re-checks the path and that the file did not change meanwhile."""
+        """Write an approved change. Everything is checked again, on descriptors: no folder on the
+        way is a symlink, the file is not a symlink nor hard-linked, and its text is still `old`."""
         full = self.resolve(change.path)
-        if self._current(full) != change.old:
-            raise FileToolError(f"{change.path} changed since the diff was shown: propose it again")
-        full.parent.mkdir(parents=True, exist_ok=True)
-        self.resolve(change.path)  # the new parents may not have moved it outside
-        full.write_text(change.new, encoding="utf-8")
+        parts = full.relative_to(self.root).parts
+        if not parts:
+            raise FileToolError("cannot write the project directory itself")
+        with _os_errors(change.path):
+            dfd = self._open_dir(parts[:-1], create=True)
+            assert dfd is not None
+            try:
+                self._replace(dfd, parts[-1], change)
+            finally:
+                os.close(dfd)
+
+    def _replace(self, dfd: int, name: str, change: FileChange) -> None:
+        fd = self._open_file(dfd, name, change.path)
+        current, mode = (None, None) if fd is None else self._text(fd, change.path)
+        if current != change.old:
+            raise FileToolError(f"{shown(change.path)} changed since the diff was shown: propose it again")
+        tmp = f".flashcode-{secrets.token_hex(6)}.tmp"
+        tfd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dfd
+        )
+        try:
+            with os.fdopen(tfd, "wb") as out:
+                out.write(change.new.encode("utf-8"))
+                if mode is not None:
+                    os.fchmod(out.fileno(), stat.S_IMODE(mode))  # keep the old file's permissions
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a name; never follows one
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
 
 
 def unified_diff(path: str, old: str | None, new: str) -> str:

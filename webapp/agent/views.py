@@ -12,10 +12,12 @@ from typing import Any
 from jinja2 import Environment
 
 from . import events as ev
+from .visible import invisible_parts
 
 
 class AgentViews:
     def __init__(self, env: Environment) -> None:
+        env.filters.setdefault("invisible_parts", invisible_parts)  # before the template compiles
         self.ui: Any = env.get_template("agent/fragments.html").module
 
     def approval_dialog(self, proposal: ev.Proposal, dialog_id: str) -> str:

@@ -27,6 +27,7 @@ from engine.base import SamplingParams
 from .. import stats_view
 from . import events as ev
 from .agent import AgentSession
+from .sandbox import detect
 from .search import DDGSProvider
 from .store import AgentStore, ensure_schema
 from .views import AgentViews
@@ -75,7 +76,7 @@ class AgentBridge:
             agent = AgentSession(self.session.state.engine.worker, self.project_dir, request_approval=self.approve,
                                  store=self.store, search=self.search, conversation_id=conversation_id,
                                  sampling=sampling, history=history, approval_timeout_s=DIALOG_TIMEOUT_S,
-                                 on_model=self._switch_model)  # fmt: skip
+                                 on_model=self._switch_model, hidden=(self.session.state.settings.data_dir,))  # fmt: skip
             agent.mode = DEFAULT_MODE  # type: ignore[assignment]
             self.agents[conversation_id] = agent
         return agent
@@ -93,7 +94,8 @@ class AgentBridge:
         finally:
             self.session.dialogs.pop(dialog_id, None)
             self.session.send(self.views.dialog_closed(dialog_id))
-        return ev.Decision.from_answer(answer.choice, answer.note)
+        network = answer.network if proposal.tool == "shell" else None
+        return ev.Decision.from_answer(answer.choice, answer.note, network)
 
     async def _switch_model(self, name: str) -> None:
         engine = self.session.state.engine
@@ -161,8 +163,9 @@ def _rules_html(request: Request) -> HTMLResponse:
     state = request.app.state.flashcode
     ensure_schema(state.db.conn)
     project = project_key(state.settings)
-    rules = AgentStore(state.db.conn).list_rules(project)
-    return HTMLResponse(str(AgentViews(state.views.env).ui.allow_rules(rules, project)))
+    store = AgentStore(state.db.conn)
+    ui = AgentViews(state.views.env).ui
+    return HTMLResponse(str(ui.allow_rules(store.list_rules(project), project, detect(), store.network_allowed(project))))
 
 
 async def rules_fragment(request: Request) -> HTMLResponse:
@@ -181,7 +184,20 @@ async def delete_rule(request: Request) -> HTMLResponse:
     return _rules_html(request)
 
 
+async def set_network(request: Request) -> HTMLResponse:
+    """POST /agent/network (CSRF-checked): the project's network switch (form field `network=on`)."""
+    from webapp.routes import check_csrf
+
+    await check_csrf(request)
+    state = request.app.state.flashcode
+    ensure_schema(state.db.conn)
+    form = await request.form()
+    AgentStore(state.db.conn).set_network_allowed(project_key(state.settings), form.get("network") == "on")
+    return _rules_html(request)
+
+
 ROUTES = [
     Route("/agent/rules", rules_fragment),
+    Route("/agent/network", set_network, methods=["POST"]),
     Route("/agent/rules/{rule_id:int}/delete", delete_rule, methods=["POST"]),
 ]

@@ -1,0 +1,69 @@
+"""Data quoted for the model: nothing inside can open or close the `<untrusted>` block.
+
+What it knows: how a reader might still see a tag where there is none on the surface: any case,
+spaces, tabs, slashes or NULs between `<` and the word, zero-width, bidi or combining characters
+inside the word, full-width and lookalike brackets and letters (`＜／ｕｎｔｒｕｓｔｅｄ＞`,
+Cyrillic `е`, `‹`). It reads the text as such a reader would (NFKC, case folded, lookalikes mapped,
+everything but letters, digits and `<` dropped) and escapes each `<` that starts `untrusted` there
+(it becomes `&lt;`). Control characters become visible control pictures (NUL is `␀`), so no C
+string ends early and cuts the closing tag off. What it does not know: prompts, the agent loop.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+TAG = "untrusted"
+# What a reader may take for "<", and for the letters of "untrusted" (after NFKC and casefold).
+_OPEN = "<‹〈⟨˂ᐸ❮❬⧼«≺⊲⟪《⦑"
+_LOOKALIKES = str.maketrans(
+    {**dict.fromkeys(_OPEN, "<"), "υ": "u", "ս": "u", "ᴜ": "u", "ʊ": "u", "ո": "n", "ɴ": "n", "η": "n",
+     "п": "n", "т": "t", "ᴛ": "t", "τ": "t", "г": "r", "ʀ": "r", "ᴦ": "r", "ѕ": "s", "ꜱ": "s", "ʂ": "s",
+     "е": "e", "ҽ": "e", "ᴇ": "e", "ε": "e", "є": "e", "ԁ": "d", "ᴅ": "d", "ɗ": "d"}
+)  # fmt: skip
+_TAG_START = re.compile("<" + TAG)
+
+
+def fold(ch: str) -> str:
+    """What a reader may take `ch` for: "<", lowercase letters and digits, or "" (drawn as nothing,
+    or punctuation and space that a tag may have between `<` and its name)."""
+    text = unicodedata.normalize("NFKC", ch).casefold().translate(_LOOKALIKES)
+    return "".join(c for c in text if c == "<" or c.isalnum())
+
+
+def _tag_starts(text: str) -> set[int]:
+    """Indices (in `text`) of the characters that read as the `<` of an `untrusted` tag."""
+    folded: list[str] = []
+    origin: list[int] = []
+    for i, ch in enumerate(text):
+        for c in fold(ch):
+            folded.append(c)
+            origin.append(i)
+    return {origin[m.start()] for m in _TAG_START.finditer("".join(folded))}
+
+
+def _picture(ch: str) -> str:
+    code = ord(ch)
+    if ch in "\t\n\r" or (0x20 <= code < 0x7F) or code > 0x7F:
+        return ch
+    return chr(0x2421) if code == 0x7F else chr(0x2400 + code)  # ␀ ␁ … ␟, ␡
+
+
+def neutralise(text: str) -> str:
+    """`text` with every tag-like `<untrusted` escaped and C0 controls drawn as control pictures."""
+    starts = _tag_starts(text)
+    return "".join("&lt;" if i in starts else _picture(ch) for i, ch in enumerate(text))
+
+
+def attribute(value: str, limit: int = 200) -> str:
+    """`value` as the quoted attribute of the opening tag: one line, no quote and no bracket of any
+    kind (so it cannot join the text after it into a tag either)."""
+    one_line = " ".join("".join(" " if unicodedata.category(c)[0] in "CZ" else c for c in value).split())
+    out = []
+    for ch in one_line[:limit]:
+        if "<" in fold(ch):
+            out.append("&lt;")
+        else:
+            out.append({'"': "&quot;", ">": "&gt;"}.get(ch, ch))
+    return "".join(out)
