@@ -1,0 +1,56 @@
+"""A new user's `/shell` in Chromium: the approval dialog says the command is sandboxed (writes only
+in the project, network off), Run once runs it inside bubblewrap, and a write outside the project
+fails there. Screenshot: tests/artifacts/sandbox-dialog.png."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser_ui import browser, fake_server, page  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.browser]
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    p = tmp_path / "proj"
+    p.mkdir()
+    monkeypatch.chdir(p)  # the web app's project is the directory it was started in
+    return p
+
+
+def wait_for(page, selector: str, timeout_s: float = 20.0):  # noqa: F811 - the page fixture
+    """Poll from Python (the page's CSP forbids eval, so no wait_for_function)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loc = page.locator(selector)
+        if loc.count():
+            return loc.first
+        time.sleep(0.1)
+    raise AssertionError(f"{selector} did not appear in {timeout_s} s")
+
+
+def test_browser_shell_dialog_says_sandboxed_and_the_command_is_contained(project, fake_server, page) -> None:  # noqa: F811
+    url, _fake = fake_server
+    outside = ARTIFACTS / f"escape-{project.parent.name}"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(url)
+    page.fill("#prompt", f"/shell pwd && touch inside.txt && touch {outside}")
+    page.press("#prompt", "Enter")
+    dialog = wait_for(page, ".agent-approval")
+    sandbox_line = dialog.locator("[data-field=sandbox]").inner_text()
+    assert sandbox_line == f"sandboxed: writes only in {project.resolve()}, network off"
+    assert not dialog.locator("input[name=network]").is_checked()
+    page.screenshot(path=str(ARTIFACTS / "sandbox-dialog.png"))
+    dialog.locator("button[data-choice=once]").click()
+    exit_line = wait_for(page, ".action-exit:has-text('Exit code')")
+    output = page.locator(".action-output").last.inner_text()
+    assert str(project.resolve()) in output and "Read-only file system" in output, output
+    assert "Exit code 1" in exit_line.inner_text()
+    assert (project / "inside.txt").exists() and not outside.exists()
+    assert "sandboxed: writes only in" in page.locator(".action-sandbox").last.inner_text()
+    assert not page.errors, page.errors
