@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,34 +58,72 @@ def _data_dir(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- setup / serve
 def cmd_setup(args: argparse.Namespace) -> int:
-    from engine.models import ensure_default_model, human_size
+    from engine.models import ensure_agent_model, ensure_default_model, human_size
 
-    info = ensure_default_model(quiet=args.quiet)
-    print(f"{info.name}\t{info.architecture}\t{human_size(info.size_bytes)}\t{info.path}")
+    from .preflight import check_data_dir, data_dir
+
+    check_data_dir(data_dir())  # one sentence for a data directory that cannot be used
+
+    for info in (ensure_default_model(quiet=args.quiet), ensure_agent_model(quiet=args.quiet)):
+        print(f"{info.name}\t{info.architecture}\t{human_size(info.size_bytes)}\t{info.path}")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Every start-up check runs before uvicorn (webapp.preflight): a failure is one sentence."""
     import uvicorn
 
     from engine.models import DEFAULT_MODEL
 
+    from . import preflight, security
     from .app import create_app
+    from .engine_host import make_loaded_backend, resolve_backend
     from .settings import Settings
 
-    settings = Settings(host=args.host, port=args.port, data_dir=paths.home(), backend=args.backend,
-                        model=args.model or DEFAULT_MODEL, backend_options=backend_options(args),
-                        extra_origins=tuple(args.allow_origin or ()))  # fmt: skip
-    if not settings.is_loopback:
-        print(
-            f"WARNING: listening on {args.host}: anyone who can reach this machine can use flashcode, "
-            "including its shell tool (still behind approval). Use the default 127.0.0.1 unless you mean it.",
-            file=sys.stderr,
-        )
-    print(f"flashcode on http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}", flush=True)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                ws_max_size=1 << 20)  # fmt: skip
+    root = preflight.check_data_dir(preflight.data_dir())
+    preflight.check_database(root)
+    model = args.model or DEFAULT_MODEL
+    preflight.check_model(model, root)
+    options = backend_options(args)
+    backend = resolve_backend(args.backend)
+    preflight.check_backend(backend, options)
+    settings = Settings(host=args.host, port=args.port, data_dir=root, backend=args.backend, model=model,
+                        backend_options=options, extra_origins=tuple(args.allow_origin or ()))  # fmt: skip
+    try:
+        settings.token = security.resolve_token(args.token, settings.is_loopback)
+    except ValueError as exc:
+        raise preflight.StartupError(str(exc)) from None
+    sock = preflight.bind_socket(args.host, args.port)
+    settings.port = sock.getsockname()[1]  # --port 0: the one the system picked
+    try:
+        print(f"loading {model} on {backend}...", flush=True)  # stdout: stderr carries only the error
+        worker = preflight.load_engine(lambda: make_loaded_backend(backend, model, options), model, backend)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        if not settings.is_loopback:
+            print(f"WARNING: listening on {args.host}: anyone who can reach this machine and has the token can use "
+                  "flashcode, including its shell tool (still behind approval). Use the default 127.0.0.1 unless "
+                  "you mean it.", file=sys.stderr)  # fmt: skip
+        sock.listen(2048)  # from here connections wait in the backlog: the printed URL works at once
+        urls = security.token_urls(args.host, settings.port, settings.token)
+        print(f"flashcode on {urls[0]}" + "".join(f"\n         or {u}" for u in urls[1:]), flush=True)
+        config = uvicorn.Config(create_app(settings, worker=worker), host=args.host, port=settings.port,
+                                log_level=args.log_level, ws_max_size=1 << 20)  # fmt: skip
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        worker.close()
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor_report, format_report
+    from .preflight import data_dir
+
+    report = doctor_report(data_dir())  # looked at, never created
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
 
 
 # --------------------------------------------------------------------------- models
@@ -306,28 +345,45 @@ def add_generation_args(p: argparse.ArgumentParser, backends: Sequence[str] = ("
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)")
 
 
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: `flashcode -v serve` and `flashcode serve -v` both work (the subparser keeps the global's value)
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="more logging, and a traceback with any error")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashcode", description="A local LLM coding agent with a classic-Mac UI.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("setup", help="fetch and import the default model (idempotent)")
+    p = sub.add_parser("setup", help="fetch and import the default and agent models (idempotent)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--quiet", action="store_true")
+    _add_verbose(p)
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("serve", help="run the web app")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: only this machine can connect; anything else exposes the agent)")  # fmt: skip
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
     p.add_argument("--model", default=None)
     add_engine_args(p)
     p.add_argument("--allow-origin", action="append", metavar="URL",
                    help="also accept pages from this origin (e.g. http://my-mac.local:8000 when using --host 0.0.0.0)")
+    p.add_argument("--token", default=None,
+                   help="access token the page, websocket and /v1 require (default: $FLASHCODE_TOKEN, else a random "
+                        "one when --host is not loopback; printed in the URL)")  # fmt: skip
     p.add_argument("--log-level", default="info")
+    _add_verbose(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("doctor", help="what is installed and what is missing (run this first when something is off)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_verbose(p)
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("import", help="convert a GGUF file into an MLX model directory")
     p.add_argument("file")
@@ -370,16 +426,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     _data_dir(args)
+    status = _run(args)
+    if argv is None and args.command == "serve" and "mlx.core" in sys.modules:
+        # MLX can abort in interpreter teardown ("terminate called without an active exception") once
+        # the engine thread that used it has ended: a real `serve` process leaves without teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .preflight import StartupError
+
     try:
         return int(args.func(args) or 0)
-    except EngineError as exc:
-        print(f"flashcode: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError) as exc:
-        print(f"flashcode: {exc}", file=sys.stderr)
-        return 2
+    except (StartupError, EngineError, RuntimeError, OSError) as exc:
+        return _fail(args, str(exc))
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback with -v
+        return _fail(args, f"unexpected {type(exc).__name__}: {exc} (run again with -v for the traceback)", 1)
+
+
+def _fail(args: argparse.Namespace, message: str, status: int = 2) -> int:
+    """One sentence on stderr; the traceback too with -v."""
+    if args.verbose:
+        traceback.print_exc()
+    print(f"flashcode: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

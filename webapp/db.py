@@ -26,10 +26,10 @@ from typing import Any
 MessageStatus = str  # "complete" | "streaming" | "stopped" | "incomplete" | "error"
 
 # (version, name, sql). Append only.
-def _agent_migration() -> str:
+def _agent_migration(index: int = 0) -> str:
     from .agent.store import MIGRATIONS as AGENT_MIGRATIONS
 
-    return AGENT_MIGRATIONS[0]
+    return AGENT_MIGRATIONS[index]
 
 
 MIGRATIONS: list[tuple[int, str, str]] = [
@@ -59,7 +59,35 @@ MIGRATIONS: list[tuple[int, str, str]] = [
         """,
     ),
     (2, "agent allow rules and actions", _agent_migration()),
+    (3, "per-project sandbox settings", _agent_migration(1)),
 ]
+
+
+SCHEMA_VERSION = max(v for v, _, _ in MIGRATIONS)  # also stored as PRAGMA user_version
+
+
+class NewerDatabaseError(RuntimeError):
+    """The database was migrated by a newer flashcode than this one."""
+
+
+def stored_version(conn: sqlite3.Connection) -> int:
+    """The schema version a database holds: PRAGMA user_version, or its newest recorded migration."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    try:
+        recorded = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
+    except sqlite3.OperationalError:  # no such table: a new or foreign database
+        recorded = None
+    return max(version, int(recorded or 0))
+
+
+def check_version(conn: sqlite3.Connection, path: Path | None = None) -> None:
+    found = stored_version(conn)
+    if found > SCHEMA_VERSION:
+        where = f"the database {path}" if path else "the database"
+        raise NewerDatabaseError(
+            f"{where} was written by a newer flashcode (schema version {found}; this one knows up to "
+            f"{SCHEMA_VERSION}): upgrade flashcode, or pass another --data-dir"
+        )
 
 
 @dataclass
@@ -94,6 +122,7 @@ class Database:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA synchronous=NORMAL")
+        check_version(self.conn, path)
         migrate(self.conn)
         self.recovered = self._mark_interrupted()
 
@@ -193,6 +222,8 @@ def migrate(conn: sqlite3.Connection) -> list[int]:
             conn.execute("ROLLBACK")
             raise
         applied.append(version)
+    if stored_version(conn) <= SCHEMA_VERSION:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     return applied
 
 

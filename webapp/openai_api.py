@@ -4,10 +4,12 @@ So editors and agents that speak the OpenAI protocol can use whichever backend f
 (MLX, llama-server, flash streaming): requests go through the shared engine `Worker`, in turn with
 the web app's own replies, so MLX stays on the engine thread.
 
-Who may call: only clients on the loopback interface; a request with an `Origin` header must come
-from one of the app's own origins (a web page elsewhere cannot drive the model through the user's
-browser: there are no CORS headers and a foreign Origin is refused); when a token is configured
-(`Settings.api_token` or `$FLASHCODE_API_TOKEN`), `Authorization: Bearer TOKEN` is required.
+Who may call: clients on the loopback interface, or any client carrying the server's access token
+(`webapp.security`; required when flashcode is bound beyond loopback, and then enough on its own); a
+request with an `Origin` header must come from one of the app's own origins (a web page elsewhere
+cannot drive the model through the user's browser: there are no CORS headers and a foreign Origin is
+refused); when an API token is configured (`Settings.api_token` or `$FLASHCODE_API_TOKEN`),
+`Authorization: Bearer TOKEN` is required.
 
 What is covered: chat messages (text parts only), temperature, top_p, max_tokens /
 max_completion_tokens, seed, stop, stream with `stream_options.include_usage`, usage with cached
@@ -39,6 +41,7 @@ from engine.base import Done, EngineError, GenerationRequest, Message, SamplingP
 from engine.worker import Worker
 
 from . import stats
+from .security import authenticated
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,8 @@ def api_token(request: Request) -> str | None:
 
 def check_access(request: Request) -> None:
     client = request.client.host if request.client else ""
-    if client not in LOOPBACK_CLIENTS:
+    token_ok = authenticated(request.scope)  # carried the server's token (webapp.security): any client
+    if client not in LOOPBACK_CLIENTS and not token_ok:
         raise APIError(403, f"the flashcode API answers loopback clients only, not {client}", "permission_error",
                        "forbidden")  # fmt: skip
     origin = request.headers.get("origin")
@@ -84,7 +88,7 @@ def check_access(request: Request) -> None:
     if origin is not None and origin not in allowed:
         raise APIError(403, f"cross-origin request from {origin} refused", "permission_error", "forbidden")
     token = api_token(request)
-    if token:
+    if token and not token_ok:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
             raise APIError(401, f"missing or wrong API key: send Authorization: Bearer <the token in ${TOKEN_ENV}>",

@@ -9,6 +9,8 @@ from typing import Any
 from engine import paths
 from engine.models import DEFAULT_MODEL
 
+from .security import WILDCARD_HOSTS, is_loopback_host, local_host_names
+
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -22,14 +24,18 @@ class Settings:
     backend_options: dict[str, Any] = field(default_factory=dict)
     load_model: bool = True  # tests may build an app without loading a model
     extra_origins: tuple[str, ...] = ()  # --allow-origin: e.g. http://my-mac.local:8000 with --host 0.0.0.0
+    token: str | None = None  # access token (webapp.security); bound beyond loopback, one is always set
 
     @property
     def is_loopback(self) -> bool:
-        return self.host in LOOPBACK_HOSTS
+        """Whether the server is bound to loopback: the only thing that makes a request 'local'."""
+        return self.host in LOOPBACK_HOSTS or is_loopback_host(self.host)
 
     @property
     def allowed_origins(self) -> set[str]:
         hosts = {self.host} | (LOOPBACK_HOSTS if self.is_loopback else set())
+        if self.host in WILDCARD_HOSTS:  # bound to every interface: its loopback and its own names
+            hosts |= LOOPBACK_HOSTS | local_host_names()
         out = set()
         for h in hosts:
             hh = f"[{h}]" if ":" in h else h

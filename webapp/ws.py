@@ -1,9 +1,10 @@
 """The websocket endpoint: one socket per browser tab, one `Session` per socket.
 
-Shape: the Origin is checked before `accept()`; then three kinds of task run side by side — the
-reader (parses client messages, dispatches them), the writer (the only one sending on the socket,
-from an outbox queue) and at most one generation task (streams a reply from the engine worker,
-batching token text every `BATCH_SECONDS`). Because the reader never waits for a generation, Stop
+Shape: the Origin is checked before `accept()` (the access token, when the server needs one, was
+checked earlier, by `webapp.security`); then three kinds of task run side by side — the reader
+(parses client messages, dispatches them), the writer (the only one sending on the socket, from an
+outbox queue) and at most one generation task (streams a reply from the engine worker, batching
+token text every `BATCH_SECONDS`). Because the reader never waits for a generation, Stop
 (and, with the agent, dialog answers) are handled while tokens stream.
 
 What it knows: the conversation flow (send, stop, regenerate, switch model) and which fragments to

