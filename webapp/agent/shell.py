@@ -65,8 +65,10 @@ class ProgramSpec:
 
     deny_short: str = ""  # short option letters, alone or bundled (`-uo` has `o`)
     deny_long: tuple[str, ...] = ()  # GNU long options; any abbreviation of one counts
-    deny_args: tuple[str, ...] = ()  # argument prefixes refused anywhere (find's `-exec`, `-fprint0`)
+    deny_args: tuple[str, ...] = ()  # argument prefixes refused anywhere, even after `--` (find's `-exec`)
     subcommands: Mapping[str, ProgramSpec] | None = None  # only these subcommands, no options before
+    operands: str | None = None  # if set, every operand must start with it (`date +%F`, never `date 0101…`)
+    takes_value: str = ""  # short options whose value is the next argument, not an operand
 
     def blocker(self, program: str, args: tuple[str, ...]) -> str | None:
         """Why `program args` cannot be covered by a prefix rule, or None."""
@@ -78,12 +80,22 @@ class ProgramSpec:
                 names = ", ".join(sorted(self.subcommands))
                 return f"`{program} {args[0]}` is not one of the subcommands that may be prefix-allowed ({names})"
             return sub.blocker(f"{program} {args[0]}", args[1:])
+        denied = next((a for a in args if any(a.startswith(p) for p in self.deny_args)), None)
+        if denied is not None:
+            return f"`{program} {denied}` can run programs or write files"
+        options_end = False
+        value_next = False
         for arg in args:
+            if value_next:
+                value_next = False
+                continue
+            if options_end or arg == "-" or not arg.startswith("-"):
+                if self.operands is not None and not arg.startswith(self.operands):
+                    return f"`{program} {arg}`: only operands starting with `{self.operands}` may be prefix-allowed"
+                continue
             if arg == "--":
-                break
-            if any(arg.startswith(p) for p in self.deny_args):
-                return f"`{program} {arg}` can run programs or write files"
-            if arg.startswith("--"):
+                options_end = True
+            elif arg.startswith("--"):
                 name = arg[2:].split("=", 1)[0]
                 hit = next((o for o in self.deny_long if name and o.startswith(name)), None)
                 if hit:
@@ -92,6 +104,7 @@ class ProgramSpec:
                 hit = next((c for c in arg[1:] if c in self.deny_short), None)
                 if hit:
                     return f"`{program} {arg}` (-{hit}) can run programs or write files"
+                value_next = len(arg) == 2 and arg[1] in self.takes_value
         return None
 
 
@@ -108,13 +121,15 @@ PREFIX_TABLE: Mapping[str, ProgramSpec] = {
     "rg": ProgramSpec(deny_short="z", deny_long=("pre", "pre-glob", "search-zip", "hostname-bin")),
     "find": ProgramSpec(deny_args=("-exec", "-ok", "-delete", "-fprint", "-fls")),
     "sort": ProgramSpec(deny_short="oT", deny_long=("output", "compress-program", "temporary-directory")),
-    "tree": ProgramSpec(deny_short="o"),
+    "tree": ProgramSpec(deny_short="oR"),  # -R writes 00Tree.html files (with -H)
     "file": ProgramSpec(deny_short="CzZ", deny_long=("compile", "uncompress")),  # -z may run gzip
-    "date": ProgramSpec(deny_short="s", deny_long=("set",)),
+    "date": ProgramSpec(
+        deny_short="s", deny_long=("set",), operands="+", takes_value="dfr"
+    ),  # MMDDhhmm sets the clock
     "git": ProgramSpec(
         subcommands={
-            **dict.fromkeys(("status", "ls-files", "rev-parse", "describe", "shortlog"), ProgramSpec()),
-            **dict.fromkeys(("diff", "log", "show", "grep", "blame"), _GIT_READ),
+            **dict.fromkeys(("status", "ls-files", "rev-parse", "describe"), ProgramSpec()),
+            **dict.fromkeys(("diff", "log", "show", "grep", "blame", "shortlog"), _GIT_READ),
         }
     ),
 }
