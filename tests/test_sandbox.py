@@ -101,3 +101,15 @@ def test_seatbelt_profile_limits_writes_secrets_and_network(
     assert f'(subpath "{tmp_path}/we\\"ird")' in text  # quoted, not broken out of
     assert f'(subpath "{tmp_path}/.ssh")' in text and '(deny network* (remote ip "*:*"))' in text
     assert "deny network" not in sandbox.seatbelt_profile(sandbox.SandboxPolicy(project, network=True))
+
+
+def test_a_git_created_by_a_command_is_flagged_and_an_existing_one_is_read_only(
+    worker, fake, project, store
+) -> None:
+    approver = Approver(ev.Decision.once(), ev.Decision.once())
+    session = make_session(worker, project, store, approver)
+    events = asyncio.run(collect(session, "/shell git init -q"))
+    assert any("created .git" in n.text for n in of(events, ev.Notice))
+    events = asyncio.run(collect(session, "/shell touch .git/hooks/post-commit"))
+    assert of(events, ev.ActionExit)[0].exit_code != 0 and not (project / ".git/hooks/post-commit").exists()
+    assert not any("created .git" in n.text for n in of(events, ev.Notice))

@@ -17,12 +17,12 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .sandbox import SandboxPolicy, SandboxUnavailableError, command_env, detect, wrap
+from .sandbox import SandboxPolicy, SandboxUnavailableError, command_env, detect, launch
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_OUTPUT_CAP = 64_000  # characters kept across stdout and stderr
@@ -89,10 +89,16 @@ class CommandRun:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def argv(self, tmp_dir: Path | None = None) -> list[str]:
-        """What is executed: `bash -c COMMAND`, inside the sandbox unless none was asked for."""
+    @contextlib.contextmanager
+    def launch(self, tmp_dir: Path | None = None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+        """What is executed, `bash -c COMMAND` inside the sandbox unless none was asked for, and the
+        descriptors to pass to it; spawn inside the `with`."""
         argv = [shell_path(), "-c", self.command]
-        return wrap(argv, self.sandbox, tmp_dir) if self.sandbox is not None else argv
+        if self.sandbox is None:
+            yield argv, ()
+            return
+        with launch(argv, self.sandbox, tmp_dir) as launched:
+            yield launched
 
     async def stream(self) -> AsyncIterator[OutputChunk | CommandExit]:
         with tempfile.TemporaryDirectory(prefix="flashcode-cmd-") as tmp:
@@ -105,13 +111,13 @@ class CommandRun:
         if self.sandbox is None or detect().kind == "sandbox-exec":
             env["TMPDIR"] = str(tmp_dir)  # bubblewrap mounts an empty /tmp of the command's own instead
         try:
-            argv = self.argv(tmp_dir)
             if self.sandbox is not None and not self.cwd.is_dir():
                 raise FileNotFoundError(2, "No such file or directory")
-            proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env,
-            )  # fmt: skip
+            with self.launch(tmp_dir) as (argv, pass_fds):
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, pass_fds=pass_fds,
+                )  # fmt: skip
         except SandboxUnavailableError as exc:
             yield CommandExit(None, error=f"no sandbox: {exc}")
             return

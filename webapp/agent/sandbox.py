@@ -1,13 +1,17 @@
 """The OS sandbox around every shell command: bubblewrap on Linux, `sandbox-exec` on macOS.
 
 The policy (`shell.py`) decides when to ask; this module decides what a command can do if the
-policy, the user or the model was wrong. `wrap(argv, policy)` returns the argv that runs `argv`
-inside the sandbox; `detect()` says whether one is available here, and why not.
+policy, the user or the model was wrong. `launch(argv, policy)` gives the argv (and the descriptors
+to pass) that run `argv` inside the sandbox; `detect()` says whether one is available here, and why not.
 
 What is covered (Linux, bubblewrap)
 - Writes only in the project directory and a private, empty `/tmp` that vanishes with the command;
-  the rest of the filesystem is mounted read-only. `.git/hooks` and `.git/config` of the project stay
-  read-only too (a hook planted there would run later, outside the sandbox, on the user's `git commit`).
+  the rest of the filesystem is mounted read-only. The project's `.git` is read-only as a whole (a
+  hook or `commondir` planted there would run later, outside the sandbox, on the user's `git commit`;
+  a read-only mount also cannot be renamed away), so git commands that write refuse inside the sandbox.
+- Kernel knobs stay read-only even for root: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, ...
+- A seccomp filter refuses unix-domain sockets (a socket file outside the project — the session bus,
+  docker.sock, a database — could act for the command outside the sandbox) and the kernel keyrings.
 - Secrets are hidden: `~/.ssh`, `~/.aws`, `~/.gnupg`, `~/.config/gh`, `~/.docker`, `~/.kube`,
   `~/.netrc`, keyrings, … and flashcode's own data directory (its database holds the allow rules).
 - No network (a fresh network namespace with only a loopback of its own) unless the project allows it.
@@ -21,6 +25,10 @@ profile; no namespaces. Written from Apple's profile language; not exercised by 
 What is not covered
 - Reads of anything else the user can read (source trees, `/etc`): the sandbox keeps secrets and
   writes in, it is not a read jail.
+- A hard link that already exists in the project and points outside it (commands cannot make new ones
+  across the mount), a `.git` that a command creates in a project that had none (the agent warns), and
+  nested repositories' `.git` directories.
+- The seccomp filter on CPUs other than x86-64 and arm64 (there bubblewrap runs without it).
 - CPU, memory and disk use (the runner's timeout stops runaway commands; nothing caps disk writes
   inside the project).
 - With the project's network switch on, whatever the command sends.
@@ -30,11 +38,14 @@ What is not covered
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
 import shutil
+import struct
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -110,12 +121,16 @@ def detect() -> SandboxStatus:
         return SandboxStatus(
             False, "none", "bubblewrap is not installed (Debian/Ubuntu: `sudo apt-get install bubblewrap`)"
         )
-    return _probe("bubblewrap", _bwrap_argv(["true"], SandboxPolicy(Path("/tmp"))))
+    with _seccomp_fd() as fd:
+        argv = _bwrap_argv(["true"], SandboxPolicy(Path("/tmp")), fd)
+        return _probe("bubblewrap", argv, () if fd is None else (fd,))
 
 
-def _probe(kind: SandboxKind, argv: list[str]) -> SandboxStatus:
+def _probe(kind: SandboxKind, argv: list[str], pass_fds: tuple[int, ...] = ()) -> SandboxStatus:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, env=command_env())
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=10, env=command_env(), pass_fds=pass_fds
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return SandboxStatus(False, "none", f"{kind} could not start: {exc}")
     if done.returncode != 0:
@@ -126,16 +141,73 @@ def _probe(kind: SandboxKind, argv: list[str]) -> SandboxStatus:
     )
 
 
-def wrap(argv: list[str], policy: SandboxPolicy, tmp_dir: Path | None = None) -> list[str]:
-    """`argv` run inside the sandbox this machine has. Raises `SandboxUnavailableError` if none.
-
-    `tmp_dir` is the command's private temp directory on macOS (Linux mounts an empty one itself)."""
+@contextlib.contextmanager
+def launch(
+    argv: list[str], policy: SandboxPolicy, tmp_dir: Path | None = None
+) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """`(argv, pass_fds)` that run `argv` inside the sandbox this machine has; spawn it inside the
+    `with` (the descriptors, e.g. the seccomp program, close after it). Raises
+    `SandboxUnavailableError` if there is none. `tmp_dir` is the command's private temp directory on
+    macOS (Linux mounts an empty one itself)."""
     status = detect()
     if not status.available:
         raise SandboxUnavailableError(status.reason)
     if status.kind == "sandbox-exec":
-        return _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp"))
-    return _bwrap_argv(argv, policy)
+        yield _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp")), ()
+        return
+    with _seccomp_fd() as fd:
+        yield _bwrap_argv(argv, policy, fd), (() if fd is None else (fd,))
+
+
+# seccomp: refuse socket(AF_UNIX, ...) and the keyring calls; everything else is allowed. A classic
+# BPF program over `struct seccomp_data` (nr at 0, arch at 4, args[0] at 16), as bubblewrap takes it.
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, socket, (add_key, request_key, keyctl))
+    "x86_64": (0xC000003E, 41, (248, 249, 250)),
+    "aarch64": (0xC00000B7, 198, (217, 218, 219)),
+    "arm64": (0xC00000B7, 198, (217, 218, 219)),
+}
+_AF_UNIX = 1
+_RET_ERRNO_EPERM = 0x00050001
+_RET_ALLOW = 0x7FFF0000
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """The filter for this CPU, or None where none is defined (bubblewrap then runs without one)."""
+    spec = _SECCOMP_ARCH.get(machine or platform.machine())
+    if spec is None:
+        return None
+    arch, sys_socket, keyring = spec
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    n_key = len(keyring)
+    # layout: 0 ld arch; 1 arch?; 2 ld nr; 3 x32?; 4..4+n-1 keyring?; socket?; ld arg0; AF_UNIX?; deny; allow
+    deny = 4 + n_key + 3
+    allow = deny + 1
+    prog = [(ld, 0, 0, 4), (jeq, 0, deny - 2, arch), (ld, 0, 0, 0), (jge, deny - 4, 0, 0x40000000)]
+    for i, nr in enumerate(keyring):
+        pc = 4 + i
+        prog.append((jeq, deny - pc - 1, 0, nr))
+    pc = 4 + n_key
+    prog.append((jeq, 0, allow - pc - 1, sys_socket))
+    prog.append((ld, 0, 0, 16))
+    pc = 4 + n_key + 2
+    prog.append((jeq, deny - pc - 1, allow - pc - 1, _AF_UNIX))
+    prog += [(ret, 0, 0, _RET_ERRNO_EPERM), (ret, 0, 0, _RET_ALLOW)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+@contextlib.contextmanager
+def _seccomp_fd() -> Iterator[int | None]:
+    program = seccomp_program()
+    if program is None:
+        yield None
+        return
+    fd = os.memfd_create("flashcode-seccomp")
+    try:
+        os.write(fd, program)
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -148,9 +220,17 @@ def _secret_paths(policy: SandboxPolicy) -> list[Path]:
     return [p for p in paths if os.path.lexists(p)]
 
 
-def _bwrap_argv(argv: list[str], policy: SandboxPolicy) -> list[str]:
+# /proc files that stay writable for uid 0 without capabilities (what Docker makes read-only)
+_PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+
+
+def _bwrap_argv(argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None = None) -> list[str]:
     project = Path(policy.project_dir).resolve()
-    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for path in _PROC_READ_ONLY:
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    args += ["--tmpfs", "/tmp"]
     for secret in _secret_paths(policy):
         real = secret.resolve()
         if project == real or real in project.parents:
@@ -160,13 +240,19 @@ def _bwrap_argv(argv: list[str], policy: SandboxPolicy) -> list[str]:
         else:
             args += ["--ro-bind", "/dev/null", str(real)]
     args += ["--bind", str(project), str(project)]
-    for keep in (project / ".git" / "hooks", project / ".git" / "config"):
-        if keep.exists() and not keep.is_symlink():
-            args += ["--ro-bind", str(keep), str(keep)]
+    git = project / ".git"
+    if os.path.lexists(git):
+        real = git.resolve()
+        if real.exists() and (real == git or real.is_relative_to(project)):
+            args += ["--ro-bind", str(real), str(real)]
+        if real != git and git.is_symlink():
+            args += ["--ro-bind", str(git), str(git)]  # the link itself cannot be replaced either
     args += ["--unshare-user-try", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
     if not policy.network:
         args.append("--unshare-net")
     args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--chdir", str(project)]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     return [*args, "--", *argv]
 
 

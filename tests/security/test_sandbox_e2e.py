@@ -1,0 +1,423 @@
+"""End-to-end probes of the OS sandbox (`webapp/agent/sandbox.py` through `runner.CommandRun`): each
+probe really runs, in a scratch project, and the test checks outside the project that nothing else
+happened.
+
+Every write probe runs three ways: (1) a *control* run under a permissive bubblewrap (the scratch tree
+writable) must create the marker — so the probe is a real bypass, not a typo; (2) the agent's path:
+if `check_command` auto-allows it under the attacker's rules, it runs sandboxed; (3) "Run once", as if
+the user clicked it: sandboxed. After (2) and (3) nothing may exist beside the project, and a write
+inside the project must still work. Probes of `.git` then run the user's own `git commit` outside the
+sandbox, as the user would later, to see whether a planted hook runs.
+
+What is covered: writes outside the project (absolute, `..`, symlinks, hard links, /proc, /tmp,
+/dev/shm, /var/tmp), the policy bypasses of issue 13 run for real, `.git` hooks and config, secrets in
+$HOME and in the environment, network (TCP, abstract and path unix sockets), process isolation and
+cleanup, capabilities, inherited descriptors. What is not covered: macOS (sandbox-exec).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from webapp.agent.sandbox import SandboxPolicy, detect
+from webapp.agent.shell import Rule, check_command
+
+from .conftest import HOOK, SECRET, Scratch, git, run_command, run_control
+
+
+def rules(*specs: str) -> tuple[Rule, ...]:
+    return tuple(Rule("exact", s[1:]) if s.startswith("=") else Rule("prefix", s) for s in specs)
+
+
+@dataclass(frozen=True)
+class Probe:
+    id: str
+    command: str  # placeholders: {out} {tmpout} {py} {shm} {vartmp} {tmpfile} (see Scratch.subst)
+    rules: tuple[Rule, ...] = ()
+    control: bool = True  # the permissive control run must create the marker
+    git_commit: bool = False  # the user's `git commit` afterwards must not run a planted hook
+    wait_s: float = 0.0  # for background payloads
+    no_hooks_dir: bool = False  # the project's .git/hooks does not exist (git init --template=)
+
+
+COMMON = rules("ls", "cat", "echo", "grep", "find", "git status", "git log", "git diff", "sort", "head", "wc")
+PROBES = [
+    Probe("absolute", "touch {out}/pwned"),
+    Probe("dotdot", "touch ../outside/pwned"),
+    Probe("redirect", "echo x > {out}/pwned"),
+    Probe("under-tmp", "mkdir -p {tmpout} && touch {tmpout}/pwned"),
+    Probe("symlink-dir", "ln -s {out} esc && touch esc/pwned"),
+    Probe("symlink-file", "ln -s {out}/pwned lnk && echo x > lnk"),
+    Probe("hardlink", "ln {out}/victim.txt hl && echo pwned >> hl"),
+    Probe("cp", "cp README.md {out}/pwned"),
+    Probe("mv", "mv README.md {out}/pwned"),
+    Probe("proc-self-root", "touch /proc/self/root{out}/pwned"),
+    Probe("proc-self-cwd", "touch /proc/self/cwd/../outside/pwned"),
+    Probe("python", "{py} -c 'open(\"{out}/pwned\", \"w\")'"),
+    Probe("dd", "dd if=/dev/zero of={out}/pwned count=1"),
+    Probe("tee", "echo x | tee {out}/pwned", rules("echo")),
+    Probe("clobber", "echo x >| {out}/pwned", rules("echo")),
+    Probe("and-append", "echo x &>> {out}/pwned", rules("echo")),
+    Probe("named-fd", "echo x {fd}>{out}/pwned", rules("echo")),
+    Probe("read-write", "echo x 1<>{out}/pwned", rules("echo")),
+    Probe("procsub-comment", "ls <(ls)#; touch {out}/pwned", rules("ls")),
+    Probe("brace-find-exec", 'find . -maxdepth 0 {-exec,touch,{out}/pwned,";"}', rules("find")),
+    Probe("brace-find-escaped", "find . -maxdepth 0 {'-exec',touch,{out}/pwned,\\;}", rules("find")),
+    Probe("find-fprint", "find . -maxdepth 0 -fprint {out}/pwned", rules("find")),
+    Probe("find-dashdash-exec", "find -- . -maxdepth 0 -exec touch {out}/pwned ';'", rules("find")),
+    Probe("exec-string", "find . -maxdepth 0 ${BASH_EXECUTION_STRING##*#} #-exec touch {out}/pwned ;", rules("find")),
+    Probe("bash-var", "$BASH -c 'touch {out}/pwned'", COMMON),
+    Probe("ansi-c-name", "$'\\x74ouch' {out}/pwned", COMMON),
+    Probe("heredoc", "cat <<EOF\n$(touch {out}/pwned)\nEOF", rules("cat")),
+    Probe("printf-v", "printf -v 'a[$(touch {out}/pwned)]' x", rules("printf")),
+    Probe("test-v", "test -v 'a[$(touch {out}/pwned)]'", rules("test")),
+    Probe("let", "let 'a[$(touch {out}/pwned)]=1'", rules("let")),
+    Probe("read", "read 'a[$(touch {out}/pwned)]' <<< x", rules("read")),
+    Probe("tar-checkpoint-a", "tar -cf /dev/null --checkpoint=1 --checkpoint-a='exec=touch {out}/pwned' README.md",
+          rules("tar")),
+    Probe("tar-bundled-I", "tar -cI'touch {out}/pwned;cat' -f x.tar README.md", rules("tar")),
+    Probe("git-shortlog-output", "git shortlog --output={out}/pwned HEAD", rules("git shortlog")),
+    Probe("git-diff-output", "git diff --output={out}/pwned HEAD", rules("git diff")),
+    Probe("git-alias", "git -c alias.x='!touch {out}/pwned' x", rules("git status")),
+    Probe("sort-o", "sort -o {out}/pwned README.md", rules("sort")),
+    Probe("sort-uo-bundled", "sort -uo{out}/pwned README.md", rules("sort")),
+    Probe("uniq-outfile", "uniq README.md {out}/pwned", rules("uniq")),
+    Probe("make-eval", "make --eval='$(shell touch {out}/pwned)' -f /dev/null", rules("make")),
+    Probe("vim-cmd", "vim -es --cmd '!touch {out}/pwned' --cmd q", rules("vim")),
+    Probe("xargs", "echo {out}/pwned | xargs touch", rules("echo", "xargs")),
+    Probe("background", "(sleep 1; touch {out}/pwned) >/dev/null 2>&1 &", COMMON, control=False, wait_s=2.5),
+    Probe("nohup-setsid", "nohup setsid sh -c 'sleep 1; touch {out}/pwned' >/dev/null 2>&1 &", COMMON,
+          control=False, wait_s=2.5),
+    Probe("dev-shm", "touch {shm}", control=False),
+    Probe("var-tmp", "touch {vartmp}", control=False),
+    Probe("tmp-is-private", "touch {tmpfile}", control=False),
+    Probe("git-hook", HOOK, git_commit=True),
+    Probe("git-config-hookspath",
+          "mkdir -p h && " + HOOK.replace("{hooks}", "h") + " && git config core.hooksPath h", git_commit=True),
+    Probe("git-config-append", "printf '[core]\\n\\thooksPath = h\\n' >> .git/config && mkdir -p h && "
+          + HOOK.replace("{hooks}", "h"), git_commit=True),
+    Probe("git-rename-dot-git", "mv .git .git.old && cp -a .git.old .git && " + HOOK, git_commit=True),
+    Probe("git-commondir", "mkdir -p evil/hooks && cp -r .git/objects .git/refs .git/config evil/ && "
+          + HOOK.replace("{hooks}", "evil/hooks") + " && echo ../evil > .git/commondir", git_commit=True),
+    Probe("git-missing-hooks-dir", "mkdir -p .git/hooks && " + HOOK, git_commit=True, no_hooks_dir=True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=[p.id for p in PROBES])
+def test_write_probe_is_contained(scratch: Scratch, probe: Probe) -> None:
+    command = scratch.subst(probe.command)
+    if probe.no_hooks_dir:
+        for project in (scratch.project, scratch.control):
+            subprocess.run(["rm", "-rf", str(project / ".git" / "hooks")], check=True)
+    if probe.control:
+        ran = run_control(command, scratch)
+        if probe.git_commit:
+            git(scratch.control, "commit", "-q", "--allow-empty", "-m", "later")
+        assert scratch.breaches(), f"the probe is broken: unsandboxed it left no marker\n{ran.output}"
+        scratch.clean()
+
+    verdict = check_command(command, probe.rules)
+    if verdict.allowed:  # the agent's path: a rule allows it, it runs with no dialog (sandboxed)
+        run_command(command, scratch.project)
+    ran = run_command(command, scratch.project)  # "Run once"
+    assert ran.error is None, ran.error
+    if probe.git_commit:
+        git(scratch.project, "commit", "-q", "--allow-empty", "-m", "later")
+    time.sleep(probe.wait_s)
+    assert scratch.breaches() == [], f"auto-allowed={verdict.allowed}\n{ran.output}"
+
+    alive = run_command(
+        "echo ok > inside.txt", scratch.project
+    )  # the sandbox still lets the project be written
+    assert alive.exit_code == 0 and (scratch.project / "inside.txt").read_text() == "ok\n", alive.output
+
+
+def test_sandbox_is_available_here() -> None:
+    status = detect()
+    assert status.available and status.kind == "bubblewrap", status.reason
+
+
+def test_writes_inside_the_project_work(scratch: Scratch) -> None:
+    ran = run_command("echo ok > inside.txt && mkdir -p sub/dir && touch sub/dir/f && git status --short",
+                      scratch.project)  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    assert (scratch.project / "inside.txt").read_text() == "ok\n"
+    assert (scratch.project / "sub" / "dir" / "f").exists()
+    assert "inside.txt" in ran.output
+
+
+def test_git_hooks_and_config_are_read_only(scratch: Scratch) -> None:
+    config = (scratch.project / ".git" / "config").read_text()
+    for command in ["echo x >> .git/config", "touch .git/hooks/pre-commit", "git config core.pager cat",
+                    "rm -rf .git/hooks", "mv .git/hooks .git/hooks.old", "rm .git/config"]:  # fmt: skip
+        ran = run_command(command, scratch.project)
+        assert ran.exit_code != 0, (command, ran.output)
+    assert (scratch.project / ".git" / "config").read_text() == config
+    assert not (scratch.project / ".git" / "hooks" / "pre-commit").exists()
+
+
+SECRETS = [".ssh/id_ed25519", ".aws/credentials", ".config/gh/hosts.yml", ".netrc", ".git-credentials",
+           ".docker/config.json", ".kube/config", ".gnupg/private-keys-v1.d/key.key"]  # fmt: skip
+
+
+@pytest.mark.parametrize("relative", SECRETS)
+def test_secrets_in_home_are_hidden(scratch: Scratch, relative: str) -> None:
+    secret = scratch.home / relative
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text(SECRET + "\n")
+    command = f'cat ~/{relative}; cat "$HOME/{relative}"; cat {secret}; ln -s {secret} leak; cat leak'
+    assert SECRET in run_command(command, scratch.project, sandboxed=False).output  # the probe reads it
+    (scratch.project / "leak").unlink()
+    ran = run_command(command, scratch.project)
+    assert SECRET not in ran.output
+
+
+def test_secrets_are_not_found_by_searching_home(scratch: Scratch) -> None:
+    for relative in SECRETS:
+        (scratch.home / relative).parent.mkdir(parents=True, exist_ok=True)
+        (scratch.home / relative).write_text(SECRET + "\n")
+    ran = run_command(f"grep -r {SECRET} ~ 2>/dev/null; find ~ -name 'id_*'", scratch.project)
+    assert SECRET not in ran.output and "id_ed25519" not in ran.output, ran.output
+
+
+def test_server_environment_secrets_do_not_reach_commands(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN"):
+        monkeypatch.setenv(name, SECRET)
+    server = subprocess.Popen(["sleep", "60"], env=os.environ.copy())  # a host process holding the keys
+    try:
+        command = f"env; cat /proc/self/environ; cat /proc/1/environ; cat /proc/{server.pid}/environ"
+        assert (
+            SECRET in run_command(f"cat /proc/{server.pid}/environ", scratch.project, sandboxed=False).output
+        )
+        ran = run_command(command, scratch.project)
+    finally:
+        server.kill()
+        server.wait()
+    assert SECRET not in ran.output
+    assert "PATH=" in ran.output  # the command did run
+
+
+def test_tmp_is_private_and_empty(scratch: Scratch) -> None:
+    host_file = Path(f"/tmp/{scratch.tag}-secret")
+    host_file.write_text(SECRET)
+    try:
+        listing = run_command("ls -A /tmp", scratch.project)
+        read = run_command(f"cat {host_file}", scratch.project)
+        write = run_command(f"echo x > /tmp/{scratch.tag}-w && cat /tmp/{scratch.tag}-w", scratch.project)
+    finally:
+        host_file.unlink()
+    assert listing.exit_code == 0 and listing.output.strip() == "", listing.output
+    assert SECRET not in read.output
+    assert write.output == "x\n" and not Path(f"/tmp/{scratch.tag}-w").exists()
+
+
+class Listener:
+    """A server on the host that records what a command sends (and drops a marker, like a real
+    service such as `systemd-run` or a docker socket would run something)."""
+
+    def __init__(self, family: int, address: object, marker: Path) -> None:
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(address)
+        self.sock.listen(4)
+        self.sock.settimeout(0.2)
+        self.marker = marker
+        self.received = b""
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.received += conn.recv(100)
+                except OSError:
+                    pass
+                self.marker.touch()
+
+    def close(self) -> bytes:
+        time.sleep(0.5)
+        self._stop = True
+        self._thread.join(2)
+        self.sock.close()
+        return self.received
+
+
+SEND = "{py} -c 'import socket,sys; s=socket.socket({family}); s.settimeout(3); s.connect({addr}); s.send(b\"pwned\")'"
+
+
+def test_network_is_off_by_default_and_on_when_allowed(scratch: Scratch) -> None:
+    for network in (False, True):
+        listener = Listener(socket.AF_INET, ("127.0.0.1", 0), scratch.outside / "pwned")
+        port = listener.sock.getsockname()[1]
+        command = f"echo pwned > /dev/tcp/127.0.0.1/{port}; " + scratch.subst(
+            SEND.replace("{family}", "socket.AF_INET").replace("{addr}", f'("127.0.0.1", {port})')
+        )
+        ran = run_command(command, scratch.project, network=network)
+        got = listener.close()
+        if network:
+            assert b"pwned" in got, ran.output
+            scratch.clean()
+        else:
+            assert got == b"" and scratch.breaches() == [], ran.output
+
+
+def test_unix_socket_outside_the_project_is_unreachable(scratch: Scratch) -> None:
+    """A socket outside the project (/run/user/UID/bus, /var/run/docker.sock) lets a command ask a host
+    service to run anything, unsandboxed; a read-only mount does not stop connect()."""
+    path = scratch.base / "run" / "bus.sock"
+    path.parent.mkdir()
+    listener = Listener(socket.AF_UNIX, str(path), scratch.outside / "pwned")
+    command = scratch.subst(SEND.replace("{family}", "socket.AF_UNIX").replace("{addr}", f'"{path}"'))
+    command += f"; curl -s --max-time 3 --unix-socket {path} http://localhost/"
+    ran = run_command(command, scratch.project)
+    got = listener.close()
+    assert got == b"" and scratch.breaches() == [], ran.output
+
+
+def test_abstract_unix_socket_is_unreachable(scratch: Scratch) -> None:
+    name = f"\0{scratch.tag}"
+    listener = Listener(socket.AF_UNIX, name, scratch.outside / "pwned")
+    addr = f'"\\0{scratch.tag}"'
+    command = scratch.subst(SEND.replace("{family}", "socket.AF_UNIX").replace("{addr}", addr))
+    assert run_command(command, scratch.project, sandboxed=False).exit_code == 0  # the probe connects
+    time.sleep(0.5)
+    scratch.clean()
+    listener.received = b""
+    ran = run_command(command, scratch.project)
+    got = listener.close()
+    assert got == b"" and scratch.breaches() == [], ran.output
+
+
+def _host_processes_with(token: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if token in cmdline:
+                found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def test_host_processes_are_invisible_and_unkillable(scratch: Scratch) -> None:
+    token = f"61.{uuid.uuid4().int % 10**6:06d}"
+    victim = subprocess.Popen(["sleep", token])
+    try:
+        ran = run_command(f"ps -eo pid,args; kill -9 {victim.pid}; kill -9 -1", scratch.project)
+        time.sleep(0.2)
+        assert victim.poll() is None, "a sandboxed command killed a host process"
+        assert token not in ran.output and "pytest" not in ran.output, ran.output
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_background_children_die_with_the_command(scratch: Scratch) -> None:
+    token = f"97.{uuid.uuid4().int % 10**6:06d}"
+    command = (
+        f"nohup setsid sleep {token} >/dev/null 2>&1 & disown; "
+        f"(trap '' HUP TERM; exec -a daemon-{token} sleep {token}) >/dev/null 2>&1 & echo started"
+    )
+    ran = run_command(command, scratch.project)
+    assert "started" in ran.output, ran.output
+    deadline = time.monotonic() + 3
+    while _host_processes_with(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _host_processes_with(token) == []
+
+
+def test_timeout_kills_the_sandboxed_command(scratch: Scratch) -> None:
+    token = f"98.{uuid.uuid4().int % 10**6:06d}"
+    ran = run_command(f"sleep {token}", scratch.project, timeout_s=1)
+    assert ran.timed_out, ran
+    time.sleep(0.5)
+    assert _host_processes_with(token) == []
+
+
+CAPABILITY_PROBES = [
+    "mkdir -p mnt && mount -t tmpfs none mnt",
+    "mkdir -p mnt && mount --bind {out} mnt",
+    "mount -o remount,rw /",
+    "unshare -m true",
+    "unshare -U -r true",
+    "unshare -n true",
+    "chroot / true",
+    "date -s @$(date +%s)",  # sets the clock to what it is: harmless if it ever succeeds
+    "v=$(cat /proc/sys/kernel/core_pattern) && printf '%s\\n' \"$v\" > /proc/sys/kernel/core_pattern",
+    "test -w /proc/sysrq-trigger",
+    "test -w /proc/sys/kernel/core_pattern",
+    "test -w /proc/sys/kernel/modprobe",
+    "{py} -c 'import os; os.setgroups([0])'",
+    "chown 1:1 README.md",
+]
+
+
+@pytest.mark.parametrize("command", CAPABILITY_PROBES)
+def test_no_capabilities_even_as_root(scratch: Scratch, command: str) -> None:
+    ran = run_command(scratch.subst(command), scratch.project)
+    assert ran.exit_code not in (0, None), ran.output
+
+
+def test_capability_sets_are_empty(scratch: Scratch) -> None:
+    ran = run_command("grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb):' /proc/self/status", scratch.project)
+    lines = [line.split() for line in ran.output.splitlines() if line.startswith("Cap")]
+    assert len(lines) == 5 and all(int(value, 16) == 0 for _, value in lines), ran.output
+
+
+def test_inherited_descriptors_do_not_leak(scratch: Scratch) -> None:
+    fd = os.open(scratch.victim, os.O_WRONLY | os.O_APPEND)
+    os.set_inheritable(fd, True)
+    try:
+        command = 'for f in /proc/self/fd/*; do echo pwned >> "$f"; done 2>/dev/null; ls -l /proc/self/fd'
+        ran = run_command(command, scratch.project)
+    finally:
+        os.close(fd)
+    assert scratch.victim.read_text() == "victim\n", ran.output
+
+
+def test_hidden_paths_of_the_policy_are_hidden(scratch: Scratch) -> None:
+    data = scratch.base / "flashcode-data"
+    data.mkdir()
+    (data / "flashcode.db").write_text(SECRET)
+    policy = SandboxPolicy(scratch.project, hidden=(data,))
+    ran = run_command(
+        f"ls -A {data}; cat {data}/flashcode.db; echo x > {data}/rules", scratch.project, policy=policy
+    )
+    assert SECRET not in ran.output and not (data / "rules").exists()
+
+
+@pytest.mark.parametrize("entry", [".", "bin", "{project}/bin"])
+def test_an_allowed_program_never_resolves_into_the_project(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch, entry: str
+) -> None:
+    """A user whose PATH has `.`, a relative or a project directory: the model writes `./ls` (or
+    `bin/ls`) and the auto-allowed `ls` would run it."""
+    entry = entry.replace("{project}", str(scratch.project))
+    monkeypatch.setenv("PATH", f"{entry}{os.pathsep}{os.environ['PATH']}")
+    for folder in (scratch.project, scratch.project / "bin"):
+        folder.mkdir(exist_ok=True)
+        (folder / "ls").write_text("#!/bin/sh\necho planted > planted-ran.txt\n")
+        (folder / "ls").chmod(0o755)
+    verdict = check_command("ls -la", rules("ls"))
+    assert verdict.allowed
+    ran = run_command("ls -la", scratch.project)
+    assert not (scratch.project / "planted-ran.txt").exists(), ran.output
