@@ -100,7 +100,9 @@ def test_seatbelt_profile_limits_writes_secrets_and_network(
     assert "(deny file-write*)" in text and '(subpath "/private/tmp/x")' in text
     assert f'(subpath "{tmp_path}/we\\"ird")' in text  # quoted, not broken out of
     assert f'(subpath "{tmp_path}/.ssh")' in text and '(deny network* (remote ip "*:*"))' in text
-    assert "deny network" not in sandbox.seatbelt_profile(sandbox.SandboxPolicy(project, network=True))
+    assert f'(deny file-write* (subpath "{tmp_path}/we\\"ird/.git"))' in text
+    assert "(deny network-outbound (remote unix-socket))" in text
+    assert "remote ip" not in sandbox.seatbelt_profile(sandbox.SandboxPolicy(project, network=True))
 
 
 def test_a_git_created_by_a_command_is_flagged_and_an_existing_one_is_read_only(

@@ -269,8 +269,10 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         "(deny file-write*)",
         f"(allow file-write* (subpath {_seatbelt_quote(project)}) (subpath {_seatbelt_quote(tmp_dir)})",
         '  (literal "/dev/null") (literal "/dev/zero") (literal "/dev/dtracehelper") (regex #"^/dev/fd/"))',
-        f"(deny file-write* (subpath {_seatbelt_quote(project / '.git' / 'hooks')})"
-        f" (literal {_seatbelt_quote(project / '.git' / 'config')}))",
+        f"(deny file-write* (subpath {_seatbelt_quote(project / '.git')}))",
+        # unix sockets outside the sandbox (docker.sock, the session's services) act for the command
+        "(deny network-outbound (remote unix-socket))",
+        '(allow network-outbound (remote unix-socket (path-literal "/private/var/run/mDNSResponder")))',
     ]
     secrets = [s for s in _secret_paths(policy) if s.resolve() not in (project, *project.parents)]
     if secrets:
@@ -281,7 +283,6 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         )
     if not policy.network:
         lines.append('(deny network* (remote ip "*:*"))')
-        lines.append('(allow network* (remote unix-socket (path-literal "/private/var/run/mDNSResponder")))')
     return "\n".join(lines)
 
 
