@@ -7,7 +7,8 @@ between turns (reuse the longest common token prefix, trim the rest).
 What it does not know: threads (the worker owns it), HTTP, the database.
 
 On MLX's CPU backend float16/bfloat16 math is 8-40x slower than float32, so on CPU every floating
-parameter is cast to float32 after loading; quantized weights stay packed.
+parameter is cast to float32 after loading; quantized weights stay packed, and their layers take the
+dequantize-then-BLAS path for prefill (`engine.cpu_fast`; FLASHCODE_CPU_FAST=0 turns it off).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import cpu_fast
 from .base import (
     CacheMismatchError,
     ContextLimitError,
@@ -58,10 +60,12 @@ def compute_dtype() -> Any:
 
 
 def cast_for_device(model: Any) -> None:
+    """On the CPU: float32 parameters, and quantized linears fed many rows dequantize for the BLAS."""
     import mlx.core as mx
 
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
+        cpu_fast.patch_model(model)
 
 
 class PromptCacheState:

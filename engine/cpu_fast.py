@@ -1,0 +1,286 @@
+"""Fast CPU math for MLX on Linux: an optimized BLAS under MLX's float matmuls, and a
+dequantize-then-matmul path for quantized linears fed many rows at once (prefill).
+
+What it knows:
+- The `mlx[cpu]` Linux wheel links the reference (netlib) BLAS: its `cblas_sgemm` runs at 1-2 GFLOP/s
+  where OpenBLAS runs at ~100 on one core. numpy's Linux wheels bundle OpenBLAS, but ILP64 and
+  renamed (`scipy_cblas_sgemm64_`), so it cannot stand in for `cblas_sgemm` as it is. A 20-line C shim,
+  compiled once with the system C compiler into `$FLASHCODE_HOME/cache/`, exports `cblas_sgemm` and
+  forwards it there; loaded with RTLD_GLOBAL before `libmlx.so` is, it wins the symbol (the global
+  scope is searched before libmlx's own dependencies). Only `cblas_sgemm` moves: LAPACK, float64 and
+  complex stay on the wheel's libraries. It must run before `mlx.core` is imported, hence
+  `engine/__init__.py` calls `load_fast_blas()` first thing.
+- MLX's CPU `quantized_matmul` costs about the same per row whatever the row count (~0.8 ms per row
+  for a 576x1536 matrix), so prefill is as slow as decode. For inputs of `min_rows` rows or more,
+  `patch_model` makes each `QuantizedLinear` dequantize its weight (exact: the same float32 values
+  `quantized_matmul` uses) and call the BLAS matmul. Decode (one row) keeps `quantized_matmul`.
+
+What it does not know: models, threads (the worker owns MLX), Metal or CUDA (GPUs keep MLX's kernels:
+`patch_model` does nothing off the CPU device).
+
+Off switch: `FLASHCODE_CPU_FAST=0` turns both levers off (read at import and at `patch_model`);
+`FLASHCODE_BLAS_THREADS` sets OpenBLAS's threads (default 1: see docs/cpu.md);
+`FLASHCODE_DEQUANT_ROWS` sets `min_rows`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "FLASHCODE_CPU_FAST"
+ENV_THREADS = "FLASHCODE_BLAS_THREADS"
+ENV_ROWS = "FLASHCODE_DEQUANT_ROWS"
+ENV_LIBRARY = "FLASHCODE_BLAS"  # an explicit BLAS library to forward to (LP64 or ILP64 OpenBLAS)
+DEFAULT_THREADS = 1
+DEFAULT_MIN_ROWS = 4
+
+SHIM_SOURCE = r"""
+#include <stdint.h>
+typedef void (*sgemm32_t)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
+                          const float *, int32_t, float, float *, int32_t);
+typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
+                          const float *, int64_t, float, float *, int64_t);
+static void *target;
+static int ilp64;
+static long long calls;
+void flashcode_blas_set_target(void *fn, int is_ilp64) { target = fn; ilp64 = is_ilp64; }
+long long flashcode_blas_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                 const float *b, int ldb, float beta, float *c, int ldc) {
+  __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
+  if (ilp64)
+    ((sgemm64_t)target)(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else
+    ((sgemm32_t)target)(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+"""
+
+# (sgemm symbol, is ILP64, set-threads symbol), in the order numpy/scipy wheels have named them
+SYMBOLS = (
+    ("scipy_cblas_sgemm64_", True, "scipy_openblas_set_num_threads64_"),
+    ("cblas_sgemm64_", True, "openblas_set_num_threads64_"),
+    ("scipy_cblas_sgemm", False, "scipy_openblas_set_num_threads"),
+    ("cblas_sgemm", False, "openblas_set_num_threads"),
+)
+
+
+@dataclass
+class BlasStatus:
+    """What `load_fast_blas` did: `active` when MLX's `cblas_sgemm` now goes to `library`."""
+
+    active: bool = False
+    library: str = ""
+    symbol: str = ""
+    threads: int = 0
+    reason: str = "not tried"
+
+
+_status = BlasStatus()
+_shim: ctypes.CDLL | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def blas_status() -> BlasStatus:
+    return _status
+
+
+def blas_calls() -> int:
+    """How many `cblas_sgemm` calls went through the shim (-1 when it is not loaded)."""
+    return int(_shim.flashcode_blas_calls()) if _shim is not None else -1
+
+
+# --------------------------------------------------------------------------- the BLAS
+def numpy_openblas() -> Path | None:
+    """The OpenBLAS numpy's wheel bundles (`numpy.libs/` beside the package), found without importing numpy."""
+    spec = importlib.util.find_spec("numpy")
+    if spec is None or not spec.origin:
+        return None
+    libs = Path(spec.origin).parent.parent / "numpy.libs"
+    found = sorted(libs.glob("lib*openblas*.so*")) if libs.is_dir() else []
+    return found[0] if found else None
+
+
+def _forward_target(lib: ctypes.CDLL) -> tuple[str, bool, Any] | None:
+    for name, ilp64, threads in SYMBOLS:
+        if hasattr(lib, name):
+            return name, ilp64, getattr(lib, threads, None)
+    return None
+
+
+def build_shim(cache_dir: Path) -> Path:
+    """Compile the forwarding shim once per source and compiler; the path of the shared object."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise OSError("no C compiler (cc, gcc or clang) on PATH to build the BLAS shim")
+    key = hashlib.sha256((SHIM_SOURCE + cc).encode()).hexdigest()[:16]
+    out = cache_dir / f"flashcode-blas-shim-{key}.so"
+    if out.is_file():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        src, obj = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
+        src.write_text(SHIM_SOURCE)
+        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(src)],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        if proc.returncode != 0:
+            raise OSError(f"{cc} could not build the BLAS shim: {proc.stderr.strip()[:400]}")
+        os.replace(obj, out)  # atomic: a concurrent builder writes the same bytes
+    return out
+
+
+def _threads() -> int:
+    try:
+        return max(1, int(os.environ.get(ENV_THREADS, DEFAULT_THREADS)))
+    except ValueError:
+        return DEFAULT_THREADS
+
+
+def load_fast_blas(cache_dir: Path | None = None) -> BlasStatus:
+    """Route MLX's `cblas_sgemm` to OpenBLAS (Linux only; idempotent; never raises).
+
+    Must run before `mlx.core` is imported: the dynamic linker binds MLX's BLAS symbols when libmlx
+    loads. Returns what happened; `reason` says why not where it is not active."""
+    global _status
+    if _status.reason == "not tried":
+        _status = _load(cache_dir)
+    return _status
+
+
+def _load(cache_dir: Path | None) -> BlasStatus:
+    global _shim
+    reason = _unavailable()
+    if reason:
+        return BlasStatus(reason=reason)
+    path = Path(os.environ[ENV_LIBRARY]) if os.environ.get(ENV_LIBRARY) else numpy_openblas()
+    if path is None:
+        return BlasStatus(
+            reason=f"no OpenBLAS found (numpy's wheel bundles one; or set {ENV_LIBRARY}=/path/libopenblas.so)"
+        )
+    try:
+        lib = ctypes.CDLL(str(path))
+        target = _forward_target(lib)
+        if target is None:
+            return BlasStatus(reason=f"{path.name} exports no cblas_sgemm variant this module knows")
+        if cache_dir is None:
+            from .paths import home
+
+            cache_dir = home() / "cache"
+        shim = ctypes.CDLL(str(build_shim(cache_dir)), mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        log.info("fast BLAS unavailable, MLX keeps the reference BLAS: %s", exc)
+        return BlasStatus(reason=str(exc))
+    name, ilp64, set_threads = target
+    shim.flashcode_blas_set_target.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    shim.flashcode_blas_calls.restype = ctypes.c_longlong
+    shim.flashcode_blas_set_target(ctypes.cast(getattr(lib, name), ctypes.c_void_p), int(ilp64))
+    threads = _threads()
+    if set_threads is not None:
+        set_threads(ctypes.c_int64(threads) if ilp64 else ctypes.c_int(threads))
+    _shim = shim
+    return BlasStatus(True, str(path), name, threads, "active")
+
+
+def _unavailable() -> str:
+    """Why the BLAS cannot be swapped in this process ('' when it can)."""
+    if sys.platform != "linux":
+        return "not Linux: MLX uses the system's BLAS (Accelerate on macOS)"
+    if not enabled():
+        return f"{ENV_SWITCH}=0"
+    if "mlx.core" in sys.modules:
+        return "mlx.core was imported before engine: MLX keeps the wheel's reference BLAS"
+    return ""
+
+
+# --------------------------------------------------------------------------- the layer swap
+def min_rows() -> int:
+    try:
+        return max(1, int(os.environ.get(ENV_ROWS, DEFAULT_MIN_ROWS)))
+    except ValueError:
+        return DEFAULT_MIN_ROWS
+
+
+class _Switch:
+    on = True  # flipped by `plain_path()` (tests, benchmarks) without unpatching models
+
+
+@contextmanager
+def plain_path() -> Iterator[None]:
+    """Within this block patched layers call `quantized_matmul` for every input, as if unpatched."""
+    before, _Switch.on = _Switch.on, False
+    try:
+        yield
+    finally:
+        _Switch.on = before
+
+
+def quantized_matmul(x: Any, w: Any, scales: Any, biases: Any | None, group_size: int, bits: int,
+                     mode: str = "affine", rows: int | None = None) -> Any:  # fmt: skip
+    """`mx.quantized_matmul(x, w, ..., transpose=True)`, through a dequantized float matmul when `x` has
+    at least `rows` (default `min_rows()`) rows. Same values up to float32 summation order."""
+    import mlx.core as mx
+
+    n = 1
+    for d in x.shape[:-1]:
+        n *= d
+    if not _Switch.on or mode != "affine" or n < (rows or min_rows()):
+        return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                                   bits=bits, mode=mode)  # fmt: skip
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=x.dtype)
+    return mx.matmul(x, dense.T)
+
+
+def _rows_call(self: Any, x: Any) -> Any:
+    y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                         self.mode)  # fmt: skip
+    if "bias" in self:
+        y = y + self["bias"]
+    return y
+
+
+def patch_model(model: Any, force: bool = False) -> int:
+    """Give every `QuantizedLinear` of `model` the many-rows path. Only where it was measured faster:
+    on the CPU device with the fast BLAS loaded (with the reference BLAS both paths cost the same);
+    `force` skips that check (tests). Off with FLASHCODE_CPU_FAST=0. Returns how many layers were
+    switched; idempotent."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if not enabled() or mx.default_device() != mx.cpu or not (force or _status.active):
+        return 0
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:  # subclasses may compute something else: leave them be
+            m.__class__ = _rows_class()
+            n += 1
+    return n
+
+
+_ROWS_CLASS: list[type] = []
+
+
+def _rows_class() -> type:
+    """`QuantizedLinear` with the many-rows `__call__` (made on first use: mlx.nn is imported late)."""
+    import mlx.nn as nn
+
+    if not _ROWS_CLASS:
+        _ROWS_CLASS.append(type("RowsQuantizedLinear", (nn.QuantizedLinear,), {"__call__": _rows_call,
+                                                                               "__module__": __name__}))  # fmt: skip
+    return _ROWS_CLASS[0]

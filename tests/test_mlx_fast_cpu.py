@@ -1,0 +1,180 @@
+"""engine.cpu_fast: MLX's float matmuls on OpenBLAS and the dequantize-then-matmul path for quantized
+linears over many rows: the numerics of the layer swap, the BLAS routing, and the same greedy tokens
+as the reference path (reference BLAS, `quantized_matmul` everywhere) with the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine import cpu_fast
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _quantized_linear(din: int, dout: int, bits: int, group_size: int, bias: bool = True):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    mx.random.seed(3)
+    lin = nn.Linear(din, dout, bias=bias)
+    q = nn.QuantizedLinear.from_linear(lin, group_size=group_size, bits=bits)
+    q.set_dtype(mx.float32)
+    return q
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 32)])
+def test_layer_swap_matches_quantized_matmul(bits: int, group_size: int) -> None:
+    """Many rows: within float32 summation noise of quantized_matmul, and exactly x @ dequantize(W).T;
+    fewer rows than min_rows: quantized_matmul itself, bit for bit."""
+    import mlx.core as mx
+
+    layer = _quantized_linear(256, 96, bits, group_size)
+    wrapper = type("M", (), {"named_modules": lambda self: [("q", layer)]})()
+    assert cpu_fast.patch_model(wrapper, force=True) == 1 and type(layer).__name__ == "RowsQuantizedLinear"
+    assert cpu_fast.patch_model(wrapper, force=True) == 0  # idempotent
+    dense = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group_size, bits=bits)
+    for shape in [(1, 1, 256), (1, 3, 256), (1, 4, 256), (2, 37, 256), (300, 256)]:
+        x = mx.random.normal(shape)
+        with cpu_fast.plain_path():
+            plain = layer(x)
+        fast = layer(x)
+        rows = x.size // 256
+        if rows < cpu_fast.min_rows():
+            assert mx.array_equal(fast, plain), shape
+        else:
+            assert mx.array_equal(fast, x @ dense.T + layer.bias), shape
+            scale = float(mx.abs(plain).max())
+            assert float(mx.abs(fast - plain).max()) <= 1e-5 * max(scale, 1.0) * 8, shape
+        assert fast.dtype == mx.float32 and fast.shape == plain.shape
+
+
+def test_patch_model_leaves_other_layers_and_obeys_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.nn as nn
+
+    q = _quantized_linear(64, 32, 4, 32, bias=False)
+    lin = nn.Linear(64, 32)
+    model = type("M", (), {"named_modules": lambda self: [("q", q), ("lin", lin)]})()
+    monkeypatch.setenv(cpu_fast.ENV_SWITCH, "0")
+    assert cpu_fast.patch_model(model, force=True) == 0 and type(q) is nn.QuantizedLinear
+    monkeypatch.delenv(cpu_fast.ENV_SWITCH)
+    assert cpu_fast.patch_model(model, force=True) == 1 and type(lin) is nn.Linear
+
+
+def _child(code: str, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+BLAS_PROBE = """
+import json, time
+import engine
+from engine.cpu_fast import blas_calls, blas_status
+import mlx.core as mx
+import numpy as np
+a, b = mx.random.normal((512, 576)), mx.random.normal((576, 1536))
+mx.eval(a, b)
+mx.eval(a @ b)
+t = time.perf_counter(); mx.eval(a @ b); ms = (time.perf_counter() - t) * 1000
+ref = np.array(a).astype(np.float64) @ np.array(b).astype(np.float64)
+s = blas_status()
+print(json.dumps({"active": s.active, "reason": s.reason, "calls": blas_calls(), "ms": ms,
+                  "err": float(np.abs(np.array(a @ b) - ref).max())}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS swap is for the Linux mlx[cpu] wheel")
+def test_fast_blas_routes_mlx_matmul_and_the_switch_turns_it_off() -> None:
+    fast = _child(BLAS_PROBE)
+    assert fast["active"] and fast["reason"] == "active", fast
+    assert fast["calls"] >= 2 and fast["err"] < 1e-2, fast  # MLX's sgemm went through the shim
+    off = _child(BLAS_PROBE, FLASHCODE_CPU_FAST="0")
+    assert not off["active"] and off["calls"] == -1 and off["err"] < 1e-2, off
+    print(f"512x576x1536 float32 matmul: {fast['ms']:.1f} ms with OpenBLAS, {off['ms']:.1f} ms reference")
+
+
+def test_fast_blas_is_refused_once_mlx_is_loaded() -> None:
+    late = _child("import json, mlx.core; import engine.cpu_fast as c; s = c.load_fast_blas(); "
+                  "print(json.dumps({'active': s.active, 'reason': s.reason}))")  # fmt: skip
+    assert not late["active"] and "imported before" in late["reason"]
+
+
+# --------------------------------------------------------------------------- the real default model
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, and explain it.",
+    "What does the `with` statement do in Python? Give a short example.",
+    "Explain the difference between a list and a tuple, with examples of when to use each.",
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
+    "            out.append(b[j]); j += 1\n    return out\n\nWhat is missing in this merge function? Fix it.",
+]
+TOKENS = 32
+
+GENERATE = """
+import json, sys, threading
+from engine.base import GenerationRequest, SamplingParams, TextDelta
+from engine.cpu_fast import blas_status
+from engine.mlx_backend import MLXBackend
+from engine.models import find_model
+b = MLXBackend()
+b.load(find_model(None))
+out = []
+for p in json.loads(sys.argv[1]):
+    req = GenerationRequest(messages=({"role": "user", "content": p},),
+                            sampling=SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2])))
+    out.append([i for ev in b.stream(req, threading.Event()) if isinstance(ev, TextDelta) for i in ev.token_ids])
+print(json.dumps({"tokens": out, "blas": blas_status().reason}))
+"""
+
+
+def greedy(backend, prompt: str, tokens: int = TOKENS) -> list[int]:
+    from engine.base import GenerationRequest, SamplingParams, TextDelta
+
+    backend.prompt_cache.reset()
+    req = GenerationRequest(messages=({"role": "user", "content": prompt},),
+                            sampling=SamplingParams(temperature=0.0, max_tokens=tokens))  # fmt: skip
+    return [
+        i for ev in backend.stream(req, threading.Event()) if isinstance(ev, TextDelta) for i in ev.token_ids
+    ]
+
+
+@pytest.mark.slow
+def test_fast_path_gives_the_reference_greedy_tokens(mlx_backend) -> None:
+    """4 prompts x 32 greedy tokens: the fast path (OpenBLAS + dequantize-then-matmul) against the same
+    backend with the layer swap off, and against a process on the reference path (FLASHCODE_CPU_FAST=0)."""
+    import mlx.core as mx
+
+    n_patched = sum(
+        type(m).__name__ == "RowsQuantizedLinear" for _, m in mlx_backend.model_obj.named_modules()
+    )
+    if cpu_fast.blas_status().active:
+        assert n_patched > 0
+    fast = [greedy(mlx_backend, p) for p in PROMPTS]
+    with cpu_fast.plain_path():
+        plain = [greedy(mlx_backend, p) for p in PROMPTS]
+    assert fast == plain
+    assert all(len(t) == TOKENS for t in fast)
+    # logits of one whole-prompt forward: within float32 summation noise
+    ids = mx.array(mlx_backend.apply_chat_template(({"role": "user", "content": PROMPTS[3]},)))[None]
+    a = mlx_backend.model_obj(ids)[0]
+    with cpu_fast.plain_path():
+        b = mlx_backend.model_obj(ids)[0]
+    assert float(mx.abs(a - b).max()) < 1e-2 and mx.array_equal(a.argmax(-1), b.argmax(-1))
+    ref = _child_run(PROMPTS, FLASHCODE_CPU_FAST="0")
+    assert ref["blas"].startswith("FLASHCODE_CPU_FAST=0")
+    assert ref["tokens"] == fast
+
+
+def _child_run(prompts: list[str], **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", GENERATE, json.dumps(prompts), str(TOKENS)], cwd=ROOT,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=800)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
