@@ -23,7 +23,7 @@ def main() -> int:
     from engine.flash.reader import measure_bandwidth
     from engine.flash.split import load_manifest, split_model
     from engine.flash.synth import synth_model
-    from webapp.cli import parse_size
+    from webapp.units import parse_size
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/root/flash")

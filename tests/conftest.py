@@ -1,19 +1,120 @@
-"""Shared fixtures. The real default model is imported once per run into $FLASHCODE_HOME
-(`make test` / CI set it up); each test that writes user data gets its own data directory whose
-`models/` points at that shared one, so no test touches another's conversations."""
+"""Shared fixtures and the one scripted engine. The real default model is imported once per run
+into $FLASHCODE_HOME (`make test` / CI set it up); each test that writes user data gets its own data
+directory whose `models/` points at that shared one, so no test touches another's conversations.
+
+`FakeBackend` stands in for an engine wherever the model's choices are not what is tested: replies
+are scripted with `enqueue(*tokens)`, the agent router's picks with `enqueue_route(label)`, and
+`history` records every request it was given. Servers for tests and benchmarks: `tests/servers.py`.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta
+from webapp.agent.router import ROUTES
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+class FakeBackend:
+    """A scripted engine (the Backend protocol, plus scoring for the agent's router).
+
+    `enqueue("Hi", " there")` queues one reply streamed as those tokens (`delay` seconds apart);
+    with nothing queued a reply is "Hello world.". `enqueue_route("shell")` makes the router's next
+    pick that label. `history` holds every `GenerationRequest`; `threads` the threads it ran on.
+    A token is a word: `tokenize` gives one id per word (its length)."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        delay: float = 0.0,
+        context_length: int = 2048,
+        model: str | None = "fake-model",
+        default_reply: Sequence[str] = ("Hello", " world", "."),
+    ) -> None:
+        self.delay = delay
+        self._context_length = context_length
+        self._model = (
+            ModelInfo(name=model, path=Path("/nonexistent"), architecture="fake", size_bytes=0) if model else None
+        )
+        self.default_reply = list(default_reply)
+        self.replies: list[list[str]] = []
+        self.routes: list[str] = []
+        self.history: list[GenerationRequest] = []
+        self.threads: set[str] = set()
+        self.closed = False
+
+    def enqueue(self, *tokens: str) -> FakeBackend:
+        self.replies.append(list(tokens))
+        return self
+
+    def enqueue_route(self, label: str) -> FakeBackend:
+        self.routes.append(label)
+        return self
+
+    # ------------------------------------------------------------------ the Backend protocol
+    def load(self, model: ModelInfo) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return self._model
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def tokenize(self, text: str) -> list[int]:
+        self.threads.add(threading.current_thread().name)
+        return [len(w) for w in text.split()]
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        return self.tokenize(" ".join(m["content"] for m in messages))
+
+    def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]:
+        label = self.routes.pop(0)
+        return [-0.1 if r == label else -5.0 for r in ROUTES]
+
+    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[TextDelta | Done]:
+        self.threads.add(threading.current_thread().name)
+        self.history.append(request)
+        tokens = self.replies.pop(0) if self.replies else list(self.default_reply)
+        start, out = time.monotonic(), []
+        prompt = len(self.apply_chat_template(request.messages or ()))
+        for i, tok in enumerate(tokens):
+            if cancel.is_set():
+                yield Done(self._stats(prompt, len(out), start), "cancelled", "".join(out))
+                return
+            if self.delay:
+                time.sleep(self.delay)
+            out.append(tok)
+            yield TextDelta(tok, (i,))
+        yield Done(self._stats(prompt, len(out), start), "stop", "".join(out))
+
+    def _stats(self, prompt: int, n: int, start: float) -> GenerationStats:
+        total = time.monotonic() - start
+        return GenerationStats(
+            prompt_tokens=prompt, completion_tokens=n, ttft_s=0.001, decode_tps=n / max(total, 1e-6), total_s=total
+        )
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend()
 
 
 @pytest.fixture(scope="session")

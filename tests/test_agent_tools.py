@@ -14,7 +14,8 @@ from webapp.agent.files import FileToolError, PathOutsideProjectError, ProjectFi
 from webapp.agent.runner import CommandExit, CommandRun, OutputChunk
 from webapp.agent.search import DDGSProvider, LocalSearchProvider, SearchResult, SearchUnavailableError
 from webapp.agent.slash import SlashError, parse_slash
-from webapp.agent.store import MIGRATIONS, AgentStore, ensure_schema
+from webapp.agent.store import AgentStore
+from webapp.db import MIGRATIONS, migrate
 
 
 async def run_all(run: CommandRun) -> tuple[list[OutputChunk], CommandExit]:
@@ -153,9 +154,10 @@ def test_search_local_provider_serves_fixed_results() -> None:
 # --------------------------------------------------------------------------- store
 def test_store_schema_rules_and_audit_trail(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "db.sqlite")
-    ensure_schema(conn)
-    ensure_schema(conn)  # idempotent
-    assert all("IF NOT EXISTS" in m for m in MIGRATIONS)
+    migrate(conn)
+    assert migrate(conn) == []  # once only
+    agent_steps = [sql for _, name, steps in MIGRATIONS if "agent" in name or "sandbox" in name for sql in steps]
+    assert agent_steps and all("IF NOT EXISTS" in sql for sql in agent_steps)  # older databases may hold them
     store = AgentStore(conn)
     rule = store.add_rule("/p", "prefix", "git status")
     assert store.add_rule("/p", "prefix", "git status").id == rule.id

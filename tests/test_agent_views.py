@@ -12,7 +12,7 @@ from webapp.agent import events as ev
 from webapp.agent.search import SearchResult
 from webapp.agent.shell import check_command
 from webapp.agent.views import AgentViews
-from webapp.views import find_dir
+from webapp.render import find_dir
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.worker import Worker
-from tests.test_agent_loop import FakeBackend
+from tests.conftest import FakeBackend
 from webapp.agent import web
+from webapp.agent.store import AgentStore
 from webapp.app import create_app
 from webapp.settings import Settings
 
 BASE = "http://127.0.0.1:8000"
 ORIGIN = "http://127.0.0.1:8000"
-
-
-@pytest.fixture
-def fake() -> FakeBackend:
-    return FakeBackend()
 
 
 @pytest.fixture
@@ -129,14 +125,11 @@ def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBacken
 
 
 def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend, project: Path) -> None:
-    from webapp.agent.store import AgentStore, ensure_schema
-
     worker = Worker(lambda: fake)
     app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
     try:
         with TestClient(app, base_url=BASE) as client:
             state = app.state.flashcode
-            ensure_schema(state.db.conn)
             rule = AgentStore(state.db.conn).add_rule(str(project.resolve()), "prefix", "git status")
             html = client.get("/agent/rules").text
             assert "git status" in html and f"/agent/rules/{rule.id}/delete" in html

@@ -11,10 +11,8 @@ without it (connecting only to 127.0.0.1).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -25,6 +23,7 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from engine.worker import Worker
+from tests.servers import serve_cli
 from tests.test_openai_api import FakeEngine
 from tests.test_ws import send, until
 from webapp import security
@@ -230,37 +229,14 @@ def test_auth_serve_refuses_a_short_token() -> None:
                                 "$FLASHCODE_TOKEN unset for a random one)\n")  # fmt: skip
 
 
-def wait_for_url(out: Path, proc: subprocess.Popen, timeout: float = 180) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if m := re.search(r"flashcode on (http://\S+)", out.read_text()):
-            return m.group(1)
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited {proc.returncode}: {out.read_text()[-2000:]}")
-        time.sleep(0.2)
-    raise TimeoutError(f"serve printed no URL in {timeout} s: {out.read_text()[-2000:]}")
-
-
 @pytest.fixture
 def remote_server(data_dir: Path) -> Iterator[tuple[str, str, int]]:
     """`flashcode serve --host 0.0.0.0 --port 0` for real; yields (printed URL, token, port)."""
-    out = data_dir / "serve.out"
     env = {k: v for k, v in os.environ.items() if k != security.TOKEN_ENV}
-    with out.open("w") as log:
-        proc = subprocess.Popen([*FLASHCODE, "serve", "--host", "0.0.0.0", "--port", "0", "--backend", "mlx",
-                                 "--data-dir", str(data_dir), "--log-level", "warning"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
-    try:
-        url = wait_for_url(out, proc)
-        parts = urlsplit(url)
-        assert parts.hostname == "127.0.0.1" and parts.port and parts.port > 0, url
-        yield url, parse_qs(parts.query)["token"][0], parts.port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with serve_cli(data_dir, "--host", "0.0.0.0", "--data-dir", str(data_dir), env=env) as served:
+        parts = urlsplit(served.url)
+        assert parts.hostname == "127.0.0.1" and parts.port and parts.port > 0, served.url
+        yield served.url, parse_qs(parts.query)["token"][0], parts.port
 
 
 @pytest.mark.slow

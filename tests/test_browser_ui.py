@@ -4,17 +4,15 @@ user scrolls up and resumes at the bottom, Shift+Return makes a newline, Regener
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from engine.worker import Worker
-from tests.test_browser_webapp import ARGS, CHROMIUM, free_port
-from tests.test_ws import FakeBackend
+from tests.conftest import FakeBackend
+from tests.servers import free_port, serve_app
+from tests.test_browser_webapp import ARGS, CHROMIUM
 from webapp.app import create_app
 from webapp.settings import Settings
 
@@ -27,14 +25,8 @@ def fake_server(tmp_path: Path) -> Iterator[tuple[str, FakeBackend]]:
     worker = Worker(lambda: fake)
     port = free_port()
     app = create_app(Settings(port=port, data_dir=tmp_path, load_model=False), worker=worker)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", fake
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(app, port) as url:
+        yield url, fake
     worker.close()
 
 

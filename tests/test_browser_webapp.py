@@ -7,16 +7,13 @@ tests/artifacts/. One generation is started and stopped, so this stays around ha
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.servers import serve_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -25,55 +22,10 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
         "--disable-sync", "--no-first-run"]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(data_dir: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "webapp.cli",
-        "serve",
-        "--backend",
-        "mlx",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    log = (data_dir / "serve.log").open("w")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FLASHCODE_HOME": str(data_dir)}
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"flashcode serve exited {proc.returncode}: {(data_dir / 'serve.log').read_text()[-2000:]}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=1).json().get("model"):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("flashcode serve did not become healthy in 120 s")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with serve_cli(data_dir) as served:
+        yield served.url
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The saved-context HTTP handlers (webapp/contexts.py) in-process: a tiny app built inline with a
+"""The saved-context HTTP handlers (webapp/contexts/http.py) in-process: a tiny app built inline with a
 fake backend that writes a stand-in cache file, driven by TestClient. The real cache files and the
 real model are covered by tests/test_sessions.py."""
 
@@ -12,11 +12,14 @@ from typing import Any
 
 import pytest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
 from engine.worker import Worker
-from webapp.contexts import context_routes
+from webapp.contexts.http import SavedContexts
 from webapp.db import Database
+from webapp.render import make_environment
+from webapp.security import CsrfMiddleware
 from webapp.settings import Settings
 
 BASE = "http://127.0.0.1:8000"
@@ -58,16 +61,19 @@ class FakeCacheBackend:
         return {"tokens": len(self.loaded)}
 
 
+def context_app(data_dir: Path, worker: Worker, db: Database) -> Starlette:
+    """The saved-context routes alone, behind the app's CSRF rule (token `TOKEN`)."""
+    settings = Settings(data_dir=data_dir, load_model=False)
+    csrf = Middleware(CsrfMiddleware, token=TOKEN["x-csrf-token"], allowed_origins=settings.allowed_origins)
+    return Starlette(routes=SavedContexts(data_dir, worker, db, make_environment()).routes, middleware=[csrf])
+
+
 @pytest.fixture
 def client(tmp_path: Path, default_model) -> Iterator[tuple[TestClient, FakeCacheBackend, Any]]:
     fake = FakeCacheBackend(default_model)
     worker = Worker(lambda: fake)
-    settings = Settings(data_dir=tmp_path, load_model=False)
     db = Database(tmp_path / "flashcode.db")
-    app = Starlette(routes=context_routes)
-    app.state.flashcode = SimpleNamespace(settings=settings, db=db, engine=SimpleNamespace(worker=worker),
-                                          csrf_token=TOKEN["x-csrf-token"])  # fmt: skip
-    with TestClient(app, base_url=BASE) as c:
+    with TestClient(context_app(tmp_path, worker, db), base_url=BASE) as c:
         yield c, fake, db
     worker.close()
     db.close()

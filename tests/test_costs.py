@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from webapp import costs
-from webapp.costs import Price
+from webapp.stats import costs
+from webapp.stats.costs import Price
 
 SONNET = Price("Claude Sonnet 4.5", 3.00, 0.30, 15.00, "2025-10-15")
 GPT41 = Price("GPT-4.1", 2.00, 0.50, 8.00, "2025-10-15")

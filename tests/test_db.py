@@ -1,10 +1,14 @@
-"""SQLite storage: migrations, WAL, the message lifecycle and crash recovery."""
+"""SQLite storage: migrations (from every past version's real database), WAL, the message
+lifecycle and crash recovery."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
+import pytest
+
+from tests.data import past_schemas as past
 from webapp import db as dbmod
 from webapp.db import Database, export_json, export_markdown
 
@@ -65,3 +69,105 @@ def test_db_finish_message_stores_stats_and_exports(tmp_path: Path) -> None:
     assert md.startswith("# Export me") and "## User" in md and "**a**" in md
     js = export_json(c, msgs)
     assert js["title"] == "Export me" and js["messages"][1]["content"] == "**a**"
+
+
+# --------------------------------------------------------------------------- every past version -> now
+def _old_ensure_schema(conn: sqlite3.Connection, scripts: list[str]) -> None:
+    """What `agent.store.ensure_schema` and `stats.ensure_schema` did (every socket; every start)."""
+    for script in scripts:
+        conn.executescript(script)
+    conn.commit()
+
+
+V1 = (1, "conversations and messages", past.DB_V1)
+V2 = (2, "agent allow rules and actions", past.AGENT_9470FDF[0])
+V3 = (3, "per-project sandbox settings", past.AGENT_18209CD[1])
+
+
+def _b9fe0cf(conn: sqlite3.Connection) -> None:
+    past.migrate(conn, [V1, V2, V3])
+    conn.execute("PRAGMA user_version = 3")  # b9fe0cf's migrate() ended so
+    _old_ensure_schema(conn, past.AGENT_18209CD)
+    _old_ensure_schema(conn, past.STATS_B7096DF)
+
+
+# how each past flashcode left its database: db.py's migrations, then what ran at start-up or per socket
+PAST_VERSIONS = {
+    "b893136 conversations": lambda c: past.migrate(c, [V1]),
+    "e8f3d2b agent tables per socket": lambda c: (
+        past.migrate(c, [V1]),
+        _old_ensure_schema(c, past.AGENT_9470FDF),
+    ),
+    "95eca24 stats tables at start-up": lambda c: (
+        past.migrate(c, [V1]),
+        _old_ensure_schema(c, past.AGENT_9470FDF),
+        _old_ensure_schema(c, past.STATS_B7096DF),
+    ),
+    "79d7228 agent tables as migration 2": lambda c: (
+        past.migrate(c, [V1, V2]),
+        _old_ensure_schema(c, past.AGENT_9470FDF),
+        _old_ensure_schema(c, past.STATS_B7096DF),
+    ),
+    "18209cd network table per socket": lambda c: (
+        past.migrate(c, [V1, V2]),
+        _old_ensure_schema(c, past.AGENT_18209CD),
+        _old_ensure_schema(c, past.STATS_B7096DF),
+    ),
+    "b9fe0cf migration 3 and user_version": _b9fe0cf,
+}
+
+
+def schema(conn: sqlite3.Connection) -> dict[str, object]:
+    """Tables with their columns, foreign keys and indexes (SQL text aside: old steps were scripts)."""
+    out: dict[str, object] = {}
+    tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name")]
+    for t in tables:
+        indexes = {
+            i[1]: (i[2], [c[2] for c in conn.execute(f"PRAGMA index_info('{i[1]}')")])
+            for i in conn.execute(f"PRAGMA index_list('{t}')")
+        }
+        out[t] = (
+            list(conn.execute(f"PRAGMA table_info('{t}')")),
+            list(conn.execute(f"PRAGMA foreign_key_list('{t}')")),
+            indexes,
+        )
+    return out
+
+
+@pytest.mark.parametrize("version", list(PAST_VERSIONS))
+def test_db_migrates_every_past_version_to_the_latest(tmp_path: Path, version: str) -> None:
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path, isolation_level=None)
+    PAST_VERSIONS[version](old)
+    old.execute("INSERT INTO conversations VALUES ('c1', 'kept', 'm', 'mlx', 1.0, 2.0)")
+    old.execute("INSERT INTO messages (conversation_id, role, content, status, created_at) "
+                "VALUES ('c1', 'user', 'hello from the past', 'complete', 1.5)")  # fmt: skip
+    tables = {r[0] for r in old.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "agent_allow_rules" in tables:
+        old.execute("INSERT INTO agent_allow_rules (project, kind, pattern, created_at) VALUES ('/p', 'exact', 'ls', 1)")
+    if "stats_replies" in tables:
+        old.execute("INSERT INTO stats_replies (created_at, prompt_tokens, completion_tokens) VALUES (1, 5, 7)")
+    old.close()
+
+    d = Database(path)
+    fresh = Database(tmp_path / "fresh.db")
+    assert schema(d.conn) == schema(fresh.conn)
+    assert d.conn.execute("PRAGMA user_version").fetchone()[0] == dbmod.SCHEMA_VERSION
+    logged = [r[0] for r in d.conn.execute("SELECT version FROM schema_migrations ORDER BY version")]
+    assert logged == [v for v, _, _ in dbmod.MIGRATIONS]
+    assert [m.content for m in d.messages("c1")] == ["hello from the past"]
+    if "agent_allow_rules" in tables:
+        assert d.conn.execute("SELECT pattern FROM agent_allow_rules").fetchall()[0][0] == "ls"
+    if "stats_replies" in tables:
+        assert tuple(d.conn.execute("SELECT prompt_tokens, completion_tokens FROM stats_replies").fetchone()) == (5, 7)
+    d.close()
+    fresh.close()
+    assert dbmod.migrate(sqlite3.connect(path, isolation_level=None)) == []  # once only
+
+
+def test_db_refuses_a_database_from_a_newer_flashcode(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "f.db")
+    conn.execute(f"PRAGMA user_version = {dbmod.SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(dbmod.NewerDatabaseError, match="newer flashcode"):
+        Database(tmp_path / "f.db")

@@ -16,8 +16,8 @@ from starlette.testclient import TestClient
 
 from engine.worker import Worker
 from tests.test_ws import BASE, connect, send, until
-from webapp import ws as ws_module
 from webapp.app import create_app
+from webapp.chat import socket as ws_module
 from webapp.settings import Settings
 
 

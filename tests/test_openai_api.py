@@ -17,9 +17,11 @@ from starlette.testclient import TestClient
 
 from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta
 from engine.worker import Worker
-from webapp import openai_api, stats
+from tests.servers import free_port, serve_app
+from webapp.api import openai as openai_api
 from webapp.app import create_app
 from webapp.settings import Settings
+from webapp.stats import store as stats
 
 BASE = "http://127.0.0.1:8000"
 
@@ -72,9 +74,7 @@ def make_client(tmp_path: Path, engine: FakeEngine, client: tuple[str, int] = ("
                 **settings: object) -> Iterator[TestClient]:  # fmt: skip
     worker = Worker(lambda: engine)
     app = create_app(Settings(data_dir=tmp_path, load_model=False, **settings), worker=worker)  # type: ignore[arg-type]
-    app.router.routes.extend(openai_api.routes)
     with TestClient(app, base_url=BASE, client=client) as c:
-        stats.ensure_schema(app.state.flashcode.db.conn)
         yield c
     worker.close()
 
@@ -196,32 +196,19 @@ class SlowEngine(FakeEngine):
 
 
 def test_openai_stream_stops_the_engine_when_the_client_leaves(tmp_path: Path) -> None:
-    import socket
-    import time
-
     import httpx
-    import uvicorn
 
     engine = SlowEngine()
     worker = Worker(lambda: engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = create_app(Settings(data_dir=tmp_path, port=port, load_model=False), worker=worker)
-    app.router.routes.extend(openai_api.routes)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            time.sleep(0.02)
-        body = {"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 500}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")  # the role chunk
-            assert '" t0"' in next(ln for ln in lines if ln)
-        assert engine.cancelled.wait(5), "the engine kept generating after the client left"
+        with serve_app(app, port):
+            body = {"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 500}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")  # the role chunk
+                assert '" t0"' in next(ln for ln in lines if ln)
+            assert engine.cancelled.wait(5), "the engine kept generating after the client left"
     finally:
-        server.should_exit = True
-        thread.join(5)
         worker.close()

@@ -9,15 +9,19 @@ from pathlib import Path
 import pytest
 
 from engine.base import GenerationStats
-from webapp import charts, costs, stats, stats_view
+from webapp.db import migrate
+from webapp.render import make_environment
+from webapp.stats import charts, costs
+from webapp.stats import store as stats
+from webapp.stats import views as stats_view
 
 
 @pytest.fixture(params=[None, sqlite3.Row], ids=["tuples", "rows"])
 def conn(request: pytest.FixtureRequest) -> sqlite3.Connection:
     c = sqlite3.connect(":memory:")
     c.row_factory = request.param
-    stats.ensure_schema(c)
-    stats.ensure_schema(c)  # idempotent
+    migrate(c)
+    assert migrate(c) == []  # once only
     return c
 
 
@@ -117,8 +121,6 @@ def test_charts_are_well_formed_svg_with_escaped_labels() -> None:
 
 
 def test_stats_window_renders_totals_costs_and_charts(conn: sqlite3.Connection, tmp_path: Path) -> None:
-    from webapp.views import make_environment
-
     stats.record_reply(conn, reply(1_000_000, 200_000, 100_000, 12.0, 0.25), backend="mlx", model="small")
     html = stats_view.render_window(make_environment(), conn, tmp_path, csrf_token="tok")
     assert "$3.96" in html  # Claude Sonnet 4.5 at the shipped prices
@@ -151,11 +153,9 @@ def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
 
     worker = Worker()
     app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
-    app.router.routes.extend(stats_view.routes)
     try:
         with TestClient(app, base_url="http://127.0.0.1:8000") as c:
             state = app.state.flashcode
-            stats.ensure_schema(state.db.conn)
             stats.record_reply(state.db.conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="small")
             page = c.get("/stats/window")
             assert page.status_code == 200 and "$0.0075" in page.text  # GPT-4o: 1000 x 2.50 + 500 x 10
@@ -207,7 +207,7 @@ def test_bench_runs_the_fixed_prompts_greedily_and_compares_runs(conn: sqlite3.C
     import asyncio
 
     from engine.worker import Worker
-    from webapp import benchset
+    from webapp.stats import bench as benchset
 
     engine = FakeBenchEngine()
     worker = Worker(lambda: engine)  # type: ignore[arg-type, return-value]
@@ -237,25 +237,21 @@ def test_bench_runs_the_fixed_prompts_greedily_and_compares_runs(conn: sqlite3.C
         worker.close()
 
 
-def test_stats_migrations_run_through_the_web_apps_migrate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """db.py splits scripts on ';': the stats scripts survive that (the integration path)."""
-    from webapp import db
-
-    extra = [(1000 + i, f"stats {i}", sql) for i, sql in enumerate(stats.MIGRATIONS)]
-    monkeypatch.setattr(db, "MIGRATIONS", [*db.MIGRATIONS, *extra])
+def test_stats_tables_come_from_the_web_apps_migrations() -> None:
+    """The stats tables are steps of db.py's one migration list (the integration path)."""
     c = sqlite3.connect(":memory:", isolation_level=None)
-    db.migrate(c)
-    stats.ensure_schema(c)  # and running ensure_schema afterwards is harmless
+    migrate(c)
     assert stats.record_reply(c, reply(5, 0, 1, 1.0, 0.1), backend="mlx", model="m") == 1
 
 
 def test_stats_slash_commands_are_registered_with_the_agent() -> None:
-    from webapp.agent.slash import help_text, parse_slash
+    from webapp.app import slash_commands
 
-    call = parse_slash("/bad it ignored the file I named")
+    commands = slash_commands()  # what create_app gives the agent
+    call = commands.parse("/bad it ignored the file I named")
     assert call is not None and (call.name, call.arg) == ("bad", "it ignored the file I named")
-    assert all(parse_slash(f"/{n}") is not None for n in stats_view.SLASH_NAMES)
-    assert "/improve" in help_text() and "/cost" in help_text()
+    assert all(commands.parse(f"/{n}") is not None for n in stats_view.SLASH_NAMES)
+    assert "/improve" in commands.help_text() and "/cost" in commands.help_text()
 
 
 def test_ws_hooks_record_a_chat_reply_and_answer_commands(tmp_path: Path) -> None:
@@ -272,7 +268,6 @@ def test_ws_hooks_record_a_chat_reply_and_answer_commands(tmp_path: Path) -> Non
     try:
         with TestClient(app, base_url="http://127.0.0.1:8000"):
             state = app.state.flashcode
-            stats.ensure_schema(state.db.conn)
             conv = state.db.create_conversation("t")
             state.db.add_message(conv.id, "user", "hi")
             msg = state.db.add_message(conv.id, "assistant", "Hello there, friend.")
@@ -281,10 +276,8 @@ def test_ws_hooks_record_a_chat_reply_and_answer_commands(tmp_path: Path) -> Non
                 "backend": "mlx",
                 "finish_reason": "stop",
             }
-            assert stats_view.record_chat_reply(
-                state, s, conversation_id=conv.id, message_id=msg.id, route="shell"
-            )
-            text = asyncio.run(stats_view.answer(state, "good", "nice", conv.id))
+            assert state.stats.record_chat_reply(s, conversation_id=conv.id, message_id=msg.id, route="shell")
+            text = asyncio.run(state.stats.answer("good", "nice", conv.id))
             assert "**good** — nice" in text
             [g] = stats.improve(state.db.conn)[1]
             assert (g.route, g.excerpt, g.message_id) == ("shell", "Hello there, friend.", msg.id)
@@ -293,7 +286,7 @@ def test_ws_hooks_record_a_chat_reply_and_answer_commands(tmp_path: Path) -> Non
 
 
 def test_stats_install_records_every_websocket_reply(tmp_path: Path) -> None:
-    """The integrated path: `stats_view.install(state)` in the lifespan, then a reply over the websocket."""
+    """The integrated path: `create_app` hooks the stats into the chat, then a reply over the websocket."""
     import threading
 
     from starlette.testclient import TestClient
@@ -324,9 +317,7 @@ def test_stats_install_records_every_websocket_reply(tmp_path: Path) -> None:
     try:
         with TestClient(app, base_url="http://127.0.0.1:8000") as c:
             state = app.state.flashcode
-            stats_view.install(state)  # what the lifespan does once integrated (idempotent)
-            stats_view.install(state)
-            assert state.on_reply.count(stats_view.record_chat_reply) == 1
+            assert state.on_reply.count(state.stats.record_chat_reply) == 1
             with c.websocket_connect(
                 "ws://127.0.0.1:8000/ws", headers={"origin": "http://127.0.0.1:8000"}
             ) as ws:
@@ -344,8 +335,6 @@ def test_stats_install_records_every_websocket_reply(tmp_path: Path) -> None:
 
 
 def test_stats_note_fragment_renders_markdown_escaped(conn: sqlite3.Connection) -> None:
-    from webapp.views import make_environment
-
     stats.record_reply(conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="<b>x</b>")
     html = stats_view.note_html(make_environment(), "stats", stats_view.stats_markdown(conn))
     assert 'hx-swap-oob="beforeend"' in html and "<table>" in html and "<b>x</b>" not in html

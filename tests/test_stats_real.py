@@ -1,7 +1,7 @@
-"""The real layer of issue 9: the default model on the MLX backend through a real Worker.
+"""Stats for real: the default model on the MLX backend through a real Worker.
 
-One module-scoped server (uvicorn in a thread on a free loopback port, the real web app with the
-stats and OpenAI routes mounted as `docs/stats.md` says) serves three tests: a real reply's stats
+One module-scoped server (uvicorn in a thread on a free loopback port, the real web app) serves
+three tests: a real reply's stats
 are recorded, the official `openai` client works against `/v1` (streaming and not), and the Stats
 window renders with its charts in Chromium (screenshot in tests/artifacts/stats_window.png).
 Replies are kept to a few tokens: this CPU is shared, and MLX on CPU decodes a few tok/s here.
@@ -10,9 +10,7 @@ Replies are kept to a few tokens: this CPU is shared, and MLX on CPU decodes a f
 from __future__ import annotations
 
 import asyncio
-import socket
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,19 +20,18 @@ import pytest
 from engine import paths
 from engine.base import Done, GenerationRequest, SamplingParams
 from engine.worker import Worker
-from webapp import openai_api, stats, stats_view
+from tests.servers import free_port, serve_app
+from webapp.app import create_app
+from webapp.db import migrate
+from webapp.engine_host import make_loaded_backend
+from webapp.settings import Settings
+from webapp.stats import store as stats
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 TOKENS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +45,6 @@ def home(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Iterator
 
 @pytest.fixture(scope="module")
 def worker(home: Path) -> Iterator[Worker]:
-    from webapp.engine_host import make_loaded_backend
-
     w = Worker(lambda: make_loaded_backend("mlx", None))
     yield w
     w.close()
@@ -57,34 +52,10 @@ def worker(home: Path) -> Iterator[Worker]:
 
 @pytest.fixture(scope="module")
 def server(home: Path, worker: Worker) -> Iterator[str]:
-    import uvicorn
-
-    import webapp.views
-    from webapp.app import create_app
-    from webapp.settings import Settings
-
-    conn = sqlite3.connect(paths.database_path(home))  # what db.py's migrations will do once integrated
-    stats.ensure_schema(conn)
-    conn.close()
     port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        # until the web app mounts issue 9 (docs/stats.md, "Integrating"), do here what it will do
-        placeholders = [(i, t, stats_view.window_pane_html() if i == "stats-window" else b)
-                        for i, t, b in webapp.views.PLACEHOLDERS]  # fmt: skip
-        mp.setattr(webapp.views, "PLACEHOLDERS", placeholders)
-        app = create_app(Settings(port=port, data_dir=home, load_model=False), worker=worker)
-        mounted = {getattr(r, "path", "") for r in app.router.routes}
-        app.router.routes.extend(r for r in [*stats_view.routes, *openai_api.routes] if r.path not in mounted)
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-        srv.should_exit = True
-        thread.join(10)
+    app = create_app(Settings(port=port, data_dir=home, load_model=False), worker=worker)
+    with serve_app(app, port) as url:
+        yield url
 
 
 def db(home: Path) -> sqlite3.Connection:
@@ -102,7 +73,7 @@ def test_stats_recorded_for_a_real_reply(home: Path, worker: Worker) -> None:
     done = asyncio.run(reply())
     assert done.error is None, done.error
     conn = db(home)
-    stats.ensure_schema(conn)
+    migrate(conn)
     rid = stats.record_reply(conn, done.stats, backend=worker.backend.name, model=worker.backend.model.name,
                              conversation_id="c1", message_id=1, finish_reason=done.finish_reason)  # fmt: skip
     row = conn.execute("SELECT backend, model, prompt_tokens, completion_tokens, ttft_s, decode_tps, peak_memory_bytes, "

@@ -10,7 +10,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.worker import Worker
-from tests.test_ws import BASE, FakeBackend, connect, conversation_id, send, until
+from tests.conftest import FakeBackend
+from tests.test_ws import BASE, connect, conversation_id, send, until
 from webapp.app import create_app
 from webapp.db import Database
 from webapp.settings import Settings

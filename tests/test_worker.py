@@ -3,52 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
 
-from engine.base import Done, GenerationRequest, GenerationStats, SamplingParams, TextDelta
+from engine.base import Done, GenerationRequest, SamplingParams, TextDelta
 from engine.worker import Worker
-
-
-class FakeBackend:
-    """Scripted: yields `words` one per `delay` seconds; records the thread each call ran on."""
-
-    name = "fake"
-    model = None
-    context_length = 100
-
-    def __init__(self, words: list[str], delay: float = 0.0) -> None:
-        self.words, self.delay = words, delay
-        self.threads: set[str] = set()
-        self.closed = False
-
-    def tokenize(self, text: str) -> list[int]:
-        self.threads.add(threading.current_thread().name)
-        return [len(w) for w in text.split()]
-
-    def apply_chat_template(self, messages) -> list[int]:
-        return []
-
-    def stream(self, request, cancel) -> Iterator:
-        self.threads.add(threading.current_thread().name)
-        for i, w in enumerate(self.words):
-            if cancel.is_set():
-                yield Done(GenerationStats(completion_tokens=i), "cancelled")
-                return
-            time.sleep(self.delay)
-            yield TextDelta(w, (i,))
-        yield Done(GenerationStats(completion_tokens=len(self.words)), "stop", "".join(self.words))
-
-    def close(self) -> None:
-        self.closed = True
-
+from tests.conftest import FakeBackend
 
 REQ = GenerationRequest(prompt="x", sampling=SamplingParams(max_tokens=10))
 
 
 def test_all_backend_calls_run_on_the_worker_thread():
-    fake = FakeBackend(["a", "b"])
+    fake = FakeBackend().enqueue("a", "b")
     w = Worker(lambda: fake, name="engine-thread")
     try:
         assert w.call(lambda b: b.tokenize("hello big world")) == [5, 3, 5]
@@ -62,7 +27,7 @@ def test_all_backend_calls_run_on_the_worker_thread():
 
 
 def test_async_consumer_and_immediate_cancel():
-    fake = FakeBackend(["w"] * 50, delay=0.05)
+    fake = FakeBackend(delay=0.05).enqueue(*["w"] * 50)
     w = Worker(lambda: fake)
 
     async def main() -> tuple[Done, float]:
@@ -94,7 +59,7 @@ def test_backend_exception_becomes_error_event_and_worker_survives():
             yield TextDelta("x", (0,))
             raise RuntimeError("kernel exploded")
 
-    w = Worker(lambda: Broken([]))
+    w = Worker(lambda: Broken())
     try:
         done = list(w.submit(REQ))[-1]
         assert done.finish_reason == "error" and "kernel exploded" in done.error
@@ -104,7 +69,7 @@ def test_backend_exception_becomes_error_event_and_worker_survives():
 
 
 def test_switch_closes_the_old_backend():
-    first, second = FakeBackend([]), FakeBackend([])
+    first, second = FakeBackend(), FakeBackend()
     w = Worker(lambda: first)
     try:
         w.switch(lambda: second)

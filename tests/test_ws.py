@@ -9,86 +9,22 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta
 from engine.worker import Worker
+from tests.conftest import FakeBackend
 from webapp.app import create_app
-from webapp.protocol import MAX_MESSAGE_BYTES
+from webapp.chat.protocol import MAX_MESSAGE_BYTES
 from webapp.settings import Settings
 
 ORIGIN = "http://127.0.0.1:8000"
 BASE = "http://127.0.0.1:8000"
-
-
-class FakeBackend:
-    """Streams the queued replies token by token (`enqueue`), recording each request (`history`)."""
-
-    name = "fake"
-
-    def __init__(self, delay: float = 0.0, context_length: int = 2048) -> None:
-        self.delay = delay
-        self._context_length = context_length
-        self._model = ModelInfo(
-            name="fake-model", path=Path("/nonexistent"), architecture="fake", size_bytes=0
-        )
-        self.replies: list[list[str]] = []
-        self.history: list[GenerationRequest] = []
-
-    def enqueue(self, *tokens: str) -> None:
-        self.replies.append(list(tokens))
-
-    def load(self, model: ModelInfo) -> None:
-        self._model = model
-
-    @property
-    def model(self) -> ModelInfo | None:
-        return self._model
-
-    @property
-    def context_length(self) -> int:
-        return self._context_length
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(range(len(text.split())))
-
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
-        return self.tokenize(" ".join(m["content"] for m in messages))
-
-    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[TextDelta | Done]:
-        self.history.append(request)
-        tokens = self.replies.pop(0) if self.replies else ["Hello", " world", "."]
-        start, out = time.monotonic(), []
-        prompt = len(self.apply_chat_template(request.messages or ()))
-        for i, tok in enumerate(tokens):
-            if cancel.is_set():
-                yield Done(self._stats(prompt, len(out), start), "cancelled", "".join(out))
-                return
-            if self.delay:
-                time.sleep(self.delay)
-            out.append(tok)
-            yield TextDelta(tok, (i,))
-        yield Done(self._stats(prompt, len(out), start), "stop", "".join(out))
-
-    def _stats(self, prompt: int, n: int, start: float) -> GenerationStats:
-        total = time.monotonic() - start
-        return GenerationStats(prompt_tokens=prompt, completion_tokens=n, ttft_s=0.001, decode_tps=n / max(total, 1e-6),
-                               total_s=total)  # fmt: skip
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def fake() -> FakeBackend:
-    return FakeBackend()
 
 
 @pytest.fixture
@@ -301,7 +237,7 @@ def test_ws_accepts_localhost_origin(client: TestClient) -> None:
 
 def test_ws_reply_hooks_get_the_stats(client: TestClient) -> None:
     seen = []
-    client.app.state.flashcode.on_reply.append(lambda state, stats, **kw: seen.append((stats, kw)))
+    client.app.state.flashcode.on_reply.append(lambda stats, **kw: seen.append((stats, kw)))
     client.app.state.flashcode.on_reply.append(lambda *a, **kw: 1 / 0)  # a broken hook changes nothing
     with connect(client) as ws:
         send(ws, type="send", text="hi")

@@ -1,6 +1,6 @@
 """`flashcode route [--json] PROMPT`: the agent's routing decision for one prompt, with the three
 label scores (log-probabilities after the routing prompt). For debugging and evaluation; the web
-app routes through the same `webapp.agent.router.route_step`."""
+app routes through the same `webapp.agent.router.route_step`. Part of the command line."""
 
 from __future__ import annotations
 
@@ -11,15 +11,14 @@ from typing import Any
 
 from engine import paths
 
+from . import engine_host
+from .agent.router import route_step
+
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from webapp.agent.router import route_step
-
-    from .engine_host import make_loaded_backend
-
     if args.data_dir:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
-    backend = make_loaded_backend(args.backend, args.model)
+    backend = engine_host.make_loaded_backend(args.backend, args.model)
     try:
         decision = route_step(backend, args.prompt)
         model = backend.model.name if backend.model else None

@@ -1,10 +1,21 @@
-"""The Starlette application: `create_app(settings, worker=None)`.
+"""The composition root: `create_app(settings, worker=None)`, the one place that wires the web app.
 
-The lifespan opens the database, starts the engine worker (one thread owning the backend; a test
-may pass its own `Worker`) and stops both. Routes live in `webapp.routes` (HTTP) and `webapp.ws`
-(the websocket). Security that applies to every request is wired here from `webapp.security`: the
-access token beyond loopback, only this app's own host names (defeats DNS rebinding), and a strict
-Content-Security-Policy on every response.
+It opens the database (running its migrations, once), puts the engine on its worker thread (a
+test or `flashcode serve` may pass its own, already loaded), builds the template environment,
+each feature with what it needs, and the middleware, then mounts their routes:
+
+    chat      the page, the websocket, the one reply pipeline        webapp.chat
+    agent     slash commands and agent turns in the chat; rules     webapp.agent.web
+    contexts  saved project contexts (the Projects window)          webapp.contexts
+    stats     the Stats window, reply numbers, /stats /cost ...     webapp.stats
+    api       OpenAI-compatible /v1                                 webapp.api
+
+Features never import each other; they meet here, through the interfaces in `webapp.turns`: the
+chat hands the messages the agent wants to it (a `TurnHandler`), every stored reply goes to the
+stats' `ReplyHook`, and the stats' slash commands are registered with the agent's `SlashCommands`
+and answered by its `SlashHandler`. Everything is wired explicitly, here, so `/help` and the hooks
+do not depend on what was imported first. Security that applies to every request (token, Host,
+Origin and CSRF, headers) is `webapp.security`'s middleware.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,16 +35,43 @@ from starlette.staticfiles import StaticFiles
 from engine import paths
 from engine.worker import Worker
 
-from . import openai_api, security, stats_view
+from . import security
+from .agent.slash import BUILTIN, SlashCommand, SlashCommands
+from .agent.web import AgentWeb
+from .api.openai import OpenAIAPI
+from .chat.pages import ChatPages
+from .chat.socket import ChatContext
+from .chat.views import ChatViews
+from .contexts.http import SavedContexts
 from .db import Database
-from .engine_host import start_worker
-from .routes import routes
+from .engine_host import EngineState, start_worker
+from .render import find_dir, make_environment
 from .settings import Settings
-from .state import AppState, EngineState
-from .views import Views, find_dir
-from .ws import websocket_endpoint
+from .stats.views import SLASH_COMMANDS as STATS_COMMANDS
+from .stats.views import Stats
+from .turns import ReplyHook
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class AppParts:
+    """What `create_app` built, kept on `app.state.flashcode` for tests and debugging (features are
+    handed what they need; none reads this)."""
+
+    settings: Settings
+    db: Database
+    engine: EngineState
+    csrf_token: str
+    on_reply: list[ReplyHook]  # called by the reply pipeline after every stored chat reply
+    slash: SlashCommands
+    stats: Stats
+    agent: AgentWeb
+
+
+def slash_commands() -> SlashCommands:
+    """Every slash command the chat knows: the agent's own, then those the stats answer."""
+    return SlashCommands(BUILTIN, (SlashCommand(c.name, c.help, c.usage) for c in STATS_COMMANDS))
 
 
 async def http_error(request: Request, exc: Exception) -> PlainTextResponse:
@@ -42,38 +81,56 @@ async def http_error(request: Request, exc: Exception) -> PlainTextResponse:
 
 def create_app(settings: Settings | None = None, worker: Worker | None = None) -> Starlette:
     settings = settings or Settings()
+    own_worker = worker is None
+    db = Database(paths.database_path(settings.data_dir))
+    if db.recovered:
+        log.warning("%d reply(s) cut by a previous crash were kept and marked incomplete", db.recovered)
+    engine = EngineState(worker or start_worker(settings), options=dict(settings.backend_options))
+    env = make_environment()
+    csrf_token = security.new_token()
+    on_reply: list[ReplyHook] = []
+
+    stats = Stats(db, settings.data_dir, env, engine.worker, csrf_token)
+    on_reply.append(stats.record_chat_reply)
+    commands = slash_commands()
+    agent = AgentWeb(
+        db=db,
+        engine=engine,
+        settings=settings,
+        env=env,
+        commands=commands,
+        slash_handlers={c.name: stats.answer_fragment for c in STATS_COMMANDS},
+    )
+    contexts = SavedContexts(settings.data_dir, engine.worker, db, env)
+    api = OpenAIAPI(engine.worker, stats.record_api_reply)
+    views = ChatViews(env, db, engine, settings, csrf_token)
+    pages = ChatPages(db, engine, views)
+    chat = ChatContext(db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        own = worker is None
-        db = Database(paths.database_path(settings.data_dir))
-        if db.recovered:
-            log.warning("%d reply(s) cut by a previous crash were kept and marked incomplete", db.recovered)
-        engine = EngineState(worker or start_worker(settings), options=dict(settings.backend_options))
         await engine.refresh()
-        state = AppState(settings=settings, db=db, engine=engine, views=None)  # type: ignore[arg-type]
-        state.views = Views(state)
-        stats_view.install(state)
-        app.state.flashcode = state
-        app.state.worker = engine.worker
         try:
             yield
         finally:
-            if own:
+            if own_worker:
                 engine.worker.close()
             db.close()
 
     app = Starlette(
         routes=[
-            *routes,
-            *stats_view.routes,
-            *openai_api.routes,
-            WebSocketRoute("/ws", websocket_endpoint),
+            *pages.routes,
+            *agent.routes,
+            *contexts.routes,
+            *stats.routes,
+            *api.routes,
+            WebSocketRoute("/ws", chat.endpoint),
             Mount("/static", StaticFiles(directory=find_dir("static")), name="static"),
-        ],  # fmt: skip
-        middleware=security.middleware(settings),
+        ],
+        middleware=security.middleware(settings, csrf_token),
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.flashcode = AppParts(settings, db, engine, csrf_token, on_reply, commands, stats, agent)
     return app

@@ -1,15 +1,14 @@
-"""`flashcode ...`: the command line.
+"""`flashcode ...`: the command line, a client of the web app and the engines (nothing imports it).
 
-Subcommands here: setup, serve, import, models, ask, chat, bench. Other parts of flashcode add
-theirs through `register(subparsers)` functions listed in `EXTENSIONS` (imported only if present),
-so this file does not grow with every feature. Heavy imports (MLX, uvicorn) happen inside the
-command that needs them, so `flashcode --help` is instant.
+Subcommands here: setup, serve, doctor, import, models, ask, chat; `bench` (`cli_bench.py`), `route`
+(`agent_cli.py`), `split` and `synth` (`engine.flash.cli`) register themselves through their
+`register(subparsers)`. Imports of the web app and the engines happen inside the command that needs
+them (MLX, uvicorn, the app), so `flashcode --help` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -23,32 +22,18 @@ from typing import Any
 
 from engine import paths
 from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
+from engine.flash import cli as flash_cli
+
+from . import agent_cli, cli_bench
+from .engine_host import backend_options
+from .preflight import StartupError
+from .units import non_negative_float, parse_size, positive_int
+
+__all__ = ["backend_options", "build_parser", "main", "parse_size"]  # parse_size: bench scripts import it here
 
 log = logging.getLogger("flashcode")
 
-# modules exposing `register(subparsers)`; missing ones are skipped
-EXTENSIONS = [
-    "webapp.cli_bench",
-    "engine.flash.cli",
-    "webapp.agent_cli",
-    "engine.llama_cli",
-]
-
-
-def parse_size(text: str) -> int:
-    """'300MB', '1.5GB', '4GiB', '1024' -> bytes."""
-    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
-             "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}  # fmt: skip
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgtib")
-    unit = s[len(num) :]
-    try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)") from None
-    if unit not in units or value < 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)")
-    return int(value * units[unit])
+SUBCOMMANDS = (cli_bench.register, flash_cli.register, agent_cli.register)  # each adds its parsers
 
 
 def _data_dir(args: argparse.Namespace) -> None:
@@ -149,54 +134,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- generation
-# CLI flag (argparse dest) -> backend constructor keyword
-_ENGINE_OPTIONS = {
-    "kv_bits": "kv_bits", "memory_budget": "memory_budget", "llama_url": "url", "ctx_size": "context_length",
-    "llama_binary": "binary", "llama_threads": "threads", "flash_attn": "flash_attn",
-    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v", "parallel": "parallel",
-    "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "expert_policy": "expert_policy",
-    "expert_prefetch": "expert_prefetch", "top_k_experts": "top_k", "routing_bias": "routing_bias",
-}  # fmt: skip
-_BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_url": {"llama"},
-               "llama_binary": {"llama"}, "llama_threads": {"llama"}, "flash_attn": {"llama"},
-               "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
-               "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}, "expert_policy": {"flash"},
-               "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"}}  # fmt: skip
-
-
-def backend_options(args: argparse.Namespace, backend: str | None = None) -> dict[str, Any]:
-    """Keyword options for the backend from the engine flags the user gave (only those it takes)."""
-    opts: dict[str, Any] = {}
-    for flag, key in _ENGINE_OPTIONS.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        if backend is not None and flag in _BACKEND_OF and backend not in _BACKEND_OF[flag]:
-            raise SystemExit(f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}")
-        opts[key] = value
-    return opts
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more, e.g. 1.0")
-    return value
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (mlx, flash)")
@@ -216,9 +153,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="flash, MoE: expert cache policy (default lru)")
     g.add_argument("--expert-prefetch", action="store_true", default=None,
                    help="flash, MoE: read the next layer's likely experts ahead (exact)")
-    g.add_argument("--top-k-experts", type=_positive_int, default=None,
+    g.add_argument("--top-k-experts", type=positive_int, default=None,
                    help="flash, MoE: fewer active experts per token than the model's (lossy)")
-    g.add_argument("--routing-bias", type=_non_negative_float, default=None,
+    g.add_argument("--routing-bias", type=non_negative_float, default=None,
                    help="flash, MoE: router logit bonus for cached experts, e.g. 1.0 (lossy; default 0: off)")
 
 
@@ -408,13 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(p)
     p.set_defaults(func=cmd_chat)
 
-    for mod in EXTENSIONS:
-        try:
-            register = importlib.import_module(mod).register
-        except ModuleNotFoundError as exc:
-            if exc.name and mod.startswith(exc.name):
-                continue
-            raise
+    for register in SUBCOMMANDS:
         register(sub)
     return parser
 
@@ -438,8 +369,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .preflight import StartupError
-
     try:
         return int(args.func(args) or 0)
     except (StartupError, EngineError, RuntimeError, OSError) as exc:

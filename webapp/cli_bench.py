@@ -1,4 +1,9 @@
-"""`flashcode bench ...`: benchmarks that print numbers and write JSON under bench/results/."""
+"""`flashcode bench ...`: benchmarks that print numbers and write JSON under bench/results/.
+
+`bench run` runs the fixed bench set (`webapp.stats.bench`, the same as `/bench` in the chat) and
+stores it with the stats; `mlx` and `flash` are engine benchmarks; `llama` and `websocket` run the
+scripts under bench/ (a source checkout).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,14 @@ import runpy
 import sys
 from pathlib import Path
 from typing import Any
+
+from engine import paths
+from engine.worker import Worker
+
+from . import engine_host
+from .db import Database
+from .stats import bench, store
+from .units import parse_size
 
 RESULTS = Path("bench") / "results"
 
@@ -76,9 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip", action="append", default=[], choices=["ram", "mmap", "llama"])
     p.add_argument("--out", default=None, help="default bench/results/flash-dense.json")
     p.set_defaults(func=_flash)
-    from .benchset import add_parser as add_bench_run
-
-    add_bench_run(bsub)
+    _add_run(bsub)
     for name, script, help_text in (
         ("llama", "llama.py", "llama-server adapter vs raw llama-server"),
         ("websocket", "websocket.py", "tokens delivered to a websocket client vs the backend"),
@@ -86,3 +97,43 @@ def register(sub: argparse._SubParsersAction) -> None:
         p = bsub.add_parser(name, help=help_text)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_script(script))
+
+
+# --------------------------------------------------------------------------- bench run
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    """`flashcode bench run`: load the backend and model, run the set, store and print the run."""
+    options = engine_host.backend_options(args)
+    worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, args.model, options))
+    try:
+        backend, model = bench.engine_names(worker)
+        results = bench.run_sync(worker, args.max_tokens)
+    finally:
+        worker.close()
+    db = Database(paths.database_path(paths.home()))
+    try:
+        earlier = store.bench_runs(db.conn, limit=1)
+        run = store.record_bench_run(db.conn, backend=backend, model=model, max_tokens=args.max_tokens, results=results)
+    finally:
+        db.close()
+    print(bench.format_run(run, earlier[0] if earlier else None))
+    if args.out:
+        summary = store.summarize(results)
+        data = {"id": run.id, "backend": backend, "model": model, "max_tokens": run.max_tokens, "summary": summary,
+                "results": results}  # fmt: skip
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"-> {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_run(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("run", help="the fixed /bench prompt set on a backend and model; stored with the stats")
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
+    p.add_argument("--model", default=None, help="installed model name (default: the default model)")
+    p.add_argument("--max-tokens", type=int, default=bench.DEFAULT_MAX_TOKENS, help="reply budget per prompt")
+    p.add_argument("--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB")
+    p.add_argument("--llama-url", default=None)
+    p.add_argument("--ctx-size", type=int, default=None)
+    p.add_argument("--out", default=None, help="also write the run as JSON here")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_bench_run)

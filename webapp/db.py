@@ -1,8 +1,20 @@
-"""SQLite storage for the web app: conversations and their messages, plus a tiny migration step.
+"""SQLite storage: the one schema of flashcode's database, its migrations, and conversations.
 
-What it knows: the schema, how to open the database (WAL, foreign keys), and the few queries the
-web app needs. Later issues add tables by appending to `MIGRATIONS` (never editing a shipped one):
-each entry runs once, in order, and is recorded in `schema_migrations`.
+What it knows: every table and how each came to be (`MIGRATIONS`, the one list), how to open the
+database (WAL, foreign keys), and the conversation and message queries. Tables and who queries them:
+
+    conversations, messages            webapp.db (this module), for the chat
+    agent_allow_rules, agent_actions,  webapp.agent.store
+    agent_project_settings
+    stats_replies, stats_grades,       webapp.stats.store
+    stats_bench_runs
+
+Migrations. Each step is `(version, name, statements)`: statements run one by one, in one
+transaction with `PRAGMA user_version = version`, so a step is applied whole or not at all and
+`user_version` says which steps a database has. `schema_migrations` keeps when each step ran (and
+is how databases from before `user_version` was written say their version). Steps are appended,
+never edited: a shipped step is what an old database already holds. They run once, when
+`Database` opens (at start-up); a database from a newer flashcode is refused before it is touched.
 
 Message lifecycle: a user message is committed when sent. A reply is inserted as `streaming` when
 it starts, its text is saved as it grows (`save_partial`), and it becomes `complete`, `stopped` or
@@ -21,31 +33,28 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 MessageStatus = str  # "complete" | "streaming" | "stopped" | "incomplete" | "error"
 
-# (version, name, sql). Append only.
-def _agent_migration(index: int = 0) -> str:
-    from .agent.store import MIGRATIONS as AGENT_MIGRATIONS
 
-    return AGENT_MIGRATIONS[index]
+class Migration(NamedTuple):
+    version: int
+    name: str
+    statements: tuple[str, ...] | str  # a str is one statement
 
 
-MIGRATIONS: list[tuple[int, str, str]] = [
-    (
-        1,
-        "conversations and messages",
-        """
-        CREATE TABLE conversations (
+MIGRATIONS: list[Migration] = [
+    Migration(1, "conversations and messages", (
+        """CREATE TABLE conversations (
             id TEXT PRIMARY KEY,
             title TEXT NOT NULL,
             model TEXT,
             backend TEXT,
             created_at REAL NOT NULL,
             updated_at REAL NOT NULL
-        );
-        CREATE TABLE messages (
+        )""",
+        """CREATE TABLE messages (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
             role TEXT NOT NULL,
@@ -53,17 +62,106 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             status TEXT NOT NULL DEFAULT 'complete',
             stats TEXT,
             created_at REAL NOT NULL
-        );
-        CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
-        CREATE INDEX conversations_by_update ON conversations(updated_at);
-        """,
-    ),
-    (2, "agent allow rules and actions", _agent_migration()),
-    (3, "per-project sandbox settings", _agent_migration(1)),
-]
+        )""",
+        "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
+        "CREATE INDEX conversations_by_update ON conversations(updated_at)",
+    )),
+    # IF NOT EXISTS from here on: before this list owned them, the agent and the stats created their
+    # tables themselves, so a database of that time may hold them without the step recorded
+    Migration(2, "agent allow rules and actions", (
+        """CREATE TABLE IF NOT EXISTS agent_allow_rules (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            project TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('exact', 'prefix')),
+            pattern TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            UNIQUE (project, kind, pattern)
+        )""",
+        """CREATE TABLE IF NOT EXISTS agent_actions (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            project TEXT NOT NULL,
+            conversation_id TEXT,
+            tool TEXT NOT NULL,
+            command TEXT NOT NULL,
+            decision TEXT NOT NULL DEFAULT 'pending',
+            rule TEXT,
+            reason TEXT,
+            exit_code INTEGER,
+            outcome TEXT,
+            created_at REAL NOT NULL,
+            decided_at REAL,
+            finished_at REAL
+        )""",
+        "CREATE INDEX IF NOT EXISTS agent_actions_project ON agent_actions (project, created_at)",
+    )),
+    Migration(3, "per-project sandbox settings", (
+        """CREATE TABLE IF NOT EXISTS agent_project_settings (
+            project TEXT PRIMARY KEY,
+            network INTEGER NOT NULL DEFAULT 0,
+            updated_at REAL NOT NULL
+        )""",
+    )),
+    Migration(4, "reply stats, grades and bench runs", (
+        """CREATE TABLE IF NOT EXISTS stats_replies (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            created_at REAL NOT NULL,
+            source TEXT NOT NULL DEFAULT 'chat',          -- chat | api | bench
+            route TEXT,                                   -- chat | search | shell (the agent's route)
+            conversation_id TEXT,
+            message_id INTEGER,
+            backend TEXT,
+            model TEXT,
+            prompt_tokens INTEGER NOT NULL DEFAULT 0,     -- includes cached_tokens
+            cached_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0,
+            ttft_s REAL,
+            prompt_tps REAL,
+            decode_tps REAL,
+            peak_memory_bytes INTEGER,
+            peak_rss_bytes INTEGER,
+            total_s REAL,
+            flash_hit_rate REAL,
+            flash_bytes_read INTEGER,
+            finish_reason TEXT,
+            bench_run_id INTEGER
+        )""",
+        "CREATE INDEX IF NOT EXISTS stats_replies_time ON stats_replies (created_at)",
+        "CREATE INDEX IF NOT EXISTS stats_replies_conversation ON stats_replies (conversation_id, id)",
+        """CREATE TABLE IF NOT EXISTS stats_grades (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            created_at REAL NOT NULL,
+            reply_id INTEGER REFERENCES stats_replies(id) ON DELETE SET NULL,
+            conversation_id TEXT,
+            message_id INTEGER,
+            route TEXT,
+            model TEXT,
+            grade TEXT NOT NULL CHECK (grade IN ('good', 'bad')),
+            note TEXT,
+            excerpt TEXT
+        )""",
+        """CREATE TABLE IF NOT EXISTS stats_bench_runs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            created_at REAL NOT NULL,
+            backend TEXT,
+            model TEXT,
+            prompts INTEGER NOT NULL,
+            max_tokens INTEGER NOT NULL,
+            decode_tps REAL,
+            ttft_s REAL,
+            prompt_tps REAL,
+            peak_memory_bytes INTEGER,
+            peak_rss_bytes INTEGER,
+            total_s REAL,
+            results TEXT
+        )""",
+    )),
+]  # fmt: skip
+
+SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows
 
 
-SCHEMA_VERSION = max(v for v, _, _ in MIGRATIONS)  # also stored as PRAGMA user_version
+def latest_version() -> int:
+    return max(m[0] for m in MIGRATIONS)
 
 
 class NewerDatabaseError(RuntimeError):
@@ -81,12 +179,12 @@ def stored_version(conn: sqlite3.Connection) -> int:
 
 
 def check_version(conn: sqlite3.Connection, path: Path | None = None) -> None:
-    found = stored_version(conn)
-    if found > SCHEMA_VERSION:
+    found, known = stored_version(conn), latest_version()
+    if found > known:
         where = f"the database {path}" if path else "the database"
         raise NewerDatabaseError(
             f"{where} was written by a newer flashcode (schema version {found}; this one knows up to "
-            f"{SCHEMA_VERSION}): upgrade flashcode, or pass another --data-dir"
+            f"{known}): upgrade flashcode, or pass another --data-dir"
         )
 
 
@@ -202,29 +300,35 @@ def _message(row: sqlite3.Row) -> StoredMessage:
 
 
 def migrate(conn: sqlite3.Connection) -> list[int]:
-    """Apply the migrations not yet recorded; returns the versions applied now."""
+    """Apply the steps newer than the database, each in its own transaction; returns their versions."""
     conn.execute(
-        "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
+        "CREATE TABLE IF NOT EXISTS schema_migrations "
+        "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
     )
-    done = {r[0] for r in conn.execute("SELECT version FROM schema_migrations")}
+    have = stored_version(conn)
     applied = []
-    for version, name, sql in MIGRATIONS:
-        if version in done:
+    for version, name, statements in sorted(MIGRATIONS, key=lambda m: m[0]):
+        if version <= have:
             continue
         conn.execute("BEGIN")
         try:
-            for statement in sql.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            conn.execute("INSERT INTO schema_migrations VALUES (?,?,?)", (version, name, time.time()))
+            for statement in (statements,) if isinstance(statements, str) else statements:
+                conn.execute(statement)
+            conn.execute("INSERT OR REPLACE INTO schema_migrations VALUES (?,?,?)", (version, name, time.time()))
+            conn.execute(f"PRAGMA user_version = {int(version)}")
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
         applied.append(version)
-    if stored_version(conn) <= SCHEMA_VERSION:
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     return applied
+
+
+def connect_memory() -> sqlite3.Connection:
+    """A private in-memory database with the whole schema (an agent or a test without the app's)."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    migrate(conn)
+    return conn
 
 
 def export_markdown(conv: Conversation, messages: list[StoredMessage]) -> str:

@@ -11,12 +11,20 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from engine.models import human_size, list_models
+
+from .db import SCHEMA_VERSION, stored_version
+from .engine_host import default_backend
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -71,8 +79,6 @@ def check_llama_server() -> Check:
 
 
 def check_default_backend() -> Check:
-    from .engine_host import default_backend
-
     return Check(True, f"--backend auto picks {default_backend()}")
 
 
@@ -138,10 +144,6 @@ def check_data_dir(root: Path) -> Check:
 
 
 def check_database(root: Path) -> Check:
-    import sqlite3
-
-    from .db import SCHEMA_VERSION, stored_version
-
     path = root / "flashcode.db"
     if not path.exists():
         return Check(True, "none yet (made on the first `flashcode serve`)")
@@ -168,8 +170,6 @@ def check_disk(root: Path) -> Check:
 
 
 def check_memory() -> Check:
-    import psutil
-
     vm = psutil.virtual_memory()
     low = vm.available < LOW_MEMORY_BYTES
     return Check(True, f"{gb(vm.available)} available of {gb(vm.total)}",
@@ -177,8 +177,6 @@ def check_memory() -> Check:
 
 
 def check_models(root: Path) -> Check:
-    from engine.models import human_size, list_models
-
     models = list_models(root) if (root / "models").is_dir() else []
     if not models:
         return Check(False, f"none in {root / 'models'}", f"flashcode setup --data-dir {root}", required=True)

@@ -1,16 +1,28 @@
-"""Choosing and starting the engine for a process: which backend, which model, on which thread."""
+"""The engine of one process: which backend and model, on which thread, and switching them.
+
+`backend_options` turns the command line's engine flags into a backend's constructor keywords;
+`make_loaded_backend` builds a backend and loads a model (on the thread that will own it);
+`start_worker` puts one on a `Worker` thread. `EngineState` is the web app's view of that worker:
+the backend, model and context length read on the worker thread after each (re)load, and
+`switch()` to change them. Every feature that generates or shows the model gets the one
+`EngineState` that `create_app` made.
+
+What it does not know: HTTP, HTML, the database. MLX runs only on the worker's thread.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import platform
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.base import Backend
 from engine.models import find_model
-from engine.registry import backend_factory
+from engine.registry import backend_class, backend_factory
 from engine.worker import Worker
 
 from .settings import Settings
@@ -25,14 +37,14 @@ def default_backend() -> str:
     if sys.platform == "darwin" and platform.machine() == "arm64":
         return "mlx"
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # heavy: only when the platform does not decide on its own
 
         if mx.default_device() != mx.cpu:
             return "mlx"
     except Exception:  # noqa: BLE001 - no MLX at all: llama is all there is
         return "llama"
     try:
-        from engine.llama_server import find_llama_server
+        from engine.llama_server import find_llama_server  # imports httpx: only when asked
 
         find_llama_server()
         return "llama"
@@ -47,8 +59,6 @@ def resolve_backend(name: str) -> str:
 def options_for(backend: str, options: dict[str, Any] | None) -> dict[str, Any]:
     """The subset of engine options this backend's constructor takes (flags for another engine
     are kept in settings, so they apply again when the user switches back)."""
-    from engine.registry import backend_class
-
     accepted: set[str] = set()
     for klass in backend_class(backend).__mro__:  # a subclass passing **kwargs up takes its parent's too
         if "__init__" not in vars(klass):
@@ -58,6 +68,34 @@ def options_for(backend: str, options: dict[str, Any] | None) -> dict[str, Any]:
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             break
     return {k: v for k, v in (options or {}).items() if k in accepted - {"self"}}
+
+
+# CLI flag (argparse dest) -> backend constructor keyword
+_ENGINE_OPTIONS = {
+    "kv_bits": "kv_bits", "memory_budget": "memory_budget", "llama_url": "url", "ctx_size": "context_length",
+    "llama_binary": "binary", "llama_threads": "threads", "flash_attn": "flash_attn",
+    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v", "parallel": "parallel",
+    "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "expert_policy": "expert_policy",
+    "expert_prefetch": "expert_prefetch", "top_k_experts": "top_k", "routing_bias": "routing_bias",
+}  # fmt: skip
+_BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_url": {"llama"},
+               "llama_binary": {"llama"}, "llama_threads": {"llama"}, "flash_attn": {"llama"},
+               "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
+               "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}, "expert_policy": {"flash"},
+               "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"}}  # fmt: skip
+
+
+def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
+    """Keyword options for the backend from the engine flags the user gave (an argparse namespace)."""
+    opts: dict[str, Any] = {}
+    for flag, key in _ENGINE_OPTIONS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if backend is not None and flag in _BACKEND_OF and backend not in _BACKEND_OF[flag]:
+            raise SystemExit(f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}")
+        opts[key] = value
+    return opts
 
 
 def make_loaded_backend(backend: str, model: str | None, options: dict[str, Any] | None = None) -> Backend:
@@ -72,3 +110,43 @@ def start_worker(settings: Settings) -> Worker:
     if not settings.load_model:
         return Worker()
     return Worker(lambda: make_loaded_backend(settings.backend, settings.model, settings.backend_options))
+
+
+def _read(b: Backend) -> tuple[str, str | None, int]:
+    return b.name, b.model.name if b.model else None, int(b.context_length or 0)
+
+
+@dataclass
+class EngineState:
+    worker: Worker
+    backend: str | None = None
+    model: str | None = None
+    context_length: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # engine flags from the CLI, kept across switches
+
+    def model_and_backend(self) -> tuple[str | None, str | None]:
+        return self.model, self.backend
+
+    async def refresh(self) -> None:
+        try:
+            self.backend, self.model, self.context_length = await self.worker.acall(_read)
+        except Exception:  # noqa: BLE001 - no backend loaded (tests, or a failed switch)
+            self.backend, self.model, self.context_length = None, None, 0
+
+    async def switch(self, backend: str, model: str) -> None:
+        """Load `model` on `backend`; on failure reload what was there before, then re-raise."""
+        previous = (self.backend, self.model)
+        try:
+            await asyncio.to_thread(self.worker.switch, lambda: make_loaded_backend(backend, model, self.options))
+        except Exception:
+            if previous[0] and previous[1]:
+                with_previous = previous
+                try:
+                    await asyncio.to_thread(
+                        self.worker.switch, lambda: make_loaded_backend(*with_previous, self.options)
+                    )
+                except Exception:  # noqa: BLE001
+                    log.exception("could not restore %s on %s", previous[1], previous[0])
+            raise
+        finally:
+            await self.refresh()

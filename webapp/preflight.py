@@ -23,7 +23,10 @@ from typing import Any
 
 from engine import paths
 from engine.base import BackendUnavailableError, EngineError, ModelInfo
+from engine.models import DEFAULT_MODEL, find_model, list_models
 from engine.worker import Worker
+
+from .db import check_version
 
 
 class StartupError(Exception):
@@ -72,8 +75,6 @@ def check_data_dir(root: Path) -> Path:
 
 def check_database(root: Path) -> None:
     """A database from a newer flashcode, or one that is not SQLite, is refused before it is touched."""
-    from .db import check_version
-
     path = paths.database_path(root)
     if not path.exists():
         return
@@ -93,8 +94,6 @@ def check_database(root: Path) -> None:
 # --------------------------------------------------------------------------- the model
 def check_model(name: str, root: Path) -> ModelInfo:
     """The model is installed and its directory is whole (config and weights as the files say)."""
-    from engine.models import DEFAULT_MODEL, find_model, list_models
-
     as_path = Path(name).expanduser()
     looks_like_path = os.sep in name or name.startswith((".", "~"))
     d = as_path if looks_like_path else paths.models_dir(root) / name
@@ -161,8 +160,6 @@ def safetensors_problem(path: Path) -> str | None:
 
 
 def reinstall_hint(d: Path, root: Path) -> str:
-    from engine.models import DEFAULT_MODEL
-
     if d.name == DEFAULT_MODEL and d.parent == paths.models_dir(root):
         return f"delete it and run `flashcode setup --data-dir {q(root)}`"
     try:
@@ -178,7 +175,7 @@ def check_backend(name: str, options: dict[str, Any]) -> None:
     """The llama backend needs llama-server (unless it attaches to a running one)."""
     if name != "llama" or options.get("url"):
         return
-    from engine.llama_server import find_llama_server
+    from engine.llama_server import find_llama_server  # imports httpx: only for the llama backend
 
     binary = options.get("binary")
     try:

@@ -1,27 +1,50 @@
-"""Markdown to safe HTML for chat messages: markdown-it-py (raw HTML off) + pygments for code.
+"""Turning values into HTML: the Jinja2 environment every fragment is drawn with, and markdown to
+safe HTML for chat messages (markdown-it-py with raw HTML off, pygments for code).
 
-What it knows: that model output and user text are untrusted. Raw HTML in the source is never
-passed through (markdown-it's `html=False` escapes it), links keep markdown-it's scheme check
-(no `javascript:`) and open with `rel=noopener`, and code blocks are highlighted by pygments, which
-escapes their contents. `escape_text` is for the streaming path, where text is shown verbatim
-until the final re-render.
+What it knows: where `templates/` and `static/` are; that model output and user text are
+untrusted. Templates autoescape everything interpolated. Raw HTML in markdown is never passed
+through (markdown-it's `html=False` escapes it), links keep markdown-it's scheme check (no
+`javascript:`) and open with `rel=noopener`, and code blocks are highlighted by pygments, which
+escapes their contents. `escape_text` shows text verbatim (what streams until the final render).
 
-What it does not know: templates, websockets, the database.
+What it does not know: which template draws what (each feature's views), websockets, the database.
 """
 
 from __future__ import annotations
 
 import html
 from functools import lru_cache
+from pathlib import Path
 
+from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markdown_it import MarkdownIt
+from markupsafe import Markup
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name, guess_lexer
 from pygments.util import ClassNotFound
 
+from engine.models import human_size
+
 PYGMENTS_STYLE = "bw"  # monochrome, as a System 7 screen would be
 _FORMATTER = HtmlFormatter(nowrap=True)
+
+
+def find_dir(name: str) -> Path:
+    """`templates/` and `static/` sit at the repo root in a checkout, inside `webapp/` in a wheel."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / name, here / name):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"flashcode's {name}/ directory is missing (looked next to {here})")
+
+
+def make_environment() -> Environment:
+    """The one template environment of an app: autoescaping on for every .html template."""
+    env = Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape(["html"]))
+    env.filters["markdown"] = markdown_markup
+    env.filters["human_size"] = human_size
+    return env
 
 
 def escape_text(text: str) -> str:
@@ -68,6 +91,11 @@ def render_markdown(text: str) -> str:
     out = _md().render(text)
     # highlighted fences come back as <pre><code class="language-x">...; mark them for the stylesheet
     return out.replace("<pre><code", '<pre class="highlight"><code')
+
+
+def markdown_markup(text: str) -> Markup:
+    """`render_markdown` as markup a template may insert (the `markdown` filter)."""
+    return Markup(render_markdown(text))  # noqa: S704 - rendered with raw HTML off, see the module doc
 
 
 def pygments_css() -> str:

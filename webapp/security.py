@@ -1,5 +1,5 @@
 """Who may talk to this server, checked once for every request: the access token, trusted Host
-names and the security headers. Handlers never check these themselves.
+names, the Origin and CSRF rule, and the security headers. Handlers never check these themselves.
 
 The token. A server bound to loopback (127.0.0.1, ::1, localhost) is reachable from this machine
 only and needs no token. Bound anywhere else (`flashcode serve --host 0.0.0.0`), every request —
@@ -10,41 +10,47 @@ clients send their `api_key` so). A token given with `--token` or `$FLASHCODE_TO
 even on loopback. "Loopback" is where the server is bound, never what a request's Host header or
 client address claims. Tokens are compared with `secrets.compare_digest`.
 
-What is not here: the Origin and CSRF checks of state-changing routes (`routes.check_csrf`) and of
-the websocket (`ws.origin_allowed`), and the `/v1` loopback/API-key rule (`openai_api.check_access`),
-which a request that passed the token check skips.
+Cross-site requests (`CsrfMiddleware`). The websocket handshake must come from one of the app's own
+origins (checked before `accept()`: `CORSMiddleware` does not cover websockets). A state-changing
+request (POST, PUT, PATCH, DELETE) must carry the per-process CSRF token — header `X-CSRF-Token`,
+which the page puts in `hx-headers`, or a `csrf_token` form field in a small form body — and, when
+it has an Origin header, an allowed Origin. `/v1` (OpenAI clients send no CSRF token) is held to
+the Origin part only, on every method. Another site cannot read the token: there is no CORS header
+anywhere.
+
+What is not here: the `/v1` loopback/API-key rule (`webapp.api.openai.check_access`), which a
+request that passed the token check skips.
 """
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import logging
 import os
 import re
 import secrets
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 from urllib.parse import urlencode, urlsplit
 
 from starlette.datastructures import URL, Headers
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-if TYPE_CHECKING:
-    from .settings import Settings
+from .settings import WILDCARD_HOSTS, Settings, url_host
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLASHCODE_TOKEN"
 QUERY_PARAM = "token"
 AUTHENTICATED = "flashcode.token_ok"  # set in the ASGI scope once the token matched
-WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~-]+")
+CSRF_HEADER = "x-csrf-token"
+CSRF_FIELD = "csrf_token"
+UNSAFE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+MAX_FORM_BYTES = 1 << 20  # a csrf_token form field is read from bodies up to this size only
 
 SECURITY_HEADERS = {
     "content-security-policy": (
@@ -59,35 +65,6 @@ SECURITY_HEADERS = {
 
 
 # --------------------------------------------------------------------------- hosts
-def is_loopback_host(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-@functools.lru_cache(maxsize=1)
-def local_host_names() -> frozenset[str]:
-    """This machine's names and addresses: what a browser elsewhere may call a wildcard-bound server."""
-    names = {socket.gethostname()}
-    if "." not in socket.gethostname():
-        names.add(f"{socket.gethostname()}.local")  # mDNS (macOS, avahi)
-    try:
-        import psutil
-
-        for addrs in psutil.net_if_addrs().values():
-            names.update(a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
-    except Exception as exc:  # noqa: BLE001 - no interface list: the names above still work
-        log.debug("could not list network addresses: %s", exc)
-    return frozenset(n for n in names if n and "%" not in n)  # no scoped (link-local) IPv6
-
-
-def url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 def allowed_hosts(settings: Settings) -> list[str]:
     return sorted({urlsplit(o).hostname or "" for o in settings.allowed_origins} - {""})
 
@@ -211,12 +188,89 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
-def middleware(settings: Settings) -> list[Middleware]:
-    """Outermost first: headers on every answer, then the token, then the Host check (DNS rebinding)."""
+# --------------------------------------------------------------------------- cross-site requests
+class CsrfMiddleware:
+    """The Origin of the websocket and of `/v1`, and token + Origin on every other change (module doc)."""
+
+    def __init__(self, app: ASGIApp, token: str, allowed_origins: set[str]) -> None:
+        self.app, self.token, self.allowed = app, token, set(allowed_origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        conn = HTTPConnection(scope)
+        origin = conn.headers.get("origin")
+        if scope["type"] == "websocket":
+            if origin not in self.allowed:  # a missing Origin too: browsers always send one
+                log.warning("websocket from origin %r refused", origin)
+                return await send({"type": "websocket.close", "code": 1008, "reason": "origin not allowed"})
+            return await self.app(scope, receive, send)
+        api = conn.url.path.startswith("/v1/")
+        if not api and scope["method"] not in UNSAFE_METHODS:
+            return await self.app(scope, receive, send)
+        if origin is not None and origin not in self.allowed:
+            return await refusal(f"cross-origin request from {origin} refused", api)(scope, receive, send)
+        if api:
+            return await self.app(scope, receive, send)
+        given = conn.headers.get(CSRF_HEADER)
+        if given is None and _is_form(conn.headers):
+            given, receive = await _form_token(scope, receive)
+        if not token_matches(given, self.token):
+            message = "missing or stale CSRF token: reload the page and try again"
+            return await refusal(message, api)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _is_form(headers: Headers) -> bool:
+    return headers.get("content-type", "").startswith(("application/x-www-form", "multipart/"))
+
+
+async def _form_token(scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
+    """The body's `csrf_token` field, and a `receive` that hands the app the body again."""
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None, receive
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+        if size > MAX_FORM_BYTES:  # a large upload sends the header (htmx does), not a form field
+            return None, receive
+    body = b"".join(chunks)
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    form = await Request(scope, replay).form()
+    value = form.get(CSRF_FIELD)
+    await form.close()
+    sent = False
+    return (value if isinstance(value, str) else None), replay
+
+
+def refusal(message: str, api: bool) -> Response:
+    if api:  # OpenAI clients read {"error": {...}}
+        body = {"error": {"message": message, "type": "permission_error", "param": None, "code": "forbidden"}}
+        return JSONResponse(body, status_code=403)
+    return PlainTextResponse(f"403: {message}", status_code=403)
+
+
+# --------------------------------------------------------------------------- the stack
+def middleware(settings: Settings, csrf_token: str) -> list[Middleware]:
+    """Outermost first: headers on every answer, then the token, the Host check (DNS rebinding),
+    then the Origin and CSRF rule."""
     if not settings.token and not settings.is_loopback:
         settings.token = new_token()  # fail closed: never serve beyond loopback without a token
     stack = [Middleware(SecurityHeaders)]
     if settings.token:
         stack.append(Middleware(TokenMiddleware, token=settings.token, port=settings.port))
     stack.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings)))
+    stack.append(Middleware(CsrfMiddleware, token=csrf_token, allowed_origins=settings.allowed_origins))
     return stack

@@ -1,17 +1,61 @@
-"""Run-time settings of one flashcode process (from the CLI, or built by tests)."""
+"""Run-time settings of one flashcode process (from the CLI, or built by tests), and the host names
+that decide which origins are this server's own.
+
+What it knows: where the server listens, where its data lives, which engine and model it starts
+with, the default sampling of a chat reply, and what counts as loopback. What it does not know:
+HTTP, the database, engines (it only names them).
+"""
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+import logging
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from engine import paths
 from engine.models import DEFAULT_MODEL
 
-from .security import WILDCARD_HOSTS, is_loopback_host, local_host_names
+log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+
+def is_loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def local_host_names() -> frozenset[str]:
+    """This machine's names and addresses: what a browser elsewhere may call a wildcard-bound server."""
+    names = {socket.gethostname()}
+    if "." not in socket.gethostname():
+        names.add(f"{socket.gethostname()}.local")  # mDNS (macOS, avahi)
+    try:
+        for addrs in psutil.net_if_addrs().values():
+            names.update(a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+    except Exception as exc:  # noqa: BLE001 - no interface list: the names above still work
+        log.debug("could not list network addresses: %s", exc)
+    return frozenset(n for n in names if n and "%" not in n)  # no scoped (link-local) IPv6
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def default_sampling() -> dict[str, Any]:
+    return {"temperature": 0.7, "max_tokens": 1024}
 
 
 @dataclass
@@ -19,12 +63,14 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=paths.home)
-    backend: str = "auto"  # auto: picked per platform (see webapp.cli.default_backend)
+    backend: str = "auto"  # auto: picked per platform (webapp.engine_host.default_backend)
     model: str = DEFAULT_MODEL
     backend_options: dict[str, Any] = field(default_factory=dict)
     load_model: bool = True  # tests may build an app without loading a model
     extra_origins: tuple[str, ...] = ()  # --allow-origin: e.g. http://my-mac.local:8000 with --host 0.0.0.0
     token: str | None = None  # access token (webapp.security); bound beyond loopback, one is always set
+    sampling: dict[str, Any] = field(default_factory=default_sampling)  # a chat reply's, unless overridden
+    project_dir: Path | None = None  # where the agent works; None: the directory serve was started in
 
     @property
     def is_loopback(self) -> bool:
@@ -38,6 +84,5 @@ class Settings:
             hosts |= LOOPBACK_HOSTS | local_host_names()
         out = set()
         for h in hosts:
-            hh = f"[{h}]" if ":" in h else h
-            out.add(f"http://{hh}:{self.port}")
+            out.add(f"http://{url_host(h)}:{self.port}")
         return out | {o.rstrip("/") for o in self.extra_origins}

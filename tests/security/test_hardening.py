@@ -14,7 +14,6 @@ import io
 import json
 import os
 import re
-import sqlite3
 import struct
 import tempfile
 import unicodedata
@@ -27,22 +26,19 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from engine.worker import Worker
-from tests.test_contexts_http import BASE, TOKEN, FakeCacheBackend
+from tests.test_contexts_http import BASE, TOKEN, FakeCacheBackend, context_app
 from webapp.agent import events as ev
 from webapp.agent.agent import AgentSession, quote_untrusted
 from webapp.agent.files import FileToolError, PathOutsideProjectError, ProjectFiles
 from webapp.agent.search import LocalSearchProvider
-from webapp.agent.store import AgentStore, ensure_schema
+from webapp.agent.store import AgentStore
 from webapp.agent.views import AgentViews
 from webapp.agent.visible import is_invisible
-from webapp.contexts import context_routes
-from webapp.db import Database
-from webapp.settings import Settings
-from webapp.views import make_environment
+from webapp.db import Database, connect_memory
+from webapp.render import make_environment
 
 
 # =========================================================================== saved contexts over HTTP
@@ -55,10 +51,7 @@ def ctx(tmp_path: Path, default_model, monkeypatch: pytest.MonkeyPatch) -> Itera
     fake = FakeCacheBackend(default_model)
     worker = Worker(lambda: fake)
     db = Database(tmp_path / "flashcode.db")
-    app = Starlette(routes=context_routes)
-    app.state.flashcode = SimpleNamespace(settings=Settings(data_dir=tmp_path, load_model=False), db=db,
-                                          engine=SimpleNamespace(worker=worker), csrf_token=TOKEN["x-csrf-token"])  # fmt: skip
-    with TestClient(app, base_url=BASE) as c:
+    with TestClient(context_app(tmp_path, worker, db), base_url=BASE) as c:
         yield SimpleNamespace(c=c, fake=fake, db=db, scratch=scratch, projects=tmp_path / "projects")
     worker.close()
     db.close()
@@ -364,8 +357,7 @@ def test_files_bad_paths_give_a_clear_error(proj: Path, path: str, says: str) ->
 
 
 def test_agent_read_and_write_of_bad_paths_are_notices(proj: Path) -> None:
-    conn = sqlite3.connect(":memory:")
-    ensure_schema(conn)
+    conn = connect_memory()
     asked: list[ev.Proposal] = []
 
     async def deny(p: ev.Proposal) -> ev.Decision:

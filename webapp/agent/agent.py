@@ -11,8 +11,8 @@ results, command output and file contents reach the model only inside an `<untru
 nothing parses the model's answers for actions; the one model output that can become a command
 (the shell route's proposal) goes through the same approval as a typed one.
 
-What it does not know: HTML, sockets, the web app's database (it has its own `AgentStore` tables).
-MLX runs only on the engine worker's thread (`worker.acall` / `worker.submit`).
+What it does not know: HTML, sockets, the chat's messages (its history is handed in; its own rows
+go through `AgentStore`). MLX runs only on the engine worker's thread (`worker.acall` / `worker.submit`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
 
+from ..db import connect_memory
 from . import router, sandbox
 from .events import (
     ActionExit,
@@ -55,8 +55,8 @@ from .files import FileChange, FileToolError, ProjectFiles
 from .runner import DEFAULT_OUTPUT_CAP, DEFAULT_TIMEOUT_S, CommandRun
 from .search import DDGSProvider, SearchProvider, SearchResult, SearchUnavailableError
 from .shell import Verdict, check_command
-from .slash import SlashCall, SlashError, help_text, parse_slash
-from .store import AgentStore, ensure_schema
+from .slash import DEFAULT, SlashCall, SlashCommands, SlashError
+from .store import AgentStore
 from .untrusted import attribute, neutralise
 
 log = logging.getLogger(__name__)
@@ -120,17 +120,15 @@ class AgentSession:
         history: list[Message] | None = None,
         on_model: Callable[[str], Awaitable[None]] | None = None,
         hidden: tuple[Path, ...] = (),
+        commands: SlashCommands = DEFAULT,
     ) -> None:
         self.worker = worker
         self.files = ProjectFiles(Path(project_dir))
         self.project_dir = self.files.root
         self.project = project or str(self.project_dir)
         self.request_approval = request_approval
-        if store is None:
-            conn = sqlite3.connect(":memory:")
-            ensure_schema(conn)
-            store = AgentStore(conn)
-        self.store = store
+        self.store = store if store is not None else AgentStore(connect_memory())
+        self.commands = commands
         self.search = search or DDGSProvider()
         self.conversation_id = conversation_id
         self.sampling = sampling or SamplingParams(temperature=0.3, max_tokens=256)
@@ -164,7 +162,7 @@ class AgentSession:
     # ------------------------------------------------------------------ a turn
     async def run_turn(self, text: str) -> AsyncIterator[AgentEvent]:
         try:
-            call = parse_slash(text)
+            call = self.commands.parse(text)
         except SlashError as exc:
             yield Notice(str(exc), "warning")
             yield TurnDone(None)
@@ -196,7 +194,7 @@ class AgentSession:
             self.mode = name  # type: ignore[assignment]
             yield ModeChanged(self.mode)
         elif name == "help":
-            yield HelpShown(help_text())
+            yield HelpShown(self.commands.help_text())
         elif name == "clear":
             self.clear()
             yield Cleared()
@@ -342,15 +340,6 @@ class AgentSession:
         self.store.record_result(action_id, None, "written")
         yield FileWritten(action_id, change.path)
 
-    async def write_file(self, path: str, content: str) -> AsyncIterator[AgentEvent]:
-        """Propose writing `content` to `path` (diff + approval), for callers other than /write."""
-        async for ev in self._write(self.files.propose_write, path, content):
-            yield ev
-
-    async def edit_file(self, path: str, find: str, replace: str) -> AsyncIterator[AgentEvent]:
-        async for ev in self._write(self.files.propose_edit, path, find, replace):
-            yield ev
-
     # ------------------------------------------------------------------ approval
     def sandbox_policy(self) -> sandbox.SandboxPolicy:
         """What the project's commands may touch: the project directory, and the network if allowed."""
@@ -420,9 +409,7 @@ class AgentSession:
     async def _stream(
         self, messages: list[Message], sampling: SamplingParams
     ) -> AsyncIterator[TextDelta | Done]:
-        request = GenerationRequest(
-            messages=tuple(messages), sampling=sampling, cache_key=self.conversation_id
-        )
+        request = GenerationRequest(messages=tuple(messages), sampling=sampling)
         gen = self.worker.submit(request, loop=asyncio.get_running_loop())
         self._gen = gen
         try:

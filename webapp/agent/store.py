@@ -1,8 +1,9 @@
-"""SQLite tables of the agent: per-project allow rules, and every proposal with its decision.
+"""The agent's rows in SQLite: per-project allow rules and network switch, and every proposal with
+its decision (the audit trail).
 
-`MIGRATIONS` is a list of SQL scripts (idempotent: `IF NOT EXISTS`) that the web app's `db.py`
-appends to its own migration list; `ensure_schema(conn)` runs them on a plain connection (tests,
-the CLI). What it does not know: the policy (`shell.py`) and the UI. Calls are short and synchronous.
+What it knows: the queries on `agent_allow_rules`, `agent_actions` and `agent_project_settings`
+(their schema is in `webapp.db`'s migration list). What it does not know: the policy (`shell.py`)
+and the UI. Calls are short and synchronous.
 """
 
 from __future__ import annotations
@@ -12,48 +13,6 @@ import time
 from dataclasses import dataclass
 
 from .shell import Rule, RuleKind, validate_rule
-
-MIGRATIONS: list[str] = [
-    """
-    CREATE TABLE IF NOT EXISTS agent_allow_rules (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        project TEXT NOT NULL,
-        kind TEXT NOT NULL CHECK (kind IN ('exact', 'prefix')),
-        pattern TEXT NOT NULL,
-        created_at REAL NOT NULL,
-        UNIQUE (project, kind, pattern)
-    );
-    CREATE TABLE IF NOT EXISTS agent_actions (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        project TEXT NOT NULL,
-        conversation_id TEXT,
-        tool TEXT NOT NULL,
-        command TEXT NOT NULL,
-        decision TEXT NOT NULL DEFAULT 'pending',
-        rule TEXT,
-        reason TEXT,
-        exit_code INTEGER,
-        outcome TEXT,
-        created_at REAL NOT NULL,
-        decided_at REAL,
-        finished_at REAL
-    );
-    CREATE INDEX IF NOT EXISTS agent_actions_project ON agent_actions (project, created_at);
-    """,
-    """
-    CREATE TABLE IF NOT EXISTS agent_project_settings (
-        project TEXT PRIMARY KEY,
-        network INTEGER NOT NULL DEFAULT 0,
-        updated_at REAL NOT NULL
-    );
-    """,
-]
-
-
-def ensure_schema(conn: sqlite3.Connection) -> None:
-    for script in MIGRATIONS:
-        conn.executescript(script)
-    conn.commit()
 
 
 @dataclass(frozen=True)
@@ -144,8 +103,7 @@ class AgentStore:
         self.conn.commit()
 
     def actions(self, project: str | None = None, limit: int = 100) -> list[ActionRecord]:
-        sql = ("SELECT id, project, tool, command, decision, rule, reason, exit_code, outcome, created_at "
-               "FROM agent_actions")  # fmt: skip
+        sql = "SELECT id, project, tool, command, decision, rule, reason, exit_code, outcome, created_at FROM agent_actions"
         args: tuple = ()
         if project is not None:
             sql += " WHERE project = ?"

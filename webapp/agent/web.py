@@ -1,35 +1,41 @@
-"""The agent inside the web app: runs agent turns for one websocket `Session` (webapp/ws.py).
+"""The agent inside the web app: the chat messages it answers, and the Settings window's rules.
 
-What it knows: the Session's small surface — `send(fragment)`, `ask(dialog_html, dialog_id)`,
-`cancel` (what Stop calls), `state.db` / `state.views` / `state.engine` / `state.settings` — and how
-to turn agent events into fragments (`AgentViews`) and the answer into a stored, streamed reply
-(the Session's own `TokenBatcher`). What it does not know: the socket itself, MLX, HTML layout.
+`AgentWeb` is built once per app by `create_app`. Its `turns()` makes one `AgentTurns` per websocket
+(a `webapp.turns.TurnHandler`): it wants slash commands and every message of a conversation in
+agent mode, runs them as `AgentSession` turns, draws their events (`AgentViews`), asks approvals
+through the chat's dialogs, and writes answers through the chat's one reply pipeline (the `Turn`'s
+`start_reply`). Slash commands other features own come back from the agent as `SlashUnhandled`
+and go to their `SlashHandler`. What it does not know: the socket, MLX, HTML layout.
 
-One `AgentSession` per conversation, created on first use with the conversation's stored messages
-as history. The project directory is `settings.project_dir` when the web app has one, else the
-directory `flashcode serve` was started in.
+One `AgentSession` per conversation and socket, created on first use with the conversation's
+stored messages as history. The project directory is `settings.project_dir` when the app has one,
+else the directory `flashcode serve` was started in.
 """
 
 from __future__ import annotations
 
-import html
 import logging
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
+from jinja2 import Environment
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
 from engine.base import SamplingParams
 
-from .. import stats_view
+from ..db import Database
+from ..engine_host import EngineState
+from ..settings import Settings
+from ..turns import ReplyWriter, SlashHandler, Turn
 from . import events as ev
 from .agent import AgentSession
 from .sandbox import detect
 from .search import DDGSProvider
-from .store import AgentStore, ensure_schema
+from .slash import SlashCommands
+from .store import AgentStore
 from .views import AgentViews
 
 log = logging.getLogger(__name__)
@@ -39,44 +45,101 @@ DIALOG_TIMEOUT_S = 300.0
 DEFAULT_MODE = "raw"
 
 
-class AgentBridge:
-    def __init__(self, session: Any) -> None:
-        self.session = session
-        state = session.state
-        self.views = AgentViews(state.views.env)
-        ensure_schema(state.db.conn)  # idempotent; db.py also lists store.MIGRATIONS
-        self.store = AgentStore(state.db.conn)
-        self.search = DDGSProvider()  # one per socket: its cache lives as long as the tab
-        self.agents: dict[str, AgentSession] = {}
-        self._synced: dict[str, int] = {}  # stored message count after the last agent turn
+def project_key(settings: Settings) -> str:
+    """The project the web app's agent works in (as `AgentSession.project` names it)."""
+    return str(Path(settings.project_dir or Path.cwd()).resolve())
+
+
+class AgentWeb:
+    def __init__(
+        self,
+        *,
+        db: Database,
+        engine: EngineState,
+        settings: Settings,
+        env: Environment,
+        commands: SlashCommands,
+        slash_handlers: Mapping[str, SlashHandler],
+    ) -> None:
+        self.db, self.engine, self.settings = db, engine, settings
+        self.views = AgentViews(env)
+        self.store = AgentStore(db.conn)
+        self.commands = commands
+        self.slash_handlers = dict(slash_handlers)
+
+    def turns(self) -> AgentTurns:
+        return AgentTurns(self)
 
     @property
     def project_dir(self) -> Path:
-        return Path(getattr(self.session.state.settings, "project_dir", None) or Path.cwd())
+        return Path(self.settings.project_dir or Path.cwd())
+
+    # ------------------------------------------------------------------ Settings: allow rules
+    @property
+    def routes(self) -> list[Route]:
+        return [
+            Route("/agent/rules", self.rules_fragment),
+            Route("/agent/network", self.set_network, methods=["POST"]),
+            Route("/agent/rules/{rule_id:int}/delete", self.delete_rule, methods=["POST"]),
+        ]
+
+    def _rules_html(self) -> HTMLResponse:
+        project = project_key(self.settings)
+        rules = self.store.list_rules(project)
+        html = self.views.ui.allow_rules(rules, project, detect(), self.store.network_allowed(project))
+        return HTMLResponse(str(html))
+
+    async def rules_fragment(self, request: Request) -> HTMLResponse:
+        """GET /agent/rules: the current project's allow rules, for the Settings window."""
+        return self._rules_html()
+
+    async def delete_rule(self, request: Request) -> HTMLResponse:
+        """POST /agent/rules/{rule_id}/delete: remove one rule, answer with the new list."""
+        self.store.remove_rule(project_key(self.settings), int(request.path_params["rule_id"]))
+        return self._rules_html()
+
+    async def set_network(self, request: Request) -> HTMLResponse:
+        """POST /agent/network: the project's network switch (form field `network=on`)."""
+        form = await request.form()
+        self.store.set_network_allowed(project_key(self.settings), form.get("network") == "on")
+        return self._rules_html()
+
+
+class AgentTurns:
+    """The agent's side of one websocket (a `webapp.turns.TurnHandler`)."""
+
+    def __init__(self, web: AgentWeb) -> None:
+        self.web = web
+        self.search = DDGSProvider()  # one per socket: its cache lives as long as the tab
+        self.agents: dict[str, AgentSession] = {}
+        self._synced: dict[str, int] = {}  # stored message count after the last agent turn
+        self._turn: Turn | None = None  # the turn being run (one at a time per socket)
 
     def _stored_history(self, conversation_id: str) -> list[dict[str, str]]:
         """The conversation as stored, minus the message of the turn being run."""
-        rows = self.session.state.db.messages(conversation_id)
-        return [
-            {"role": m.role, "content": m.content}
-            for m in rows[:-1]
-            if m.role in ("user", "assistant") and m.content
-        ]
+        rows = self.web.db.messages(conversation_id)
+        return [{"role": m.role, "content": m.content} for m in rows[:-1] if m.role in ("user", "assistant") and m.content]
 
     def agent_for(self, conversation_id: str) -> AgentSession:
+        web = self.web
         agent = self.agents.get(conversation_id)
-        if (
-            agent is not None
-            and self._synced.get(conversation_id) != len(self.session.state.db.messages(conversation_id)) - 1
-        ):
+        if agent is not None and self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1:
             agent.history = self._stored_history(conversation_id)  # plain-chat turns happened in between
         if agent is None:
-            history = self._stored_history(conversation_id)
-            sampling = SamplingParams(**self.session.state.sampling)
-            agent = AgentSession(self.session.state.engine.worker, self.project_dir, request_approval=self.approve,
-                                 store=self.store, search=self.search, conversation_id=conversation_id,
-                                 sampling=sampling, history=history, approval_timeout_s=DIALOG_TIMEOUT_S,
-                                 on_model=self._switch_model, hidden=(self.session.state.settings.data_dir,))  # fmt: skip
+            agent = AgentSession(
+                web.engine.worker,
+                web.project_dir,
+                request_approval=self.approve,
+                store=web.store,
+                search=self.search,
+                conversation_id=conversation_id,
+                sampling=SamplingParams(**web.settings.sampling),
+                history=self._stored_history(conversation_id),
+                approval_timeout_s=DIALOG_TIMEOUT_S,
+                on_model=self._switch_model,
+                hidden=(web.settings.data_dir,),
+                commands=web.commands,
+            )
             agent.mode = DEFAULT_MODE  # type: ignore[assignment]
             self.agents[conversation_id] = agent
         return agent
@@ -88,116 +151,53 @@ class AgentBridge:
         return text.lstrip().startswith("/") or mode == "agent"
 
     async def approve(self, proposal: ev.Proposal) -> ev.Decision:
+        assert self._turn is not None
+        turn, views = self._turn, self.web.views
         dialog_id = f"a{proposal.action_id}-{uuid.uuid4().hex[:8]}"
         try:
-            answer = await self.session.ask(self.views.approval_dialog(proposal, dialog_id), dialog_id)
+            answer = await turn.ask(views.approval_dialog(proposal, dialog_id), dialog_id)
         finally:
-            self.session.dialogs.pop(dialog_id, None)
-            self.session.send(self.views.dialog_closed(dialog_id))
+            turn.send(views.dialog_closed(dialog_id))
         network = answer.network if proposal.tool == "shell" else None
         return ev.Decision.from_answer(answer.choice, answer.note, network)
 
     async def _switch_model(self, name: str) -> None:
-        engine = self.session.state.engine
+        engine, turn = self.web.engine, self._turn
+        assert turn is not None
         try:
             await engine.switch(engine.backend or "mlx", name)
         except Exception as exc:  # noqa: BLE001 - shown; the engine keeps or restores a model
-            self.session.error(f"could not load {name}: {exc}")
-        self.session.send(self.session.state.views.model_picker())
+            turn.error(f"could not load {name}: {exc}")
+        turn.model_changed()
 
-    async def run_turn(self, conversation_id: str, text: str) -> None:
-        """One agent turn for a user message already stored and shown (run as the Session's task)."""
-        s, db, views = self.session, self.session.state.db, self.session.state.views
+    async def run(self, turn: Turn, text: str) -> None:
+        """One agent turn for a user message already stored and shown."""
+        conversation_id, db = turn.conversation_id, self.web.db
         agent = self.agent_for(conversation_id)
-        reply: Any = None
+        self._turn = turn
+        reply: ReplyWriter | None = None
         route: str | None = None
-        parts: list[str] = []
-        s.cancel = agent.stop
-        s.send(views.controls(generating=True))
+        turn.on_stop(agent.stop)
         try:
             async for e in agent.run_turn(text):
                 if isinstance(e, ev.RouteChosen):
                     route = e.route
-                if isinstance(e, ev.SlashUnhandled) and e.name in stats_view.SLASH_NAMES:
-                    s.send(await stats_view.answer_fragment(s.state, e.name, e.arg, conversation_id))
+                if isinstance(e, ev.SlashUnhandled) and e.name in self.web.slash_handlers:
+                    turn.send(await self.web.slash_handlers[e.name](e.name, e.arg, conversation_id))
                 elif isinstance(e, ev.AnswerDelta):
                     if reply is None:
-                        reply = db.add_message(conversation_id, "assistant", "", status="streaming")
-                        s.send(views.append_message(reply))
-                    parts.append(e.text)
-                    s.send(
-                        f'<div id="msg-{reply.id}-body" hx-swap-oob="beforeend">{html.escape(e.text, quote=False)}</div>'
-                    )
+                        reply = turn.start_reply(route)
+                    reply.add(e.text)
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
-                    status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(
-                        e.finish_reason, "error"
-                    )
-                    stats = e.stats | {"finish_reason": e.finish_reason}
-                    db.finish_message(reply.id, e.text, status, stats)
-                    for hook in s.state.on_reply:
-                        hook(s.state, stats, conversation_id=conversation_id, message_id=reply.id, route=route)
-                    s.send(views.replace_message(db.messages(conversation_id)[-1]))
-                elif fragment := self.views.event(e):
-                    s.send(fragment)
+                    reply.finish(e.text, e.finish_reason, e.stats, e.error)
+                elif fragment := self.web.views.event(e):
+                    turn.send(fragment)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the socket lives on
             log.exception("agent turn failed")
-            s.error(f"the agent failed: {type(exc).__name__}: {exc}")
+            turn.error(f"the agent failed: {type(exc).__name__}: {exc}")
         finally:
-            s.cancel = None
+            turn.on_stop(None)
+            self._turn = None
             self._synced[conversation_id] = len(db.messages(conversation_id))
-            last = db.messages(conversation_id)[-1]
-            if (
-                reply is not None and last.id == reply.id and last.status == "streaming"
-            ):  # cut off: keep the text
-                db.finish_message(reply.id, "".join(parts), "stopped")
-            s.send(views.controls(generating=False, can_regenerate=False))
-
-
-# --------------------------------------------------------------------------- Settings: allow rules
-def project_key(settings: Any) -> str:
-    """The project the web app's agent works in (as `AgentSession.project` names it)."""
-    return str(Path(getattr(settings, "project_dir", None) or Path.cwd()).resolve())
-
-
-def _rules_html(request: Request) -> HTMLResponse:
-    state = request.app.state.flashcode
-    ensure_schema(state.db.conn)
-    project = project_key(state.settings)
-    store = AgentStore(state.db.conn)
-    ui = AgentViews(state.views.env).ui
-    return HTMLResponse(str(ui.allow_rules(store.list_rules(project), project, detect(), store.network_allowed(project))))
-
-
-async def rules_fragment(request: Request) -> HTMLResponse:
-    """GET /agent/rules: the current project's allow rules, for the Settings window."""
-    return _rules_html(request)
-
-
-async def delete_rule(request: Request) -> HTMLResponse:
-    """POST /agent/rules/{rule_id}/delete (CSRF-checked): remove one rule, answer with the new list."""
-    from webapp.routes import check_csrf
-
-    await check_csrf(request)
-    state = request.app.state.flashcode
-    ensure_schema(state.db.conn)
-    AgentStore(state.db.conn).remove_rule(project_key(state.settings), int(request.path_params["rule_id"]))
-    return _rules_html(request)
-
-
-async def set_network(request: Request) -> HTMLResponse:
-    """POST /agent/network (CSRF-checked): the project's network switch (form field `network=on`)."""
-    from webapp.routes import check_csrf
-
-    await check_csrf(request)
-    state = request.app.state.flashcode
-    ensure_schema(state.db.conn)
-    form = await request.form()
-    AgentStore(state.db.conn).set_network_allowed(project_key(state.settings), form.get("network") == "on")
-    return _rules_html(request)
-
-
-ROUTES = [
-    Route("/agent/rules", rules_fragment),
-    Route("/agent/network", set_network, methods=["POST"]),
-    Route("/agent/rules/{rule_id:int}/delete", delete_rule, methods=["POST"]),
-]
+            if reply is not None:
+                reply.abandon()  # cut off: keep the text (a no-op once finished)

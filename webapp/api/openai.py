@@ -5,11 +5,11 @@ So editors and agents that speak the OpenAI protocol can use whichever backend f
 the web app's own replies, so MLX stays on the engine thread.
 
 Who may call: clients on the loopback interface, or any client carrying the server's access token
-(`webapp.security`; required when flashcode is bound beyond loopback, and then enough on its own); a
-request with an `Origin` header must come from one of the app's own origins (a web page elsewhere
-cannot drive the model through the user's browser: there are no CORS headers and a foreign Origin is
-refused); when an API token is configured (`Settings.api_token` or `$FLASHCODE_API_TOKEN`),
-`Authorization: Bearer TOKEN` is required.
+(`webapp.security`; required when flashcode is bound beyond loopback, and then enough on its own);
+when `$FLASHCODE_API_TOKEN` is set, `Authorization: Bearer TOKEN` is required. A request with an
+`Origin` header must come from one of the app's own origins (checked by
+`webapp.security.CsrfMiddleware` before it arrives: a web page elsewhere cannot drive the model
+through the user's browser).
 
 What is covered: chat messages (text parts only), temperature, top_p, max_tokens /
 max_completion_tokens, seed, stop, stream with `stream_options.include_usage`, usage with cached
@@ -17,8 +17,8 @@ prompt tokens. What is not: tools / function calling, images, logprobs, n > 1 â€
 an OpenAI-shaped 400 rather than ignored. The model is the one loaded in flashcode; asking for
 another installed model says how to load it (one model is loaded at a time).
 
-What it reads from the app: `app.state.worker`, `app.state.settings`, and, when present,
-`app.state.flashcode.db.conn` to record each reply with `webapp.stats` (source "api").
+What it is given (by `create_app`): the engine `Worker`, and `record(stats)`, called with each
+finished reply's numbers (the stats feature stores them with source "api").
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -38,10 +38,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.base import Done, EngineError, GenerationRequest, Message, SamplingParams, TextDelta
+from engine.models import list_models
 from engine.worker import Worker
 
-from . import stats
-from .security import authenticated
+from ..security import authenticated
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,12 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+ReplyRecorder = Callable[[Mapping[str, Any]], object]
+
+
 # --------------------------------------------------------------------------- access
-def api_token(request: Request) -> str | None:
-    settings = getattr(request.app.state, "settings", None)
-    return getattr(settings, "api_token", None) or os.environ.get(TOKEN_ENV) or None
+def api_token() -> str | None:
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def check_access(request: Request) -> None:
@@ -82,12 +84,7 @@ def check_access(request: Request) -> None:
     if client not in LOOPBACK_CLIENTS and not token_ok:
         raise APIError(403, f"the flashcode API answers loopback clients only, not {client}", "permission_error",
                        "forbidden")  # fmt: skip
-    origin = request.headers.get("origin")
-    settings = getattr(request.app.state, "settings", None)
-    allowed = getattr(settings, "allowed_origins", set())
-    if origin is not None and origin not in allowed:
-        raise APIError(403, f"cross-origin request from {origin} refused", "permission_error", "forbidden")
-    token = api_token(request)
+    token = api_token()
     if token and not token_ok:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
@@ -95,9 +92,8 @@ def check_access(request: Request) -> None:
                            "authentication_error", "invalid_api_key")  # fmt: skip
 
 
-def _worker(request: Request) -> Worker:
-    worker = getattr(request.app.state, "worker", None)
-    if worker is None or worker.backend is None or worker.backend.model is None:
+def _loaded_worker(worker: Worker) -> Worker:
+    if worker.backend is None or worker.backend.model is None:
         raise APIError(503, "no model is loaded: pick one in flashcode's model menu", "server_error",
                        "model_not_loaded")  # fmt: skip
     return worker
@@ -173,8 +169,6 @@ def check_model(requested: Any, backend: str, model: str) -> None:
     name = str(requested or "").strip()
     if name.lower() in ANY_MODEL or name in (model, f"{backend}:{model}"):
         return
-    from engine.models import list_models
-
     if any(m.name == name for m in list_models()):
         raise APIError(400, f"model '{name}' is installed but not loaded; flashcode has '{model}' loaded on "
                             f"{backend}: switch in the web app's model menu, or ask for '{model}'",
@@ -196,30 +190,6 @@ async def read_body(request: Request) -> dict[str, Any]:
     return body
 
 
-# --------------------------------------------------------------------------- handlers
-async def chat_completions(request: Request) -> Response:
-    try:
-        check_access(request)
-        body = await read_body(request)
-        worker = _worker(request)
-        backend, model = loaded(worker)
-        check_model(body.get("model"), backend, model)
-        messages = parse_messages(body.get("messages"))
-        sampling = parse_sampling(body)
-        await check_context(worker, messages)
-    except APIError as exc:
-        return exc.response()
-    except EngineError as exc:  # the engine could not even template the messages
-        return APIError(500, f"the engine failed: {exc}", "server_error").response()
-    req = GenerationRequest(messages=messages, sampling=sampling)
-    call = Completion(request, worker, req, backend, model)
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(call.sse(include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-    return await call.whole()
-
-
 async def check_context(worker: Worker, messages: tuple[Message, ...]) -> None:
     n, ctx = await worker.acall(lambda b: (len(b.apply_chat_template(messages)), int(b.context_length or 0)))
     if ctx and n >= ctx:
@@ -231,9 +201,9 @@ class Completion:
     """One request: run it on the worker, shape the result, record its stats."""
 
     def __init__(
-        self, request: Request, worker: Worker, req: GenerationRequest, backend: str, model: str
+        self, worker: Worker, req: GenerationRequest, backend: str, model: str, record: ReplyRecorder
     ) -> None:
-        self.request, self.worker, self.req = request, worker, req
+        self.worker, self.req, self.record_stats = worker, req, record
         self.backend, self.model = backend, model
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -245,15 +215,13 @@ class Completion:
                 "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}  # fmt: skip
 
     def record(self, done: Done) -> None:
-        state = getattr(self.request.app.state, "flashcode", None)
-        conn = getattr(getattr(state, "db", None), "conn", None) or getattr(
-            self.request.app.state, "stats_conn", None
-        )
-        if conn is None:
-            return
+        stats = done.stats.to_dict() | {
+            "backend": self.backend,
+            "model": self.model,
+            "finish_reason": done.finish_reason,
+        }
         try:
-            stats.record_reply(conn, done.stats, backend=self.backend, model=self.model, source="api",
-                               finish_reason=done.finish_reason)  # fmt: skip
+            self.record_stats(stats)
         except Exception:  # noqa: BLE001 - a stats failure must not fail the reply
             log.exception("could not record API reply stats")
 
@@ -327,28 +295,61 @@ def finish_reason(done: Done) -> str:
     return "length" if done.finish_reason == "length" else "stop"
 
 
-async def list_models_route(request: Request) -> Response:
-    try:
-        check_access(request)
-    except APIError as exc:
-        return exc.response()
-    from engine.models import list_models
+class OpenAIAPI:
+    """The `/v1` routes of one app, over its engine `worker`; `record` gets each reply's numbers."""
 
-    worker = getattr(request.app.state, "worker", None)
-    b = worker.backend if worker is not None else None
-    backend = b.name if b is not None else None
-    current = b.model.name if b is not None and b.model is not None else None
-    models = list_models()
-    names = [m.name for m in models]
-    created = {m.name: int(m.path.stat().st_mtime) if m.path.exists() else 0 for m in models}
-    if current and current not in names:
-        names.insert(0, current)
-    data = [{"id": n, "object": "model", "created": created.get(n, 0), "owned_by": f"flashcode-{backend or 'none'}",
-             "loaded": n == current} for n in names]  # fmt: skip
-    return JSONResponse({"object": "list", "data": data})
+    def __init__(self, worker: Worker, record: ReplyRecorder) -> None:
+        self.worker, self.record = worker, record
 
+    @property
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
+        ]
 
-routes = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/models", list_models_route, methods=["GET"]),
-]
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            check_access(request)
+            body = await read_body(request)
+            worker = _loaded_worker(self.worker)
+            backend, model = loaded(worker)
+            check_model(body.get("model"), backend, model)
+            messages = parse_messages(body.get("messages"))
+            sampling = parse_sampling(body)
+            await check_context(worker, messages)
+        except APIError as exc:
+            return exc.response()
+        except EngineError as exc:  # the engine could not even template the messages
+            return APIError(500, f"the engine failed: {exc}", "server_error").response()
+        call = Completion(worker, GenerationRequest(messages=messages, sampling=sampling), backend, model, self.record)
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(call.sse(include_usage), media_type="text/event-stream", headers=headers)
+        return await call.whole()
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            check_access(request)
+        except APIError as exc:
+            return exc.response()
+        b = self.worker.backend
+        backend = b.name if b is not None else None
+        current = b.model.name if b is not None and b.model is not None else None
+        models = list_models()
+        names = [m.name for m in models]
+        created = {m.name: int(m.path.stat().st_mtime) if m.path.exists() else 0 for m in models}
+        if current and current not in names:
+            names.insert(0, current)
+        data = [
+            {
+                "id": n,
+                "object": "model",
+                "created": created.get(n, 0),
+                "owned_by": f"flashcode-{backend or 'none'}",
+                "loaded": n == current,
+            }
+            for n in names
+        ]
+        return JSONResponse({"object": "list", "data": data})

@@ -1,12 +1,13 @@
-"""The websocket protocol: client messages as dataclasses, `parse()`, and the ids the server swaps.
+"""The websocket protocol: client messages as dataclasses and `parse()`.
 
 Client -> server: one JSON object per text frame, `{"type": ..., ...fields}` (htmx's ws extension
 sends a form's fields this way and adds a `HEADERS` object, which is ignored). Server -> client:
-HTML fragments whose top-level elements carry `hx-swap-oob`, swapped by id (see `docs/websocket.md`).
+HTML fragments whose top-level elements carry `hx-swap-oob`, swapped by id (`templates/macros.html`,
+`docs/websocket.md`).
 
-What it knows: the message types, their fields and limits, and the element ids fragments target.
-What it does not know: sockets, the database, engines. `parse` never raises anything but
-`ProtocolError`, whose message is shown to the user in an error frame.
+What it knows: the message types, their fields and limits. What it does not know: sockets, the
+database, engines, HTML. `parse` never raises anything but `ProtocolError`, whose message is shown
+to the user in an error frame.
 """
 
 from __future__ import annotations
@@ -18,17 +19,6 @@ from typing import Any
 MAX_MESSAGE_BYTES = 64 * 1024  # larger frames get an error frame (uvicorn closes at ws_max_size, 1 MiB)
 MAX_TEXT_CHARS = 32_000
 MAX_ID_CHARS = 64
-
-# Element ids the server targets with out-of-band swaps.
-MESSAGES_ID = "messages"  # the chat transcript; new messages are appended to it
-STATUS_ID = "status"  # idle / generating / error line and the Send/Stop buttons' state
-GAUGE_ID = "context-gauge"
-CONVERSATIONS_ID = "conversation-list"
-CONVERSATION_FIELD_ID = "conversation-id"  # the composer's hidden conversation id
-CHAT_TITLE_ID = "chat-title"
-MODEL_ID = "model-picker"
-ALERTS_ID = "alerts"  # error frames and (issue 4) dialogs are appended here
-BATCH_SECONDS = 0.04  # token text is flushed to the socket at most every 40 ms (first token at once)
 
 
 class ProtocolError(ValueError):
@@ -64,7 +54,7 @@ class SwitchModel:
 
 @dataclass(frozen=True)
 class Answer:
-    """Reserved for the agent (issue 4): the user's choice in a dialog the server opened."""
+    """The user's choice in a dialog the server opened (the agent's approval dialog)."""
 
     dialog_id: str
     choice: str
@@ -106,9 +96,12 @@ def _send(d: dict[str, Any]) -> Send:
     text = _str(d, "text", required=False, limit=MAX_TEXT_CHARS) or ""
     if not text.strip():
         raise ProtocolError("type a message first")
-    return Send(text=text, conversation_id=_str(d, "conversation_id", required=False),
-                max_tokens=_number(d, "max_tokens", int, 1, 32768),
-                temperature=_number(d, "temperature", float, 0.0, 2.0))  # fmt: skip
+    return Send(
+        text=text,
+        conversation_id=_str(d, "conversation_id", required=False),
+        max_tokens=_number(d, "max_tokens", int, 1, 32768),
+        temperature=_number(d, "temperature", float, 0.0, 2.0),
+    )
 
 
 def _model(d: dict[str, Any]) -> SwitchModel:
@@ -130,7 +123,7 @@ _PARSERS = {
         choice=_str(d, "choice") or "",
         note=_str(d, "note", required=False, limit=2000) or "",
         network=d.get("network") in (True, "on", "true", "1"),
-    ),  # fmt: skip
+    ),
 }
 MESSAGE_TYPES = tuple(_PARSERS)
 

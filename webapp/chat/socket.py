@@ -1,67 +1,73 @@
 """The websocket endpoint: one socket per browser tab, one `Session` per socket.
 
-Shape: the Origin is checked before `accept()` (the access token, when the server needs one, was
-checked earlier, by `webapp.security`); then three kinds of task run side by side — the reader
-(parses client messages, dispatches them), the writer (the only one sending on the socket, from an
-outbox queue) and at most one generation task (streams a reply from the engine worker, batching
-token text every `BATCH_SECONDS`). Because the reader never waits for a generation, Stop
-(and, with the agent, dialog answers) are handled while tokens stream.
+Shape: the Origin was checked before `accept()` and the access token before that (both by
+`webapp.security`); then three kinds of task run side by side — the reader (parses client messages,
+dispatches them), the writer (the only one sending on the socket, from an outbox queue) and at most
+one turn task (a reply from the engine worker, or a turn another feature answers). Because the
+reader never waits for a turn, Stop and dialog answers are handled while tokens stream.
 
-What it knows: the conversation flow (send, stop, regenerate, switch model) and which fragments to
-send. What it does not know: HTML layout (templates, via `webapp.views`), SQL (`webapp.db`),
-MLX (the engine runs on the worker's own thread; this module only submits requests to it).
+A chat reply goes through the one reply pipeline (`pipeline.ReplyStream`). A message the
+`TurnHandler` wants (the agent: slash commands, agent mode) is handed to it with a `SocketTurn`,
+which lends it this socket's fragments, dialogs, Stop and the same pipeline.
+
+What it knows: the conversation flow (send, stop, regenerate, switch model, answer) and which
+fragments to send. What it does not know: HTML layout (`views.ChatViews`), SQL (`webapp.db`), MLX
+(the engine runs on the worker's own thread; this module only submits requests to it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import html
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
 
+from ..db import Database, StoredMessage
+from ..engine_host import EngineState
+from ..turns import DialogAnswer, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
-from .db import StoredMessage
-from .state import AppState
+from .pipeline import ReplyStream
+from .views import ChatViews
 
 log = logging.getLogger(__name__)
-SAVE_PARTIAL_SECONDS = 1.0  # how often a growing reply is written to SQLite (crash safety)
 METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
 TITLE_CHARS = 48
 
 
-def origin_allowed(ws: WebSocket, allowed: set[str]) -> bool:
-    return ws.headers.get("origin", "") in allowed
+@dataclass
+class ChatContext:
+    """What every socket of one app shares (built by `create_app`)."""
 
+    db: Database
+    engine: EngineState
+    views: ChatViews
+    sampling: dict[str, Any]
+    hooks: list[ReplyHook] = field(default_factory=list)
+    turns: TurnHandlerFactory | None = None
 
-async def websocket_endpoint(ws: WebSocket) -> None:
-    state: AppState = ws.app.state.flashcode
-    if not origin_allowed(ws, state.settings.allowed_origins):
-        log.warning("websocket from origin %r refused", ws.headers.get("origin"))
-        await ws.close(code=1008, reason="origin not allowed")  # before accept: the handshake gets a 403
-        return
-    await ws.accept()
-    await Session(ws, state).run()
+    async def endpoint(self, ws: WebSocket) -> None:
+        await ws.accept()
+        await Session(ws, self).run()
 
 
 class Session:
-    def __init__(self, ws: WebSocket, state: AppState) -> None:
+    def __init__(self, ws: WebSocket, ctx: ChatContext) -> None:
         self.ws = ws
-        self.state = state
+        self.ctx = ctx
+        self.views = ctx.views
         self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
-        self.task: asyncio.Task[None] | None = None  # the generation task, when one runs
+        self.task: asyncio.Task[None] | None = None  # the turn task, when one runs
         self.cancel: Callable[[], None] | None = None
         self.dialogs: dict[str, asyncio.Future[p.Answer]] = {}
-        from .agent.web import AgentBridge  # issue 4: slash commands and agent-mode turns
-
-        self.agent = AgentBridge(self)
+        self.turns: TurnHandler | None = ctx.turns() if ctx.turns is not None else None
         self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
 
     # ------------------------------------------------------------------ plumbing
@@ -70,7 +76,7 @@ class Session:
         try:
             await self._read()
         finally:
-            await self._stop_generation()
+            await self._stop_turn()
             for fut in self.dialogs.values():
                 fut.cancel()
             self.outbox.put_nowait(None)
@@ -107,7 +113,7 @@ class Session:
         self.outbox.put_nowait("".join(fragments))
 
     def error(self, text: str) -> None:
-        self.send(self.state.views.alert(text))
+        self.send(self.views.alert(text))
 
     @property
     def generating(self) -> bool:
@@ -130,7 +136,7 @@ class Session:
             await self._switch_model(msg)
 
     def _send(self, msg: p.Send) -> None:
-        db = self.state.db
+        db, views = self.ctx.db, self.views
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if msg.conversation_id and conv is None:
             self.error("that conversation no longer exists: start a new one (File > New Conversation)")
@@ -138,20 +144,20 @@ class Session:
         created = conv is None
         if conv is None:
             title = " ".join(msg.text.split())[:TITLE_CHARS] or "Untitled"
-            conv = db.create_conversation(title, *self.state.engine.model_and_backend())
+            conv = db.create_conversation(title, *self.ctx.engine.model_and_backend())
         user = db.add_message(conv.id, "user", msg.text)
         overrides = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
-        first = [*([self.state.views.conversation_field(conv.id), self.state.views.chat_title(conv.title)] if created else []),
-                 self.state.views.append_message(user)]  # fmt: skip
-        if self.agent.wants(conv.id, msg.text):  # a slash command, or a turn in agent mode
+        first = [views.conversation_field(conv.id), views.chat_title(conv.title)] if created else []
+        first.append(views.append_message(user))
+        if self.turns is not None and self.turns.wants(conv.id, msg.text):  # e.g. a slash command
             self.send(*first)
-            self.task = asyncio.create_task(self.agent.run_turn(conv.id, msg.text))
+            self.task = asyncio.create_task(self._hand_over(conv.id, msg.text))
             return
         # the engine starts first; the page is updated while it reads the prompt
         self._start(conv.id, {k: v for k, v in overrides.items() if v is not None}, first=first)
 
     def _regenerate(self, msg: p.Regenerate) -> None:
-        db = self.state.db
+        db = self.ctx.db
         if db.get_conversation(msg.conversation_id) is None:
             self.error("nothing to regenerate: that conversation does not exist")
             return
@@ -160,17 +166,17 @@ class Session:
             self.error("nothing to regenerate: the last message is not a reply")
             return
         db.delete_message(messages[-1].id)
-        self.send(self.state.views.delete_message(messages[-1].id))
+        self.send(self.views.delete_message(messages[-1].id))
         self._start(msg.conversation_id)
 
     async def _switch_model(self, msg: p.SwitchModel) -> None:
-        self.send(self.state.views.controls(generating=True, text=f"Loading {msg.model}…"))
+        views = self.views
+        self.send(views.controls(generating=True, text=f"Loading {msg.model}…"))
         try:
-            await self.state.engine.switch(msg.backend, msg.model)
+            await self.ctx.engine.switch(msg.backend, msg.model)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
             self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
-        self.send(self.state.views.model_picker(), self.state.views.controls(generating=False),
-                  self.state.views.gauge(0), self.state.views.engine_meter(None))  # fmt: skip
+        self.send(views.model_picker(), views.controls(generating=False), views.gauge(0), views.engine_meter(None))
 
     def _answer(self, msg: p.Answer) -> None:
         fut = self.dialogs.pop(msg.dialog_id, None)
@@ -180,19 +186,32 @@ class Session:
         fut.set_result(msg)
 
     async def ask(self, dialog_html: str, dialog_id: str | None = None) -> p.Answer:
-        """For the agent (issue 4): show a dialog fragment and wait for the user's `answer`."""
+        """Show a dialog fragment and wait for the user's `answer` (the agent's approvals)."""
         dialog_id = dialog_id or uuid.uuid4().hex[:12]
         fut: asyncio.Future[p.Answer] = asyncio.get_running_loop().create_future()
         self.dialogs[dialog_id] = fut
         self.send(dialog_html)
-        return await fut
+        try:
+            return await fut
+        finally:
+            self.dialogs.pop(dialog_id, None)
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ a turn another feature answers
+    async def _hand_over(self, conversation_id: str, text: str) -> None:
+        assert self.turns is not None
+        self.send(self.views.controls(generating=True))
+        try:
+            await self.turns.run(SocketTurn(self, conversation_id, self.received), text)
+        finally:
+            self.cancel = None
+            self.send(self.views.controls(generating=False, can_regenerate=False))
+
+    # ------------------------------------------------------------------ a chat reply
     def _start(
         self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None
     ) -> None:
         self.task = asyncio.create_task(
-            self._generate(conversation_id, self.state.sampling | (sampling or {}), first or [])
+            self._generate(conversation_id, self.ctx.sampling | (sampling or {}), first or [])
         )
         self.task.add_done_callback(self._generation_ended)
 
@@ -201,10 +220,10 @@ class Session:
             return
         exc = task.exception()
         log.error("generation failed", exc_info=exc)
-        self.send(self.state.views.controls(generating=False, can_regenerate=True))
+        self.send(self.views.controls(generating=False, can_regenerate=True))
         self.error(f"the reply failed: {type(exc).__name__}: {exc}")
 
-    async def _stop_generation(self) -> None:
+    async def _stop_turn(self) -> None:
         if self.task is not None and not self.task.done():
             if self.cancel is not None:
                 self.cancel()
@@ -212,19 +231,29 @@ class Session:
                 await asyncio.wait_for(asyncio.shield(self.task), 5)
             self.task.cancel()
 
+    def reply_stream(
+        self, conversation_id: str, route: str | None = None, received: float = 0.0, started: float | None = None
+    ) -> ReplyStream:
+        """A reply through the one pipeline (the chat's, or one a `TurnHandler` writes)."""
+        ctx = self.ctx
+        return ReplyStream(
+            db=ctx.db, views=self.views, engine=ctx.engine, hooks=ctx.hooks, send=self.send,
+            conversation_id=conversation_id, route=route, received=received or None, started=started,
+        )  # fmt: skip
+
     async def _generate(self, conversation_id: str, sampling: dict[str, Any], first: list[str]) -> None:
-        db, views, engine = self.state.db, self.state.views, self.state.engine
-        history: list[Message] = [{"role": m.role, "content": m.content} for m in db.messages(conversation_id)
-                                  if m.role in ("user", "assistant", "system") and m.content]  # fmt: skip
-        request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**sampling),
-                                    cache_key=conversation_id)  # fmt: skip
+        db, views, engine = self.ctx.db, self.views, self.ctx.engine
+        history: list[Message] = [
+            {"role": m.role, "content": m.content}
+            for m in db.messages(conversation_id)
+            if m.role in ("user", "assistant", "system") and m.content
+        ]
+        request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**sampling))
         submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
-        reply = db.add_message(conversation_id, "assistant", "", status="streaming")
-        stream = TokenBatcher(self, reply.id, submitted)
-        stream.received = self.received or submitted
-        self.send(*first, views.append_message(reply), views.controls(generating=True),
+        stream = self.reply_stream(conversation_id, received=self.received, started=submitted)
+        self.send(*first, views.append_message(stream.message), views.controls(generating=True),
                   views.conversation_list(conversation_id))  # fmt: skip
         done: Done | None = None
         meter = asyncio.create_task(self._meter(stream))
@@ -237,17 +266,16 @@ class Session:
         finally:
             meter.cancel()
             self.cancel = None
-            stream.close()
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
-                db.finish_message(reply.id, stream.text, "stopped")
-        self._finish(conversation_id, reply, stream, done, history)
+                stream.abandon()
+        self._finish(stream, done, history)
 
-    async def _meter(self, stream: TokenBatcher) -> None:
+    async def _meter(self, stream: ReplyStream) -> None:
         """While a reply is written, send the engine's live numbers (flash: disk rate, MB per token, expert
         hits, memory) every METER_SECONDS — through prefill too, when no token arrives for a long time.
         `live_stats()` reads counters only (no MLX), so it is safe off the worker's thread."""
-        live = getattr(self.state.engine.worker.backend, "live_stats", None)
+        live = getattr(self.ctx.engine.worker.backend, "live_stats", None)
         if live is None:
             return
         start = live().get("bytes_read", 0)
@@ -258,113 +286,61 @@ class Session:
             except Exception:  # noqa: BLE001 - a meter must never break a reply (e.g. the model was closed)
                 return
             read = now.get("bytes_read", 0) - start
-            self.send(self.state.views.engine_meter({
+            self.send(self.views.engine_meter({
                 "bytes_per_s": now.get("bytes_per_s", 0.0), "rss_bytes": now.get("rss_bytes", 0),
                 "memory_budget": now.get("memory_budget"), "hit_rate": now.get("hit_rate"),
+                "peak_rss_bytes": now.get("peak_rss_bytes"),
                 "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,
             }))  # fmt: skip
 
-    def _finish(self, conversation_id: str, reply: StoredMessage, stream: TokenBatcher, done: Done,
-                history: list[Message]) -> None:  # fmt: skip
-        db, views = self.state.db, self.state.views
-        text = done.text or stream.text
-        status = {"stop": "complete", "length": "complete", "cancelled": "stopped"}.get(
-            done.finish_reason, "error"
-        )
-        stats: dict[str, Any] = done.stats.to_dict() | {"finish_reason": done.finish_reason}
-        if not done.stats.ttft_s:  # a stop answers at once, before the engine's own numbers exist
-            stats |= stream.measured()
-        if stream.first_sent is not None:  # message in -> first token frame out, on this server
-            stats["server_ttft_s"] = stream.first_sent - stream.received
-        stats |= dict(zip(("model", "backend"), self.state.engine.model_and_backend(), strict=True))
-        if done.error:
-            stats["error"] = done.error
-        db.finish_message(reply.id, text, status, stats)
-        for hook in self.state.on_reply:
-            try:
-                hook(self.state, stats, conversation_id=conversation_id, message_id=reply.id)
-            except Exception:  # noqa: BLE001 - a hook must not lose the reply
-                log.exception("reply hook %r failed", hook)
-        db.touch(conversation_id, *self.state.engine.model_and_backend())
-        final = db.messages(conversation_id)[-1]
-        fragments = [views.replace_message(final), views.controls(generating=False, can_regenerate=True)]
+    def _finish(self, stream: ReplyStream, done: Done, history: list[Message]) -> None:
+        views = self.views
+        then = [views.controls(generating=False, can_regenerate=True)]
         if done.stats.prompt_tokens:
-            fragments.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
-        elif status == "stopped":  # a stop answers before the engine counted the prompt: count it now
+            then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
+        final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
+        if not done.stats.prompt_tokens and final.status == "stopped":
+            # a stop answers before the engine counted the prompt: count it now
             asyncio.get_running_loop().create_task(self._count_prompt(final, history))
-        self.send(*fragments)
         if done.error:
             self.error(done.error)
 
     async def _count_prompt(self, reply: StoredMessage, history: list[Message]) -> None:
         try:
-            n = await self.state.engine.worker.acall(lambda b: len(b.apply_chat_template(history)))
+            n = await self.ctx.engine.worker.acall(lambda b: len(b.apply_chat_template(history)))
         except Exception:  # noqa: BLE001 - the gauge is a nicety
             return
         stats = reply.stats | {"prompt_tokens": n}
-        self.state.db.finish_message(reply.id, reply.content, reply.status, stats)
-        self.send(self.state.views.gauge(n + int(stats.get("completion_tokens") or 0)))
+        self.ctx.db.finish_message(reply.id, reply.content, reply.status, stats)
+        self.send(self.views.gauge(n + int(stats.get("completion_tokens") or 0)))
 
 
-class TokenBatcher:
-    """Collects token text and sends it as one fragment per `BATCH_SECONDS` (the first at once)."""
+class SocketTurn:
+    """The `webapp.turns.Turn` a socket lends a `TurnHandler` for one message."""
 
-    def __init__(self, session: Session, message_id: int, started: float) -> None:
-        self.session = session
-        self.message_id = message_id
-        self.started = started
-        self.received = started
-        self.first_sent: float | None = None
-        self.first: float | None = None  # arrival of the first and the latest token
-        self.latest = 0.0
-        self.tokens = 0
-        self.parts: list[str] = []
-        self.pending: list[str] = []
-        self.last_flush = 0.0
-        self.last_save = time.monotonic()
-        self.timer: asyncio.TimerHandle | None = None
+    def __init__(self, session: Session, conversation_id: str, received: float) -> None:
+        self.session, self._conversation_id, self.received = session, conversation_id, received
 
     @property
-    def text(self) -> str:
-        return "".join(self.parts)
+    def conversation_id(self) -> str:
+        return self._conversation_id
 
-    def measured(self) -> dict[str, Any]:
-        """Time to first token and decode rate as seen here (used when the engine's are missing)."""
-        if self.first is None:
-            return {}
-        span = self.latest - self.first
-        return {"ttft_s": self.first - self.started, "completion_tokens": self.tokens,
-                "decode_tps": (self.tokens - 1) / span if span > 0 and self.tokens > 1 else 0.0}  # fmt: skip
+    def send(self, *fragments: str) -> None:
+        self.session.send(*fragments)
 
-    def add(self, text: str, tokens: int = 1) -> None:
-        self.latest = time.monotonic()
-        if self.first is None:
-            self.first = self.latest
-        self.tokens += tokens
-        self.parts.append(text)
-        self.pending.append(text)
-        wait = self.last_flush + p.BATCH_SECONDS - time.monotonic()
-        if wait <= 0:
-            self.flush()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(wait, self.flush)
+    def error(self, text: str) -> None:
+        self.session.error(text)
 
-    def flush(self) -> None:
-        self.timer = None
-        if not self.pending:
-            return
-        chunk = html.escape("".join(self.pending), quote=False)
-        self.pending.clear()
-        self.last_flush = time.monotonic()
-        self.session.send(f'<div id="msg-{self.message_id}-body" hx-swap-oob="beforeend">{chunk}</div>')
-        if self.first_sent is None:
-            self.first_sent = self.last_flush
-        if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
-            self.last_save = self.last_flush
-            self.session.state.db.save_partial(self.message_id, self.text)
+    async def ask(self, dialog_html: str, dialog_id: str) -> DialogAnswer:
+        return await self.session.ask(dialog_html, dialog_id)
 
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.flush()
+    def on_stop(self, stop: Callable[[], None] | None) -> None:
+        self.session.cancel = stop
+
+    def start_reply(self, route: str | None = None) -> ReplyStream:
+        stream = self.session.reply_stream(self.conversation_id, route, received=self.received)
+        self.send(self.session.views.append_message(stream.message))
+        return stream
+
+    def model_changed(self) -> None:
+        self.send(self.session.views.model_picker())

@@ -1,9 +1,9 @@
-"""`/bench` and `flashcode bench run`: a fixed prompt set run on the current backend and model.
+"""The fixed bench set of `/bench` and `flashcode bench run`, run on the current backend and model.
 
 What it knows: the prompts (short coding questions of increasing prompt length, fixed so runs can
 be compared), the sampling (greedy, fixed seed, a fixed reply budget), how to run them through the
-engine `Worker` (sync for the CLI, async for the web app), and how to summarize and store a run
-(`webapp.stats.record_bench_run`).
+engine `Worker` (sync for the CLI, async for the web app), and how to summarize a run (stored by
+`store.record_bench_run`).
 
 What it does not know: HTML, the chat. Generation goes through the Worker, so MLX stays on the
 engine thread. Each prompt is sent with no `cache_key`: prompts share no prefix cache, so TTFT is a
@@ -12,18 +12,13 @@ cold prefill every time.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import sqlite3
-import sys
-from pathlib import Path
 from typing import Any
 
 from engine.base import Done, GenerationRequest, Message, SamplingParams
 from engine.worker import Worker
 
-from . import stats
+from . import store
 
 SYSTEM = "You are a concise coding assistant."
 PROMPTS: tuple[str, ...] = (
@@ -100,7 +95,7 @@ def engine_names(worker: Worker) -> tuple[str | None, str | None]:
     return b.name, (b.model.name if b.model else None)
 
 
-def format_run(run: stats.BenchRun, previous: stats.BenchRun | None = None) -> str:
+def format_run(run: store.BenchRun, previous: store.BenchRun | None = None) -> str:
     """Plain-text summary (CLI; the chat shows it in a code block)."""
     mem = run.peak_memory_bytes or run.peak_rss_bytes
     lines = [f"bench #{run.id}: {run.model} on {run.backend}, {run.prompts} prompts x {run.max_tokens} tokens",
@@ -111,57 +106,3 @@ def format_run(run: stats.BenchRun, previous: stats.BenchRun | None = None) -> s
         lines.append(f"  vs bench #{previous.id} ({previous.model} on {previous.backend}): decode x{ratio:.2f}, "
                      f"TTFT {run.ttft_s * 1000:.0f} vs {previous.ttft_s * 1000:.0f} ms")  # fmt: skip
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- CLI
-def cmd_bench_run(args: argparse.Namespace) -> int:
-    """`flashcode bench run`: load the backend and model, run the set, store and print the run."""
-    from engine import paths
-
-    from .cli import backend_options
-    from .engine_host import make_loaded_backend
-
-    worker = Worker(lambda: make_loaded_backend(args.backend, args.model, backend_options(args)))
-    try:
-        backend, model = engine_names(worker)
-        results = run_sync(worker, args.max_tokens)
-    finally:
-        worker.close()
-    conn = sqlite3.connect(paths.database_path(paths.home()))
-    try:
-        stats.ensure_schema(conn)
-        earlier = stats.bench_runs(conn, limit=1)
-        run = stats.record_bench_run(
-            conn, backend=backend, model=model, max_tokens=args.max_tokens, results=results
-        )
-    finally:
-        conn.close()
-    print(format_run(run, earlier[0] if earlier else None))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"id": run.id, "backend": backend, "model": model,
-                                              "max_tokens": run.max_tokens, "summary": stats.summarize(results),
-                                              "results": results}, indent=2) + "\n")  # fmt: skip
-        print(f"-> {args.out}", file=sys.stderr)
-    return 0
-
-
-def add_parser(bsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Adds `run` under `flashcode bench` (call from `webapp.cli_bench.register`)."""
-    from .cli import parse_size
-
-    p = bsub.add_parser(
-        "run", help="the fixed /bench prompt set on a backend and model; stored with the stats"
-    )
-    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
-    p.add_argument("--model", default=None, help="installed model name (default: the default model)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="reply budget per prompt")
-    p.add_argument(
-        "--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB"
-    )
-    p.add_argument("--llama-url", default=None)
-    p.add_argument("--ctx-size", type=int, default=None)
-    p.add_argument("--out", default=None, help="also write the run as JSON here")
-    p.add_argument("--data-dir", default=None)
-    p.set_defaults(func=cmd_bench_run)
-    return p

@@ -12,7 +12,7 @@ deleting the database. Costs are never stored: they are computed from recorded t
 current prices, so editing a price re-prices all history ("what would this have cost today").
 Until the user saves, the shipped defaults are used and no file is written.
 
-What it does not know: where token counts come from (`webapp.stats`), HTML.
+What it does not know: where token counts come from (`store.py`), HTML.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from engine import paths
 
 PRICES_FILE = "prices.json"
 DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -82,8 +84,6 @@ def costs_for(prices: tuple[Price, ...] | list[Price], prompt_tokens: int, cache
 # --------------------------------------------------------------------------- the file
 def prices_path(data_dir: Path | None = None) -> Path:
     if data_dir is None:
-        from engine import paths
-
         data_dir = paths.home()
     return Path(data_dir) / PRICES_FILE
 

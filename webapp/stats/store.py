@@ -1,16 +1,13 @@
 """Per-reply numbers in SQLite: what each reply cost in time and tokens, grades, and bench runs.
 
-What it knows: three tables (`stats_replies`, `stats_grades`, `stats_bench_runs`), how to record a
-reply from the engine's `GenerationStats`, and the queries the Stats window, `/stats`, `/cost`,
-`/improve` and `/bench` need (totals, per-model and per-backend tables, series for charts).
+What it knows: the queries on `stats_replies`, `stats_grades` and `stats_bench_runs` (their schema
+is in `webapp.db`'s migration list): how to record a reply from the engine's `GenerationStats`, and
+what the Stats window, `/stats`, `/cost`, `/improve` and `/bench` need (totals, per-model and
+per-backend tables, series for charts). Stats rows do not reference `messages`: deleting a
+conversation keeps its numbers (they hold no text), so totals and savings do not shrink.
 
-`MIGRATIONS` is a list of idempotent SQL scripts (`IF NOT EXISTS`) that the web app's `db.py` runs
-with its own; `ensure_schema(conn)` runs them on a plain `sqlite3` connection (tests, the CLI).
-Stats rows do not reference `messages`: deleting a conversation keeps its numbers (they hold no
-text), so totals and savings do not shrink.
-
-What it does not know: prices (`webapp.costs`), HTML (`webapp.stats_view`), engines. Calls are short
-and synchronous; the web app makes them on the event loop.
+What it does not know: prices (`costs.py`), HTML (`views.py`), engines. Calls are short and
+synchronous; the web app makes them on the event loop.
 """
 
 from __future__ import annotations
@@ -25,74 +22,11 @@ from typing import Any
 
 from engine.base import GenerationStats
 
-MIGRATIONS: list[str] = [
-    """
-    CREATE TABLE IF NOT EXISTS stats_replies (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        created_at REAL NOT NULL,
-        source TEXT NOT NULL DEFAULT 'chat',          -- chat | api | bench
-        route TEXT,                                   -- chat | search | shell (the agent's route)
-        conversation_id TEXT,
-        message_id INTEGER,
-        backend TEXT,
-        model TEXT,
-        prompt_tokens INTEGER NOT NULL DEFAULT 0,     -- includes cached_tokens
-        cached_tokens INTEGER NOT NULL DEFAULT 0,
-        completion_tokens INTEGER NOT NULL DEFAULT 0,
-        ttft_s REAL,
-        prompt_tps REAL,
-        decode_tps REAL,
-        peak_memory_bytes INTEGER,
-        peak_rss_bytes INTEGER,
-        total_s REAL,
-        flash_hit_rate REAL,
-        flash_bytes_read INTEGER,
-        finish_reason TEXT,
-        bench_run_id INTEGER
-    );
-    CREATE INDEX IF NOT EXISTS stats_replies_time ON stats_replies (created_at);
-    CREATE INDEX IF NOT EXISTS stats_replies_conversation ON stats_replies (conversation_id, id);
-    CREATE TABLE IF NOT EXISTS stats_grades (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        created_at REAL NOT NULL,
-        reply_id INTEGER REFERENCES stats_replies(id) ON DELETE SET NULL,
-        conversation_id TEXT,
-        message_id INTEGER,
-        route TEXT,
-        model TEXT,
-        grade TEXT NOT NULL CHECK (grade IN ('good', 'bad')),
-        note TEXT,
-        excerpt TEXT
-    );
-    CREATE TABLE IF NOT EXISTS stats_bench_runs (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        created_at REAL NOT NULL,
-        backend TEXT,
-        model TEXT,
-        prompts INTEGER NOT NULL,
-        max_tokens INTEGER NOT NULL,
-        decode_tps REAL,
-        ttft_s REAL,
-        prompt_tps REAL,
-        peak_memory_bytes INTEGER,
-        peak_rss_bytes INTEGER,
-        total_s REAL,
-        results TEXT
-    );
-    """,
-]
-
 ROUTES = ("chat", "search", "shell")
 EXCERPT_CHARS = 160
 # keys an engine may put in GenerationStats.extra for the flash columns
 HIT_RATE_KEYS = ("hit_rate", "cache_hit_rate", "expert_hit_rate")
 BYTES_READ_KEYS = ("bytes_read",)
-
-
-def ensure_schema(conn: sqlite3.Connection) -> None:
-    for script in MIGRATIONS:
-        conn.executescript(script)
-    conn.commit()
 
 
 # --------------------------------------------------------------------------- recording

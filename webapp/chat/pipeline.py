@@ -1,0 +1,167 @@
+"""The one reply pipeline: how a reply streams to the page and into the database, for every turn.
+
+A `ReplyStream` is one assistant reply being written, whoever produces its text — the chat's own
+generation or an agent turn's answer. It owns:
+
+- the row: inserted as `streaming` when the reply starts, its text saved every
+  `SAVE_PARTIAL_SECONDS` while it grows (a crash keeps what streamed), finished with a status and
+  the stats;
+- batching: token text is sent as one token frame (`tokens` in `templates/macros.html`) at most
+  every `BATCH_SECONDS`, the first at once;
+- server-side TTFT: from the user's message arriving to the first token frame handed to the socket
+  (`server_ttft_s` in the stats), and TTFT / decode rate measured here when the engine has none;
+- the hooks: each `ReplyHook` is called once the reply is stored; one that raises is logged and
+  the others still run.
+
+What it does not know: where the text comes from, sockets (it is given `send`), SQL (`Database`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ..db import Database, StoredMessage
+from ..engine_host import EngineState
+from ..turns import ReplyHook
+from .views import ChatViews
+
+log = logging.getLogger(__name__)
+
+BATCH_SECONDS = 0.04  # token text is flushed to the socket at most every 40 ms (first token at once)
+SAVE_PARTIAL_SECONDS = 1.0  # how often a growing reply is written to SQLite (crash safety)
+STATUS_OF = {"stop": "complete", "length": "complete", "cancelled": "stopped"}  # anything else: error
+
+
+class ReplyStream:
+    """One reply: `add()` text as it comes, then `finish()` once, or `abandon()` if cut off."""
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        views: ChatViews,
+        engine: EngineState,
+        hooks: Sequence[ReplyHook],
+        send: Callable[..., None],
+        conversation_id: str,
+        route: str | None = None,
+        received: float | None = None,
+        started: float | None = None,
+    ) -> None:
+        self.db, self.views, self.engine, self.hooks, self.send = db, views, engine, hooks, send
+        self.conversation_id, self.route = conversation_id, route
+        self.message = db.add_message(conversation_id, "assistant", "", status="streaming")
+        self.started = started if started is not None else time.monotonic()
+        self.received = received or self.started  # arrival of the user's message
+        self.first_sent: float | None = None
+        self.first: float | None = None  # arrival of the first and the latest token
+        self.latest = 0.0
+        self.tokens = 0
+        self.parts: list[str] = []
+        self.pending: list[str] = []
+        self.last_flush = 0.0
+        self.last_save = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+        self.finished = False
+
+    @property
+    def message_id(self) -> int:
+        return self.message.id
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    # ------------------------------------------------------------------ streaming
+    def add(self, text: str, tokens: int = 1) -> None:
+        self.latest = time.monotonic()
+        if self.first is None:
+            self.first = self.latest
+        self.tokens += tokens
+        self.parts.append(text)
+        self.pending.append(text)
+        wait = self.last_flush + BATCH_SECONDS - time.monotonic()
+        if wait <= 0:
+            self.flush()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(wait, self.flush)
+
+    def flush(self) -> None:
+        self.timer = None
+        if not self.pending:
+            return
+        chunk = "".join(self.pending)
+        self.pending.clear()
+        self.last_flush = time.monotonic()
+        self.send(self.views.tokens(self.message.id, chunk))
+        if self.first_sent is None:
+            self.first_sent = self.last_flush
+        if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
+            self.last_save = self.last_flush
+            self.db.save_partial(self.message.id, self.text)
+
+    def close(self) -> None:
+        """Send what is pending and stop the batching timer."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.flush()
+
+    def measured(self) -> dict[str, Any]:
+        """Time to first token and decode rate as seen here (used when the engine's are missing)."""
+        if self.first is None:
+            return {}
+        span = self.latest - self.first
+        return {
+            "ttft_s": self.first - self.started,
+            "completion_tokens": self.tokens,
+            "decode_tps": (self.tokens - 1) / span if span > 0 and self.tokens > 1 else 0.0,
+        }
+
+    # ------------------------------------------------------------------ the end
+    def finish(
+        self,
+        text: str,
+        finish_reason: str,
+        stats: Mapping[str, Any],
+        error: str | None = None,
+        then: Iterable[str] = (),
+    ) -> StoredMessage:
+        """Store the reply with its stats, run the hooks, and send it rendered (with `then`)."""
+        self.close()
+        self.finished = True
+        status = STATUS_OF.get(finish_reason, "error")
+        numbers: dict[str, Any] = dict(stats) | {"finish_reason": finish_reason}
+        if not numbers.get("ttft_s"):  # a stop answers at once, before the engine's own numbers exist
+            numbers |= self.measured()
+        if self.first_sent is not None:  # message in -> first token frame out, on this server
+            numbers["server_ttft_s"] = self.first_sent - self.received
+        model, backend = self.engine.model_and_backend()
+        numbers |= {"model": model, "backend": backend}
+        if error:
+            numbers["error"] = error
+        self.db.finish_message(self.message.id, text or self.text, status, numbers)
+        self._run_hooks(numbers)
+        self.db.touch(self.conversation_id, model, backend)
+        final = self.db.messages(self.conversation_id)[-1]
+        self.send(self.views.replace_message(final), *then)
+        return final
+
+    def abandon(self) -> None:
+        """Cut off (Stop, a closed socket, a failed turn): keep what streamed, marked stopped."""
+        if self.finished:
+            return
+        self.close()
+        self.finished = True
+        self.db.finish_message(self.message.id, self.text, "stopped")
+
+    def _run_hooks(self, stats: dict[str, Any]) -> None:
+        for hook in self.hooks:
+            try:
+                hook(stats, conversation_id=self.conversation_id, message_id=self.message.id, route=self.route)
+            except Exception:  # noqa: BLE001 - a hook must not lose the reply
+                log.exception("reply hook %r failed", hook)

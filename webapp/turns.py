@@ -1,0 +1,100 @@
+"""The seams where features meet: small typed interfaces that `webapp.app.create_app` wires.
+
+Features never import each other. The chat owns the websocket and the one reply pipeline; the
+agent answers the messages it wants as a `TurnHandler`, through the `Turn` the chat lends it for
+one message; stats records finished replies as a `ReplyHook` and answers its slash commands as a
+`SlashHandler`. A feature that needs another's work asks for one of these in its constructor.
+
+What it knows: the shapes of those calls. What it does not know: any feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class ReplyHook(Protocol):
+    """Called once a chat reply is stored (`stats` holds the engine's numbers, finish_reason, model
+    and backend). A hook that raises is logged; the reply is never lost for it."""
+
+    def __call__(
+        self,
+        stats: Mapping[str, Any],
+        *,
+        conversation_id: str,
+        message_id: int,
+        route: str | None = None,
+    ) -> object: ...
+
+
+class SlashHandler(Protocol):
+    """Answers a slash command another feature owns, as an HTML fragment for the transcript."""
+
+    async def __call__(self, name: str, arg: str, conversation_id: str | None) -> str: ...
+
+
+@dataclass(frozen=True)
+class SlashSpec:
+    """A slash command a feature contributes to `/help`: `/name usage — help`."""
+
+    name: str
+    usage: str
+    help: str
+
+
+class DialogAnswer(Protocol):
+    """The user's answer to a dialog the server opened."""
+
+    @property
+    def choice(self) -> str: ...
+    @property
+    def note(self) -> str: ...
+    @property
+    def network(self) -> bool: ...
+
+
+class ReplyWriter(Protocol):
+    """A stored, streamed reply of the one reply pipeline (`webapp.chat.pipeline.ReplyStream`)."""
+
+    @property
+    def message_id(self) -> int: ...
+
+    def add(self, text: str, tokens: int = 1) -> None: ...
+
+    def finish(
+        self, text: str, finish_reason: str, stats: Mapping[str, Any], error: str | None = None
+    ) -> object: ...
+
+    def abandon(self) -> None: ...
+
+
+class Turn(Protocol):
+    """What the chat lends a `TurnHandler` for one user message (already stored and shown)."""
+
+    @property
+    def conversation_id(self) -> str: ...
+
+    def send(self, *fragments: str) -> None: ...
+
+    def error(self, text: str) -> None: ...
+
+    async def ask(self, dialog_html: str, dialog_id: str) -> DialogAnswer: ...
+
+    def on_stop(self, stop: Callable[[], None] | None) -> None: ...
+
+    def start_reply(self, route: str | None = None) -> ReplyWriter: ...
+
+    def model_changed(self) -> None: ...
+
+
+class TurnHandler(Protocol):
+    """Answers the chat messages it `wants` (the agent: slash commands and agent-mode turns)."""
+
+    def wants(self, conversation_id: str, text: str) -> bool: ...
+
+    async def run(self, turn: Turn, text: str) -> None: ...
+
+
+TurnHandlerFactory = Callable[[], TurnHandler]  # one handler per websocket

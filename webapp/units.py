@@ -1,0 +1,51 @@
+"""Values typed on the command line: sizes ('1.5GB'), counts, non-negative numbers.
+
+Each parser is an `argparse` type: it returns the value or raises `argparse.ArgumentTypeError` with
+a message that says what would be accepted. What it does not know: which command uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1e3, "kb": 1e3, "kib": 1024,
+    "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+    "g": 1e9, "gb": 1e9, "gib": 1 << 30,
+    "t": 1e12, "tb": 1e12, "tib": 1 << 40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """'300MB', '1.5GB', '4GiB', '1024' -> bytes."""
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)") from None
+    if unit not in SIZE_UNITS or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)")
+    return int(value * SIZE_UNITS[unit])
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more, e.g. 1.0")
+    return value
