@@ -23,10 +23,12 @@ from typing import Any
 from engine import paths
 from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
 from engine.flash import cli as flash_cli
+from engine.models import DEFAULT_MODEL
 
-from . import agent_cli, cli_bench
-from .engine_host import backend_options
-from .preflight import StartupError
+from . import agent_cli, cli_bench, preflight
+from .doctor import doctor_report, format_report
+from .engine_host import backend_options, make_loaded_backend, resolve_backend
+from .preflight import StartupError, data_dir
 from .units import non_negative_float, parse_size, positive_int
 
 __all__ = ["backend_options", "build_parser", "main", "parse_size"]  # parse_size: bench scripts import it here
@@ -56,13 +58,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Every start-up check runs before uvicorn (webapp.preflight): a failure is one sentence."""
-    import uvicorn
+    import uvicorn  # the web stack: only for serve
 
-    from engine.models import DEFAULT_MODEL
-
-    from . import preflight, security
+    from . import security
     from .app import create_app
-    from .engine_host import make_loaded_backend, resolve_backend
     from .settings import Settings
 
     root = preflight.check_data_dir(preflight.data_dir())
@@ -103,9 +102,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import doctor_report, format_report
-    from .preflight import data_dir
-
     report = doctor_report(data_dir())  # looked at, never created
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["ok"] else 1
@@ -225,8 +221,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from .engine_host import make_loaded_backend, resolve_backend
-
     name = resolve_backend(args.backend)
     backend = make_loaded_backend(name, args.model, backend_options(args, name))
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []

@@ -15,9 +15,11 @@ from __future__ import annotations
 import html
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markdown_it import MarkdownIt
+from markdown_it.common.utils import unescapeAll
 from markupsafe import Markup
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
@@ -71,9 +73,7 @@ def _highlight(code: str, lang: str, _attrs: str) -> str:
 
 @lru_cache(maxsize=1)
 def _md() -> MarkdownIt:
-    md = MarkdownIt(
-        "commonmark", {"html": False, "linkify": False, "typographer": False, "highlight": _highlight}
-    )
+    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
     md.enable("table")
     md.enable("strikethrough")
 
@@ -83,14 +83,33 @@ def _md() -> MarkdownIt:
         return renderer.renderToken(tokens, idx, options, env)
 
     md.add_render_rule("link_open", link_open)
+    md.add_render_rule("fence", _fence)
+    md.add_render_rule("code_block", _code_block)
     return md
+
+
+@lru_cache(maxsize=1)
+def _code_macros() -> Any:
+    return make_environment().get_template("markdown.html").module
+
+
+def _fence(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    """A fenced block, highlighted when its language (or a guess) is known (`templates/markdown.html`)."""
+    token = tokens[idx]
+    info = unescapeAll(token.info).strip() if token.info else ""
+    lang = info.split(maxsplit=1)[0] if info else ""
+    highlighted = _highlight(token.content, lang, "")
+    return str(_code_macros().code_block(token.content, lang, Markup(highlighted) if highlighted else None))
+
+
+def _code_block(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    """An indented block: shown as it is."""
+    return str(_code_macros().code_block(tokens[idx].content))
 
 
 def render_markdown(text: str) -> str:
     """Untrusted markdown -> HTML safe to insert into the page."""
-    out = _md().render(text)
-    # highlighted fences come back as <pre><code class="language-x">...; mark them for the stylesheet
-    return out.replace("<pre><code", '<pre class="highlight"><code')
+    return _md().render(text)
 
 
 def markdown_markup(text: str) -> Markup:
