@@ -46,12 +46,18 @@ def main() -> int:
     print(f"model ready in {time.perf_counter() - t0:.0f} s on {mx.default_device()}", flush=True)
     bytes_per_token = sum(u.padded for u in man.dense_units())
     res: dict = {
-        "model": args.preset, "model_bytes": sum(f.stat().st_size for f in model.glob("model*.safetensors")),
-        "device": str(mx.default_device()), "memory_budget": args.budget, "tokens": args.tokens, "prompt": PROMPT,
+        "model": args.preset,
+        "model_bytes": sum(f.stat().st_size for f in model.glob("model*.safetensors")),
+        "device": str(mx.default_device()),
+        "memory_budget": args.budget,
+        "tokens": args.tokens,
+        "prompt": PROMPT,
         "cgroup": cgroup_unavailable() or "available",
-    }  # fmt: skip
+    }
     res["page_cache_dropped"] = drop_page_cache()
-    res["bandwidth"] = measure_bandwidth(man.units_path, man.max_unit_bytes, total=min(2 << 30, man.units_path.stat().st_size))
+    res["bandwidth"] = measure_bandwidth(
+        man.units_path, man.max_unit_bytes, total=min(2 << 30, man.units_path.stat().st_size)
+    )
     print("bandwidth", res["bandwidth"], flush=True)
     drop_page_cache()
     res["flash"] = run_child("flash", model, args.tokens, None, 1200, ["--memory-cap", str(args.budget)])
@@ -60,8 +66,17 @@ def main() -> int:
     print("ram", {k: v for k, v in res["ram"].items() if k != "tokens"}, flush=True)
     out = summarize(res, bytes_per_token)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    keys = ("decode_tps", "ttft_s", "io_ceiling_tps", "compute_ceiling_tps", "ceiling_ratio", "peak_rss_bytes",
-            "same_tokens_as_ram", "measured_bandwidth_Bps", "engine_read_bandwidth_Bps")  # fmt: skip
+    keys = (
+        "decode_tps",
+        "ttft_s",
+        "io_ceiling_tps",
+        "compute_ceiling_tps",
+        "ceiling_ratio",
+        "peak_rss_bytes",
+        "same_tokens_as_ram",
+        "measured_bandwidth_Bps",
+        "engine_read_bandwidth_Bps",
+    )
     print(json.dumps({k: out.get(k) for k in keys}, indent=1))
     return 0
 

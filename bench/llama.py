@@ -37,8 +37,10 @@ def rate(stamps: list[float]) -> float:
 
 
 def run_adapter(backend: LlamaServerBackend, tokens: int) -> dict[str, Any]:
-    req = GenerationRequest(messages=({"role": "user", "content": PROMPT},),
-                            sampling=SamplingParams(temperature=0.0, max_tokens=tokens))  # fmt: skip
+    req = GenerationRequest(
+        messages=({"role": "user", "content": PROMPT},),
+        sampling=SamplingParams(temperature=0.0, max_tokens=tokens),
+    )
     stamps: list[float] = []
     done = None
     for ev in backend.stream(req, threading.Event()):
@@ -51,8 +53,12 @@ def run_adapter(backend: LlamaServerBackend, tokens: int) -> dict[str, Any]:
 
 
 def run_raw(url: str, tokens: int) -> dict[str, Any]:
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 0.0,
-            "stream": True}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
     stamps: list[float] = []
     timings: dict[str, Any] = {}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
@@ -63,8 +69,11 @@ def run_raw(url: str, tokens: int) -> dict[str, Any]:
             timings = chunk.get("timings", timings)
             if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
                 stamps.append(time.perf_counter())
-    return {"client_tps": rate(stamps), "server_tps": float(timings.get("predicted_per_second", 0)),
-            "pieces": len(stamps)}  # fmt: skip
+    return {
+        "client_tps": rate(stamps),
+        "server_tps": float(timings.get("predicted_per_second", 0)),
+        "pieces": len(stamps),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,16 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "decode_ratio": round(med(adapter, "client_tps") / med(raw, "client_tps"), 4),
         "paired_decode_ratio": round(statistics.median(pairs), 4),
-        "adapter_client_vs_server": round(statistics.median(a["client_tps"] / a["server_tps"] for a in adapter), 4),
+        "adapter_client_vs_server": round(
+            statistics.median(a["client_tps"] / a["server_tps"] for a in adapter), 4
+        ),
         "raw_client_vs_server": round(statistics.median(r["client_tps"] / r["server_tps"] for r in raw), 4),
         "adapter_decode_tps": med(adapter, "client_tps"),
         "raw_decode_tps": med(raw, "client_tps"),
         "server_decode_tps_adapter_runs": med(adapter, "server_tps"),
         "server_decode_tps_raw_runs": med(raw, "server_tps"),
-        "tokens": args.tokens, "reps": args.reps, "threads": args.threads or "server default",
-        "model": model.name, "cpus": os.cpu_count(),
-        "load_avg_1m": round(os.getloadavg()[0], 2), "runs": {"adapter": adapter, "raw": raw},
-    }  # fmt: skip
+        "tokens": args.tokens,
+        "reps": args.reps,
+        "threads": args.threads or "server default",
+        "model": model.name,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "runs": {"adapter": adapter, "raw": raw},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))

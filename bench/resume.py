@@ -92,9 +92,13 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8000])
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "resume.json")
-    ap.add_argument("--shape-only", type=int, metavar="TOKENS",
-                    help="only file sizes and resume time, on a cache of TOKENS random tokens' KV of the "
-                         "model's shape (when prefilling that many tokens would take too long); merged into --out")  # fmt: skip
+    ap.add_argument(
+        "--shape-only",
+        type=int,
+        metavar="TOKENS",
+        help="only file sizes and resume time, on a cache of TOKENS random tokens' KV of the "
+        "model's shape (when prefilling that many tokens would take too long); merged into --out",
+    )
     args = ap.parse_args()
     if args.shape_only:
         shape_only(args.shape_only, args.out)
@@ -213,9 +217,13 @@ def shape_only(n: int, out: Path) -> None:
         sc = store.save(live, "bench", f"shape {n} at {bits}", kv_bits=bits)
         save_s = time.perf_counter() - t
         res = store.resume(restarted, "bench", sc.id)
-        row["precisions"][str(sc.kv_bits)] = {"requested": bits or "native", "file_bytes": sc.size_bytes,
-                                              "file_mb": round(sc.size_bytes / 1e6, 1), "save_s": round(save_s, 3),
-                                              "resume_s": round(res.seconds, 3)}  # fmt: skip
+        row["precisions"][str(sc.kv_bits)] = {
+            "requested": bits or "native",
+            "file_bytes": sc.size_bytes,
+            "file_mb": round(sc.size_bytes / 1e6, 1),
+            "save_s": round(save_s, 3),
+            "resume_s": round(res.seconds, 3),
+        }
         store.delete("bench", sc.id)
     result = json.loads(out.read_text()) if out.exists() else {}
     result.setdefault("sizes", {})[str(n)] = row

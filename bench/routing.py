@@ -34,8 +34,14 @@ def evaluate(backend, rows: list[dict[str, str]], system: str | None = None) -> 
     t0 = time.perf_counter()
     for row in rows:
         d = route_step(backend, row["prompt"], system=system or ROUTING_SYSTEM)
-        preds.append({"prompt": row["prompt"], "expected": row["route"], "route": d.route,
-                      "scores": {k: round(v, 3) for k, v in d.scores.items()}})  # fmt: skip
+        preds.append(
+            {
+                "prompt": row["prompt"],
+                "expected": row["route"],
+                "route": d.route,
+                "scores": {k: round(v, 3) for k, v in d.scores.items()},
+            }
+        )
     elapsed = time.perf_counter() - t0
     correct = sum(p["route"] == p["expected"] for p in preds)
     confusion = Counter((p["expected"], p["route"]) for p in preds)
@@ -80,14 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         name = backend.model.name if backend.model else None
         backend.close()
-    result = {"model": name, "backend": args.backend, "machine": f"{platform.system()} {platform.machine()}",
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "system_prompt": "custom: " + args.system if args.system else "router.ROUTING_SYSTEM", **result}  # fmt: skip
+    result = {
+        "model": name,
+        "backend": args.backend,
+        "machine": f"{platform.system()} {platform.machine()}",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "system_prompt": "custom: " + args.system if args.system else "router.ROUTING_SYSTEM",
+        **result,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{name} on {args.backend}: routing accuracy {result['accuracy']:.1%} ({result['correct']}/{result['n']}), "
-          f"majority baseline {result['majority_baseline']:.1%}, recall {result['recall']}, "
-          f"{result['mean_route_ms']} ms/route")  # fmt: skip
+    print(
+        f"{name} on {args.backend}: routing accuracy {result['accuracy']:.1%} ({result['correct']}/{result['n']}), "
+        f"majority baseline {result['majority_baseline']:.1%}, recall {result['recall']}, "
+        f"{result['mean_route_ms']} ms/route"
+    )
     return 0
 
 

@@ -48,8 +48,12 @@ async def measure(runs: int) -> dict[str, list[dict[str, float]]]:
             await one(command, project, False)
             rows = []
             for _ in range(runs):
-                rows.append({"sandboxed_ms": await one(command, project, True),
-                             "plain_ms": await one(command, project, False)})  # fmt: skip
+                rows.append(
+                    {
+                        "sandboxed_ms": await one(command, project, True),
+                        "plain_ms": await one(command, project, False),
+                    }
+                )
             raw[command] = rows
         return raw
 

@@ -1,145 +1,188 @@
 """Websocket delivery benchmark: what a browser tab sees vs what the engine itself measured.
 
-Starts `flashcode serve --backend mlx` with the default model (a fresh data directory sharing the
-installed models), connects as a browser would (Origin header, same JSON messages as htmx sends),
-and for each run compares, within the same generation:
+For each backend (llama-server and MLX by default) it starts the real `flashcode serve` with the
+default model (a fresh data directory sharing the installed models), connects as a browser would
+(Origin header, the JSON messages htmx sends) and measures two kinds of turn, both streamed
+through the web app's one reply pipeline (`webapp/chat/pipeline.py`):
+
+  chat   a plain message: the chat's own generation
+  agent  the same message in agent mode (`/agent`): routed by the model, answered by the agent
+         (the route must come out `chat`, so the answer is generated; else the run is refused)
+
+Within the same generation it compares:
 
   delivery_ratio = client tok/s / engine decode tok/s
       client tok/s = tokens / (arrival of the last token frame - arrival of the first), which is
       how mlx-lm computes the engine's generation_tps
-  ttft_added_ms  = client TTFT (send -> first token frame) - engine TTFT (the backend's ttft_s)
+  ttft_added_ms  = client TTFT - engine TTFT (the backend's ttft_s for that reply)
+      client TTFT: chat, message sent -> first token frame; agent, the route's frame (sent just
+      before the answer is requested from the engine) -> first token frame
 
-Goals (issue 3): delivery_ratio >= 0.98 and ttft_added_ms <= 20. Medians over the runs are
-written to bench/results/websocket.json.
+Goals: delivery_ratio >= 0.98 and ttft_added_ms <= 20 (medians). The script writes
+bench/results/websocket.json itself: provenance (command, commit, machine), every raw run, and
+the medians per backend and turn kind.
 
-    .venv/bin/python bench/websocket.py [--runs 3] [--max-tokens 64]
+    .venv/bin/python bench/websocket.py [--backend llama --backend mlx] [--runs 5] [--max-tokens 64]
+    flashcode bench websocket [same options]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
-from websockets.sync.client import connect
+from websockets.sync.client import ClientConnection, connect
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = "List the planets of the solar system, one per line, with one fact about each."
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import provenance  # noqa: E402
+from engine import paths  # noqa: E402
+from tests.servers import serve_cli  # noqa: E402
+
+PROMPT = "Tell me a story about a robot who learns to paint."  # routed to chat by the default model
+GOAL = {"delivery_ratio": ">= 0.98", "ttft_added_ms": "<= 20"}
+TOKEN_FRAME = re.compile(r'id="msg-\d+-body" hx-swap-oob="beforeend">')
+IDLE = 'id="status" class="controls" data-state="idle"'
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def frames_until(ws: ClientConnection, pattern: str) -> list[tuple[float, str]]:
+    out = []
+    while True:
+        frame = str(ws.recv(timeout=600))
+        out.append((time.perf_counter(), frame))
+        if pattern in frame:
+            return out
 
 
-def start_server(home: Path, port: int) -> subprocess.Popen:
-    from engine import paths
-
-    models = paths.home()
-    (home / "models").symlink_to(paths.models_dir(models), target_is_directory=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "webapp.cli",
-        "serve",
-        "--backend",
-        "mlx",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ | {"FLASHCODE_HOME": str(home)})
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"flashcode serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json().get("model"):
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise TimeoutError("flashcode serve did not start in 180 s")
+def send(ws: ClientConnection, **message: Any) -> float:
+    ws.send(json.dumps({"type": "send", **message}))
+    return time.perf_counter()
 
 
-def one_run(port: int, max_tokens: int) -> dict[str, float]:
-    url = f"http://127.0.0.1:{port}"
-    with connect(f"ws://127.0.0.1:{port}/ws", origin=url, max_size=None) as ws:
-        t_send = time.perf_counter()
-        ws.send(json.dumps({"type": "send", "text": PROMPT, "temperature": 0, "max_tokens": max_tokens}))
-        first = last = None
-        cid = None
-        while True:
-            frame = ws.recv()
-            now = time.perf_counter()
-            if m := re.search(r'id="conversation-id" value="([0-9a-f]+)"', frame):
-                cid = m.group(1)
-            if '-body" hx-swap-oob="beforeend">' in frame:
-                first = first or now
-                last = now
-            if 'data-state="idle"' in frame:
-                break
-    stats = httpx.get(f"{url}/c/{cid}/export.json").json()["messages"][-1]["stats"]
+def conversation_id(frames: list[tuple[float, str]]) -> str | None:
+    for _, frame in frames:
+        if m := re.search(r'id="conversation-id" value="([0-9a-f]+)"', frame):
+            return m.group(1)
+    return None
+
+
+def measure(base: str, cid: str, frames: list[tuple[float, str]], start: float) -> dict[str, float]:
+    """The numbers of the reply whose frames are `frames`, the client's clock starting at `start`."""
+    tokens = [t for t, f in frames if TOKEN_FRAME.search(f)]
+    stats = httpx.get(f"{base}/c/{cid}/export.json", timeout=30).json()["messages"][-1]["stats"]
+    first, last = (tokens[0], tokens[-1]) if tokens else (0.0, 0.0)
     n = stats["completion_tokens"]
-    # mlx-lm's generation_tps counts every token over the time since the first one: do the same
-    client_tps = n / (last - first) if last and first and last > first else 0.0
+    client_tps = n / (last - first) if last > first else 0.0
+    engine_ttft = stats["ttft_s"]
     return {
         "tokens": n,
+        "token_frames": len(tokens),
         "engine_decode_tps": stats["decode_tps"],
         "client_tps": client_tps,
         "delivery_ratio": client_tps / stats["decode_tps"] if stats["decode_tps"] else 0.0,
-        "engine_ttft_ms": stats["ttft_s"] * 1000,
-        "client_ttft_ms": (first - t_send) * 1000 if first else 0.0,
-        "ttft_added_ms": ((first - t_send) - stats["ttft_s"]) * 1000 if first else 0.0,
-        # of which on the server (message in -> first token frame handed to the socket)
-        "server_added_ms": (stats.get("server_ttft_s", 0.0) - stats["ttft_s"]) * 1000,
+        "engine_ttft_ms": engine_ttft * 1000,
+        "client_ttft_ms": (first - start) * 1000 if tokens else 0.0,
+        "ttft_added_ms": ((first - start) - engine_ttft) * 1000 if tokens else 0.0,
+        # message in -> first token frame handed to the socket, on the server (agent: routing included)
+        "server_ttft_ms": stats.get("server_ttft_s", 0.0) * 1000,
     }
+
+
+def chat_run(base: str, max_tokens: int) -> dict[str, float]:
+    with connect(base.replace("http", "ws") + "/ws", origin=base, max_size=None) as ws:
+        start = send(ws, text=PROMPT, temperature=0, max_tokens=max_tokens)
+        frames = frames_until(ws, IDLE)
+    cid = conversation_id(frames)
+    assert cid, "the first reply names its conversation"
+    return measure(base, cid, frames, start)
+
+
+def agent_run(base: str, max_tokens: int) -> dict[str, float]:
+    with connect(base.replace("http", "ws") + "/ws", origin=base, max_size=None) as ws:
+        send(ws, text="/agent")
+        cid = conversation_id(frames_until(ws, IDLE))
+        assert cid, "/agent starts a conversation"
+        send(ws, text=PROMPT, conversation_id=cid, temperature=0, max_tokens=max_tokens)
+        frames = frames_until(ws, IDLE)
+    routed = [(t, f) for t, f in frames if 'class="agent-route' in f]
+    assert routed, "an agent-mode message shows its route"
+    route = re.search(r'data-route="(\w+)"', routed[0][1]).group(1)  # type: ignore[union-attr]
+    if route != "chat":
+        raise RuntimeError(f"the model routed the prompt to {route!r}: pick a PROMPT it routes to chat")
+    after = [(t, f) for t, f in frames if t >= routed[0][0]]
+    return measure(base, cid, after, routed[0][0])
+
+
+def bench_backend(backend: str, kinds: list[str], runs: int, max_tokens: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="flashcode-bench-ws-") as tmp:
+        home = Path(tmp)
+        (home / "models").symlink_to(paths.models_dir(paths.home()), target_is_directory=True)
+        (home / "gguf").symlink_to(paths.home() / "gguf", target_is_directory=True)
+        with serve_cli(home, backend=backend) as served:
+            base = served.base
+            chat_run(base, 4)  # warm-up: first-call compilation and caches are not what we measure
+            if "agent" in kinds:
+                agent_run(base, 4)
+            out: dict[str, Any] = {}
+            for kind in kinds:
+                run = chat_run if kind == "chat" else agent_run
+                raw = [run(base, max_tokens) for _ in range(runs)]
+                for r in raw:
+                    print(
+                        f"  {backend:5} {kind:5} " + "  ".join(f"{k}={v:.2f}" for k, v in r.items()),
+                        flush=True,
+                    )
+                out[kind] = {
+                    "delivery_ratio": round(statistics.median(r["delivery_ratio"] for r in raw), 4),
+                    "ttft_added_ms": round(statistics.median(r["ttft_added_ms"] for r in raw), 2),
+                    "engine_decode_tps": round(statistics.median(r["engine_decode_tps"] for r in raw), 2),
+                    "runs": raw,
+                }
+            return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--backend",
+        action="append",
+        choices=["llama", "mlx", "flash"],
+        help="repeatable; default: llama and mlx",
+    )
+    ap.add_argument("--kind", action="append", choices=["chat", "agent"], help="repeatable; default: both")
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "websocket.json"))
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="flashcode-bench-ws-") as tmp:
-        proc = start_server(Path(tmp), port)
-        try:
-            one_run(port, 4)  # warm-up: first-call compilation is not what we measure
-            runs = [one_run(port, args.max_tokens) for _ in range(args.runs)]
-        finally:
-            proc.terminate()
-            proc.wait(15)
-    for r in runs:
-        print("  ".join(f"{k}={v:.2f}" for k, v in r.items()))
-    result = {
-        "delivery_ratio": round(statistics.median(r["delivery_ratio"] for r in runs), 4),
-        "ttft_added_ms": round(statistics.median(r["ttft_added_ms"] for r in runs), 2),
-        "goal": {"delivery_ratio": ">= 0.98", "ttft_added_ms": "<= 20"},
-        "backend": "mlx",
+    backends, kinds = args.backend or ["llama", "mlx"], args.kind or ["chat", "agent"]
+    result: dict[str, Any] = {
+        **provenance(),
+        "goal": GOAL,
         "model": "default",
+        "prompt": PROMPT,
         "max_tokens": args.max_tokens,
-        "runs": runs,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "note": "same-generation comparison: engine numbers come from the reply's own stats",
+        "backends": {},
     }
+    for backend in backends:
+        result["backends"][backend] = bench_backend(backend, kinds, args.runs, args.max_tokens)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("delivery_ratio", "ttft_added_ms")}))
+    summary = {
+        f"{b}/{k}": {m: v[m] for m in ("delivery_ratio", "ttft_added_ms", "engine_decode_tps")}
+        for b, kinds_ in result["backends"].items()
+        for k, v in kinds_.items()
+    }
+    print(json.dumps(summary, indent=1))
     return 0
 
 

@@ -181,4 +181,6 @@ class PromptCacheBackend(Protocol):
 class ScoringBackend(Protocol):
     """Capability: log-probabilities of candidate continuations (used by the agent's router)."""
 
-    def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]: ...
+    def score_continuations(
+        self, prompt_tokens: list[int], continuations: list[list[int]]
+    ) -> list[float]: ...

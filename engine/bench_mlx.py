@@ -122,15 +122,26 @@ def run_mlx_lm(backend: MLXBackend, prompt_ids: list[int], tokens: int) -> dict[
     from mlx_lm.sample_utils import make_sampler
 
     load, t0, ttft, last, ids = _load1(), time.perf_counter(), 0.0, None, []
-    for resp in stream_generate(backend.model_obj, backend.tokenizer, mx.array(prompt_ids), max_tokens=tokens,
-                                sampler=make_sampler(0.0)):  # fmt: skip
+    for resp in stream_generate(
+        backend.model_obj,
+        backend.tokenizer,
+        mx.array(prompt_ids),
+        max_tokens=tokens,
+        sampler=make_sampler(0.0),
+    ):
         if not ttft:
             ttft = time.perf_counter() - t0
         last = resp
         ids.append(int(resp.token))
     assert last is not None
-    return {"prefill_tps": last.prompt_tps, "decode_tps": last.generation_tps, "ttft_s": ttft,
-            "tokens": last.generation_tokens, "token_ids": ids, "load1": load}  # fmt: skip
+    return {
+        "prefill_tps": last.prompt_tps,
+        "decode_tps": last.generation_tps,
+        "ttft_s": ttft,
+        "tokens": last.generation_tokens,
+        "token_ids": ids,
+        "load1": load,
+    }
 
 
 def run_backend(backend: MLXBackend, tokens: int) -> dict[str, Any]:
@@ -144,29 +155,55 @@ def run_backend(backend: MLXBackend, tokens: int) -> dict[str, Any]:
             done = ev
     assert done is not None and done.error is None, done
     s = done.stats
-    return {"prefill_tps": s.prompt_tps, "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
-            "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens, "token_ids": ids, "load1": load}  # fmt: skip
+    return {
+        "prefill_tps": s.prompt_tps,
+        "decode_tps": s.decode_tps,
+        "ttft_s": s.ttft_s,
+        "tokens": s.completion_tokens,
+        "prompt_tokens": s.prompt_tokens,
+        "token_ids": ids,
+        "load1": load,
+    }
 
 
 def run_llama(server: Any, prompt_ids: list[int], tokens: int) -> dict[str, Any]:
     """One greedy /completion on the prompt's token ids, nothing reused from the slot's cache."""
-    body = {"prompt": prompt_ids, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
-            "return_tokens": True}  # fmt: skip
+    body = {
+        "prompt": prompt_ids,
+        "n_predict": tokens,
+        "temperature": 0.0,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
     load, t0 = _load1(), time.perf_counter()
     out = server.client.completion(body)
     wall = time.perf_counter() - t0
     t = out["timings"]
     assert t["prompt_n"] == len(prompt_ids), f"llama-server reused {len(prompt_ids) - t['prompt_n']} tokens"
-    return {"prefill_tps": t["prompt_per_second"], "decode_tps": t["predicted_per_second"],
-            "ttft_s": t["prompt_ms"] / 1000, "wall_s": wall, "tokens": t["predicted_n"],
-            "token_ids": [int(i) for i in out.get("tokens", [])], "load1": load}  # fmt: skip
+    return {
+        "prefill_tps": t["prompt_per_second"],
+        "decode_tps": t["predicted_per_second"],
+        "ttft_s": t["prompt_ms"] / 1000,
+        "wall_s": wall,
+        "tokens": t["predicted_n"],
+        "token_ids": [int(i) for i in out.get("tokens", [])],
+        "load1": load,
+    }
 
 
 def run_reference(model_name: str, tokens: int, timeout: float = 900) -> dict[str, Any]:
     """The backend with FLASHCODE_CPU_FAST=0 in a fresh process (the BLAS is chosen at import)."""
     env = {**os.environ, "FLASHCODE_CPU_FAST": "0"}
-    cmd = [sys.executable, "-m", "engine.bench_mlx", "--reference-child", "--model", model_name,
-           "--tokens", str(tokens)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.bench_mlx",
+        "--reference-child",
+        "--model",
+        model_name,
+        "--tokens",
+        str(tokens),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"reference child failed: {proc.stderr[-2000:]}")
@@ -223,7 +260,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         out["prefill_ratio_vs_llama_by_threads"] = ratios
         out["llama_threads_compared"] = fastest
         out["decode_ratio_vs_llama"] = _median(ours, "decode_tps") / _median(llama, "decode_tps")
-        out["paired_prefill_ratios_vs_llama"] = [o["prefill_tps"] / w["prefill_tps"] for o, w in zip(ours, llama, strict=True)]  # fmt: skip
+        out["paired_prefill_ratios_vs_llama"] = [
+            o["prefill_tps"] / w["prefill_tps"] for o, w in zip(ours, llama, strict=True)
+        ]
         out["tokens_agreeing_with_llama"] = _common_prefix(ours[0]["token_ids"], llama[0]["token_ids"])
     if result.get("reference"):
         ref = result["reference"]["runs"]
@@ -233,8 +272,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_mlx_bench(model: Any, tokens: int = 64, repeats: int = 3, llama_threads: tuple[int | None, ...] = (1, None),
-                  reference_runs: int = 1) -> dict[str, Any]:  # fmt: skip
+def run_mlx_bench(
+    model: Any,
+    tokens: int = 64,
+    repeats: int = 3,
+    llama_threads: tuple[int | None, ...] = (1, None),
+    reference_runs: int = 1,
+) -> dict[str, Any]:
     """`llama_threads`: a llama-server per setting (None: the server's default, all cores); () for none."""
     import mlx.core as mx
 
@@ -275,7 +319,7 @@ def run_mlx_bench(model: Any, tokens: int = 64, repeats: int = 3, llama_threads:
             "threads": status.threads,
             "reason": status.reason,
             "dequant_min_rows": min_rows(),
-        },  # fmt: skip
+        },
         "prompt_tokens": len(prompt_ids),
         "tokens": tokens,
         "repeats": repeats,

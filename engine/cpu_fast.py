@@ -138,8 +138,12 @@ def build_shim(cache_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         src, obj = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
         src.write_text(SHIM_SOURCE)
-        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(src)],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(src)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode != 0:
             raise OSError(f"{cc} could not build the BLAS shim: {proc.stderr.strip()[:400]}")
         os.replace(obj, out)  # atomic: a concurrent builder writes the same bytes
@@ -231,8 +235,16 @@ def plain_path() -> Iterator[None]:
         _Switch.on = before
 
 
-def quantized_matmul(x: Any, w: Any, scales: Any, biases: Any | None, group_size: int, bits: int,
-                     mode: str = "affine", rows: int | None = None) -> Any:  # fmt: skip
+def quantized_matmul(
+    x: Any,
+    w: Any,
+    scales: Any,
+    biases: Any | None,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+    rows: int | None = None,
+) -> Any:
     """`mx.quantized_matmul(x, w, ..., transpose=True)`, through a dequantized float matmul when `x` has
     at least `rows` (default `min_rows()`) rows. Same values up to float32 summation order."""
     import mlx.core as mx
@@ -241,15 +253,17 @@ def quantized_matmul(x: Any, w: Any, scales: Any, biases: Any | None, group_size
     for d in x.shape[:-1]:
         n *= d
     if not _Switch.on or mode != "affine" or n < (rows or min_rows()):
-        return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
-                                   bits=bits, mode=mode)  # fmt: skip
+        return mx.quantized_matmul(
+            x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+        )
     dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=x.dtype)
     return mx.matmul(x, dense.T)
 
 
 def _rows_call(self: Any, x: Any) -> Any:
-    y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                         self.mode)  # fmt: skip
+    y = quantized_matmul(
+        x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode
+    )
     if "bias" in self:
         y = y + self["bias"]
     return y
@@ -281,6 +295,9 @@ def _rows_class() -> type:
     import mlx.nn as nn
 
     if not _ROWS_CLASS:
-        _ROWS_CLASS.append(type("RowsQuantizedLinear", (nn.QuantizedLinear,), {"__call__": _rows_call,
-                                                                               "__module__": __name__}))  # fmt: skip
+        _ROWS_CLASS.append(
+            type(
+                "RowsQuantizedLinear", (nn.QuantizedLinear,), {"__call__": _rows_call, "__module__": __name__}
+            )
+        )
     return _ROWS_CLASS[0]

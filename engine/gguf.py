@@ -54,9 +54,17 @@ _MLX_NATIVE_QUANT = {"Q4_0", "Q4_1", "Q8_0"}
 _MLX_NATIVE_PLAIN = {"F32", "F16", "BF16"}
 # ggml types the `gguf` package can dequantize, and the bits we requantize them to
 _REQUANT_BITS = {
-    "Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8, "Q8_K": 8,
-    "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 4, "IQ4_XS": 4,
-}  # fmt: skip
+    "Q2_K": 4,
+    "Q3_K": 4,
+    "Q4_K": 4,
+    "Q5_K": 8,
+    "Q6_K": 8,
+    "Q8_K": 8,
+    "Q5_0": 8,
+    "Q5_1": 8,
+    "IQ4_NL": 4,
+    "IQ4_XS": 4,
+}
 SUPPORTED_TENSOR_TYPES = sorted(_MLX_NATIVE_QUANT | _MLX_NATIVE_PLAIN | set(_REQUANT_BITS))
 
 
@@ -86,7 +94,7 @@ def _common(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, 
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "head_dim": head_dim,
-        "rms_norm_eps": float(f'{float(g("attention.layer_norm_rms_epsilon", 1e-6)):.6g}'),
+        "rms_norm_eps": float(f"{float(g('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),
         "vocab_size": vocab,
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 4096)),
@@ -128,7 +136,11 @@ def _qwen3_moe(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[st
 def _gemma2(md: dict[str, Any], arch: str, shapes: dict[str, Any]) -> dict[str, Any]:
     cfg = _common(md, arch, shapes)
     # llama.cpp scales queries by 1/sqrt(hidden/heads) for the 46-layer (27B) model, else 1/sqrt(head_dim)
-    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else cfg["head_dim"]
+    scalar = (
+        cfg["hidden_size"] // cfg["num_attention_heads"]
+        if cfg["num_hidden_layers"] == 46
+        else cfg["head_dim"]
+    )
     cfg.update(
         attn_logit_softcapping=float(md.get(f"{arch}.attn_logit_softcapping", 50.0)),
         final_logit_softcapping=float(md.get(f"{arch}.final_logit_softcapping", 30.0)),
@@ -209,7 +221,13 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if suffix not in ("weight", "bias", "scales", "biases"):
         base, suffix = gguf_name, ""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    table = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    table = (
+        _GEMMA_LAYER_NAMES
+        if arch.startswith("gemma")
+        else _PHI3_LAYER_NAMES
+        if arch == "phi3"
+        else _LAYER_NAMES
+    )
     if m:
         mapped = table.get(m.group(2))
         out = f"model.layers.{m.group(1)}.{mapped}" if mapped else None
@@ -255,7 +273,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
     try:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # the gguf package raises ValueError/struct.error/IndexError on damage
-        raise GGUFImportError(f"{path} is damaged or truncated ({type(exc).__name__}: {exc}): download it again") from exc
+        raise GGUFImportError(
+            f"{path} is damaged or truncated ({type(exc).__name__}: {exc}): download it again"
+        ) from exc
     size = path.stat().st_size
     tensors = {}
     for t in reader.tensors:
@@ -330,8 +350,12 @@ def build_tokenizer(gf: GGUFFile, out_dir: Path) -> None:
         )
     tokens = tdict["tokens"]
     special = {}
-    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unk_token_id"), ("pad_token", "pad_token_id")):  # fmt: skip
+    for attr, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unk_token_id"),
+        ("pad_token", "pad_token_id"),
+    ):
         idx = tdict.get(key)
         if idx is not None and 0 <= int(idx) < len(tokens):
             special[attr] = tokens[int(idx)]
@@ -553,8 +577,9 @@ def import_gguf(
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.importing-", dir=models_root))
     tmp.chmod(0o755)
     try:
-        with tqdm(total=len(gf.tensors), desc=f"importing {path.name}", unit="tensor",
-                  disable=not show_progress) as bar:  # fmt: skip
+        with tqdm(
+            total=len(gf.tensors), desc=f"importing {path.name}", unit="tensor", disable=not show_progress
+        ) as bar:
             weights, quant = convert_weights(gf, spec, config, bar.update)
         qcfg = _quant_config(quant)
         if qcfg:

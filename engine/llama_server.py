@@ -126,10 +126,16 @@ class ServerOptions:
     def to_args(self, host: str, port: int) -> list[str]:
         a = ["-m", str(self.model_path), "--host", host, "--port", str(port), "-np", str(self.parallel)]
         flags: list[tuple[str, Any]] = [
-            ("-c", self.ctx_size), ("-fa", self.flash_attn), ("-ctk", self.cache_type_k),
-            ("-ctv", self.cache_type_v), ("-ngl", self.n_gpu_layers), ("--n-cpu-moe", self.n_cpu_moe),
-            ("-t", self.threads), ("-b", self.batch_size), ("--slot-save-path", self.slot_save_path),
-        ]  # fmt: skip
+            ("-c", self.ctx_size),
+            ("-fa", self.flash_attn),
+            ("-ctk", self.cache_type_k),
+            ("-ctv", self.cache_type_v),
+            ("-ngl", self.n_gpu_layers),
+            ("--n-cpu-moe", self.n_cpu_moe),
+            ("-t", self.threads),
+            ("-b", self.batch_size),
+            ("--slot-save-path", self.slot_save_path),
+        ]
         for flag, value in flags:
             if value is not None:
                 a += [flag, str(value)]
@@ -227,9 +233,13 @@ class LlamaServerProcess:
             logf.write((" ".join(argv) + "\n").encode())
             logf.flush()
             self.proc = _Spawner.popen(
-                argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=_set_pdeathsig if sys.platform == "linux" else None,
-            )  # fmt: skip
+            )
         _LIVE.add(self)
 
     def wait_healthy(self, timeout: float) -> None:
@@ -330,8 +340,11 @@ class LlamaClient:
         self.url = url.rstrip("/")
         # no keep-alive: llama-server may close an idle connection just as the next request reuses it
         # ("Server disconnected without sending a response"); a fresh localhost connection costs ~0.1 ms
-        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0),
-                                 limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
+        self.http = httpx.Client(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -458,9 +471,17 @@ class LlamaServerBackend:
         self.attach_url = url.rstrip("/") if url else None
         self.binary = binary
         self._context_override = context_length
-        self.settings = dict(parallel=parallel, flash_attn=flash_attn, cache_type_k=cache_type_k,
-                             cache_type_v=cache_type_v, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                             threads=threads, batch_size=batch_size, extra_args=tuple(extra_args))  # fmt: skip
+        self.settings = dict(
+            parallel=parallel,
+            flash_attn=flash_attn,
+            cache_type_k=cache_type_k,
+            cache_type_v=cache_type_v,
+            n_gpu_layers=n_gpu_layers,
+            n_cpu_moe=n_cpu_moe,
+            threads=threads,
+            batch_size=batch_size,
+            extra_args=tuple(extra_args),
+        )
         if threads is None and os.environ.get("FLASHCODE_LLAMA_THREADS"):
             threads = int(os.environ["FLASHCODE_LLAMA_THREADS"])  # the CLI has no flag for it (yet)
             self.settings["threads"] = threads
@@ -518,8 +539,12 @@ class LlamaServerBackend:
         slot_dir = self.slot_save_path or (paths.home() / "llama-slots")
         slot_dir.mkdir(parents=True, exist_ok=True)
         self.slot_save_path = slot_dir
-        opts = ServerOptions(model_path=Path(self._model_info.gguf_path), ctx_size=self._context_override,
-                             slot_save_path=slot_dir, **self.settings)  # type: ignore[arg-type]  # fmt: skip
+        opts = ServerOptions(
+            model_path=Path(self._model_info.gguf_path),
+            ctx_size=self._context_override,
+            slot_save_path=slot_dir,
+            **self.settings,
+        )  # type: ignore[arg-type]
         opts.validate()
         self.process = LlamaServerProcess(find_llama_server(self.binary), opts)
         self.process.start(self.startup_timeout)
@@ -569,16 +594,24 @@ class LlamaServerBackend:
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
         sp = request.sampling
         body: dict[str, Any] = {
-            "stream": True, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0, "min_p": 0.0,
-            "cache_prompt": True, "id_slot": 0 if self.settings["parallel"] == 1 else -1,
-        }  # fmt: skip
+            "stream": True,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "cache_prompt": True,
+            "id_slot": 0 if self.settings["parallel"] == 1 else -1,
+        }
         if sp.seed is not None:
             body["seed"] = sp.seed
         if sp.stop:
             body["stop"] = list(sp.stop)
         if request.messages is not None:
-            body.update(messages=list(request.messages), max_tokens=sp.max_tokens,
-                        stream_options={"include_usage": True})  # fmt: skip
+            body.update(
+                messages=list(request.messages),
+                max_tokens=sp.max_tokens,
+                stream_options={"include_usage": True},
+            )
             return "/v1/chat/completions", body
         body.update(prompt=request.prompt, n_predict=sp.max_tokens, return_tokens=True)
         return "/completion", body
@@ -692,12 +725,18 @@ class LlamaServerBackend:
 
         stats.peak_rss_bytes = own_peak()
         if self._expect_cached and t:
-            self.last_restore_check = {"restored_tokens": self._expect_cached, "cache_n": stats.cached_tokens,
-                                       "reused": stats.cached_tokens > 0}  # fmt: skip
+            self.last_restore_check = {
+                "restored_tokens": self._expect_cached,
+                "cache_n": stats.cached_tokens,
+                "reused": stats.cached_tokens > 0,
+            }
             stats.extra["restore_reused"] = stats.cached_tokens > 0
             if not stats.cached_tokens:
-                log.warning("llama-server restored %d tokens but the reply reused none (cache_n=0): this model "
-                            "type does not reuse restored slots; the context was recomputed", self._expect_cached)  # fmt: skip
+                log.warning(
+                    "llama-server restored %d tokens but the reply reused none (cache_n=0): this model "
+                    "type does not reuse restored slots; the context was recomputed",
+                    self._expect_cached,
+                )
             self._expect_cached = 0
 
     # ------------------------------------------------------------------ saved contexts
@@ -712,8 +751,12 @@ class LlamaServerBackend:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(slot_dir / name), path)
-        meta = {**metadata, "token_count": str(res["n_saved"]), "backend": "llama",
-                "model": self._model_info.name if self._model_info else ""}  # fmt: skip
+        meta = {
+            **metadata,
+            "token_count": str(res["n_saved"]),
+            "backend": "llama",
+            "model": self._model_info.name if self._model_info else "",
+        }
         Path(str(path) + ".json").write_text(json.dumps(meta))
         return {"n_saved": int(res["n_saved"]), "bytes": int(res.get("n_written", 0)), "metadata": meta}
 
@@ -726,8 +769,9 @@ class LlamaServerBackend:
         meta_path = Path(str(path) + ".json")
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         if meta.get("model") and self._model_info and meta["model"] != self._model_info.name:
-            raise CacheMismatchError(f"saved context {path.name} belongs to model {meta['model']}, "
-                                     f"not {self._model_info.name}")  # fmt: skip
+            raise CacheMismatchError(
+                f"saved context {path.name} belongs to model {meta['model']}, not {self._model_info.name}"
+            )
         name = f"flashcode-restore-{os.getpid()}.bin"
         shutil.copyfile(path, slot_dir / name)
         try:
@@ -744,8 +788,10 @@ class LlamaServerBackend:
     def _slot_dir(self) -> tuple[LlamaClient, Path]:
         client = self._require()
         if self.slot_save_path is None:
-            raise EngineError("saved contexts need the llama-server's --slot-save-path: pass slot_save_path= "
-                              "(the directory the attached server uses)")  # fmt: skip
+            raise EngineError(
+                "saved contexts need the llama-server's --slot-save-path: pass slot_save_path= "
+                "(the directory the attached server uses)"
+            )
         return client, self.slot_save_path
 
     # ------------------------------------------------------------------ scoring
@@ -758,8 +804,16 @@ class LlamaServerBackend:
         def dist(prefix: list[int]) -> dict[int, float]:
             key = tuple(prefix)
             if key not in memo:
-                res = client.completion({"prompt": prefix, "n_predict": 1, "n_probs": 100, "temperature": 0.0,
-                                         "cache_prompt": True, "post_sampling_probs": False})  # fmt: skip
+                res = client.completion(
+                    {
+                        "prompt": prefix,
+                        "n_predict": 1,
+                        "n_probs": 100,
+                        "temperature": 0.0,
+                        "cache_prompt": True,
+                        "post_sampling_probs": False,
+                    }
+                )
                 top = res["completion_probabilities"][0]["top_logprobs"]
                 memo[key] = {int(p["id"]): float(p["logprob"]) for p in top}
             return memo[key]

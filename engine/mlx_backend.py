@@ -90,7 +90,9 @@ class PromptCacheState:
         common = min(common, len(prompt) - 1)
         if self.cache is not None and common > 0:
             excess = len(self.tokens) - common
-            if excess == 0 or (can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, excess) == excess):
+            if excess == 0 or (
+                can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, excess) == excess
+            ):
                 self.tokens = self.tokens[:common]
                 return self.cache, common
         self.cache = make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -144,8 +146,10 @@ def snapshot_cache(cache: list[Any], kv_bits: int | None, group_size: int = 64) 
             k, v = c.keys[..., :off, :], c.values[..., :off, :]
         else:
             if kv_bits is not None:
-                raise EngineError(f"this model's {type(c).__name__} layers can be saved only as they are: "
-                                  "save without KV quantization")  # fmt: skip
+                raise EngineError(
+                    f"this model's {type(c).__name__} layers can be saved only as they are: "
+                    "save without KV quantization"
+                )
             out.append(c)
             continue
         if kv_bits is None:
@@ -154,8 +158,10 @@ def snapshot_cache(cache: list[Any], kv_bits: int | None, group_size: int = 64) 
             out.append(KVCache.from_state((k.astype(mx.float16), v.astype(mx.float16), off)))
         else:
             if k.shape[-1] % group_size or v.shape[-1] % group_size:
-                raise EngineError(f"head size {k.shape[-1]} is not a multiple of the group size {group_size}: "
-                                  "save at 16 bits")  # fmt: skip
+                raise EngineError(
+                    f"head size {k.shape[-1]} is not a multiple of the group size {group_size}: "
+                    "save at 16 bits"
+                )
             qk = tuple(mx.quantize(k, group_size=group_size, bits=kv_bits))
             qv = tuple(mx.quantize(v, group_size=group_size, bits=kv_bits))
             out.append(QuantizedKVCache.from_state((qk, qv, off, group_size, kv_bits)))
@@ -207,8 +213,10 @@ def restore_cache(
 
     n_layers, heads, head_dim = expect
     if len(layers) != n_layers:
-        raise CacheMismatchError(f"{path.name} has {len(layers)} layers and the loaded model {n_layers}: "
-                                 "it was saved with another model")  # fmt: skip
+        raise CacheMismatchError(
+            f"{path.name} has {len(layers)} layers and the loaded model {n_layers}: "
+            "it was saved with another model"
+        )
     out: list[Any] = []
     try:
         for c in layers:
@@ -222,9 +230,11 @@ def restore_cache(
                 continue
             shape_ok = k.ndim == 4 and v.ndim == 4 and k.shape[2] == v.shape[2] == c.offset
             if not shape_ok or (heads and k.shape[1] != heads) or (head_dim and k.shape[3] != head_dim):
-                raise CacheMismatchError(f"{path.name} holds KV of shape {tuple(k.shape)}, which does not fit "
-                                         f"the loaded model ({heads} KV heads of {head_dim}): it was saved "
-                                         "with another model")  # fmt: skip
+                raise CacheMismatchError(
+                    f"{path.name} holds KV of shape {tuple(k.shape)}, which does not fit "
+                    f"the loaded model ({heads} KV heads of {head_dim}): it was saved "
+                    "with another model"
+                )
             out.append(KVCache.from_state((k, v, c.offset)))
         mx.eval([c.state for c in out])
     except CacheMismatchError:
@@ -277,7 +287,9 @@ class MLXBackend:
         try:
             obj, tok, cfg = mlx_load(str(model.path), return_config=True)
         except FileNotFoundError as exc:
-            raise ModelLoadError(f"model files missing in {model.path}: re-import it with `flashcode import`") from exc
+            raise ModelLoadError(
+                f"model files missing in {model.path}: re-import it with `flashcode import`"
+            ) from exc
         except Exception as exc:
             raise ModelLoadError(f"could not load {model.name} from {model.path}: {exc}") from exc
         cast_for_device(obj)
@@ -297,7 +309,9 @@ class MLXBackend:
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         self._require()
         if not getattr(self.tokenizer, "chat_template", None):
-            raise EngineError(f"model {self.model.name if self.model else '?'} has no chat template: use --raw")
+            raise EngineError(
+                f"model {self.model.name if self.model else '?'} has no chat template: use --raw"
+            )
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
         if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
             ids = ids["input_ids"]
@@ -445,8 +459,10 @@ class MLXBackend:
         if cache is None or not tokens:
             raise EngineError("there is no context to save yet: send a message first")
         if cache_offset(cache) != len(tokens):
-            raise EngineError(f"the live cache holds {cache_offset(cache)} tokens but records {len(tokens)}: "
-                              "send another message, then save")  # fmt: skip
+            raise EngineError(
+                f"the live cache holds {cache_offset(cache)} tokens but records {len(tokens)}: "
+                "send another message, then save"
+            )
         layers = snapshot_cache(cache, kv_bits, self.kv_group_size)
         meta = {**metadata, **kv_file_metadata(layers, kv_bits, self.kv_group_size)}
         meta["token_count"] = str(len(tokens))
@@ -473,11 +489,15 @@ class MLXBackend:
         cache = restore_cache(layers, expect, compute_dtype(), Path(path))
         offset = cache_offset(cache)
         if tokens is not None and len(tokens) != offset:
-            raise CacheMismatchError(f"{Path(path).name} holds {offset} tokens but its token list has "
-                                     f"{len(tokens)}: the context is damaged")  # fmt: skip
+            raise CacheMismatchError(
+                f"{Path(path).name} holds {offset} tokens but its token list has "
+                f"{len(tokens)}: the context is damaged"
+            )
         if meta.get("token_count") and int(meta["token_count"]) != offset:
-            raise CacheMismatchError(f"{Path(path).name} says {meta['token_count']} tokens but holds {offset}: "
-                                     "the context is damaged")  # fmt: skip
+            raise CacheMismatchError(
+                f"{Path(path).name} says {meta['token_count']} tokens but holds {offset}: "
+                "the context is damaged"
+            )
         self.prompt_cache.cache = cache
         self.prompt_cache.tokens = list(tokens) if tokens is not None else []
         return {"metadata": meta, "tokens": offset}

@@ -1,10 +1,10 @@
 """Where flashcode keeps what the user makes: `$FLASHCODE_HOME` (default ~/.local/share/flashcode).
 
-    models/<name>/      MLX model directories (config.json, *.safetensors, tokenizer, flashcode.json)
-    gguf/               GGUF files flashcode downloaded itself (the default model)
-    projects/<id>/      per-project saved contexts
-    flashcode.db        SQLite: conversations, messages, stats
-    logs/               llama-server logs and the like
+models/<name>/      MLX model directories (config.json, *.safetensors, tokenizer, flashcode.json)
+gguf/               GGUF files flashcode downloaded itself (the default model)
+projects/<id>/      per-project saved contexts
+flashcode.db        SQLite: conversations, messages, stats
+logs/               llama-server logs and the like
 """
 
 from __future__ import annotations

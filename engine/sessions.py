@@ -181,8 +181,11 @@ def _whole(value: Any, low: int, high: int) -> bool:
 
 def _plain(value: Any, limit: int) -> bool:
     """One line of printable text, 1..limit characters (no controls, no bidi overrides)."""
-    return (isinstance(value, str) and 0 < len(value) <= limit
-            and not any(unicodedata.category(ch)[0] == "C" for ch in value))  # fmt: skip
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= limit
+        and not any(unicodedata.category(ch)[0] == "C" for ch in value)
+    )
 
 
 def _iso_time(value: Any) -> bool:
@@ -196,8 +199,11 @@ _META_RULES: list[tuple[str, str, Callable[[Any], bool]]] = [
     ("format", repr(CONTEXT_FORMAT), lambda v: v == CONTEXT_FORMAT),
     ("name", "text", lambda v: isinstance(v, str)),
     ("model", "a model name (text, 1-200 characters)", lambda v: _plain(v, 200)),
-    ("model_sha256", "a weights hash (letters, digits, '-', '_')",
-     lambda v: isinstance(v, str) and bool(_SHA.fullmatch(v))),
+    (
+        "model_sha256",
+        "a weights hash (letters, digits, '-', '_')",
+        lambda v: isinstance(v, str) and bool(_SHA.fullmatch(v)),
+    ),
     ("backend", "'mlx' or 'llama'", lambda v: isinstance(v, str) and v in _CACHE_OF),
     ("token_count", "a whole number of tokens >= 0", lambda v: _whole(v, 0, 1 << 31)),
     ("kv_bits", "a whole number of bits, 1-64", lambda v: _whole(v, 1, 64)),
@@ -206,9 +212,12 @@ _META_RULES: list[tuple[str, str, Callable[[Any], bool]]] = [
     ("cache_file", "the cache file's name", lambda v: isinstance(v, str) and v in _CACHE_OF.values()),
     ("created", "an ISO 8601 time", _iso_time),
     ("flashcode_version", "a version (text, 1-40 characters)", lambda v: _plain(v, 40)),
-    ("conversation_id", "a conversation id or null",
-     lambda v: v is None or (isinstance(v, str) and bool(_ID.fullmatch(v)))),
-]  # fmt: skip
+    (
+        "conversation_id",
+        "a conversation id or null",
+        lambda v: v is None or (isinstance(v, str) and bool(_ID.fullmatch(v))),
+    ),
+]
 
 
 def check_meta(meta: Any, source: str) -> dict[str, Any]:
@@ -216,19 +225,23 @@ def check_meta(meta: Any, source: str) -> dict[str, Any]:
     ContextImportError naming the field, the value found and what it must be."""
     fix = "re-export it with flashcode"
     if not isinstance(meta, dict):
-        raise ContextImportError(f"{source} has a bad meta.json: it must be a JSON object, "
-                                 f"found {_shown(meta)}: {fix}")  # fmt: skip
+        raise ContextImportError(
+            f"{source} has a bad meta.json: it must be a JSON object, found {_shown(meta)}: {fix}"
+        )
     for field, want, ok in _META_RULES:
         if field == "conversation_id" and field not in meta:
             continue  # optional
         if field not in meta:
             raise ContextImportError(f"{source} has a bad meta.json: the field {field!r} is missing: {fix}")
         if not ok(meta[field]):
-            raise ContextImportError(f"{source} has a bad meta.json: {field!r} must be {want}, "
-                                     f"found {_shown(meta[field])}: {fix}")  # fmt: skip
+            raise ContextImportError(
+                f"{source} has a bad meta.json: {field!r} must be {want}, found {_shown(meta[field])}: {fix}"
+            )
     if meta["cache_file"] != _CACHE_OF[meta["backend"]]:
-        raise ContextImportError(f"{source} has a bad meta.json: 'cache_file' of a {meta['backend']} context is "
-                                 f"{_CACHE_OF[meta['backend']]!r}, found {_shown(meta['cache_file'])}: {fix}")  # fmt: skip
+        raise ContextImportError(
+            f"{source} has a bad meta.json: 'cache_file' of a {meta['backend']} context is "
+            f"{_CACHE_OF[meta['backend']]!r}, found {_shown(meta['cache_file'])}: {fix}"
+        )
     out = {field: meta.get(field) for field, _, _ in _META_RULES}
     try:
         out["name"] = clean_name(meta["name"])
@@ -243,8 +256,10 @@ def _inflate(zf: zipfile.ZipFile, info: zipfile.ZipInfo, out: Any, limit: int) -
     """Copy one member into `out` (a binary file or a BytesIO), never more than its declared size
     nor `limit` bytes, whatever the compressed stream holds. Returns the bytes written."""
     if info.file_size > limit:
-        raise ContextImportError(f"{info.filename} declares {_human(info.file_size)}; a context's "
-                                 f"{info.filename} is at most {_human(limit)}: refused unread")  # fmt: skip
+        raise ContextImportError(
+            f"{info.filename} declares {_human(info.file_size)}; a context's "
+            f"{info.filename} is at most {_human(limit)}: refused unread"
+        )
     done = 0
     try:
         with zf.open(info) as src:
@@ -275,8 +290,10 @@ def _check_tokens(path: Path, meta: dict[str, Any], source: str) -> None:
             f"{source} has a bad tokens.json: 'tokens' must be a list of token ids: re-export it"
         )
     if meta["backend"] == "mlx" and len(tokens) != meta["token_count"]:
-        raise ContextImportError(f"{source} is damaged: its tokens.json holds {len(tokens)} token ids for {meta['token_count']} "
-                                 "cached tokens: re-export it")  # fmt: skip
+        raise ContextImportError(
+            f"{source} is damaged: its tokens.json holds {len(tokens)} token ids for {meta['token_count']} "
+            "cached tokens: re-export it"
+        )
 
 
 def _human(n: float) -> str:
@@ -333,8 +350,10 @@ def _save_cache(
 
 def _load_cache(backend: Any, ctx: SavedContext, folder: Path, tokens: list[int]) -> int:
     if _kind(backend) != ctx.backend:
-        raise CacheMismatchError(f"context {ctx.name!r} was saved by the {ctx.backend} engine and the "
-                                 f"{backend.name} engine is running: switch engines to resume it")  # fmt: skip
+        raise CacheMismatchError(
+            f"context {ctx.name!r} was saved by the {ctx.backend} engine and the "
+            f"{backend.name} engine is running: switch engines to resume it"
+        )
     if ctx.backend == "llama":
         return int(backend.load_prompt_cache(folder / ctx.cache_file)["n_restored"])
     return int(backend.load_prompt_cache(folder / ctx.cache_file, tokens=tokens)["tokens"])
@@ -394,12 +413,22 @@ class ContextStore:
         elif cache.stat().st_size != int(m["cache_bytes"]):
             problem = f"damaged: the cache file is {cache.stat().st_size} bytes, expected {m['cache_bytes']}"
         return SavedContext(
-            id=folder.name, project_id=project_id, name=str(m["name"]), model=str(m["model"]),
-            model_sha256=str(m["model_sha256"]), backend=str(m["backend"]), token_count=int(m["token_count"]),
-            kv_bits=int(m["kv_bits"]), size_bytes=int(m["cache_bytes"]), created=str(m["created"]),
-            flashcode_version=str(m["flashcode_version"]), cache_file=str(m["cache_file"]),
-            cache_crc32=int(m["cache_crc32"]), conversation_id=m.get("conversation_id"), problem=problem,
-        )  # fmt: skip
+            id=folder.name,
+            project_id=project_id,
+            name=str(m["name"]),
+            model=str(m["model"]),
+            model_sha256=str(m["model_sha256"]),
+            backend=str(m["backend"]),
+            token_count=int(m["token_count"]),
+            kv_bits=int(m["kv_bits"]),
+            size_bytes=int(m["cache_bytes"]),
+            created=str(m["created"]),
+            flashcode_version=str(m["flashcode_version"]),
+            cache_file=str(m["cache_file"]),
+            cache_crc32=int(m["cache_crc32"]),
+            conversation_id=m.get("conversation_id"),
+            problem=problem,
+        )
 
     # ------------------------------------------------------------------ saving (worker thread)
     def save(
@@ -437,12 +466,19 @@ class ContextStore:
             size = (tmp / cache_file).stat().st_size
             self._check_quota(project_id, size, kv_bits)
             meta = {
-                "format": CONTEXT_FORMAT, "name": name, **header, "backend": _kind(backend),
-                "token_count": count, "kv_bits": bits,
-                "flashcode_version": __version__, "created": now.isoformat(timespec="seconds"),
-                "cache_file": cache_file, "cache_bytes": size, "cache_crc32": crc32_file(tmp / cache_file),
+                "format": CONTEXT_FORMAT,
+                "name": name,
+                **header,
+                "backend": _kind(backend),
+                "token_count": count,
+                "kv_bits": bits,
+                "flashcode_version": __version__,
+                "created": now.isoformat(timespec="seconds"),
+                "cache_file": cache_file,
+                "cache_bytes": size,
+                "cache_crc32": crc32_file(tmp / cache_file),
                 "conversation_id": conversation_id,
-            }  # fmt: skip
+            }
             _write_json(tmp / "tokens.json", {"tokens": tokens})
             _write_json(tmp / "meta.json", meta)
             os.rename(tmp, parent / cid)  # the context appears whole or not at all
@@ -464,8 +500,10 @@ class ContextStore:
             raise EngineError("the conversation is empty: there is no context to save yet")
         prompt = backend.apply_chat_template(msgs)
         if backend.prompt_cache.tokens[: len(prompt)] != prompt:
-            raise EngineError("the engine's live context belongs to another conversation (or was reset): "
-                              "send a message in this conversation, then save")  # fmt: skip
+            raise EngineError(
+                "the engine's live context belongs to another conversation (or was reset): "
+                "send a message in this conversation, then save"
+            )
 
     def _check_quota(self, project_id: str, adding: int, kv_bits: int | None = None) -> None:
         used = self.usage(project_id)
@@ -506,8 +544,10 @@ class ContextStore:
                 f"saved context {ctx.name!r} is damaged: tokens.json is unreadable"
             ) from exc
         if ctx.backend == "mlx" and len(tokens) != ctx.token_count:
-            raise CacheMismatchError(f"saved context {ctx.name!r} is damaged: {len(tokens)} token ids for "
-                                     f"{ctx.token_count} cached tokens")  # fmt: skip
+            raise CacheMismatchError(
+                f"saved context {ctx.name!r} is damaged: {len(tokens)} token ids for "
+                f"{ctx.token_count} cached tokens"
+            )
         n = _load_cache(backend, ctx, folder, tokens)
         dt = time.perf_counter() - t0
         return ResumeResult(True, f"resumed {ctx.name!r}: {n} tokens in {dt:.2f} s", ctx, n, dt)
@@ -613,8 +653,10 @@ class ContextStore:
             raise ContextImportError(f"{file.name} holds the same entry twice: re-export it")
         for info in infos:
             if info.compress_type not in _ZIP_METHODS or info.flag_bits & 0x1:
-                raise ContextImportError(f"{file.name}: {info.filename} is encrypted or compressed with method "
-                                         f"{info.compress_type}; flashcode reads stored or deflated entries: re-export it")  # fmt: skip
+                raise ContextImportError(
+                    f"{file.name}: {info.filename} is encrypted or compressed with method "
+                    f"{info.compress_type}; flashcode reads stored or deflated entries: re-export it"
+                )
         buf = io.BytesIO()
         _inflate(zf, zf.getinfo("meta.json"), buf, MAX_META_BYTES)
         try:

@@ -46,7 +46,9 @@ class FakeBackend:
         self.delay = delay
         self._context_length = context_length
         self._model = (
-            ModelInfo(name=model, path=Path("/nonexistent"), architecture="fake", size_bytes=0) if model else None
+            ModelInfo(name=model, path=Path("/nonexistent"), architecture="fake", size_bytes=0)
+            if model
+            else None
         )
         self.default_reply = list(default_reply)
         self.replies: list[list[str]] = []
@@ -105,7 +107,11 @@ class FakeBackend:
     def _stats(self, prompt: int, n: int, start: float) -> GenerationStats:
         total = time.monotonic() - start
         return GenerationStats(
-            prompt_tokens=prompt, completion_tokens=n, ttft_s=0.001, decode_tps=n / max(total, 1e-6), total_s=total
+            prompt_tokens=prompt,
+            completion_tokens=n,
+            ttft_s=0.001,
+            decode_tps=n / max(total, 1e-6),
+            total_s=total,
         )
 
     def close(self) -> None:

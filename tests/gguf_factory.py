@@ -92,7 +92,9 @@ def write_tiny_gguf(
     def mat(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    def add(gname: str, hname: str, arr: np.ndarray, quantize: bool = True, stored: np.ndarray | None = None) -> None:
+    def add(
+        gname: str, hname: str, arr: np.ndarray, quantize: bool = True, stored: np.ndarray | None = None
+    ) -> None:
         hf[hname] = arr
         data = arr if stored is None else stored
         if quantize and data.ndim >= 2 and qtype not in (Q.F16, Q.F32):
@@ -103,7 +105,7 @@ def write_tiny_gguf(
             w.add_tensor(gname, data.astype(np.float32))
 
     gemma = arch.startswith("gemma")
-    norm = lambda n: (np.ones(n, np.float32) + rng.standard_normal(n).astype(np.float32) * 0.1)  # noqa: E731
+    norm = lambda n: np.ones(n, np.float32) + rng.standard_normal(n).astype(np.float32) * 0.1  # noqa: E731
 
     def add_norm(gname: str, hname: str, n: int) -> None:
         v = norm(n)
@@ -119,14 +121,27 @@ def write_tiny_gguf(
     for i in range(layers):
         p, g = f"model.layers.{i}", f"blk.{i}"
         add_norm(f"{g}.attn_norm.weight", f"{p}.input_layernorm.weight", hidden)
-        q, k, v = mat(heads * head_dim, hidden), mat(kv_heads * head_dim, hidden), mat(kv_heads * head_dim, hidden)
+        q, k, v = (
+            mat(heads * head_dim, hidden),
+            mat(kv_heads * head_dim, hidden),
+            mat(kv_heads * head_dim, hidden),
+        )
         if arch == "phi3":
             add(f"{g}.attn_qkv.weight", f"{p}.self_attn.qkv_proj.weight", np.concatenate([q, k, v]))
         else:
             permute = arch == "llama"
-            add(f"{g}.attn_q.weight", f"{p}.self_attn.q_proj.weight", q, stored=llama_permute(q, heads) if permute else None)
-            add(f"{g}.attn_k.weight", f"{p}.self_attn.k_proj.weight", k,
-                stored=llama_permute(k, kv_heads) if permute else None)  # fmt: skip
+            add(
+                f"{g}.attn_q.weight",
+                f"{p}.self_attn.q_proj.weight",
+                q,
+                stored=llama_permute(q, heads) if permute else None,
+            )
+            add(
+                f"{g}.attn_k.weight",
+                f"{p}.self_attn.k_proj.weight",
+                k,
+                stored=llama_permute(k, kv_heads) if permute else None,
+            )
             add(f"{g}.attn_v.weight", f"{p}.self_attn.v_proj.weight", v)
         if arch == "qwen2":
             for n, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):

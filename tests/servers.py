@@ -84,7 +84,9 @@ def serve_cli(
             if proc.poll() is not None:
                 raise RuntimeError(f"flashcode serve exited {proc.returncode}: {log.read_text()[-2000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"flashcode serve printed no URL in {timeout:.0f} s: {log.read_text()[-2000:]}")
+                raise TimeoutError(
+                    f"flashcode serve printed no URL in {timeout:.0f} s: {log.read_text()[-2000:]}"
+                )
             time.sleep(0.2)
         url = found.group(1)
         port = int(re.search(r":(\d+)", url.split("//", 1)[1]).group(1))  # type: ignore[union-attr]

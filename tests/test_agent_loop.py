@@ -60,10 +60,17 @@ class Approver:
         return decision  # type: ignore[return-value]
 
 
-def make_session(worker: Worker, project: Path, store: AgentStore, approver: Approver | None = None,
-                 **kw: object) -> AgentSession:  # fmt: skip
-    return AgentSession(worker, project, request_approval=approver, store=store, search=kw.pop("search", LocalSearchProvider()),
-                        **kw)  # type: ignore[arg-type]  # fmt: skip
+def make_session(
+    worker: Worker, project: Path, store: AgentStore, approver: Approver | None = None, **kw: object
+) -> AgentSession:
+    return AgentSession(
+        worker,
+        project,
+        request_approval=approver,
+        store=store,
+        search=kw.pop("search", LocalSearchProvider()),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 async def collect(session: AgentSession, text: str) -> list[ev._Event]:
@@ -227,8 +234,10 @@ def test_agent_untrusted_block_cannot_be_closed_from_inside() -> None:
 
 
 def test_agent_search_cards_and_citations(worker, fake, project, store) -> None:
-    results = [SearchResult("Python 3.14 released", "https://www.python.org/news", "Python 3.14 is out."),
-               SearchResult("What's new", "https://docs.python.org/3/whatsnew", "Changes in 3.14.")]  # fmt: skip
+    results = [
+        SearchResult("Python 3.14 released", "https://www.python.org/news", "Python 3.14 is out."),
+        SearchResult("What's new", "https://docs.python.org/3/whatsnew", "Changes in 3.14."),
+    ]
     fake.enqueue("Python 3.14 is the latest.")  # /search skips routing
     events = asyncio.run(
         collect(
@@ -298,7 +307,9 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
 
 
 def test_agent_slash_registry_is_extensible(worker, fake, project, store) -> None:
-    commands = slash.SlashCommands(slash.BUILTIN, [slash.SlashCommand("zzz-test", "a command another module adds")])
+    commands = slash.SlashCommands(
+        slash.BUILTIN, [slash.SlashCommand("zzz-test", "a command another module adds")]
+    )
     events = asyncio.run(collect(make_session(worker, project, store, commands=commands), "/zzz-test"))
     assert of(events, ev.SlashUnhandled)[0].name == "zzz-test"
     assert "/zzz-test" in commands.help_text()

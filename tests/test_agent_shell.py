@@ -103,9 +103,32 @@ def test_shell_fails_closed_on_what_it_cannot_parse(command: str) -> None:
 
 @pytest.mark.parametrize(
     "wrapper",
-    ["sh -c", "bash", "zsh", "python", "python3", "python3.12", "node", "perl", "ruby", "env", "xargs", "sudo",
-     "su", "doas", "eval", "exec", "nohup", "time", "timeout 5", "nice", "/bin/sh", "/usr/bin/env", "awk"],
-)  # fmt: skip
+    [
+        "sh -c",
+        "bash",
+        "zsh",
+        "python",
+        "python3",
+        "python3.12",
+        "node",
+        "perl",
+        "ruby",
+        "env",
+        "xargs",
+        "sudo",
+        "su",
+        "doas",
+        "eval",
+        "exec",
+        "nohup",
+        "time",
+        "timeout 5",
+        "nice",
+        "/bin/sh",
+        "/usr/bin/env",
+        "awk",
+    ],
+)
 def test_shell_wrappers_can_never_be_prefix_allowed(wrapper: str) -> None:
     with pytest.raises(ValueError):
         validate_rule("prefix", wrapper)

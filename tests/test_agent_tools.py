@@ -57,8 +57,9 @@ def alive(pid: int) -> bool:
 
 
 def test_runner_caps_output_but_drains_the_pipe(tmp_path: Path) -> None:
-    chunks, ex = asyncio.run(run_all(CommandRun("head -c 300000 /dev/zero | tr '\\0' x; echo done >&2", tmp_path,
-                                                output_cap=1000)))  # fmt: skip
+    chunks, ex = asyncio.run(
+        run_all(CommandRun("head -c 300000 /dev/zero | tr '\\0' x; echo done >&2", tmp_path, output_cap=1000))
+    )
     assert sum(len(c.text) for c in chunks) == 1000 and ex.truncated and ex.exit_code == 0
 
 
@@ -82,8 +83,15 @@ def test_files_refuse_traversal_and_escaping_symlinks(proj: Path, tmp_path: Path
     (proj / "dir-out").symlink_to(tmp_path, target_is_directory=True)
     (proj / "link-in").symlink_to(proj / "src" / "a.py")
     files = ProjectFiles(proj)
-    for bad in ["../secret.txt", "src/../../secret.txt", str(tmp_path / "secret.txt"), "link-out",
-                "dir-out/secret.txt", "/etc/passwd", "~/.bashrc"]:  # fmt: skip
+    for bad in [
+        "../secret.txt",
+        "src/../../secret.txt",
+        str(tmp_path / "secret.txt"),
+        "link-out",
+        "dir-out/secret.txt",
+        "/etc/passwd",
+        "~/.bashrc",
+    ]:
         with pytest.raises(PathOutsideProjectError):
             files.read(bad)
         with pytest.raises(PathOutsideProjectError):
@@ -156,7 +164,9 @@ def test_store_schema_rules_and_audit_trail(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "db.sqlite")
     migrate(conn)
     assert migrate(conn) == []  # once only
-    agent_steps = [sql for _, name, steps in MIGRATIONS if "agent" in name or "sandbox" in name for sql in steps]
+    agent_steps = [
+        sql for _, name, steps in MIGRATIONS if "agent" in name or "sandbox" in name for sql in steps
+    ]
     assert agent_steps and all("IF NOT EXISTS" in sql for sql in agent_steps)  # older databases may hold them
     store = AgentStore(conn)
     rule = store.add_rule("/p", "prefix", "git status")

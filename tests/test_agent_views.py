@@ -24,9 +24,19 @@ def views() -> AgentViews:
 
 def proposal(command: str, **kw: object) -> ev.Proposal:
     v = check_command(command, [])
-    fields = dict(action_id=7, tool="shell", command=v.command, cwd="/home/me/proj", timeout_s=30.0,
-                  rule_text=v.reason, prefix=v.prefix, prefix_blocked=v.prefix_blocked,
-                  choices=("deny", "once", "always_exact", "always_prefix") if v.prefix else ("deny", "once", "always_exact"))  # fmt: skip
+    fields = dict(
+        action_id=7,
+        tool="shell",
+        command=v.command,
+        cwd="/home/me/proj",
+        timeout_s=30.0,
+        rule_text=v.reason,
+        prefix=v.prefix,
+        prefix_blocked=v.prefix_blocked,
+        choices=("deny", "once", "always_exact", "always_prefix")
+        if v.prefix
+        else ("deny", "once", "always_exact"),
+    )
     fields.update(kw)
     return ev.Proposal(**fields)  # type: ignore[arg-type]
 
@@ -58,13 +68,25 @@ def test_search_cards_show_title_site_snippet_link(views: AgentViews) -> None:
 
 def test_every_forwarded_event_renders(views: AgentViews) -> None:
     samples = [
-        ev.RouteChosen("shell", {"chat": -3.0, "search": -2.0, "shell": -1.0}, {"chat": 0.1, "search": 0.2, "shell": 0.7}),
-        ev.SearchStarted("q", "text", "local"), ev.SearchUnavailable("web search is unavailable: offline"),
-        proposal("ls"), ev.Decided(7, "once"), ev.Decided(7, "deny", reason="no <thanks>"),
-        ev.ActionOutput(7, "stdout", "<out>"), ev.ActionExit(7, 0, False, False, False, 0.1, "exit code 0"),
-        ev.FileShown("a.py", "x"), ev.FileWritten(8, "a.py"), ev.HelpShown("/help"), ev.Notice("hi"),
-        ev.ModeChanged("raw"), ev.Cleared(), ev.ModelRequested("m"), ev.SlashUnhandled("stats", ""),
-    ]  # fmt: skip
+        ev.RouteChosen(
+            "shell", {"chat": -3.0, "search": -2.0, "shell": -1.0}, {"chat": 0.1, "search": 0.2, "shell": 0.7}
+        ),
+        ev.SearchStarted("q", "text", "local"),
+        ev.SearchUnavailable("web search is unavailable: offline"),
+        proposal("ls"),
+        ev.Decided(7, "once"),
+        ev.Decided(7, "deny", reason="no <thanks>"),
+        ev.ActionOutput(7, "stdout", "<out>"),
+        ev.ActionExit(7, 0, False, False, False, 0.1, "exit code 0"),
+        ev.FileShown("a.py", "x"),
+        ev.FileWritten(8, "a.py"),
+        ev.HelpShown("/help"),
+        ev.Notice("hi"),
+        ev.ModeChanged("raw"),
+        ev.Cleared(),
+        ev.ModelRequested("m"),
+        ev.SlashUnhandled("stats", ""),
+    ]
     for e in samples:
         html = views.event(e)
         assert html.strip() and "hx-swap-oob" in html, e

@@ -62,8 +62,9 @@ def ws_connect(client: TestClient, query: str = "", origin: str = ORIGIN):
 
 
 def chat(client: TestClient, **headers: str) -> httpx.Response:
-    return client.post("/v1/chat/completions", headers=headers,
-                       json={"messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+    return client.post(
+        "/v1/chat/completions", headers=headers, json={"messages": [{"role": "user", "content": "hello"}]}
+    )
 
 
 # --------------------------------------------------------------------------- refused without the token
@@ -156,16 +157,26 @@ def test_auth_token_does_not_replace_csrf_origin_or_host_checks(remote: TestClie
         pass
     assert info.value.code == 1008 and info.value.reason == "origin not allowed"
     assert remote.get("/", headers={"host": "evil.example"}).status_code == 400  # DNS rebinding
-    r = remote.post("/v1/chat/completions", headers={"origin": "http://evil.example"},
-                    json={"messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+    r = remote.post(
+        "/v1/chat/completions",
+        headers={"origin": "http://evil.example"},
+        json={"messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 403 and "evil.example" in r.json()["error"]["message"]
 
 
 def test_auth_clean_url_stays_on_this_server() -> None:
     from starlette.requests import HTTPConnection
 
-    scope = {"type": "http", "method": "GET", "path": "//evil.example/x", "query_string": f"token={TOKEN}".encode(),
-             "headers": [(b"host", b"127.0.0.1:8000")], "scheme": "http", "server": ("127.0.0.1", 8000)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "//evil.example/x",
+        "query_string": f"token={TOKEN}".encode(),
+        "headers": [(b"host", b"127.0.0.1:8000")],
+        "scheme": "http",
+        "server": ("127.0.0.1", 8000),
+    }
     r = security.TokenMiddleware(lambda *a: None, TOKEN, 8000).clean_url(HTTPConnection(scope))  # type: ignore[arg-type]
     assert r.status_code == 303 and r.headers["location"] == "/evil.example/x"  # not //evil.example
 
@@ -222,11 +233,17 @@ FLASHCODE = [sys.executable, "-m", "webapp.cli"]
 
 
 def test_auth_serve_refuses_a_short_token() -> None:
-    proc = subprocess.run([*FLASHCODE, "serve", "--host", "0.0.0.0", "--token", "abc"], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*FLASHCODE, "serve", "--host", "0.0.0.0", "--token", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.endswith("the access token is 3 characters long: use 8 or more (or leave --token and "
-                                "$FLASHCODE_TOKEN unset for a random one)\n")  # fmt: skip
+    assert proc.stderr.endswith(
+        "the access token is 3 characters long: use 8 or more (or leave --token and "
+        "$FLASHCODE_TOKEN unset for a random one)\n"
+    )
 
 
 @pytest.fixture
@@ -262,8 +279,12 @@ def test_auth_real_serve_beyond_loopback_prints_a_token_url_and_refuses_without_
     with pytest.raises(InvalidStatus) as info:
         connect(f"ws://127.0.0.1:{port}/ws", origin=base, open_timeout=30).close()
     assert info.value.response.status_code == 403
-    with connect(f"ws://127.0.0.1:{port}/ws", origin=base, open_timeout=30,
-                 additional_headers={"cookie": f"flashcode_token_{port}={token}"}):  # fmt: skip
+    with connect(
+        f"ws://127.0.0.1:{port}/ws",
+        origin=base,
+        open_timeout=30,
+        additional_headers={"cookie": f"flashcode_token_{port}={token}"},
+    ):
         pass
 
 
@@ -289,8 +310,10 @@ def test_auth_real_browser_opens_the_token_url_and_chats(remote_server: tuple[st
         assert token not in page.evaluate("document.cookie")
         page.fill("#prompt", "Hi")
         page.press("#prompt", "Enter")
-        page.wait_for_function("() => (document.querySelector('.msg-assistant .body')?.textContent || '').length > 0",
-                               timeout=90_000)  # fmt: skip
+        page.wait_for_function(
+            "() => (document.querySelector('.msg-assistant .body')?.textContent || '').length > 0",
+            timeout=90_000,
+        )
         page.keyboard.press("Escape")
         page.wait_for_selector("#status[data-state=idle]", timeout=10_000)
         stranger = browser.new_page()  # no cookie: refused

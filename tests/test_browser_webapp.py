@@ -18,8 +18,14 @@ from tests.servers import serve_cli
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]  # fmt: skip
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture
@@ -60,11 +66,15 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     assert page.input_value("#prompt") == ""  # sent and cleared
 
     # tokens arrive: the streaming body grows
-    page.wait_for_function("() => (document.querySelector('.msg-assistant .body.streaming')?.textContent || '').length > 10",
-                           timeout=90_000)  # fmt: skip
+    page.wait_for_function(
+        "() => (document.querySelector('.msg-assistant .body.streaming')?.textContent || '').length > 10",
+        timeout=90_000,
+    )
     first = len(body_text(page))
-    page.wait_for_function(f"() => document.querySelector('.msg-assistant .body.streaming')?.textContent.length > {first}",
-                           timeout=30_000)  # fmt: skip
+    page.wait_for_function(
+        f"() => document.querySelector('.msg-assistant .body.streaming')?.textContent.length > {first}",
+        timeout=30_000,
+    )
     page.screenshot(path=str(artifacts / "browser_streaming.png"))
 
     # Esc stops it; the reply is kept, re-rendered and marked stopped

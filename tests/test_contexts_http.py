@@ -90,8 +90,11 @@ def conversation(db, fake, *texts: str) -> str:
 def test_contexts_http_save_list_rename_resume_delete(client):
     c, fake, db = client
     conv = conversation(db, fake, "hello there", "hi")
-    r = c.post("/projects/default/contexts", json={"name": "greeting", "conversation_id": conv, "kv_bits": "8"},
-               headers=TOKEN)  # fmt: skip
+    r = c.post(
+        "/projects/default/contexts",
+        json={"name": "greeting", "conversation_id": conv, "kv_bits": "8"},
+        headers=TOKEN,
+    )
     assert r.status_code == 201, r.text
     ctx = r.json()
     assert (ctx["name"], ctx["kv_bits"], ctx["conversation_id"], ctx["token_count"]) == (
@@ -117,8 +120,12 @@ def test_contexts_http_export_import(client, tmp_path):
     r = c.get(f"/projects/default/contexts/{ctx['id']}/export")
     assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
     assert "to-move" in r.headers["content-disposition"]
-    r = c.post("/projects/other/contexts/import", files={"file": ("x.flashctx", r.content)}, data={"name": "moved"},
-               headers=TOKEN)  # fmt: skip
+    r = c.post(
+        "/projects/other/contexts/import",
+        files={"file": ("x.flashctx", r.content)},
+        data={"name": "moved"},
+        headers=TOKEN,
+    )
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "moved" and r.json()["project_id"] == "other"
     r = c.post("/projects/other/contexts/import", files={"file": ("x.flashctx", b"junk")}, headers=TOKEN)
@@ -164,8 +171,11 @@ def test_contexts_http_pane_for_htmx(client):
     hx = {**TOKEN, "hx-request": "true"}
     r = c.get("/projects/default/window", headers={"hx-request": "true"})
     assert 'id="contexts-pane"' in r.text and "No saved contexts yet" in r.text
-    r = c.post("/projects/default/contexts", data={"name": "<script>x</script>", "conversation_id": conv,
-                                                   "kv_bits": "8"}, headers=hx)  # fmt: skip
+    r = c.post(
+        "/projects/default/contexts",
+        data={"name": "<script>x</script>", "conversation_id": conv, "kv_bits": "8"},
+        headers=hx,
+    )
     assert (
         r.status_code == 200
         and "Saved" in r.text

@@ -33,8 +33,11 @@ def test_cost_clamps_cached_to_prompt_tokens() -> None:
 
 def test_defaults_carry_the_issue_prices_with_a_date() -> None:
     by_name = {p.name: p for p in costs.DEFAULT_PRICES}
-    assert (by_name["Claude Sonnet 4.5"].input, by_name["Claude Sonnet 4.5"].cached_input,
-            by_name["Claude Sonnet 4.5"].output) == (3.0, 0.3, 15.0)  # fmt: skip
+    assert (
+        by_name["Claude Sonnet 4.5"].input,
+        by_name["Claude Sonnet 4.5"].cached_input,
+        by_name["Claude Sonnet 4.5"].output,
+    ) == (3.0, 0.3, 15.0)
     assert (by_name["GPT-4.1"].input, by_name["GPT-4.1"].cached_input, by_name["GPT-4.1"].output) == (
         2.0,
         0.5,
@@ -83,8 +86,9 @@ def test_malformed_prices_file_names_the_file_and_the_fix(tmp_path: Path) -> Non
 
 
 def test_prices_from_form_drops_empty_rows_and_rejects_duplicates() -> None:
-    prices = costs.prices_from_form(["A", "", "B"], ["1", "", "2"], ["0.1", "", "0.2"], ["3", "", "4"],
-                                    ["2025-10-15", "", "2025-10-16"])  # fmt: skip
+    prices = costs.prices_from_form(
+        ["A", "", "B"], ["1", "", "2"], ["0.1", "", "0.2"], ["3", "", "4"], ["2025-10-15", "", "2025-10-16"]
+    )
     assert [p.name for p in prices] == ["A", "B"]
     with pytest.raises(costs.PriceTableError, match="unique"):
         costs.prices_from_form(["A", "A"], ["1", "1"], ["0", "0"], ["1", "1"], ["2025-10-15", "2025-10-15"])

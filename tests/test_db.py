@@ -24,7 +24,7 @@ def test_db_uses_wal_and_records_migrations(tmp_path: Path) -> None:
 
 def test_db_later_migration_is_applied_once(tmp_path: Path, monkeypatch) -> None:
     Database(tmp_path / "f.db").close()
-    extra = (99, "a later issue's table", "CREATE TABLE later (id INTEGER PRIMARY KEY)")
+    extra = (99, "a later step's table", "CREATE TABLE later (id INTEGER PRIMARY KEY)")
     monkeypatch.setattr(dbmod, "MIGRATIONS", [*dbmod.MIGRATIONS, extra])
     d = Database(tmp_path / "f.db")
     assert d.conn.execute("SELECT name FROM schema_migrations WHERE version=99").fetchone()[0] == extra[1]
@@ -140,13 +140,19 @@ def test_db_migrates_every_past_version_to_the_latest(tmp_path: Path, version: s
     old = sqlite3.connect(path, isolation_level=None)
     PAST_VERSIONS[version](old)
     old.execute("INSERT INTO conversations VALUES ('c1', 'kept', 'm', 'mlx', 1.0, 2.0)")
-    old.execute("INSERT INTO messages (conversation_id, role, content, status, created_at) "
-                "VALUES ('c1', 'user', 'hello from the past', 'complete', 1.5)")  # fmt: skip
+    old.execute(
+        "INSERT INTO messages (conversation_id, role, content, status, created_at) "
+        "VALUES ('c1', 'user', 'hello from the past', 'complete', 1.5)"
+    )
     tables = {r[0] for r in old.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     if "agent_allow_rules" in tables:
-        old.execute("INSERT INTO agent_allow_rules (project, kind, pattern, created_at) VALUES ('/p', 'exact', 'ls', 1)")
+        old.execute(
+            "INSERT INTO agent_allow_rules (project, kind, pattern, created_at) VALUES ('/p', 'exact', 'ls', 1)"
+        )
     if "stats_replies" in tables:
-        old.execute("INSERT INTO stats_replies (created_at, prompt_tokens, completion_tokens) VALUES (1, 5, 7)")
+        old.execute(
+            "INSERT INTO stats_replies (created_at, prompt_tokens, completion_tokens) VALUES (1, 5, 7)"
+        )
     old.close()
 
     d = Database(path)
@@ -159,7 +165,9 @@ def test_db_migrates_every_past_version_to_the_latest(tmp_path: Path, version: s
     if "agent_allow_rules" in tables:
         assert d.conn.execute("SELECT pattern FROM agent_allow_rules").fetchall()[0][0] == "ls"
     if "stats_replies" in tables:
-        assert tuple(d.conn.execute("SELECT prompt_tokens, completion_tokens FROM stats_replies").fetchone()) == (5, 7)
+        assert tuple(
+            d.conn.execute("SELECT prompt_tokens, completion_tokens FROM stats_replies").fetchone()
+        ) == (5, 7)
     d.close()
     fresh.close()
     assert dbmod.migrate(sqlite3.connect(path, isolation_level=None)) == []  # once only

@@ -12,7 +12,9 @@ CAP = 360_000_000
 
 
 @pytest.mark.skipif(cgroup_unavailable() is not None, reason=f"{cgroup_unavailable()}")
-def test_flash_runs_a_model_twice_the_cap_under_it(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> None:
+def test_flash_runs_a_model_twice_the_cap_under_it(
+    tmp_path_factory: pytest.TempPathFactory, model_home: Path
+) -> None:
     from engine.flash.split import split_model
     from engine.flash.synth import synth_model
 

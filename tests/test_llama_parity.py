@@ -28,8 +28,9 @@ THREADS = int(os.environ.get("FLASHCODE_TEST_LLAMA_THREADS", "1"))
 
 @pytest.fixture(scope="module")
 def llama(default_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    b = llama_server.LlamaServerBackend(context_length=2048, threads=THREADS,
-                                        slot_save_path=tmp_path_factory.mktemp("slots"))  # fmt: skip
+    b = llama_server.LlamaServerBackend(
+        context_length=2048, threads=THREADS, slot_save_path=tmp_path_factory.mktemp("slots")
+    )
     b.load(default_model)
     yield b
     b.close()
@@ -37,32 +38,139 @@ def llama(default_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 def parity_strings(special_tokens: list[str]) -> list[str]:
     base = [
-        "", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\t\tindented", "trailing space ", " leading",
-        "Hello", "Hello world", "hello, World!", "HELLO WORLD", "The quick brown fox jumps over the lazy dog.",
-        "It's a dog's life, isn't it?", "don't won't can't", "e.g. i.e. etc.", "Mr. Smith went to Washington.",
-        "0", "1", "12", "123", "1234", "12345", "123456789", "3.14159", "-42", "+7", "1e10", "0x1F", "0b1010",
-        "2026-11-22", "12:35:00", "$19.99", "50%", "1,000,000", "10/3 = 3.33", "v1.2.3", "192.168.0.1",
-        "héllo", "naïve café", "Ünïcödé", "日本語のテキスト", "中文字符", "한국어", "Привет, мир", "Γειά σου Κόσμε",
-        "שלום עולם", "مرحبا بالعالم", "हिन्दी", "ไทย", "emoji 🙂", "👍🏽👨‍👩‍👧", "🚀🔥💯", "Ω≈ç√∫˜µ≤≥÷",
-        "ﬁ ligature", "e\u0301 combining", "zero\u200bwidth", "non\u00a0breaking", "tab\tinside", "a\u2028b",
-        "€£¥₹", "→ ← ↑ ↓", "™®©", "½ ¼ ¾", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\u00ad soft hyphen",
-        "def add(a, b):\n    return a + b\n", "for (int i = 0; i < n; i++) {\n\tsum += a[i];\n}",
-        "const x = () => { return `tpl ${y}`; };", "SELECT * FROM users WHERE id = 1;", "#include <stdio.h>",
-        "if x == None: pass", "    def indented(self):", "import numpy as np", "print(\"hi\")  # comment",
-        "<div class=\"a\">text</div>", '{"key": "value", "n": [1, 2, 3]}', "key: value\nlist:\n  - a\n  - b",
-        "https://example.com/path?q=1&r=2#frag", "user@example.com", "C:\\Users\\name\\file.txt", "/usr/bin/env",
-        "```python\ncode\n```", "# Heading\n\n- item\n- item", "**bold** _it_ `code`", "| a | b |\n|---|---|",
-        "!!!", "???", "...", "----", "====", "aaaaaaaaaaaaaaaa", "abababababab", "    ", "\n\n\n\n", "\t \t \t",
-        "x" * 100, "The " * 30, "0123456789" * 5, "ÄÖÜäöüß", "ça va?", "Hello\nWorld", "a  b   c    d",
-        "camelCaseIdentifier", "snake_case_identifier", "SCREAMING_SNAKE", "kebab-case-name", "__init__",
-        "git commit -m \"fix: bug\"", "ls -la | grep foo > out.txt", "rm -rf ./build && make -j4",
-        "λx.x", "∀x∈ℝ: x²≥0", "a^2 + b^2 = c^2", "E = mc²", "H₂O", "α β γ δ",
-    ]  # fmt: skip
+        "",
+        " ",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        " \n ",
+        "\t\tindented",
+        "trailing space ",
+        " leading",
+        "Hello",
+        "Hello world",
+        "hello, World!",
+        "HELLO WORLD",
+        "The quick brown fox jumps over the lazy dog.",
+        "It's a dog's life, isn't it?",
+        "don't won't can't",
+        "e.g. i.e. etc.",
+        "Mr. Smith went to Washington.",
+        "0",
+        "1",
+        "12",
+        "123",
+        "1234",
+        "12345",
+        "123456789",
+        "3.14159",
+        "-42",
+        "+7",
+        "1e10",
+        "0x1F",
+        "0b1010",
+        "2026-11-22",
+        "12:35:00",
+        "$19.99",
+        "50%",
+        "1,000,000",
+        "10/3 = 3.33",
+        "v1.2.3",
+        "192.168.0.1",
+        "héllo",
+        "naïve café",
+        "Ünïcödé",
+        "日本語のテキスト",
+        "中文字符",
+        "한국어",
+        "Привет, мир",
+        "Γειά σου Κόσμε",
+        "שלום עולם",
+        "مرحبا بالعالم",
+        "हिन्दी",
+        "ไทย",
+        "emoji 🙂",
+        "👍🏽👨‍👩‍👧",
+        "🚀🔥💯",
+        "Ω≈ç√∫˜µ≤≥÷",
+        "ﬁ ligature",
+        "e\u0301 combining",
+        "zero\u200bwidth",
+        "non\u00a0breaking",
+        "tab\tinside",
+        "a\u2028b",
+        "€£¥₹",
+        "→ ← ↑ ↓",
+        "™®©",
+        "½ ¼ ¾",
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+        "\u00ad soft hyphen",
+        "def add(a, b):\n    return a + b\n",
+        "for (int i = 0; i < n; i++) {\n\tsum += a[i];\n}",
+        "const x = () => { return `tpl ${y}`; };",
+        "SELECT * FROM users WHERE id = 1;",
+        "#include <stdio.h>",
+        "if x == None: pass",
+        "    def indented(self):",
+        "import numpy as np",
+        'print("hi")  # comment',
+        '<div class="a">text</div>',
+        '{"key": "value", "n": [1, 2, 3]}',
+        "key: value\nlist:\n  - a\n  - b",
+        "https://example.com/path?q=1&r=2#frag",
+        "user@example.com",
+        "C:\\Users\\name\\file.txt",
+        "/usr/bin/env",
+        "```python\ncode\n```",
+        "# Heading\n\n- item\n- item",
+        "**bold** _it_ `code`",
+        "| a | b |\n|---|---|",
+        "!!!",
+        "???",
+        "...",
+        "----",
+        "====",
+        "aaaaaaaaaaaaaaaa",
+        "abababababab",
+        "    ",
+        "\n\n\n\n",
+        "\t \t \t",
+        "x" * 100,
+        "The " * 30,
+        "0123456789" * 5,
+        "ÄÖÜäöüß",
+        "ça va?",
+        "Hello\nWorld",
+        "a  b   c    d",
+        "camelCaseIdentifier",
+        "snake_case_identifier",
+        "SCREAMING_SNAKE",
+        "kebab-case-name",
+        "__init__",
+        'git commit -m "fix: bug"',
+        "ls -la | grep foo > out.txt",
+        "rm -rf ./build && make -j4",
+        "λx.x",
+        "∀x∈ℝ: x²≥0",
+        "a^2 + b^2 = c^2",
+        "E = mc²",
+        "H₂O",
+        "α β γ δ",
+    ]
     specials = []
     for tok in special_tokens:
         specials += [tok, f"text{tok}more", f" {tok} ", f"{tok}\n", f"{tok}{tok}"]
-    specials += ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>system\nBe brief.<|im_end|>",
-                 "<|im_end", "|im_start|>", "<| im_end |>", "<|im_start|x"]  # fmt: skip
+    specials += [
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>system\nBe brief.<|im_end|>",
+        "<|im_end",
+        "|im_start|>",
+        "<| im_end |>",
+        "<|im_start|x",
+    ]
     words = ["hello", "def", "return", "42", "naïve", "日本", "🙂", "<|im_end|>", "\t", "end."]
     prefixes = ["", " ", "  ", "\n", "\n  ", "("]
     combos = [p + w for w in words for p in prefixes]
@@ -90,11 +198,14 @@ def test_llama_tokenizer_matches_the_imported_tokenizer(llama, mlx_backend, arti
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
-    [{"role": "user", "content": "Write a loop"}, {"role": "assistant", "content": "for i in range(3):\n    print(i)"},
-     {"role": "user", "content": "Now in C"}],
+    [
+        {"role": "user", "content": "Write a loop"},
+        {"role": "assistant", "content": "for i in range(3):\n    print(i)"},
+        {"role": "user", "content": "Now in C"},
+    ],
     [{"role": "user", "content": "Unicode: 日本語 🙂 naïve"}],
     [{"role": "user", "content": "  spaces\tand\nnewlines  "}],
-]  # fmt: skip
+]
 
 
 def test_llama_chat_template_matches_the_imported_template(llama, mlx_backend) -> None:
@@ -164,9 +275,11 @@ def test_llama_and_mlx_greedy_replies_measured(llama, mlx_backend, artifacts: Pa
     identical = sum(r["first_divergence"] is None for r in rows)
     summary = {"prompts": len(rows), "identical": identical, "max_tokens": sampling.max_tokens, "rows": rows}
     (artifacts / "llama_cross_backend.json").write_text(json.dumps(summary, ensure_ascii=False, indent=1))
-    print(f"\ncross-backend greedy: {identical}/{len(rows)} identical over {sampling.max_tokens} tokens; "
-          f"first divergences: {[r['first_divergence'] for r in rows]}; "
-          f"log-prob gaps there: {[r.get('logprob_gap') for r in rows]}")  # fmt: skip
+    print(
+        f"\ncross-backend greedy: {identical}/{len(rows)} identical over {sampling.max_tokens} tokens; "
+        f"first divergences: {[r['first_divergence'] for r in rows]}; "
+        f"log-prob gaps there: {[r.get('logprob_gap') for r in rows]}"
+    )
     assert len(rows) >= 10 and all(r["llama_tokens"] for r in rows)
 
 

@@ -63,14 +63,30 @@ def test_llama_completion_chunks_carry_token_ids() -> None:
 
 
 def test_llama_options_map_to_flags() -> None:
-    opts = ServerOptions(model_path=Path("/m.gguf"), ctx_size=4096, flash_attn="on", cache_type_k="q8_0",
-                         cache_type_v="q4_0", n_gpu_layers=99, n_cpu_moe=4, threads=2, slot_save_path=Path("/s"))  # fmt: skip
+    opts = ServerOptions(
+        model_path=Path("/m.gguf"),
+        ctx_size=4096,
+        flash_attn="on",
+        cache_type_k="q8_0",
+        cache_type_v="q4_0",
+        n_gpu_layers=99,
+        n_cpu_moe=4,
+        threads=2,
+        slot_save_path=Path("/s"),
+    )
     opts.validate()
     args = opts.to_args("127.0.0.1", 1234)
     pairs = dict(zip(args[::2], args[1::2], strict=False))
     assert pairs["-m"] == "/m.gguf" and pairs["--port"] == "1234" and pairs["-c"] == "4096"
     assert [args[args.index(f) + 1] for f in ("-fa", "-ctk", "-ctv", "-ngl", "--n-cpu-moe", "-t", "-np")] == [
-        "on", "q8_0", "q4_0", "99", "4", "2", "1"]  # fmt: skip
+        "on",
+        "q8_0",
+        "q4_0",
+        "99",
+        "4",
+        "2",
+        "1",
+    ]
     assert "--metrics" in args and args[args.index("--slot-save-path") + 1] == "/s"
 
 

@@ -165,9 +165,22 @@ def test_llama_stop_leaves_no_process(home: Path, default_model) -> None:
 def test_llama_attaches_to_a_server_it_did_not_start(home: Path, default_model) -> None:
     port = llama_server.free_port()
     proc = subprocess.Popen(
-        [str(BINARY), "-m", str(default_model.gguf_path), "--port", str(port), "-c", "512", "-np", "1", "-t", str(THREADS)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(BINARY),
+            "-m",
+            str(default_model.gguf_path),
+            "--port",
+            str(port),
+            "-c",
+            "512",
+            "-np",
+            "1",
+            "-t",
+            str(THREADS),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         b = llama_server.LlamaServerBackend(url=f"http://127.0.0.1:{port}", startup_timeout=30)
         deadline = time.monotonic() + 60
@@ -256,8 +269,22 @@ def servers_for_logs(logs: set[Path]) -> list[psutil.Process]:
 def test_llama_cli_ask_json(home: Path) -> None:
     logs_before = set((home / "logs").glob("llama-server-*.log"))
     env = {**os.environ, "FLASHCODE_HOME": str(home), "FLASHCODE_LLAMA_THREADS": str(THREADS)}
-    cmd = [sys.executable, "-m", "webapp.cli", "ask", "--backend", "llama", "--json", "--temperature", "0",
-           "--max-tokens", "8", "--ctx-size", "512", "Say hello"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "webapp.cli",
+        "ask",
+        "--backend",
+        "llama",
+        "--json",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--ctx-size",
+        "512",
+        "Say hello",
+    ]
     out = subprocess.run(
         cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent
     )

@@ -17,7 +17,9 @@ PARIS = "Which city is the capital of France?"
 
 def chat(text: str, **sampling) -> GenerationRequest:
     sampling.setdefault("temperature", 0.0)
-    return GenerationRequest(messages=({"role": "user", "content": text},), sampling=SamplingParams(**sampling))
+    return GenerationRequest(
+        messages=({"role": "user", "content": text},), sampling=SamplingParams(**sampling)
+    )
 
 
 def run(backend, request, cancel=None) -> tuple[list[TextDelta], Done]:
@@ -64,7 +66,11 @@ def test_prompt_cache_is_reused_and_exact(mlx_backend):
     first = chat(PARIS, max_tokens=16)
     _, d1 = run(mlx_backend, first)
     follow = GenerationRequest(
-        messages=(*first.messages, {"role": "assistant", "content": d1.text}, {"role": "user", "content": "And of Italy?"}),
+        messages=(
+            *first.messages,
+            {"role": "assistant", "content": d1.text},
+            {"role": "user", "content": "And of Italy?"},
+        ),
         sampling=SamplingParams(temperature=0, max_tokens=16),
     )
     _, warm = run(mlx_backend, follow)
@@ -85,7 +91,12 @@ def test_context_limit_gives_clear_error(default_model):
 
 
 def test_raw_completion(mlx_backend):
-    _, done = run(mlx_backend, GenerationRequest(prompt="The capital of France is", sampling=SamplingParams(temperature=0, max_tokens=4)))
+    _, done = run(
+        mlx_backend,
+        GenerationRequest(
+            prompt="The capital of France is", sampling=SamplingParams(temperature=0, max_tokens=4)
+        ),
+    )
     assert done.stats.prompt_tokens == len(mlx_backend.encode_raw("The capital of France is"))
     assert done.text
 

@@ -68,8 +68,14 @@ def test_patch_model_leaves_other_layers_and_obeys_the_switch(monkeypatch: pytes
 
 
 def _child(code: str, **env: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,8 +108,10 @@ def test_fast_blas_routes_mlx_matmul_and_the_switch_turns_it_off() -> None:
 
 
 def test_fast_blas_is_refused_once_mlx_is_loaded() -> None:
-    late = _child("import json, mlx.core; import engine.cpu_fast as c; s = c.load_fast_blas(); "
-                  "print(json.dumps({'active': s.active, 'reason': s.reason}))")  # fmt: skip
+    late = _child(
+        "import json, mlx.core; import engine.cpu_fast as c; s = c.load_fast_blas(); "
+        "print(json.dumps({'active': s.active, 'reason': s.reason}))"
+    )
     assert not late["active"] and "imported before" in late["reason"]
 
 
@@ -139,8 +147,10 @@ def greedy(backend, prompt: str, tokens: int = TOKENS) -> list[int]:
     from engine.base import GenerationRequest, SamplingParams, TextDelta
 
     backend.prompt_cache.reset()
-    req = GenerationRequest(messages=({"role": "user", "content": prompt},),
-                            sampling=SamplingParams(temperature=0.0, max_tokens=tokens))  # fmt: skip
+    req = GenerationRequest(
+        messages=({"role": "user", "content": prompt},),
+        sampling=SamplingParams(temperature=0.0, max_tokens=tokens),
+    )
     return [
         i for ev in backend.stream(req, threading.Event()) if isinstance(ev, TextDelta) for i in ev.token_ids
     ]
@@ -174,7 +184,13 @@ def test_fast_path_gives_the_reference_greedy_tokens(mlx_backend) -> None:
 
 
 def _child_run(prompts: list[str], **env: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", GENERATE, json.dumps(prompts), str(TOKENS)], cwd=ROOT,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=800)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", GENERATE, json.dumps(prompts), str(TOKENS)],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -57,8 +57,9 @@ class FakeEngine:
         self.history.append(request)
         for i, tok in enumerate(["Hi", " there", "!"]):
             yield TextDelta(tok, (i,))
-        stats = GenerationStats(prompt_tokens=5, cached_tokens=2, completion_tokens=3, ttft_s=0.01, decode_tps=50.0,
-                                total_s=0.07)  # fmt: skip
+        stats = GenerationStats(
+            prompt_tokens=5, cached_tokens=2, completion_tokens=3, ttft_s=0.01, decode_tps=50.0, total_s=0.07
+        )
         yield Done(stats, "length" if request.sampling.max_tokens == 3 else "stop", "Hi there!")
 
     def close(self) -> None:
@@ -70,8 +71,9 @@ def engine() -> FakeEngine:
     return FakeEngine()
 
 
-def make_client(tmp_path: Path, engine: FakeEngine, client: tuple[str, int] = ("127.0.0.1", 50000),
-                **settings: object) -> Iterator[TestClient]:  # fmt: skip
+def make_client(
+    tmp_path: Path, engine: FakeEngine, client: tuple[str, int] = ("127.0.0.1", 50000), **settings: object
+) -> Iterator[TestClient]:
     worker = Worker(lambda: engine)
     app = create_app(Settings(data_dir=tmp_path, load_model=False, **settings), worker=worker)  # type: ignore[arg-type]
     with TestClient(app, base_url=BASE, client=client) as c:
@@ -96,8 +98,12 @@ def test_openai_completion_shape_usage_and_stats(client: TestClient, engine: Fak
     assert body["object"] == "chat.completion" and body["model"] == "fake-model"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi there!"}
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                             "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     s = engine.history[-1].sampling
     assert (s.temperature, s.max_tokens, s.seed, s.stop) == (0.0, 7, 3, ("\n\n",))
     t = stats.totals(client.app.state.flashcode.db.conn, source="api")
@@ -105,10 +111,20 @@ def test_openai_completion_shape_usage_and_stats(client: TestClient, engine: Fak
 
 
 def test_openai_streams_sse_chunks_then_done(client: TestClient) -> None:
-    with client.stream("POST", "/v1/chat/completions", json={
-        "model": "fake-model", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3,
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-    }) as r:  # fmt: skip
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 3,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+        },
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -124,17 +140,20 @@ def test_openai_lists_models_with_the_current_backend(client: TestClient) -> Non
     assert data[0]["id"] == "fake-model" and data[0]["owned_by"] == "flashcode-fake" and data[0]["loaded"]
 
 
-@pytest.mark.parametrize(("body", "status", "match"), [
-    ({"messages": []}, 400, "non-empty"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text"),
-    ({"tools": [{"type": "function"}]}, 400, "tools are not supported"),
-    ({"n": 2}, 400, "n must be 1"),
-    ({"temperature": -1}, 400, "temperature"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": "gpt-4o"}, 404, "does not exist"),
-    ({"messages": [{"role": "user", "content": "word " * 80}]}, 400, "context"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "status", "match"),
+    [
+        ({"messages": []}, 400, "non-empty"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text"),
+        ({"tools": [{"type": "function"}]}, 400, "tools are not supported"),
+        ({"n": 2}, 400, "n must be 1"),
+        ({"temperature": -1}, 400, "temperature"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "gpt-4o"}, 404, "does not exist"),
+        ({"messages": [{"role": "user", "content": "word " * 80}]}, 400, "context"),
+    ],
+)
 def test_openai_rejects_bad_requests_with_openai_errors(
     client: TestClient, body: dict, status: int, match: str
 ) -> None:
@@ -151,10 +170,19 @@ def test_openai_rejects_non_json(client: TestClient) -> None:
 
 def test_openai_refuses_foreign_origin_but_not_its_own(client: TestClient) -> None:
     assert chat(client).status_code == 200
-    assert client.post("/v1/chat/completions", headers={"origin": "http://127.0.0.1:8000"},
-                       json={"messages": [{"role": "user", "content": "x"}]}).status_code == 200  # fmt: skip
-    r = client.post("/v1/chat/completions", headers={"origin": "https://evil.example"},
-                    json={"messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+    assert (
+        client.post(
+            "/v1/chat/completions",
+            headers={"origin": "http://127.0.0.1:8000"},
+            json={"messages": [{"role": "user", "content": "x"}]},
+        ).status_code
+        == 200
+    )
+    r = client.post(
+        "/v1/chat/completions",
+        headers={"origin": "https://evil.example"},
+        json={"messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 403 and "evil.example" in r.json()["error"]["message"]
     assert client.get("/v1/models", headers={"origin": "https://evil.example"}).status_code == 403
 
@@ -205,7 +233,9 @@ def test_openai_stream_stops_the_engine_when_the_client_leaves(tmp_path: Path) -
     try:
         with serve_app(app, port):
             body = {"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 500}
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10) as r:
+            with httpx.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10
+            ) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")  # the role chunk
                 assert '" t0"' in next(ln for ln in lines if ln)

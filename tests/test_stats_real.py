@@ -63,8 +63,10 @@ def db(home: Path) -> sqlite3.Connection:
 
 
 def test_stats_recorded_for_a_real_reply(home: Path, worker: Worker) -> None:
-    request = GenerationRequest(messages=({"role": "user", "content": "Say hi."},),
-                                sampling=SamplingParams(temperature=0.0, max_tokens=TOKENS))  # fmt: skip
+    request = GenerationRequest(
+        messages=({"role": "user", "content": "Say hi."},),
+        sampling=SamplingParams(temperature=0.0, max_tokens=TOKENS),
+    )
 
     async def reply() -> Done:
         gen = worker.submit(request, loop=asyncio.get_running_loop())
@@ -74,10 +76,20 @@ def test_stats_recorded_for_a_real_reply(home: Path, worker: Worker) -> None:
     assert done.error is None, done.error
     conn = db(home)
     migrate(conn)
-    rid = stats.record_reply(conn, done.stats, backend=worker.backend.name, model=worker.backend.model.name,
-                             conversation_id="c1", message_id=1, finish_reason=done.finish_reason)  # fmt: skip
-    row = conn.execute("SELECT backend, model, prompt_tokens, completion_tokens, ttft_s, decode_tps, peak_memory_bytes, "
-                       "total_s FROM stats_replies WHERE id=?", (rid,)).fetchone()  # fmt: skip
+    rid = stats.record_reply(
+        conn,
+        done.stats,
+        backend=worker.backend.name,
+        model=worker.backend.model.name,
+        conversation_id="c1",
+        message_id=1,
+        finish_reason=done.finish_reason,
+    )
+    row = conn.execute(
+        "SELECT backend, model, prompt_tokens, completion_tokens, ttft_s, decode_tps, peak_memory_bytes, "
+        "total_s FROM stats_replies WHERE id=?",
+        (rid,),
+    ).fetchone()
     backend, model, prompt, completion, ttft, tps, peak, total = row
     assert (backend, model) == ("mlx", "smollm2-135m-instruct-q4_1")
     assert prompt > 5 and 1 <= completion <= TOKENS
@@ -91,13 +103,22 @@ def test_openai_client_streaming_and_not(server: str, home: Path) -> None:
     client = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
     models = client.models.list()
     assert "smollm2-135m-instruct-q4_1" in [m.id for m in models.data]
-    out = client.chat.completions.create(model="smollm2-135m-instruct-q4_1", max_tokens=TOKENS, temperature=0,
-                                         messages=[{"role": "user", "content": "What is 2+2?"}])  # fmt: skip
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct-q4_1",
+        max_tokens=TOKENS,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+    )
     assert out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens > 5 and 1 <= out.usage.completion_tokens <= TOKENS
-    stream = client.chat.completions.create(model="smollm2-135m-instruct-q4_1", max_tokens=TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            messages=[{"role": "user", "content": "What is 2+2?"}])  # fmt: skip
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct-q4_1",
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == out.choices[0].message.content  # greedy: the same reply both ways
@@ -111,17 +132,43 @@ def seed(home: Path) -> None:
     now = time.time()
     for i in range(18):
         backend, tps, ttft = [("mlx", 9.0, 0.35), ("llama", 97.0, 0.08), ("flash", 4.0, 1.2)][i % 3]
-        s = {"prompt_tokens": 200 + 40 * i, "cached_tokens": 120 if i % 2 else 0, "completion_tokens": 150 + 10 * i,
-             "ttft_s": ttft * (1 + 0.1 * (i % 4)), "decode_tps": tps * (1 - 0.03 * (i % 5)), "total_s": 20.0,
-             "peak_memory_bytes": (300 + i) << 20, "extra": {"bytes_read": (40 << 20) * i} if backend == "flash" else {}}  # fmt: skip
-        rid = stats.record_reply(conn, s, backend=backend, model="smollm2-135m-instruct-q4_1",
-                                 route=("chat", "search", "shell")[i % 3], conversation_id="seed")  # fmt: skip
+        s = {
+            "prompt_tokens": 200 + 40 * i,
+            "cached_tokens": 120 if i % 2 else 0,
+            "completion_tokens": 150 + 10 * i,
+            "ttft_s": ttft * (1 + 0.1 * (i % 4)),
+            "decode_tps": tps * (1 - 0.03 * (i % 5)),
+            "total_s": 20.0,
+            "peak_memory_bytes": (300 + i) << 20,
+            "extra": {"bytes_read": (40 << 20) * i} if backend == "flash" else {},
+        }
+        rid = stats.record_reply(
+            conn,
+            s,
+            backend=backend,
+            model="smollm2-135m-instruct-q4_1",
+            route=("chat", "search", "shell")[i % 3],
+            conversation_id="seed",
+        )
         conn.execute("UPDATE stats_replies SET created_at=? WHERE id=?", (now - (18 - i) * 1200, rid))
     conn.commit()
     stats.grade_last(conn, "bad", "ran the wrong command", conversation_id="seed", excerpt="ls -la /")
-    stats.record_bench_run(conn, backend="mlx", model="smollm2-135m-instruct-q4_1", max_tokens=64,
-                           results=[{"decode_tps": 9.1, "ttft_s": 0.3, "peak_memory_bytes": 310 << 20, "total_s": 7.0,
-                                     "prompt_tokens": 40, "completion_tokens": 64}])  # fmt: skip
+    stats.record_bench_run(
+        conn,
+        backend="mlx",
+        model="smollm2-135m-instruct-q4_1",
+        max_tokens=64,
+        results=[
+            {
+                "decode_tps": 9.1,
+                "ttft_s": 0.3,
+                "peak_memory_bytes": 310 << 20,
+                "total_s": 7.0,
+                "prompt_tokens": 40,
+                "completion_tokens": 64,
+            }
+        ],
+    )
     conn.close()
 
 

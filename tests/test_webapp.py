@@ -42,9 +42,21 @@ def test_webapp_page_is_a_desktop_with_menus_and_windows(app_parts) -> None:
     client, _ = app_parts
     r = client.get("/")
     assert r.status_code == 200
-    for needle in ('role="menu-bar"', ">File", ">Edit", ">View", ">Special", 'id="chat-window"',
-                   'id="conversations-window"', 'id="projects-window"', 'id="stats-window"',
-                   'id="settings-window"', 'ws-connect="/ws"', 'id="context-gauge"', 'id="model-picker"'):  # fmt: skip
+    for needle in (
+        'role="menu-bar"',
+        ">File",
+        ">Edit",
+        ">View",
+        ">Special",
+        'id="chat-window"',
+        'id="conversations-window"',
+        'id="projects-window"',
+        'id="stats-window"',
+        'id="settings-window"',
+        'ws-connect="/ws"',
+        'id="context-gauge"',
+        'id="model-picker"',
+    ):
         assert needle in r.text, needle
     assert "fake-model" in r.text
 

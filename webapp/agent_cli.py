@@ -44,7 +44,11 @@ def register(sub: Any) -> None:
     p.add_argument("prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--model", default=None, help="installed model name (default: the default model)")
-    p.add_argument("--backend", default="mlx", choices=["mlx", "llama"],
-                   help="engine that scores the labels (default mlx; llama uses llama-server's token probabilities)")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "llama"],
+        help="engine that scores the labels (default mlx; llama uses llama-server's token probabilities)",
+    )
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_route)

@@ -105,7 +105,9 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     api = OpenAIAPI(engine.worker, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token)
     pages = ChatPages(db, engine, views)
-    chat = ChatContext(db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns)
+    chat = ChatContext(
+        db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

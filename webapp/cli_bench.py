@@ -38,8 +38,12 @@ def cmd_bench_mlx(args: argparse.Namespace) -> int:
 
     result = run_mlx_bench(find_model(args.model), tokens=args.tokens, repeats=args.repeats)
     path = write_result(result, args.out, "mlx.json")
-    print(f"mlx-lm  decode {result['mlx_lm']['decode_tps']:.2f} tok/s  ttft {result['mlx_lm']['ttft_s'] * 1000:.0f} ms")
-    print(f"backend decode {result['backend']['decode_tps']:.2f} tok/s  ttft {result['backend']['ttft_s'] * 1000:.0f} ms")
+    print(
+        f"mlx-lm  decode {result['mlx_lm']['decode_tps']:.2f} tok/s  ttft {result['mlx_lm']['ttft_s'] * 1000:.0f} ms"
+    )
+    print(
+        f"backend decode {result['backend']['decode_tps']:.2f} tok/s  ttft {result['backend']['ttft_s'] * 1000:.0f} ms"
+    )
     print(f"decode_ratio {result['decode_ratio']:.3f}  (goal >= 0.95)  -> {path}")
     return 0
 
@@ -47,8 +51,16 @@ def cmd_bench_mlx(args: argparse.Namespace) -> int:
 def _flash(args: argparse.Namespace) -> int:
     from engine.flash.bench import main
 
-    argv = ["--model", args.model, "--memory-cap", args.memory_cap, "--tokens", args.tokens,
-            "--out", args.out or str(RESULTS / "flash-dense.json")]  # fmt: skip
+    argv = [
+        "--model",
+        args.model,
+        "--memory-cap",
+        args.memory_cap,
+        "--tokens",
+        args.tokens,
+        "--out",
+        args.out or str(RESULTS / "flash-dense.json"),
+    ]
     if args.prefetch:
         argv += ["--prefetch", args.prefetch]
     for s in args.skip:
@@ -81,7 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_bench_mlx)
-    p = bsub.add_parser("flash", help="flash engine under a cgroup memory cap vs RAM, lazy mmap and llama-server")
+    p = bsub.add_parser(
+        "flash", help="flash engine under a cgroup memory cap vs RAM, lazy mmap and llama-server"
+    )
     p.add_argument("--model", required=True, help="model directory (e.g. made by `flashcode synth llama-8b`)")
     p.add_argument("--memory-cap", required=True, help="cgroup memory cap, e.g. 1.75GB (needs root)")
     p.add_argument("--tokens", default="8")
@@ -112,14 +126,22 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     db = Database(paths.database_path(paths.home()))
     try:
         earlier = store.bench_runs(db.conn, limit=1)
-        run = store.record_bench_run(db.conn, backend=backend, model=model, max_tokens=args.max_tokens, results=results)
+        run = store.record_bench_run(
+            db.conn, backend=backend, model=model, max_tokens=args.max_tokens, results=results
+        )
     finally:
         db.close()
     print(bench.format_run(run, earlier[0] if earlier else None))
     if args.out:
         summary = store.summarize(results)
-        data = {"id": run.id, "backend": backend, "model": model, "max_tokens": run.max_tokens, "summary": summary,
-                "results": results}  # fmt: skip
+        data = {
+            "id": run.id,
+            "backend": backend,
+            "model": model,
+            "max_tokens": run.max_tokens,
+            "summary": summary,
+            "results": results,
+        }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
         print(f"-> {args.out}", file=sys.stderr)
@@ -127,11 +149,15 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
 
 
 def _add_run(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser("run", help="the fixed /bench prompt set on a backend and model; stored with the stats")
+    p = bsub.add_parser(
+        "run", help="the fixed /bench prompt set on a backend and model; stored with the stats"
+    )
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
     p.add_argument("--model", default=None, help="installed model name (default: the default model)")
     p.add_argument("--max-tokens", type=int, default=bench.DEFAULT_MAX_TOKENS, help="reply budget per prompt")
-    p.add_argument("--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB")
+    p.add_argument(
+        "--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB"
+    )
     p.add_argument("--llama-url", default=None)
     p.add_argument("--ctx-size", type=int, default=None)
     p.add_argument("--out", default=None, help="also write the run as JSON here")

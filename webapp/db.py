@@ -45,8 +45,11 @@ class Migration(NamedTuple):
 
 
 MIGRATIONS: list[Migration] = [
-    Migration(1, "conversations and messages", (
-        """CREATE TABLE conversations (
+    Migration(
+        1,
+        "conversations and messages",
+        (
+            """CREATE TABLE conversations (
             id TEXT PRIMARY KEY,
             title TEXT NOT NULL,
             model TEXT,
@@ -54,7 +57,7 @@ MIGRATIONS: list[Migration] = [
             created_at REAL NOT NULL,
             updated_at REAL NOT NULL
         )""",
-        """CREATE TABLE messages (
+            """CREATE TABLE messages (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
             role TEXT NOT NULL,
@@ -63,13 +66,17 @@ MIGRATIONS: list[Migration] = [
             stats TEXT,
             created_at REAL NOT NULL
         )""",
-        "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
-        "CREATE INDEX conversations_by_update ON conversations(updated_at)",
-    )),
+            "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
+            "CREATE INDEX conversations_by_update ON conversations(updated_at)",
+        ),
+    ),
     # IF NOT EXISTS from here on: before this list owned them, the agent and the stats created their
     # tables themselves, so a database of that time may hold them without the step recorded
-    Migration(2, "agent allow rules and actions", (
-        """CREATE TABLE IF NOT EXISTS agent_allow_rules (
+    Migration(
+        2,
+        "agent allow rules and actions",
+        (
+            """CREATE TABLE IF NOT EXISTS agent_allow_rules (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             project TEXT NOT NULL,
             kind TEXT NOT NULL CHECK (kind IN ('exact', 'prefix')),
@@ -77,7 +84,7 @@ MIGRATIONS: list[Migration] = [
             created_at REAL NOT NULL,
             UNIQUE (project, kind, pattern)
         )""",
-        """CREATE TABLE IF NOT EXISTS agent_actions (
+            """CREATE TABLE IF NOT EXISTS agent_actions (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             project TEXT NOT NULL,
             conversation_id TEXT,
@@ -92,17 +99,25 @@ MIGRATIONS: list[Migration] = [
             decided_at REAL,
             finished_at REAL
         )""",
-        "CREATE INDEX IF NOT EXISTS agent_actions_project ON agent_actions (project, created_at)",
-    )),
-    Migration(3, "per-project sandbox settings", (
-        """CREATE TABLE IF NOT EXISTS agent_project_settings (
+            "CREATE INDEX IF NOT EXISTS agent_actions_project ON agent_actions (project, created_at)",
+        ),
+    ),
+    Migration(
+        3,
+        "per-project sandbox settings",
+        (
+            """CREATE TABLE IF NOT EXISTS agent_project_settings (
             project TEXT PRIMARY KEY,
             network INTEGER NOT NULL DEFAULT 0,
             updated_at REAL NOT NULL
         )""",
-    )),
-    Migration(4, "reply stats, grades and bench runs", (
-        """CREATE TABLE IF NOT EXISTS stats_replies (
+        ),
+    ),
+    Migration(
+        4,
+        "reply stats, grades and bench runs",
+        (
+            """CREATE TABLE IF NOT EXISTS stats_replies (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             created_at REAL NOT NULL,
             source TEXT NOT NULL DEFAULT 'chat',          -- chat | api | bench
@@ -125,9 +140,9 @@ MIGRATIONS: list[Migration] = [
             finish_reason TEXT,
             bench_run_id INTEGER
         )""",
-        "CREATE INDEX IF NOT EXISTS stats_replies_time ON stats_replies (created_at)",
-        "CREATE INDEX IF NOT EXISTS stats_replies_conversation ON stats_replies (conversation_id, id)",
-        """CREATE TABLE IF NOT EXISTS stats_grades (
+            "CREATE INDEX IF NOT EXISTS stats_replies_time ON stats_replies (created_at)",
+            "CREATE INDEX IF NOT EXISTS stats_replies_conversation ON stats_replies (conversation_id, id)",
+            """CREATE TABLE IF NOT EXISTS stats_grades (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             created_at REAL NOT NULL,
             reply_id INTEGER REFERENCES stats_replies(id) ON DELETE SET NULL,
@@ -139,7 +154,7 @@ MIGRATIONS: list[Migration] = [
             note TEXT,
             excerpt TEXT
         )""",
-        """CREATE TABLE IF NOT EXISTS stats_bench_runs (
+            """CREATE TABLE IF NOT EXISTS stats_bench_runs (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
             created_at REAL NOT NULL,
             backend TEXT,
@@ -154,8 +169,9 @@ MIGRATIONS: list[Migration] = [
             total_s REAL,
             results TEXT
         )""",
-    )),
-]  # fmt: skip
+        ),
+    ),
+]
 
 SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows
 
@@ -231,8 +247,9 @@ class Database:
         return self.conn.execute("UPDATE messages SET status='incomplete' WHERE status='streaming'").rowcount
 
     # ------------------------------------------------------------------ conversations
-    def create_conversation(self, title: str = "Untitled", model: str | None = None,
-                            backend: str | None = None) -> Conversation:  # fmt: skip
+    def create_conversation(
+        self, title: str = "Untitled", model: str | None = None, backend: str | None = None
+    ) -> Conversation:
         now = time.time()
         conv = Conversation(uuid.uuid4().hex[:12], title, model, backend, now, now)
         self.conn.execute(
@@ -250,8 +267,9 @@ class Database:
         return [Conversation(**dict(r)) for r in rows]
 
     def rename_conversation(self, conversation_id: str, title: str) -> bool:
-        cur = self.conn.execute("UPDATE conversations SET title=?, updated_at=? WHERE id=?",
-                                (title, time.time(), conversation_id))  # fmt: skip
+        cur = self.conn.execute(
+            "UPDATE conversations SET title=?, updated_at=? WHERE id=?", (title, time.time(), conversation_id)
+        )
         return cur.rowcount == 1
 
     def delete_conversation(self, conversation_id: str) -> bool:
@@ -264,8 +282,9 @@ class Database:
         )
 
     # ------------------------------------------------------------------ messages
-    def add_message(self, conversation_id: str, role: str, content: str,
-                    status: MessageStatus = "complete") -> StoredMessage:  # fmt: skip
+    def add_message(
+        self, conversation_id: str, role: str, content: str, status: MessageStatus = "complete"
+    ) -> StoredMessage:
         now = time.time()
         cur = self.conn.execute(
             "INSERT INTO messages (conversation_id, role, content, status, created_at) VALUES (?,?,?,?,?)",
@@ -279,17 +298,21 @@ class Database:
             "UPDATE messages SET content=? WHERE id=? AND status='streaming'", (content, message_id)
         )
 
-    def finish_message(self, message_id: int, content: str, status: MessageStatus,
-                       stats: dict[str, Any] | None = None) -> None:  # fmt: skip
-        self.conn.execute("UPDATE messages SET content=?, status=?, stats=? WHERE id=?",
-                          (content, status, json.dumps(stats) if stats else None, message_id))  # fmt: skip
+    def finish_message(
+        self, message_id: int, content: str, status: MessageStatus, stats: dict[str, Any] | None = None
+    ) -> None:
+        self.conn.execute(
+            "UPDATE messages SET content=?, status=?, stats=? WHERE id=?",
+            (content, status, json.dumps(stats) if stats else None, message_id),
+        )
 
     def delete_message(self, message_id: int) -> None:
         self.conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
 
     def messages(self, conversation_id: str) -> list[StoredMessage]:
-        rows = self.conn.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id",
-                                 (conversation_id,)).fetchall()  # fmt: skip
+        rows = self.conn.execute(
+            "SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)
+        ).fetchall()
         return [_message(r) for r in rows]
 
 
@@ -314,7 +337,9 @@ def migrate(conn: sqlite3.Connection) -> list[int]:
         try:
             for statement in (statements,) if isinstance(statements, str) else statements:
                 conn.execute(statement)
-            conn.execute("INSERT OR REPLACE INTO schema_migrations VALUES (?,?,?)", (version, name, time.time()))
+            conn.execute(
+                "INSERT OR REPLACE INTO schema_migrations VALUES (?,?,?)", (version, name, time.time())
+            )
             conn.execute(f"PRAGMA user_version = {int(version)}")
             conn.execute("COMMIT")
         except BaseException:
@@ -356,7 +381,7 @@ def export_json(conv: Conversation, messages: list[StoredMessage]) -> dict[str, 
                 "status": m.status,
                 "created_at": m.created_at,
                 "stats": m.stats,
-            }  # fmt: skip
+            }
             for m in messages
         ],
     }

@@ -46,8 +46,12 @@ def gb(n: float) -> str:
 # --------------------------------------------------------------------------- checks
 def check_python() -> Check:
     ok = sys.version_info >= (3, 11)
-    return Check(ok, f"{platform.python_version()} ({sys.executable})", None if ok else "install Python 3.11 or newer",
-                 required=True)  # fmt: skip
+    return Check(
+        ok,
+        f"{platform.python_version()} ({sys.executable})",
+        None if ok else "install Python 3.11 or newer",
+        required=True,
+    )
 
 
 def check_mlx() -> Check:
@@ -103,8 +107,11 @@ def check_sandbox() -> Check:
         )
     found = shutil.which("bwrap")
     if not found:
-        return Check(False, "bwrap not found: shell commands cannot be sandboxed, so every one asks first",
-                     "apt-get install bubblewrap")  # fmt: skip
+        return Check(
+            False,
+            "bwrap not found: shell commands cannot be sandboxed, so every one asks first",
+            "apt-get install bubblewrap",
+        )
     try:
         proc = subprocess.run(
             [found, "--ro-bind", "/", "/", "true"], capture_output=True, text=True, timeout=10
@@ -113,8 +120,12 @@ def check_sandbox() -> Check:
         return Check(True, f"{found}, but a test run failed ({exc})", warn=True)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-        return Check(True, f"{found}, but it cannot make a sandbox here ({why})",
-                     "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)", warn=True)  # fmt: skip
+        return Check(
+            True,
+            f"{found}, but it cannot make a sandbox here ({why})",
+            "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)",
+            warn=True,
+        )
     return Check(True, f"{found} (works)")
 
 
@@ -122,8 +133,11 @@ def check_strace() -> Check:
     if sys.platform != "linux":
         return Check(True, "not used on this platform")
     found = shutil.which("strace")
-    return Check(bool(found), found or "not found (only the security tests need it)",
-                 None if found else "apt-get install strace")  # fmt: skip
+    return Check(
+        bool(found),
+        found or "not found (only the security tests need it)",
+        None if found else "apt-get install strace",
+    )
 
 
 def existing(path: Path) -> Path:
@@ -138,8 +152,12 @@ def check_data_dir(root: Path) -> Check:
     if not root.is_dir():
         return Check(False, f"{root} is a file", "pass another --data-dir", required=True)
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-        return Check(False, f"{root}: permission denied", f"chmod u+rwx {root}, or pass another --data-dir",
-                     required=True)  # fmt: skip
+        return Check(
+            False,
+            f"{root}: permission denied",
+            f"chmod u+rwx {root}, or pass another --data-dir",
+            required=True,
+        )
     return Check(True, str(root), required=True)
 
 
@@ -156,8 +174,12 @@ def check_database(root: Path) -> Check:
     except sqlite3.DatabaseError as exc:
         return Check(False, f"{path} is not readable ({exc})", "move it aside", required=True)
     if version > SCHEMA_VERSION:
-        return Check(False, f"{path}: schema {version}, newer than this flashcode ({SCHEMA_VERSION})",
-                     "upgrade flashcode, or pass another --data-dir", required=True)  # fmt: skip
+        return Check(
+            False,
+            f"{path}: schema {version}, newer than this flashcode ({SCHEMA_VERSION})",
+            "upgrade flashcode, or pass another --data-dir",
+            required=True,
+        )
     return Check(True, f"{path} (schema {version})")
 
 
@@ -165,23 +187,34 @@ def check_disk(root: Path) -> Check:
     where = existing(root)
     free = shutil.disk_usage(where).free
     low = free < LOW_DISK_BYTES
-    return Check(True, f"{gb(free)} free on {where}", "free some space (models take 0.1-20 GB)" if low else None,
-                 warn=low)  # fmt: skip
+    return Check(
+        True,
+        f"{gb(free)} free on {where}",
+        "free some space (models take 0.1-20 GB)" if low else None,
+        warn=low,
+    )
 
 
 def check_memory() -> Check:
     vm = psutil.virtual_memory()
     low = vm.available < LOW_MEMORY_BYTES
-    return Check(True, f"{gb(vm.available)} available of {gb(vm.total)}",
-                 "close other programs, or use --backend flash --memory-budget" if low else None, warn=low)  # fmt: skip
+    return Check(
+        True,
+        f"{gb(vm.available)} available of {gb(vm.total)}",
+        "close other programs, or use --backend flash --memory-budget" if low else None,
+        warn=low,
+    )
 
 
 def check_models(root: Path) -> Check:
     models = list_models(root) if (root / "models").is_dir() else []
     if not models:
         return Check(False, f"none in {root / 'models'}", f"flashcode setup --data-dir {root}", required=True)
-    return Check(True, ", ".join(f"{m.name} ({m.architecture}, {human_size(m.size_bytes)})" for m in models),
-                 required=True)  # fmt: skip
+    return Check(
+        True,
+        ", ".join(f"{m.name} ({m.architecture}, {human_size(m.size_bytes)})" for m in models),
+        required=True,
+    )
 
 
 # --------------------------------------------------------------------------- the report

@@ -93,7 +93,9 @@ def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
         if value is None:
             continue
         if backend is not None and flag in _BACKEND_OF and backend not in _BACKEND_OF[flag]:
-            raise SystemExit(f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}")
+            raise SystemExit(
+                f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}"
+            )
         opts[key] = value
     return opts
 
@@ -137,7 +139,9 @@ class EngineState:
         """Load `model` on `backend`; on failure reload what was there before, then re-raise."""
         previous = (self.backend, self.model)
         try:
-            await asyncio.to_thread(self.worker.switch, lambda: make_loaded_backend(backend, model, self.options))
+            await asyncio.to_thread(
+                self.worker.switch, lambda: make_loaded_backend(backend, model, self.options)
+            )
         except Exception:
             if previous[0] and previous[1]:
                 with_previous = previous

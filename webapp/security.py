@@ -78,11 +78,15 @@ def resolve_token(given: str | None, loopback: bool, env: Mapping[str, str] = os
     """--token, else $FLASHCODE_TOKEN, else a fresh random one when bound beyond loopback."""
     token = given or env.get(TOKEN_ENV) or None
     if token is not None and len(token) < 8:
-        raise ValueError(f"the access token is {len(token)} characters long: use 8 or more (or leave "
-                         f"--token and ${TOKEN_ENV} unset for a random one)")  # fmt: skip
+        raise ValueError(
+            f"the access token is {len(token)} characters long: use 8 or more (or leave "
+            f"--token and ${TOKEN_ENV} unset for a random one)"
+        )
     if token is not None and not TOKEN_CHARS.fullmatch(token):
-        raise ValueError("the access token may hold only letters, digits and . _ ~ - (it travels in URLs "
-                         f"and cookies): change --token or ${TOKEN_ENV}")  # fmt: skip
+        raise ValueError(
+            "the access token may hold only letters, digits and . _ ~ - (it travels in URLs "
+            f"and cookies): change --token or ${TOKEN_ENV}"
+        )
     return token or (None if loopback else new_token())
 
 
@@ -150,8 +154,14 @@ class TokenMiddleware:
         status = 403 if wrong and not api else 401  # OpenAI clients expect 401 for a wrong key
         response: Response
         if api:  # OpenAI clients read {"error": {...}}
-            body = {"error": {"message": message, "type": "authentication_error", "param": None,
-                              "code": "invalid_api_key"}}  # fmt: skip
+            body = {
+                "error": {
+                    "message": message,
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
             response = JSONResponse(body, status_code=status)
         else:
             response = PlainTextResponse(f"{status}: {message}", status_code=status)

@@ -8,20 +8,36 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("split", help="make a model streamable by the flash backend (pinned file + aligned units)")
+    p = subparsers.add_parser(
+        "split", help="make a model streamable by the flash backend (pinned file + aligned units)"
+    )
     p.add_argument("model", help="model name (see `flashcode models`) or an mlx-lm model directory")
     p.add_argument("--out", default=None, help="where to write the split (default MODEL_DIR/split)")
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
     p.set_defaults(func=cmd_split)
 
     p = subparsers.add_parser("synth", help="write a random-weight quantized model of a real architecture")
-    p.add_argument("preset", help="llama-8b, llama-3b, llama-1b, tiny, ffn-heavy; MoE: qwen3-30b-a3b, moe-tiny, moe-heavy")
-    p.add_argument("--layers", type=int, default=None, help="fewer (or more) transformer layers than the preset")
-    p.add_argument("--out", default=None, help="output directory (default $FLASHCODE_HOME/models/synth-PRESET[-LN])")
-    p.add_argument("--gguf", action="store_true", help="also export the same weights as a Q4_1 GGUF for llama-server")
+    p.add_argument(
+        "preset",
+        help="llama-8b, llama-3b, llama-1b, tiny, ffn-heavy; MoE: qwen3-30b-a3b, moe-tiny, moe-heavy",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="fewer (or more) transformer layers than the preset"
+    )
+    p.add_argument(
+        "--out", default=None, help="output directory (default $FLASHCODE_HOME/models/synth-PRESET[-LN])"
+    )
+    p.add_argument(
+        "--gguf", action="store_true", help="also export the same weights as a Q4_1 GGUF for llama-server"
+    )
     p.add_argument("--split", action="store_true", help="also write the flash split layout")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skew", type=float, default=0.0, help="MoE presets: router popularity skew (0 = near-uniform routing)")
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="MoE presets: router popularity skew (0 = near-uniform routing)",
+    )
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
     p.set_defaults(func=cmd_synth)
 

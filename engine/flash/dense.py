@@ -24,7 +24,14 @@ import numpy as np
 from .reader import AlignedBuffer, UnitReader
 from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor
 
-_NP = {"U32": np.uint32, "U8": np.uint8, "F16": np.float16, "F32": np.float32, "BF16": np.uint16, "I32": np.int32}
+_NP = {
+    "U32": np.uint32,
+    "U8": np.uint8,
+    "F16": np.float16,
+    "F32": np.float32,
+    "BF16": np.uint16,
+    "I32": np.int32,
+}
 ORDER = ("gate_proj", "up_proj", "down_proj")  # the order the FFN needs its weights in
 
 
@@ -83,7 +90,10 @@ def unit_pieces(unit: Unit) -> list[Piece]:
         groups = [tensors]
     starts = [0] + [g[0].offset for g in groups[1:]]
     ends = starts[1:] + [unit.length]
-    return [Piece(unit, k, k == len(groups) - 1, s, e, g) for k, (s, e, g) in enumerate(zip(starts, ends, groups, strict=True))]
+    return [
+        Piece(unit, k, k == len(groups) - 1, s, e, g)
+        for k, (s, e, g) in enumerate(zip(starts, ends, groups, strict=True))
+    ]
 
 
 def max_piece_bytes(man: Manifest) -> int:
@@ -143,8 +153,10 @@ class LayerStream:
             return
         self.crc.pop(layer, None)
         if crc != p.unit.crc32:
-            raise SplitError(f"the split at {self.man.root} is damaged: unit {p.unit.key} (offset {p.unit.offset}) "
-                             "fails its checksum; run `flashcode split MODEL` again")  # fmt: skip
+            raise SplitError(
+                f"the split at {self.man.root} is damaged: unit {p.unit.key} (offset {p.unit.offset}) "
+                "fails its checksum; run `flashcode split MODEL` again"
+            )
         self.verify_left.discard(layer)
 
     def pieces_of(self, layer: int) -> list[Piece]:
@@ -189,8 +201,16 @@ class StreamedFFN:
         import mlx.core as mx
 
         q = self.q[proj]
-        y = mx.quantized_matmul(x, w[f"{proj}.weight"], scales=w[f"{proj}.scales"], biases=w.get(f"{proj}.biases"),
-                                transpose=True, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"))  # fmt: skip
+        y = mx.quantized_matmul(
+            x,
+            w[f"{proj}.weight"],
+            scales=w[f"{proj}.scales"],
+            biases=w.get(f"{proj}.biases"),
+            transpose=True,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            mode=q.get("mode", "affine"),
+        )
         if f"{proj}.bias" in w:
             y = y + w[f"{proj}.bias"]
         return y
@@ -207,7 +227,9 @@ class StreamedFFN:
                     out[proj] = self._linear(swiglu(out.pop("gate_proj"), out.pop("up_proj")), w, proj)
                 else:
                     out[proj] = self._linear(x, w, proj)
-            mx.eval(list(out.values()))  # compute now, so this piece's weights are released before the next lands
+            mx.eval(
+                list(out.values())
+            )  # compute now, so this piece's weights are released before the next lands
             del w
         return out["down_proj"]
 
@@ -219,12 +241,16 @@ def attach(model: Any, stream: LayerStream, moe_layers: set[int] | None = None) 
     dense = {u.layer for u in stream.units}
     missing = [i for i in range(len(layers)) if i not in dense and i not in moe_layers]
     if missing or len(dense) + len(moe_layers) != len(layers):
-        raise ValueError(f"the split has FFN units for {len(dense)} layers and experts for {len(moe_layers)}, "
-                         f"but the model has {len(layers)} layers (no FFN for layers {missing[:8]})")  # fmt: skip
+        raise ValueError(
+            f"the split has FFN units for {len(dense)} layers and experts for {len(moe_layers)}, "
+            f"but the model has {len(layers)} layers (no FFN for layers {missing[:8]})"
+        )
     for i in sorted(dense):
         layer = layers[i]
         if not hasattr(layer, "mlp"):
-            raise ValueError(f"layer {i} of {type(model).__name__} has no `mlp`: not a dense llama-family block")
+            raise ValueError(
+                f"layer {i} of {type(model).__name__} has no `mlp`: not a dense llama-family block"
+            )
         if "mlp" in layer:  # drop the placeholder MLP (lazy, never evaluated) from the parameter tree
             del layer["mlp"]
         layer.mlp = StreamedFFN(stream, i)

@@ -180,17 +180,26 @@ class ExpertCache:
         self.stats = [LayerStats() for _ in range(self.n_layers)]
 
     @classmethod
-    def for_budget(cls, budget_bytes: int, n_layers: int, n_experts: int, unit_bytes: int, min_slots: int,
-                   policy: str = "lru") -> ExpertCache:  # fmt: skip
+    def for_budget(
+        cls,
+        budget_bytes: int,
+        n_layers: int,
+        n_experts: int,
+        unit_bytes: int,
+        min_slots: int,
+        policy: str = "lru",
+    ) -> ExpertCache:
         """As many slots per layer as `budget_bytes` pays for (at least `min_slots`, at most all experts)."""
         slots = min(n_experts, budget_bytes // max(1, n_layers * unit_bytes))
         if slots < min_slots:
             need = min_slots * n_layers * unit_bytes
             from ..base import BudgetError
 
-            raise BudgetError(f"the expert cache needs {min_slots} experts x {n_layers} layers = {need / 1e6:.1f} MB "
-                              f"but {budget_bytes / 1e6:.1f} MB is left for it; raise --memory-budget by "
-                              f"{(need - budget_bytes) / 1e6:.1f} MB")  # fmt: skip
+            raise BudgetError(
+                f"the expert cache needs {min_slots} experts x {n_layers} layers = {need / 1e6:.1f} MB "
+                f"but {budget_bytes / 1e6:.1f} MB is left for it; raise --memory-budget by "
+                f"{(need - budget_bytes) / 1e6:.1f} MB"
+            )
         return cls(n_layers, slots, unit_bytes, policy)
 
     @property
@@ -220,9 +229,14 @@ class ExpertCache:
         self.stats = [LayerStats() for _ in range(self.n_layers)]
 
     def report(self) -> dict[str, Any]:
-        return {"policy": self.policy, "slots_per_layer": self.slots, "capacity_bytes": self.capacity_bytes,
-                "used_bytes": self.used_bytes, "hit_rate": round(self.hit_rate(), 4),
-                "hit_rate_per_layer": [round(s.hit_rate, 4) for s in self.stats]}  # fmt: skip
+        return {
+            "policy": self.policy,
+            "slots_per_layer": self.slots,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "hit_rate": round(self.hit_rate(), 4),
+            "hit_rate_per_layer": [round(s.hit_rate, 4) for s in self.stats],
+        }
 
 
 def simulate(

@@ -104,7 +104,10 @@ class UnitReader:
             raise ValueError(f"read of {length} bytes does not fit a {buf.size}-byte buffer")
         step = max(self.chunk, -(-length // self.threads // ALIGN) * ALIGN)
         t0 = time.perf_counter()
-        parts = [self.pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s) for s in range(0, length, step)]
+        parts = [
+            self.pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s)
+            for s in range(0, length, step)
+        ]
         done: Future[float] = Future()
         left = [len(parts)]
 
@@ -135,7 +138,9 @@ class UnitReader:
         os.close(self.fd)
 
 
-def measure_bandwidth(path: Path, unit_bytes: int, total: int = 1 << 30, threads: int = 4, depth: int = 2) -> dict[str, float]:
+def measure_bandwidth(
+    path: Path, unit_bytes: int, total: int = 1 << 30, threads: int = 4, depth: int = 2
+) -> dict[str, float]:
     """Direct-read bandwidth for `unit_bytes`-sized reads over (up to) `total` bytes of `path`, with
     `depth` reads in flight: the engine's read-ahead keeps two units in flight, so measure the same."""
     size = os.path.getsize(path)
@@ -149,12 +154,19 @@ def measure_bandwidth(path: Path, unit_bytes: int, total: int = 1 << 30, threads
         for i in range(n):
             if len(pending) == len(bufs):
                 pending.pop(0).result()
-            pending.append(reader.read(bufs[i % len(bufs)], (i * unit) % (size - unit + 1) // ALIGN * ALIGN, unit))
+            pending.append(
+                reader.read(bufs[i % len(bufs)], (i * unit) % (size - unit + 1) // ALIGN * ALIGN, unit)
+            )
         for fut in pending:
             fut.result()
         dt = time.perf_counter() - t0
-        return {"bandwidth_Bps": n * unit / dt, "unit_bytes": unit, "reads": n, "direct": reader.direct,
-                "depth": len(bufs)}  # fmt: skip
+        return {
+            "bandwidth_Bps": n * unit / dt,
+            "unit_bytes": unit,
+            "reads": n,
+            "direct": reader.direct,
+            "depth": len(bufs),
+        }
     finally:
         reader.close()
         for b in bufs:

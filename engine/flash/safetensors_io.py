@@ -14,8 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-DTYPE_SIZES = {"U8": 1, "I8": 1, "BOOL": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-               "F32": 4, "I32": 4, "U32": 4, "F64": 8, "I64": 8, "U64": 8}  # fmt: skip
+DTYPE_SIZES = {
+    "U8": 1,
+    "I8": 1,
+    "BOOL": 1,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,24 @@ PRESETS: dict[str, Preset] = {
 def config_for(p: Preset) -> dict[str, Any]:
     q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
     return {
-        "model_type": "llama", "hidden_size": p.hidden, "num_hidden_layers": p.layers,
-        "intermediate_size": p.intermediate, "num_attention_heads": p.heads, "num_key_value_heads": p.kv_heads,
-        "head_dim": p.head_dim, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": p.rope_theta,
-        "max_position_embeddings": p.context, "tie_word_embeddings": p.tie, "attention_bias": False,
-        "mlp_bias": False, "rope_traditional": False, "quantization": q, "quantization_config": q,
-    }  # fmt: skip
+        "model_type": "llama",
+        "hidden_size": p.hidden,
+        "num_hidden_layers": p.layers,
+        "intermediate_size": p.intermediate,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "rope_theta": p.rope_theta,
+        "max_position_embeddings": p.context,
+        "tie_word_embeddings": p.tie,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_traditional": False,
+        "quantization": q,
+        "quantization_config": q,
+    }
 
 
 def linears(p: Preset) -> list[tuple[str, int, int]]:
@@ -69,30 +81,44 @@ def linears(p: Preset) -> list[tuple[str, int, int]]:
     q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
     for i in range(p.layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        out += [(f"{a}.q_proj", q, p.hidden), (f"{a}.k_proj", kv, p.hidden), (f"{a}.v_proj", kv, p.hidden),
-                (f"{a}.o_proj", p.hidden, q), (f"{m}.gate_proj", p.intermediate, p.hidden),
-                (f"{m}.up_proj", p.intermediate, p.hidden), (f"{m}.down_proj", p.hidden, p.intermediate)]  # fmt: skip
+        out += [
+            (f"{a}.q_proj", q, p.hidden),
+            (f"{a}.k_proj", kv, p.hidden),
+            (f"{a}.v_proj", kv, p.hidden),
+            (f"{a}.o_proj", p.hidden, q),
+            (f"{m}.gate_proj", p.intermediate, p.hidden),
+            (f"{m}.up_proj", p.intermediate, p.hidden),
+            (f"{m}.down_proj", p.hidden, p.intermediate),
+        ]
     if not p.tie:
         out.append(("lm_head", VOCAB, p.hidden))
     return out
 
 
 def norms(p: Preset) -> list[str]:
-    names = [f"model.layers.{i}.{n}" for i in range(p.layers) for n in ("input_layernorm", "post_attention_layernorm")]
+    names = [
+        f"model.layers.{i}.{n}"
+        for i in range(p.layers)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
     return names + ["model.norm"]
 
 
 def tensor_specs(p: Preset) -> list[TensorSpec]:
     specs = []
     for name, o, i in linears(p):
-        specs += [TensorSpec(f"{name}.weight", "U32", (o, i * BITS // 32)),
-                  TensorSpec(f"{name}.scales", "F16", (o, i // GROUP)),
-                  TensorSpec(f"{name}.biases", "F16", (o, i // GROUP))]  # fmt: skip
+        specs += [
+            TensorSpec(f"{name}.weight", "U32", (o, i * BITS // 32)),
+            TensorSpec(f"{name}.scales", "F16", (o, i // GROUP)),
+            TensorSpec(f"{name}.biases", "F16", (o, i // GROUP)),
+        ]
     specs += [TensorSpec(f"{n}.weight", "F32", (p.hidden,)) for n in norms(p)]
     return sorted(specs, key=lambda s: s.name)
 
 
-def _rows(rng: np.random.Generator, o: int, i: int, gain: float, rows: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _rows(
+    rng: np.random.Generator, o: int, i: int, gain: float, rows: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(packed uint32, scales f16, biases f16) for `rows` rows at a time: w = s*q + b, q uniform 0..15."""
     for r0 in range(0, o, rows):
         n = min(rows, o - r0)
@@ -136,8 +162,14 @@ def default_tokenizer_dir() -> Path:
     return find_model(None).path
 
 
-def synth_model(preset: str, out: Path, layers: int | None = None, seed: int = 0, progress: bool = True,
-                tokenizer_dir: Path | None = None) -> Path:  # fmt: skip
+def synth_model(
+    preset: str,
+    out: Path,
+    layers: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Write the preset as an mlx-lm model directory at `out`; returns `out`."""
     from tqdm import tqdm
 
@@ -147,7 +179,13 @@ def synth_model(preset: str, out: Path, layers: int | None = None, seed: int = 0
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     specs = tensor_specs(p)
-    bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc=f"synth {preset}", disable=not progress)
+    bar = tqdm(
+        total=sum(s.nbytes for s in specs),
+        unit="B",
+        unit_scale=True,
+        desc=f"synth {preset}",
+        disable=not progress,
+    )
     with open(out / "model.safetensors.tmp", "wb") as f:
         write_header(f, specs)
         for _, chunks in _tensor_stream(p, seed):
@@ -162,8 +200,9 @@ def synth_model(preset: str, out: Path, layers: int | None = None, seed: int = 0
             shutil.copy2(tok / name, out / name)
     cfg = config_for(p)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "flashcode.json").write_text(json.dumps({"architecture": "llama", "synthetic": preset, "layers": p.layers,
-                                                     "seed": seed}))  # fmt: skip
+    (out / "flashcode.json").write_text(
+        json.dumps({"architecture": "llama", "synthetic": preset, "layers": p.layers, "seed": seed})
+    )
     return out
 
 
@@ -189,9 +228,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def gguf_name(mod: str, names: dict[str, str] = _GGUF_NAMES) -> str:
@@ -206,7 +253,9 @@ def gguf_name(mod: str, names: dict[str, str] = _GGUF_NAMES) -> str:
     return f"blk.{i}.{names[rest]}"
 
 
-def export_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path | None = None, progress: bool = True) -> Path:
+def export_gguf(
+    model_dir: Path, out: Path, tokenizer_gguf: Path | None = None, progress: bool = True
+) -> Path:
     """The model directory's quantized weights, byte-for-byte the same values, as a Q4_1 GGUF."""
     import gguf
     from safetensors import safe_open
@@ -225,8 +274,13 @@ def export_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path | None = None, 
         name = gguf_name(mod)
         if f"{mod}.scales" in f.keys():
             o, words = f.get_slice(f"{mod}.weight").get_shape()
-            w.add_tensor_info(f"{name}.weight", (o, words * 8 // 32 * 20), np.dtype(np.uint8), o * words * 8 // 32 * 20,
-                              gguf.GGMLQuantizationType.Q4_1)  # fmt: skip
+            w.add_tensor_info(
+                f"{name}.weight",
+                (o, words * 8 // 32 * 20),
+                np.dtype(np.uint8),
+                o * words * 8 // 32 * 20,
+                gguf.GGMLQuantizationType.Q4_1,
+            )
         else:
             n = f.get_slice(f"{mod}.weight").get_shape()[0]
             w.add_tensor_info(f"{name}.weight", (n,), np.dtype(np.float32), 4 * n)
@@ -235,7 +289,9 @@ def export_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path | None = None, 
     w.write_ti_data_to_file()
     for mod in tqdm(mods, desc="export gguf", disable=not progress):
         if f"{mod}.scales" in f.keys():
-            data = _q4_1_blocks(f.get_tensor(f"{mod}.weight"), f.get_tensor(f"{mod}.scales"), f.get_tensor(f"{mod}.biases"))
+            data = _q4_1_blocks(
+                f.get_tensor(f"{mod}.weight"), f.get_tensor(f"{mod}.scales"), f.get_tensor(f"{mod}.biases")
+            )
             if mod.endswith(("q_proj", "k_proj")):
                 heads = cfg["num_attention_heads"] if mod.endswith("q_proj") else cfg["num_key_value_heads"]
                 data = _permute(data, heads)
@@ -252,7 +308,10 @@ def export_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path | None = None, 
 
 def _gguf_order(mod: str) -> tuple[int, str]:
     parts = mod.split(".")
-    return (int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else -1 if "embed" in mod else 1 << 30, mod)
+    return (
+        int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else -1 if "embed" in mod else 1 << 30,
+        mod,
+    )
 
 
 def _gguf_metadata(w: Any, cfg: dict[str, Any], tokenizer_gguf: Path | None) -> None:
@@ -285,5 +344,7 @@ def _default_gguf() -> Path:
 
     p = paths.gguf_dir() / Path(DEFAULT_WHEEL_MEMBER).name
     if not p.exists():
-        raise FileNotFoundError(f"the default model's GGUF (for its tokenizer) is missing at {p}: run `flashcode setup`")
+        raise FileNotFoundError(
+            f"the default model's GGUF (for its tokenizer) is missing at {p}: run `flashcode setup`"
+        )
     return p

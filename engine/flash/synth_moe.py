@@ -60,14 +60,30 @@ MOE_PRESETS: dict[str, MoEPreset] = {
 def config_for(p: MoEPreset, skew: float = 0.0) -> dict[str, Any]:
     q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
     return {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": p.hidden,
-        "num_hidden_layers": p.layers, "intermediate_size": p.moe_inter * 8, "moe_intermediate_size": p.moe_inter,
-        "num_experts": p.experts, "num_experts_per_tok": p.top_k, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "norm_topk_prob": True, "num_attention_heads": p.heads, "num_key_value_heads": p.kv_heads,
-        "head_dim": p.head_dim, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "rope_theta": p.rope_theta,
-        "max_position_embeddings": p.context, "tie_word_embeddings": False, "attention_bias": False,
-        "quantization": q, "quantization_config": q, "flashcode_router_skew": skew,
-    }  # fmt: skip
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": p.hidden,
+        "num_hidden_layers": p.layers,
+        "intermediate_size": p.moe_inter * 8,
+        "moe_intermediate_size": p.moe_inter,
+        "num_experts": p.experts,
+        "num_experts_per_tok": p.top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "rope_theta": p.rope_theta,
+        "max_position_embeddings": p.context,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "quantization": q,
+        "quantization_config": q,
+        "flashcode_router_skew": skew,
+    }
 
 
 def quantized(p: MoEPreset) -> list[tuple[str, int, int, int]]:
@@ -76,9 +92,15 @@ def quantized(p: MoEPreset) -> list[tuple[str, int, int, int]]:
     q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
     for i in range(p.layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp.switch_mlp"
-        out += [(f"{a}.q_proj", 0, q, p.hidden), (f"{a}.k_proj", 0, kv, p.hidden), (f"{a}.v_proj", 0, kv, p.hidden),
-                (f"{a}.o_proj", 0, p.hidden, q), (f"{m}.gate_proj", p.experts, p.moe_inter, p.hidden),
-                (f"{m}.up_proj", p.experts, p.moe_inter, p.hidden), (f"{m}.down_proj", p.experts, p.hidden, p.moe_inter)]  # fmt: skip
+        out += [
+            (f"{a}.q_proj", 0, q, p.hidden),
+            (f"{a}.k_proj", 0, kv, p.hidden),
+            (f"{a}.v_proj", 0, kv, p.hidden),
+            (f"{a}.o_proj", 0, p.hidden, q),
+            (f"{m}.gate_proj", p.experts, p.moe_inter, p.hidden),
+            (f"{m}.up_proj", p.experts, p.moe_inter, p.hidden),
+            (f"{m}.down_proj", p.experts, p.hidden, p.moe_inter),
+        ]
     return out
 
 
@@ -86,9 +108,13 @@ def floats(p: MoEPreset) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("model.norm.weight", (p.hidden,))]
     for i in range(p.layers):
         pre = f"model.layers.{i}"
-        out += [(f"{pre}.input_layernorm.weight", (p.hidden,)), (f"{pre}.post_attention_layernorm.weight", (p.hidden,)),
-                (f"{pre}.self_attn.q_norm.weight", (p.head_dim,)), (f"{pre}.self_attn.k_norm.weight", (p.head_dim,)),
-                (f"{pre}.mlp.gate.weight", (p.experts, p.hidden))]  # fmt: skip
+        out += [
+            (f"{pre}.input_layernorm.weight", (p.hidden,)),
+            (f"{pre}.post_attention_layernorm.weight", (p.hidden,)),
+            (f"{pre}.self_attn.q_norm.weight", (p.head_dim,)),
+            (f"{pre}.self_attn.k_norm.weight", (p.head_dim,)),
+            (f"{pre}.mlp.gate.weight", (p.experts, p.hidden)),
+        ]
     return out
 
 
@@ -96,9 +122,11 @@ def tensor_specs(p: MoEPreset) -> list[TensorSpec]:
     specs = []
     for name, e, o, i in quantized(p):
         lead = (e,) if e else ()
-        specs += [TensorSpec(f"{name}.weight", "U32", (*lead, o, i * BITS // 32)),
-                  TensorSpec(f"{name}.scales", "F16", (*lead, o, i // GROUP)),
-                  TensorSpec(f"{name}.biases", "F16", (*lead, o, i // GROUP))]  # fmt: skip
+        specs += [
+            TensorSpec(f"{name}.weight", "U32", (*lead, o, i * BITS // 32)),
+            TensorSpec(f"{name}.scales", "F16", (*lead, o, i // GROUP)),
+            TensorSpec(f"{name}.biases", "F16", (*lead, o, i // GROUP)),
+        ]
     specs += [TensorSpec(n, "F32", s) for n, s in floats(p)]
     return sorted(specs, key=lambda s: s.name)
 
@@ -164,8 +192,15 @@ def preset_for(name: str, layers: int | None = None) -> MoEPreset:
     return MOE_PRESETS[name] if layers is None else replace(MOE_PRESETS[name], layers=layers)
 
 
-def synth_moe(preset: str, out: Path, layers: int | None = None, seed: int = 0, skew: float = 0.0,
-              progress: bool = True, tokenizer_dir: Path | None = None) -> Path:  # fmt: skip
+def synth_moe(
+    preset: str,
+    out: Path,
+    layers: int | None = None,
+    seed: int = 0,
+    skew: float = 0.0,
+    progress: bool = True,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Write the MoE preset as an mlx-lm model directory at `out`; returns `out`."""
     from tqdm import tqdm
 
@@ -193,17 +228,35 @@ def synth_moe(preset: str, out: Path, layers: int | None = None, seed: int = 0, 
         if (tok / name).exists():
             shutil.copy2(tok / name, out / name)
     (out / "config.json").write_text(json.dumps(config_for(p, skew), indent=2))
-    (out / "flashcode.json").write_text(json.dumps({"architecture": "qwen3_moe", "synthetic": preset, "layers": p.layers,
-                                                     "seed": seed, "router_skew": skew}))  # fmt: skip
+    (out / "flashcode.json").write_text(
+        json.dumps(
+            {
+                "architecture": "qwen3_moe",
+                "synthetic": preset,
+                "layers": p.layers,
+                "seed": seed,
+                "router_skew": skew,
+            }
+        )
+    )
     return out
 
 
 # --------------------------------------------------------------------------- GGUF export (qwen3moe)
-_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
-         "mlp.switch_mlp.gate_proj": "ffn_gate_exps", "mlp.switch_mlp.up_proj": "ffn_up_exps",
-         "mlp.switch_mlp.down_proj": "ffn_down_exps"}  # fmt: skip
+_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+}
 
 
 def gguf_name(mod: str) -> str:
@@ -249,8 +302,13 @@ def export_gguf_moe(
         if f"{mod}.scales" in keys:
             *lead, o, words = shape
             nb = words * 8 // 32 * 20
-            w.add_tensor_info(f"{gguf_name(mod)}.weight", (*lead, o, nb), np.dtype(np.uint8),
-                              int(np.prod(lead or [1])) * o * nb, gguf.GGMLQuantizationType.Q4_1)  # fmt: skip
+            w.add_tensor_info(
+                f"{gguf_name(mod)}.weight",
+                (*lead, o, nb),
+                np.dtype(np.uint8),
+                int(np.prod(lead or [1])) * o * nb,
+                gguf.GGMLQuantizationType.Q4_1,
+            )
         else:
             w.add_tensor_info(
                 f"{gguf_name(mod)}.weight", tuple(shape), np.dtype(np.float32), 4 * int(np.prod(shape))

@@ -225,7 +225,23 @@ class TurnDone(_Event):
 
 
 AgentEvent = (
-    RouteChosen | Notice | ModeChanged | HelpShown | Cleared | ModelRequested | SlashUnhandled | SearchStarted
-    | SearchResults | SearchUnavailable | Proposal | Decided | ActionOutput | ActionExit | FileShown
-    | FileWritten | AnswerDelta | AnswerDone | TurnDone
-)  # fmt: skip
+    RouteChosen
+    | Notice
+    | ModeChanged
+    | HelpShown
+    | Cleared
+    | ModelRequested
+    | SlashUnhandled
+    | SearchStarted
+    | SearchResults
+    | SearchUnavailable
+    | Proposal
+    | Decided
+    | ActionOutput
+    | ActionExit
+    | FileShown
+    | FileWritten
+    | AnswerDelta
+    | AnswerDone
+    | TurnDone
+)

@@ -82,8 +82,10 @@ def _check_path(path: str, given: str | None = None) -> None:
         ) from exc
     parts = Path(path).parts
     if len(data) >= MAX_PATH_BYTES or any(len(p.encode()) > MAX_NAME_BYTES for p in parts):
-        raise FileToolError(f"{shown(given)}: the path is too long (at most {MAX_PATH_BYTES - 1} bytes in all, "
-                            f"{MAX_NAME_BYTES} bytes a name)")  # fmt: skip
+        raise FileToolError(
+            f"{shown(given)}: the path is too long (at most {MAX_PATH_BYTES - 1} bytes in all, "
+            f"{MAX_NAME_BYTES} bytes a name)"
+        )
     if len(parts) > MAX_DEPTH:
         raise FileToolError(
             f"{shown(given)} is nested {len(parts)} folders deep; the file tools go at most {MAX_DEPTH} deep"
@@ -202,8 +204,10 @@ class ProjectFiles:
                     "shares its contents and would change too: refused (copy it to a new file to edit it)"
                 )
             if st.st_size > MAX_EDIT_BYTES:
-                raise FileToolError(f"{shown(rel)} is {st.st_size:,} bytes; the file tools edit text files "
-                                    f"up to {MAX_EDIT_BYTES:,} bytes")  # fmt: skip
+                raise FileToolError(
+                    f"{shown(rel)} is {st.st_size:,} bytes; the file tools edit text files "
+                    f"up to {MAX_EDIT_BYTES:,} bytes"
+                )
             return f.read(MAX_EDIT_BYTES + 1).decode("utf-8", errors="replace"), st.st_mode
 
     # ------------------------------------------------------------------ the tools

@@ -115,9 +115,15 @@ class CommandRun:
                 raise FileNotFoundError(2, "No such file or directory")
             with self.launch(tmp_dir) as (argv, pass_fds):
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, pass_fds=pass_fds,
-                )  # fmt: skip
+                    *argv,
+                    cwd=self.cwd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,
+                    env=env,
+                    pass_fds=pass_fds,
+                )
         except SandboxUnavailableError as exc:
             yield CommandExit(None, error=f"no sandbox: {exc}")
             return
@@ -126,8 +132,10 @@ class CommandRun:
             return
         self._proc = proc
         queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue()
-        readers = [asyncio.create_task(self._read(proc.stdout, "stdout", queue)),
-                   asyncio.create_task(self._read(proc.stderr, "stderr", queue))]  # fmt: skip
+        readers = [
+            asyncio.create_task(self._read(proc.stdout, "stdout", queue)),
+            asyncio.create_task(self._read(proc.stderr, "stderr", queue)),
+        ]
         waiter = asyncio.create_task(self._watch(proc))
         open_streams = 2
         try:
@@ -145,8 +153,13 @@ class CommandRun:
             for r in readers:
                 r.cancel()
         code = proc.returncode
-        yield CommandExit(code, timed_out=reason == "timeout", killed=reason == "killed",
-                          truncated=self._truncated, duration_s=time.monotonic() - t0)  # fmt: skip
+        yield CommandExit(
+            code,
+            timed_out=reason == "timeout",
+            killed=reason == "killed",
+            truncated=self._truncated,
+            duration_s=time.monotonic() - t0,
+        )
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> str:
         """Wait for exit, a kill request or the timeout; stop the whole group in the latter cases."""
@@ -176,8 +189,12 @@ class CommandRun:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
 
-    async def _read(self, pipe: asyncio.StreamReader | None, name: Literal["stdout", "stderr"],
-                    queue: asyncio.Queue[OutputChunk | None]) -> None:  # fmt: skip
+    async def _read(
+        self,
+        pipe: asyncio.StreamReader | None,
+        name: Literal["stdout", "stderr"],
+        queue: asyncio.Queue[OutputChunk | None],
+    ) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
             while pipe is not None:

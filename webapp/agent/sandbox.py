@@ -54,11 +54,30 @@ SandboxKind = Literal["bubblewrap", "sandbox-exec", "none"]
 
 # Paths under $HOME that commands never see (hidden whole, whether file or directory).
 SECRET_PATHS = (
-    ".ssh", ".aws", ".azure", ".gnupg", ".docker", ".kube", ".netrc", ".git-credentials", ".npmrc",
-    ".pypirc", ".password-store", ".config/gh", ".config/gcloud", ".config/hub", ".config/op",
-    ".local/share/keyrings", ".mozilla", ".config/google-chrome", ".config/chromium", "Library/Keychains",
-    ".bash_history", ".zsh_history", ".python_history",
-)  # fmt: skip
+    ".ssh",
+    ".aws",
+    ".azure",
+    ".gnupg",
+    ".docker",
+    ".kube",
+    ".netrc",
+    ".git-credentials",
+    ".npmrc",
+    ".pypirc",
+    ".password-store",
+    ".config/gh",
+    ".config/gcloud",
+    ".config/hub",
+    ".config/op",
+    ".local/share/keyrings",
+    ".mozilla",
+    ".config/google-chrome",
+    ".config/chromium",
+    "Library/Keychains",
+    ".bash_history",
+    ".zsh_history",
+    ".python_history",
+)
 # Environment variables a command keeps; everything else (API keys, tokens) is dropped.
 KEEP_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ")
 COMMAND_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "TERM": "dumb", "TMPDIR": "/tmp"}

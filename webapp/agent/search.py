@@ -116,8 +116,11 @@ class LocalSearchProvider:
 
     name = "local"
 
-    def __init__(self, results: Mapping[str, Iterable[SearchResult]] | Iterable[SearchResult] = (),
-                 unavailable: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        results: Mapping[str, Iterable[SearchResult]] | Iterable[SearchResult] = (),
+        unavailable: str | None = None,
+    ) -> None:
         if isinstance(results, Mapping):
             self._by_query = {k.lower(): list(v) for k, v in results.items()}
             self._default: list[SearchResult] = []

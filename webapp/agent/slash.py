@@ -37,10 +37,17 @@ BUILTIN: tuple[SlashCommand, ...] = (
     SlashCommand("agent", "agent mode: each message is routed to chat, web search or a shell command"),
     SlashCommand("raw", "raw mode: messages go straight to the model, no routing and no tools"),
     SlashCommand("search", "search the web and answer with citations", "QUERY", needs_arg=True),
-    SlashCommand("shell", "propose a shell command in the project (still needs approval)", "COMMAND", needs_arg=True),
-    SlashCommand("read", "show a project file and give it to the model as quoted data", "PATH", needs_arg=True),
     SlashCommand(
-        "write", "propose writing a file: PATH on the first line, the content below (needs approval)", "PATH", True
+        "shell", "propose a shell command in the project (still needs approval)", "COMMAND", needs_arg=True
+    ),
+    SlashCommand(
+        "read", "show a project file and give it to the model as quoted data", "PATH", needs_arg=True
+    ),
+    SlashCommand(
+        "write",
+        "propose writing a file: PATH on the first line, the content below (needs approval)",
+        "PATH",
+        True,
     ),
     SlashCommand("model", "switch to another installed model", "NAME", needs_arg=True),
     SlashCommand("clear", "start over: forget this conversation's context"),

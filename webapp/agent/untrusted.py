@@ -18,10 +18,35 @@ TAG = "untrusted"
 # What a reader may take for "<", and for the letters of "untrusted" (after NFKC and casefold).
 _OPEN = "<‹〈⟨˂ᐸ❮❬⧼«≺⊲⟪《⦑"
 _LOOKALIKES = str.maketrans(
-    {**dict.fromkeys(_OPEN, "<"), "υ": "u", "ս": "u", "ᴜ": "u", "ʊ": "u", "ո": "n", "ɴ": "n", "η": "n",
-     "п": "n", "т": "t", "ᴛ": "t", "τ": "t", "г": "r", "ʀ": "r", "ᴦ": "r", "ѕ": "s", "ꜱ": "s", "ʂ": "s",
-     "е": "e", "ҽ": "e", "ᴇ": "e", "ε": "e", "є": "e", "ԁ": "d", "ᴅ": "d", "ɗ": "d"}
-)  # fmt: skip
+    {
+        **dict.fromkeys(_OPEN, "<"),
+        "υ": "u",
+        "ս": "u",
+        "ᴜ": "u",
+        "ʊ": "u",
+        "ո": "n",
+        "ɴ": "n",
+        "η": "n",
+        "п": "n",
+        "т": "t",
+        "ᴛ": "t",
+        "τ": "t",
+        "г": "r",
+        "ʀ": "r",
+        "ᴦ": "r",
+        "ѕ": "s",
+        "ꜱ": "s",
+        "ʂ": "s",
+        "е": "e",
+        "ҽ": "e",
+        "ᴇ": "e",
+        "ε": "e",
+        "є": "e",
+        "ԁ": "d",
+        "ᴅ": "d",
+        "ɗ": "d",
+    }
+)
 _TAG_START = re.compile("<" + TAG)
 
 

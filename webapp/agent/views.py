@@ -58,8 +58,13 @@ class AgentViews:
             case ev.Notice():
                 return str(ui.notice(e.text, e.level))
             case ev.ModeChanged():
-                return str(ui.notice("Agent mode: messages are routed to chat, web search or the shell."
-                                     if e.mode == "agent" else "Raw mode: messages go straight to the model."))  # fmt: skip
+                return str(
+                    ui.notice(
+                        "Agent mode: messages are routed to chat, web search or the shell."
+                        if e.mode == "agent"
+                        else "Raw mode: messages go straight to the model."
+                    )
+                )
             case ev.Cleared():
                 return str(ui.notice("Context cleared: the agent starts over."))
             case ev.ModelRequested():

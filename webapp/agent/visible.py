@@ -94,12 +94,14 @@ def proposal_warnings(tool: str, command: str, diff: str | None = None) -> tuple
     out = []
     what = "command" if tool == "shell" else "file path"
     if names := invisible_names(command):
-        out.append(f"the {what} contains invisible characters ({', '.join(names)}); "
-                   "they are shown as <U+…> markers")  # fmt: skip
+        out.append(
+            f"the {what} contains invisible characters ({', '.join(names)}); they are shown as <U+…> markers"
+        )
     body = diff.split("\n", 2)[-1] if diff and diff.startswith("--- ") else diff  # past the path headers
     if body and (names := invisible_names(body)):
-        out.append(f"the change contains invisible characters ({', '.join(names)}); "
-                   "they are shown as <U+…> markers")  # fmt: skip
+        out.append(
+            f"the change contains invisible characters ({', '.join(names)}); they are shown as <U+…> markers"
+        )
     if tool == "write" and touches_git(command):
         out.append(f"this writes inside .git/: {GIT_WARNING}")
     elif tool == "shell" and _GIT_WORD.search(command):

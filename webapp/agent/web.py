@@ -118,12 +118,19 @@ class AgentTurns:
     def _stored_history(self, conversation_id: str) -> list[dict[str, str]]:
         """The conversation as stored, minus the message of the turn being run."""
         rows = self.web.db.messages(conversation_id)
-        return [{"role": m.role, "content": m.content} for m in rows[:-1] if m.role in ("user", "assistant") and m.content]
+        return [
+            {"role": m.role, "content": m.content}
+            for m in rows[:-1]
+            if m.role in ("user", "assistant") and m.content
+        ]
 
     def agent_for(self, conversation_id: str) -> AgentSession:
         web = self.web
         agent = self.agents.get(conversation_id)
-        if agent is not None and self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1:
+        if (
+            agent is not None
+            and self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1
+        ):
             agent.history = self._stored_history(conversation_id)  # plain-chat turns happened in between
         if agent is None:
             agent = AgentSession(
@@ -133,7 +140,6 @@ class AgentTurns:
                 store=web.store,
                 search=self.search,
                 conversation_id=conversation_id,
-                sampling=SamplingParams(**web.settings.sampling),
                 history=self._stored_history(conversation_id),
                 approval_timeout_s=DIALOG_TIMEOUT_S,
                 on_model=self._switch_model,
@@ -174,6 +180,7 @@ class AgentTurns:
         """One agent turn for a user message already stored and shown."""
         conversation_id, db = turn.conversation_id, self.web.db
         agent = self.agent_for(conversation_id)
+        agent.sampling = SamplingParams(**(self.web.settings.sampling | dict(turn.sampling)))
         self._turn = turn
         reply: ReplyWriter | None = None
         route: str | None = None

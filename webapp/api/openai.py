@@ -60,8 +60,14 @@ ANY_MODEL = {"", "default", "flashcode"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
@@ -82,20 +88,29 @@ def check_access(request: Request) -> None:
     client = request.client.host if request.client else ""
     token_ok = authenticated(request.scope)  # carried the server's token (webapp.security): any client
     if client not in LOOPBACK_CLIENTS and not token_ok:
-        raise APIError(403, f"the flashcode API answers loopback clients only, not {client}", "permission_error",
-                       "forbidden")  # fmt: skip
+        raise APIError(
+            403,
+            f"the flashcode API answers loopback clients only, not {client}",
+            "permission_error",
+            "forbidden",
+        )
     token = api_token()
     if token and not token_ok:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-            raise APIError(401, f"missing or wrong API key: send Authorization: Bearer <the token in ${TOKEN_ENV}>",
-                           "authentication_error", "invalid_api_key")  # fmt: skip
+            raise APIError(
+                401,
+                f"missing or wrong API key: send Authorization: Bearer <the token in ${TOKEN_ENV}>",
+                "authentication_error",
+                "invalid_api_key",
+            )
 
 
 def _loaded_worker(worker: Worker) -> Worker:
     if worker.backend is None or worker.backend.model is None:
-        raise APIError(503, "no model is loaded: pick one in flashcode's model menu", "server_error",
-                       "model_not_loaded")  # fmt: skip
+        raise APIError(
+            503, "no model is loaded: pick one in flashcode's model menu", "server_error", "model_not_loaded"
+        )
     return worker
 
 
@@ -130,8 +145,11 @@ def _text(content: Any, i: int) -> str:
         for part in content:
             if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"messages[{i}]: only text content is supported, not {kind}",
-                               param=f"messages[{i}].content")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"messages[{i}]: only text content is supported, not {kind}",
+                    param=f"messages[{i}].content",
+                )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
     raise APIError(
@@ -142,8 +160,11 @@ def _text(content: Any, i: int) -> str:
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     for unsupported in ("tools", "functions"):
         if body.get(unsupported):
-            raise APIError(400, f"{unsupported} are not supported by flashcode's API: send plain chat messages",
-                           param=unsupported)  # fmt: skip
+            raise APIError(
+                400,
+                f"{unsupported} are not supported by flashcode's API: send plain chat messages",
+                param=unsupported,
+            )
     if body.get("n") not in (None, 1):
         raise APIError(400, "n must be 1", param="n")
     if body.get("logprobs"):
@@ -170,11 +191,19 @@ def check_model(requested: Any, backend: str, model: str) -> None:
     if name.lower() in ANY_MODEL or name in (model, f"{backend}:{model}"):
         return
     if any(m.name == name for m in list_models()):
-        raise APIError(400, f"model '{name}' is installed but not loaded; flashcode has '{model}' loaded on "
-                            f"{backend}: switch in the web app's model menu, or ask for '{model}'",
-                       param="model", code="model_not_loaded")  # fmt: skip
-    raise APIError(404, f"model '{name}' does not exist: GET /v1/models lists them; '{model}' is loaded",
-                   param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            400,
+            f"model '{name}' is installed but not loaded; flashcode has '{model}' loaded on "
+            f"{backend}: switch in the web app's model menu, or ask for '{model}'",
+            param="model",
+            code="model_not_loaded",
+        )
+    raise APIError(
+        404,
+        f"model '{name}' does not exist: GET /v1/models lists them; '{model}' is loaded",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def read_body(request: Request) -> dict[str, Any]:
@@ -193,8 +222,12 @@ async def read_body(request: Request) -> dict[str, Any]:
 async def check_context(worker: Worker, messages: tuple[Message, ...]) -> None:
     n, ctx = await worker.acall(lambda b: (len(b.apply_chat_template(messages)), int(b.context_length or 0)))
     if ctx and n >= ctx:
-        raise APIError(400, f"the messages are {n} tokens and the model's context is {ctx}: shorten them",
-                       param="messages", code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"the messages are {n} tokens and the model's context is {ctx}: shorten them",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
 
 class Completion:
@@ -210,9 +243,12 @@ class Completion:
 
     def usage(self, done: Done) -> dict[str, Any]:
         s = done.stats
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-                "total_tokens": s.prompt_tokens + s.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}  # fmt: skip
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+        }
 
     def record(self, done: Done) -> None:
         stats = done.stats.to_dict() | {
@@ -246,17 +282,29 @@ class Completion:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
-        return JSONResponse({
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "system_fingerprint": f"flashcode-{self.backend}",
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(done), "logprobs": None}],
-            "usage": self.usage(done),
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": f"flashcode-{self.backend}",
+                "choices": [
+                    {"index": 0, "message": message, "finish_reason": finish_reason(done), "logprobs": None}
+                ],
+                "usage": self.usage(done),
+            }
+        )
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
-        data = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": f"flashcode-{self.backend}",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        data = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": f"flashcode-{self.backend}",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
         return sse(data)
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
@@ -276,14 +324,30 @@ class Completion:
                 gen.cancel()
         assert done is not None
         if done.finish_reason == "error":
-            yield sse({"error": {"message": f"the engine failed: {done.error}", "type": "server_error",
-                                 "param": None, "code": None}})  # fmt: skip
+            yield sse(
+                {
+                    "error": {
+                        "message": f"the engine failed: {done.error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
         else:
             self.record(done)
             yield self.chunk({}, finish_reason(done))
             if include_usage:
-                yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.model, "choices": [], "usage": self.usage(done)})  # fmt: skip
+                yield sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self.usage(done),
+                    }
+                )
         yield "data: [DONE]\n\n"
 
 
@@ -322,7 +386,9 @@ class OpenAIAPI:
             return exc.response()
         except EngineError as exc:  # the engine could not even template the messages
             return APIError(500, f"the engine failed: {exc}", "server_error").response()
-        call = Completion(worker, GenerationRequest(messages=messages, sampling=sampling), backend, model, self.record)
+        call = Completion(
+            worker, GenerationRequest(messages=messages, sampling=sampling), backend, model, self.record
+        )
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

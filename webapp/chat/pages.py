@@ -95,7 +95,9 @@ class ChatPages:
     async def export_md(self, request: Request) -> PlainTextResponse:
         conv = self._conversation(request)
         text = export_markdown(conv, self.db.messages(conv.id))
-        return PlainTextResponse(text, media_type="text/markdown; charset=utf-8", headers=_attachment(conv, "md"))
+        return PlainTextResponse(
+            text, media_type="text/markdown; charset=utf-8", headers=_attachment(conv, "md")
+        )
 
     async def export_json(self, request: Request) -> Response:
         conv = self._conversation(request)
@@ -107,4 +109,6 @@ class ChatPages:
 
     async def health(self, request: Request) -> JSONResponse:
         e = self.engine
-        return JSONResponse({"ok": True, "backend": e.backend, "model": e.model, "context_length": e.context_length})
+        return JSONResponse(
+            {"ok": True, "backend": e.backend, "model": e.model, "context_length": e.context_length}
+        )

@@ -162,6 +162,8 @@ class ReplyStream:
     def _run_hooks(self, stats: dict[str, Any]) -> None:
         for hook in self.hooks:
             try:
-                hook(stats, conversation_id=self.conversation_id, message_id=self.message.id, route=self.route)
+                hook(
+                    stats, conversation_id=self.conversation_id, message_id=self.message.id, route=self.route
+                )
             except Exception:  # noqa: BLE001 - a hook must not lose the reply
                 log.exception("reply hook %r failed", hook)

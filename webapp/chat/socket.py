@@ -146,15 +146,16 @@ class Session:
             title = " ".join(msg.text.split())[:TITLE_CHARS] or "Untitled"
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend())
         user = db.add_message(conv.id, "user", msg.text)
-        overrides = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
+        given = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
+        overrides = {k: v for k, v in given.items() if v is not None}
         first = [views.conversation_field(conv.id), views.chat_title(conv.title)] if created else []
         first.append(views.append_message(user))
         if self.turns is not None and self.turns.wants(conv.id, msg.text):  # e.g. a slash command
             self.send(*first)
-            self.task = asyncio.create_task(self._hand_over(conv.id, msg.text))
+            self.task = asyncio.create_task(self._hand_over(conv.id, msg.text, overrides))
             return
         # the engine starts first; the page is updated while it reads the prompt
-        self._start(conv.id, {k: v for k, v in overrides.items() if v is not None}, first=first)
+        self._start(conv.id, overrides, first=first)
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.ctx.db
@@ -176,7 +177,9 @@ class Session:
             await self.ctx.engine.switch(msg.backend, msg.model)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
             self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
-        self.send(views.model_picker(), views.controls(generating=False), views.gauge(0), views.engine_meter(None))
+        self.send(
+            views.model_picker(), views.controls(generating=False), views.gauge(0), views.engine_meter(None)
+        )
 
     def _answer(self, msg: p.Answer) -> None:
         fut = self.dialogs.pop(msg.dialog_id, None)
@@ -197,11 +200,11 @@ class Session:
             self.dialogs.pop(dialog_id, None)
 
     # ------------------------------------------------------------------ a turn another feature answers
-    async def _hand_over(self, conversation_id: str, text: str) -> None:
+    async def _hand_over(self, conversation_id: str, text: str, sampling: dict[str, Any]) -> None:
         assert self.turns is not None
         self.send(self.views.controls(generating=True))
         try:
-            await self.turns.run(SocketTurn(self, conversation_id, self.received), text)
+            await self.turns.run(SocketTurn(self, conversation_id, self.received, sampling), text)
         finally:
             self.cancel = None
             self.send(self.views.controls(generating=False, can_regenerate=False))
@@ -232,14 +235,25 @@ class Session:
             self.task.cancel()
 
     def reply_stream(
-        self, conversation_id: str, route: str | None = None, received: float = 0.0, started: float | None = None
+        self,
+        conversation_id: str,
+        route: str | None = None,
+        received: float = 0.0,
+        started: float | None = None,
     ) -> ReplyStream:
         """A reply through the one pipeline (the chat's, or one a `TurnHandler` writes)."""
         ctx = self.ctx
         return ReplyStream(
-            db=ctx.db, views=self.views, engine=ctx.engine, hooks=ctx.hooks, send=self.send,
-            conversation_id=conversation_id, route=route, received=received or None, started=started,
-        )  # fmt: skip
+            db=ctx.db,
+            views=self.views,
+            engine=ctx.engine,
+            hooks=ctx.hooks,
+            send=self.send,
+            conversation_id=conversation_id,
+            route=route,
+            received=received or None,
+            started=started,
+        )
 
     async def _generate(self, conversation_id: str, sampling: dict[str, Any], first: list[str]) -> None:
         db, views, engine = self.ctx.db, self.views, self.ctx.engine
@@ -253,8 +267,12 @@ class Session:
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
         stream = self.reply_stream(conversation_id, received=self.received, started=submitted)
-        self.send(*first, views.append_message(stream.message), views.controls(generating=True),
-                  views.conversation_list(conversation_id))  # fmt: skip
+        self.send(
+            *first,
+            views.append_message(stream.message),
+            views.controls(generating=True),
+            views.conversation_list(conversation_id),
+        )
         done: Done | None = None
         meter = asyncio.create_task(self._meter(stream))
         try:
@@ -286,12 +304,18 @@ class Session:
             except Exception:  # noqa: BLE001 - a meter must never break a reply (e.g. the model was closed)
                 return
             read = now.get("bytes_read", 0) - start
-            self.send(self.views.engine_meter({
-                "bytes_per_s": now.get("bytes_per_s", 0.0), "rss_bytes": now.get("rss_bytes", 0),
-                "memory_budget": now.get("memory_budget"), "hit_rate": now.get("hit_rate"),
-                "peak_rss_bytes": now.get("peak_rss_bytes"),
-                "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,
-            }))  # fmt: skip
+            self.send(
+                self.views.engine_meter(
+                    {
+                        "bytes_per_s": now.get("bytes_per_s", 0.0),
+                        "rss_bytes": now.get("rss_bytes", 0),
+                        "memory_budget": now.get("memory_budget"),
+                        "hit_rate": now.get("hit_rate"),
+                        "peak_rss_bytes": now.get("peak_rss_bytes"),
+                        "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,
+                    }
+                )
+            )
 
     def _finish(self, stream: ReplyStream, done: Done, history: list[Message]) -> None:
         views = self.views
@@ -318,12 +342,19 @@ class Session:
 class SocketTurn:
     """The `webapp.turns.Turn` a socket lends a `TurnHandler` for one message."""
 
-    def __init__(self, session: Session, conversation_id: str, received: float) -> None:
+    def __init__(
+        self, session: Session, conversation_id: str, received: float, sampling: dict[str, Any] | None = None
+    ) -> None:
         self.session, self._conversation_id, self.received = session, conversation_id, received
+        self._sampling = dict(sampling or {})
 
     @property
     def conversation_id(self) -> str:
         return self._conversation_id
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return self._sampling
 
     def send(self, *fragments: str) -> None:
         self.session.send(*fragments)

@@ -146,7 +146,11 @@ class SavedContexts:
             usage = await asyncio.to_thread(store.usage, pid)
         except EngineError as exc:
             return self._error(exc)
-        body = {"contexts": [c.to_dict() for c in items], "usage_bytes": usage, "quota_bytes": store.quota_bytes}
+        body = {
+            "contexts": [c.to_dict() for c in items],
+            "usage_bytes": usage,
+            "quota_bytes": store.quota_bytes,
+        }
         return JSONResponse(body)
 
     async def save_context(self, request: Request) -> Response:
@@ -158,7 +162,9 @@ class SavedContexts:
         name = str(f.get("name") or "")
         try:
             ctx = await self.worker.acall(
-                lambda b: store.save(b, pid, name, kv_bits=bits, conversation_id=conv or None, messages=history)
+                lambda b: store.save(
+                    b, pid, name, kv_bits=bits, conversation_id=conv or None, messages=history
+                )
             )
         except EngineError as exc:
             return self._error(exc, request)

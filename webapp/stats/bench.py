@@ -50,11 +50,20 @@ def result_row(index: int, done: Done) -> dict[str, Any]:
     s = done.stats
     if done.error:
         raise RuntimeError(f"bench prompt {index + 1} failed: {done.error}")
-    return {"prompt": index, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
-            "completion_tokens": s.completion_tokens, "ttft_s": s.ttft_s, "prompt_tps": s.prompt_tps,
-            "decode_tps": s.decode_tps, "peak_memory_bytes": s.peak_memory_bytes,
-            "peak_rss_bytes": s.peak_rss_bytes, "total_s": s.total_s, "finish_reason": done.finish_reason,
-            "extra": {k: v for k, v in s.extra.items() if isinstance(v, int | float | str | bool)}}  # fmt: skip
+    return {
+        "prompt": index,
+        "prompt_tokens": s.prompt_tokens,
+        "cached_tokens": s.cached_tokens,
+        "completion_tokens": s.completion_tokens,
+        "ttft_s": s.ttft_s,
+        "prompt_tps": s.prompt_tps,
+        "decode_tps": s.decode_tps,
+        "peak_memory_bytes": s.peak_memory_bytes,
+        "peak_rss_bytes": s.peak_rss_bytes,
+        "total_s": s.total_s,
+        "finish_reason": done.finish_reason,
+        "extra": {k: v for k, v in s.extra.items() if isinstance(v, int | float | str | bool)},
+    }
 
 
 def run_sync(
@@ -68,8 +77,9 @@ def run_sync(
     return out
 
 
-async def run_async(worker: Worker, max_tokens: int = DEFAULT_MAX_TOKENS,
-                    prompts: tuple[str, ...] = PROMPTS) -> list[dict[str, Any]]:  # fmt: skip
+async def run_async(
+    worker: Worker, max_tokens: int = DEFAULT_MAX_TOKENS, prompts: tuple[str, ...] = PROMPTS
+) -> list[dict[str, Any]]:
     """The same from the event loop (`/bench` in the chat); cancelling the task cancels the reply."""
     out = []
     loop = asyncio.get_running_loop()
@@ -98,11 +108,15 @@ def engine_names(worker: Worker) -> tuple[str | None, str | None]:
 def format_run(run: store.BenchRun, previous: store.BenchRun | None = None) -> str:
     """Plain-text summary (CLI; the chat shows it in a code block)."""
     mem = run.peak_memory_bytes or run.peak_rss_bytes
-    lines = [f"bench #{run.id}: {run.model} on {run.backend}, {run.prompts} prompts x {run.max_tokens} tokens",
-             f"  decode {run.decode_tps:.1f} tok/s   TTFT {run.ttft_s * 1000:.0f} ms   prefill {run.prompt_tps:.0f} tok/s"
-             f"   peak memory {mem / 2**20:.0f} MiB   total {run.total_s:.1f} s  (medians)"]  # fmt: skip
+    lines = [
+        f"bench #{run.id}: {run.model} on {run.backend}, {run.prompts} prompts x {run.max_tokens} tokens",
+        f"  decode {run.decode_tps:.1f} tok/s   TTFT {run.ttft_s * 1000:.0f} ms   prefill {run.prompt_tps:.0f} tok/s"
+        f"   peak memory {mem / 2**20:.0f} MiB   total {run.total_s:.1f} s  (medians)",
+    ]
     if previous is not None and previous.decode_tps:
         ratio = run.decode_tps / previous.decode_tps
-        lines.append(f"  vs bench #{previous.id} ({previous.model} on {previous.backend}): decode x{ratio:.2f}, "
-                     f"TTFT {run.ttft_s * 1000:.0f} vs {previous.ttft_s * 1000:.0f} ms")  # fmt: skip
+        lines.append(
+            f"  vs bench #{previous.id} ({previous.model} on {previous.backend}): decode x{ratio:.2f}, "
+            f"TTFT {run.ttft_s * 1000:.0f} vs {previous.ttft_s * 1000:.0f} ms"
+        )
     return "\n".join(lines)

@@ -74,8 +74,9 @@ def cost(price: Price, prompt_tokens: int, cached_tokens: int, completion_tokens
     return (uncached * price.input + cached * price.cached_input + completion_tokens * price.output) / 1e6
 
 
-def costs_for(prices: tuple[Price, ...] | list[Price], prompt_tokens: int, cached_tokens: int,
-              completion_tokens: int) -> list[tuple[Price, float]]:  # fmt: skip
+def costs_for(
+    prices: tuple[Price, ...] | list[Price], prompt_tokens: int, cached_tokens: int, completion_tokens: int
+) -> list[tuple[Price, float]]:
     """Each price with the cost of the given counts, most expensive first."""
     rows = [(p, cost(p, prompt_tokens, cached_tokens, completion_tokens)) for p in prices]
     return sorted(rows, key=lambda r: -r[1])
@@ -112,8 +113,15 @@ def parse_prices(data: Any, source: str = "price table") -> tuple[Price, ...]:
     out = []
     for i, row in enumerate(rows):
         try:
-            out.append(Price(str(row["name"]), float(row["input"]), float(row["cached_input"]),
-                             float(row["output"]), str(row["as_of"])))  # fmt: skip
+            out.append(
+                Price(
+                    str(row["name"]),
+                    float(row["input"]),
+                    float(row["cached_input"]),
+                    float(row["output"]),
+                    str(row["as_of"]),
+                )
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise PriceTableError(
                 f"{source}: model #{i + 1} needs name, input, cached_input, output (USD per million tokens) "
@@ -134,8 +142,9 @@ def save_prices(path: Path, prices: tuple[Price, ...] | list[Price]) -> None:
     os.replace(tmp, path)
 
 
-def prices_from_form(names: list[str], inputs: list[str], cached: list[str], outputs: list[str],
-                     dates: list[str]) -> tuple[Price, ...]:  # fmt: skip
+def prices_from_form(
+    names: list[str], inputs: list[str], cached: list[str], outputs: list[str], dates: list[str]
+) -> tuple[Price, ...]:
     """The Stats window's price form: parallel lists; rows with an empty name are dropped."""
     rows = []
     for name, i, c, o, d in zip(names, inputs, cached, outputs, dates, strict=False):

@@ -34,26 +34,46 @@ def _first(extra: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return next((extra[k] for k in keys if extra.get(k) is not None), None)
 
 
-def record_reply(conn: sqlite3.Connection, stats: GenerationStats | Mapping[str, Any], *, backend: str | None,
-                 model: str | None, source: str = "chat", route: str | None = None,
-                 conversation_id: str | None = None, message_id: int | None = None,
-                 finish_reason: str | None = None, bench_run_id: int | None = None) -> int | None:  # fmt: skip
+def record_reply(
+    conn: sqlite3.Connection,
+    stats: GenerationStats | Mapping[str, Any],
+    *,
+    backend: str | None,
+    model: str | None,
+    source: str = "chat",
+    route: str | None = None,
+    conversation_id: str | None = None,
+    message_id: int | None = None,
+    finish_reason: str | None = None,
+    bench_run_id: int | None = None,
+) -> int | None:
     """Store one reply's numbers; returns the row id, or None when nothing was generated at all."""
     s = stats.to_dict() if isinstance(stats, GenerationStats) else dict(stats)
     if not s.get("prompt_tokens") and not s.get("completion_tokens"):
         return None
     extra = s.get("extra") or {}
     row = {
-        "created_at": time.time(), "source": source, "route": route, "conversation_id": conversation_id,
-        "message_id": message_id, "backend": backend, "model": model,
-        "prompt_tokens": int(s.get("prompt_tokens") or 0), "cached_tokens": int(s.get("cached_tokens") or 0),
-        "completion_tokens": int(s.get("completion_tokens") or 0), "ttft_s": s.get("ttft_s"),
-        "prompt_tps": s.get("prompt_tps"), "decode_tps": s.get("decode_tps"),
-        "peak_memory_bytes": s.get("peak_memory_bytes"), "peak_rss_bytes": s.get("peak_rss_bytes"),
-        "total_s": s.get("total_s"), "flash_hit_rate": _first(extra, HIT_RATE_KEYS),
+        "created_at": time.time(),
+        "source": source,
+        "route": route,
+        "conversation_id": conversation_id,
+        "message_id": message_id,
+        "backend": backend,
+        "model": model,
+        "prompt_tokens": int(s.get("prompt_tokens") or 0),
+        "cached_tokens": int(s.get("cached_tokens") or 0),
+        "completion_tokens": int(s.get("completion_tokens") or 0),
+        "ttft_s": s.get("ttft_s"),
+        "prompt_tps": s.get("prompt_tps"),
+        "decode_tps": s.get("decode_tps"),
+        "peak_memory_bytes": s.get("peak_memory_bytes"),
+        "peak_rss_bytes": s.get("peak_rss_bytes"),
+        "total_s": s.get("total_s"),
+        "flash_hit_rate": _first(extra, HIT_RATE_KEYS),
         "flash_bytes_read": _first(extra, BYTES_READ_KEYS),
-        "finish_reason": finish_reason or s.get("finish_reason"), "bench_run_id": bench_run_id,
-    }  # fmt: skip
+        "finish_reason": finish_reason or s.get("finish_reason"),
+        "bench_run_id": bench_run_id,
+    }
     cols = ", ".join(row)
     cur = conn.execute(
         f"INSERT INTO stats_replies ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
@@ -121,8 +141,9 @@ def by_backend(conn: sqlite3.Connection, source: str | None = None) -> list[Grou
     return [GroupRow(*r) for r in rows]
 
 
-def series(conn: sqlite3.Connection, metric: str, limit: int = 200,
-           source: str | None = None) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
+def series(
+    conn: sqlite3.Connection, metric: str, limit: int = 200, source: str | None = None
+) -> dict[str, list[tuple[float, float]]]:
     """The latest `limit` values of `metric` as (time, value) points, one list per backend, oldest first."""
     if metric not in ("decode_tps", "ttft_s", "prompt_tps", "peak_memory_bytes", "total_s"):
         raise ValueError(f"no series for {metric!r}")
@@ -165,8 +186,13 @@ def last_reply(conn: sqlite3.Connection, conversation_id: str | None = None) -> 
     return conn.execute(sql + " ORDER BY id DESC LIMIT 1", args).fetchone()
 
 
-def grade_last(conn: sqlite3.Connection, grade: str, note: str = "", conversation_id: str | None = None,
-               excerpt: str = "") -> Grade:  # fmt: skip
+def grade_last(
+    conn: sqlite3.Connection,
+    grade: str,
+    note: str = "",
+    conversation_id: str | None = None,
+    excerpt: str = "",
+) -> Grade:
     """`/good` or `/bad`: grade the latest reply; grading it again replaces the earlier grade."""
     if grade not in ("good", "bad"):
         raise ValueError(f"a grade is 'good' or 'bad', got {grade!r}")
@@ -203,17 +229,21 @@ class RouteCounts:
 
 def improve(conn: sqlite3.Connection, limit: int = 20) -> tuple[list[RouteCounts], list[Grade]]:
     """`/improve`: per route, replies and grades; and the latest graded replies (bad ones first)."""
-    replies = dict(conn.execute(
-        "SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' GROUP BY 1"
-    ).fetchall())  # fmt: skip
+    replies = dict(
+        conn.execute(
+            "SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' GROUP BY 1"
+        ).fetchall()
+    )
     graded: dict[str, dict[str, int]] = {}
     for route, grade, n in conn.execute(
         "SELECT COALESCE(route, 'chat'), grade, COUNT(*) FROM stats_grades GROUP BY 1, 2"
     ):
         graded.setdefault(route, {})[grade] = n
     routes = list(ROUTES) + sorted((set(replies) | set(graded)) - set(ROUTES))
-    counts = [RouteCounts(r, replies.get(r, 0), graded.get(r, {}).get("good", 0), graded.get(r, {}).get("bad", 0))
-              for r in routes]  # fmt: skip
+    counts = [
+        RouteCounts(r, replies.get(r, 0), graded.get(r, {}).get("good", 0), graded.get(r, {}).get("bad", 0))
+        for r in routes
+    ]
     rows = conn.execute(
         "SELECT id, created_at, grade, route, model, note, excerpt, conversation_id, message_id FROM stats_grades "
         "ORDER BY grade = 'good', id DESC LIMIT ?",
@@ -248,30 +278,63 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
         return statistics.median(values) if values else 0.0
 
     return {
-        "decode_tps": med("decode_tps"), "ttft_s": med("ttft_s"), "prompt_tps": med("prompt_tps"),
+        "decode_tps": med("decode_tps"),
+        "ttft_s": med("ttft_s"),
+        "prompt_tps": med("prompt_tps"),
         "peak_memory_bytes": max((int(r.get("peak_memory_bytes") or 0) for r in results), default=0),
         "peak_rss_bytes": max((int(r.get("peak_rss_bytes") or 0) for r in results), default=0),
         "total_s": sum(float(r.get("total_s") or 0) for r in results),
-    }  # fmt: skip
+    }
 
 
-def record_bench_run(conn: sqlite3.Connection, *, backend: str | None, model: str | None, max_tokens: int,
-                     results: list[dict[str, Any]]) -> BenchRun:  # fmt: skip
+def record_bench_run(
+    conn: sqlite3.Connection,
+    *,
+    backend: str | None,
+    model: str | None,
+    max_tokens: int,
+    results: list[dict[str, Any]],
+) -> BenchRun:
     """Store a bench run (its summary plus each prompt's numbers) and each reply in `stats_replies`."""
     s = summarize(results)
     now = time.time()
     cur = conn.execute(
         "INSERT INTO stats_bench_runs (created_at, backend, model, prompts, max_tokens, decode_tps, ttft_s, "
         "prompt_tps, peak_memory_bytes, peak_rss_bytes, total_s, results) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-        (now, backend, model, len(results), max_tokens, s["decode_tps"], s["ttft_s"], s["prompt_tps"],
-         s["peak_memory_bytes"], s["peak_rss_bytes"], s["total_s"], json.dumps(results)),
-    )  # fmt: skip
+        (
+            now,
+            backend,
+            model,
+            len(results),
+            max_tokens,
+            s["decode_tps"],
+            s["ttft_s"],
+            s["prompt_tps"],
+            s["peak_memory_bytes"],
+            s["peak_rss_bytes"],
+            s["total_s"],
+            json.dumps(results),
+        ),
+    )
     run_id = int(cur.lastrowid or 0)
     for r in results:
         record_reply(conn, r, backend=backend, model=model, source="bench", bench_run_id=run_id)
     conn.commit()
-    return BenchRun(run_id, now, backend, model, len(results), max_tokens, s["decode_tps"], s["ttft_s"],
-                    s["prompt_tps"], int(s["peak_memory_bytes"]), int(s["peak_rss_bytes"]), s["total_s"], results)  # fmt: skip
+    return BenchRun(
+        run_id,
+        now,
+        backend,
+        model,
+        len(results),
+        max_tokens,
+        s["decode_tps"],
+        s["ttft_s"],
+        s["prompt_tps"],
+        int(s["peak_memory_bytes"]),
+        int(s["peak_rss_bytes"]),
+        s["total_s"],
+        results,
+    )
 
 
 def bench_runs(conn: sqlite3.Connection, limit: int = 20) -> list[BenchRun]:

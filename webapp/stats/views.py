@@ -32,7 +32,11 @@ from . import bench, charts, costs, store
 SLASH_COMMANDS: tuple[SlashSpec, ...] = (
     SlashSpec("stats", "", "tokens, speed and memory so far, per model"),
     SlashSpec("cost", "", "what the same tokens would have cost on cloud APIs"),
-    SlashSpec("bench", "[TOKENS]", "run the fixed benchmark prompts on the current model (TOKENS per reply, default 64)"),
+    SlashSpec(
+        "bench",
+        "[TOKENS]",
+        "run the fixed benchmark prompts on the current model (TOKENS per reply, default 64)",
+    ),
     SlashSpec("good", "[NOTE]", "grade the last reply as good (optional note)"),
     SlashSpec("bad", "[NOTE]", "grade the last reply as bad (optional note: what was wrong)"),
     SlashSpec("improve", "", "graded replies and counts per route (chat / search / shell)"),
@@ -51,8 +55,9 @@ def _mib(n: int | float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n else "—"
 
 
-def window_context(conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "",
-                   error: str | None = None) -> dict[str, Any]:  # fmt: skip
+def window_context(
+    conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "", error: str | None = None
+) -> dict[str, Any]:
     total = store.totals(conn)
     try:
         prices = costs.load_prices(costs.prices_path(data_dir))
@@ -71,13 +76,13 @@ def window_context(conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "
                 prices, m.prompt_tokens, m.cached_tokens, m.completion_tokens
             )
             for m in models
-        },  # fmt: skip
+        },
         "savings": [
             CostRow(p, d)
             for p, d in costs.costs_for(
                 prices, total.prompt_tokens, total.cached_tokens, total.completion_tokens
             )
-        ],  # fmt: skip
+        ],
         "prices": prices,
         "prices_are_defaults": not costs.prices_path(data_dir).exists(),
         "charts": {
@@ -104,8 +109,9 @@ def window_context(conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "
     }
 
 
-def render_window(env: Environment, conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "",
-                  error: str | None = None) -> str:  # fmt: skip
+def render_window(
+    env: Environment, conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "", error: str | None = None
+) -> str:
     return env.get_template("stats/window.html").render(**window_context(conn, data_dir, csrf_token, error))
 
 
@@ -118,25 +124,36 @@ def stats_markdown(conn: sqlite3.Connection) -> str:
     t = store.totals(conn)
     if not t.replies:
         return "No replies recorded yet: ask something, then try `/stats` again."
-    lines = [f"**{t.replies} replies** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
-             f"{t.completion_tokens:,} generated · mean {t.decode_tps:.1f} tok/s · mean TTFT {t.ttft_s * 1000:.0f} ms",
-             "", "| model | backend | replies | tokens in / out | tok/s | TTFT | peak memory |",
-             "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"**{t.replies} replies** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
+        f"{t.completion_tokens:,} generated · mean {t.decode_tps:.1f} tok/s · mean TTFT {t.ttft_s * 1000:.0f} ms",
+        "",
+        "| model | backend | replies | tokens in / out | tok/s | TTFT | peak memory |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for m in store.by_model(conn):
-        lines.append(f"| {m.model} | {m.backend} | {m.replies} | {m.prompt_tokens:,} / {m.completion_tokens:,} | "
-                     f"{m.decode_tps:.1f} | {m.ttft_s * 1000:.0f} ms | {_mib(m.peak_memory_bytes)} |")  # fmt: skip
+        lines.append(
+            f"| {m.model} | {m.backend} | {m.replies} | {m.prompt_tokens:,} / {m.completion_tokens:,} | "
+            f"{m.decode_tps:.1f} | {m.ttft_s * 1000:.0f} ms | {_mib(m.peak_memory_bytes)} |"
+        )
     return "\n".join(lines)
 
 
 def cost_markdown(conn: sqlite3.Connection, data_dir: Path) -> str:
     t = store.totals(conn)
     prices = costs.load_prices(costs.prices_path(data_dir))
-    lines = [f"The {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} cached) and {t.completion_tokens:,} "
-             "generated tokens made here would have cost:", "",
-             "| cloud model | cost | input / cached / output per 1M | prices of |", "|---|---:|---:|---|"]  # fmt: skip
+    lines = [
+        f"The {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} cached) and {t.completion_tokens:,} "
+        "generated tokens made here would have cost:",
+        "",
+        "| cloud model | cost | input / cached / output per 1M | prices of |",
+        "|---|---:|---:|---|",
+    ]
     for p, dollars in costs.costs_for(prices, t.prompt_tokens, t.cached_tokens, t.completion_tokens):
-        lines.append(f"| {p.name} | {costs.format_usd(dollars)} | ${p.input:g} / ${p.cached_input:g} / ${p.output:g} "
-                     f"| {p.as_of} |")  # fmt: skip
+        lines.append(
+            f"| {p.name} | {costs.format_usd(dollars)} | ${p.input:g} / ${p.cached_input:g} / ${p.output:g} "
+            f"| {p.as_of} |"
+        )
     lines += ["", "Edit the prices in the Stats window (View > Stats)."]
     return "\n".join(lines)
 
@@ -156,8 +173,9 @@ def improve_markdown(conn: sqlite3.Connection) -> str:
     return "\n".join(lines)
 
 
-def grade_markdown(conn: sqlite3.Connection, grade: str, note: str, conversation_id: str | None,
-                   excerpt: str = "") -> str:  # fmt: skip
+def grade_markdown(
+    conn: sqlite3.Connection, grade: str, note: str, conversation_id: str | None, excerpt: str = ""
+) -> str:
     try:
         g = store.grade_last(conn, grade, note, conversation_id, excerpt)
     except store.GradeError as exc:
@@ -179,8 +197,16 @@ async def bench_markdown(
     return "```\n" + bench.format_run(run, earlier[0] if earlier else None) + "\n```"
 
 
-async def run_slash(name: str, arg: str, *, conn: sqlite3.Connection, data_dir: Path, worker: Worker | None = None,
-                    conversation_id: str | None = None, last_reply_text: str = "") -> str:  # fmt: skip
+async def run_slash(
+    name: str,
+    arg: str,
+    *,
+    conn: sqlite3.Connection,
+    data_dir: Path,
+    worker: Worker | None = None,
+    conversation_id: str | None = None,
+    last_reply_text: str = "",
+) -> str:
     """Answer one of `SLASH_COMMANDS` as Markdown (the chat shows it as a system note)."""
     if name == "stats":
         return stats_markdown(conn)
@@ -206,8 +232,16 @@ async def run_slash(name: str, arg: str, *, conn: sqlite3.Connection, data_dir: 
 class Stats:
     """The Stats window's routes, the reply hook and the slash commands, for one app's database."""
 
-    def __init__(self, db: Database, data_dir: Path, env: Environment, worker: Worker, csrf_token: str) -> None:
-        self.db, self.data_dir, self.env, self.worker, self.csrf_token = db, Path(data_dir), env, worker, csrf_token
+    def __init__(
+        self, db: Database, data_dir: Path, env: Environment, worker: Worker, csrf_token: str
+    ) -> None:
+        self.db, self.data_dir, self.env, self.worker, self.csrf_token = (
+            db,
+            Path(data_dir),
+            env,
+            worker,
+            csrf_token,
+        )
 
     @property
     def routes(self) -> list[Route]:
@@ -279,9 +313,14 @@ class Stats:
             replies = [m for m in self.db.messages(conversation_id) if m.role == "assistant"]
             last = replies[-1].content if replies else ""
         return await run_slash(
-            name, arg, conn=self.db.conn, data_dir=self.data_dir, worker=self.worker,
-            conversation_id=conversation_id, last_reply_text=last,
-        )  # fmt: skip
+            name,
+            arg,
+            conn=self.db.conn,
+            data_dir=self.data_dir,
+            worker=self.worker,
+            conversation_id=conversation_id,
+            last_reply_text=last,
+        )
 
     async def answer_fragment(self, name: str, arg: str, conversation_id: str | None) -> str:
         """`answer` drawn as a note appended to the transcript."""
