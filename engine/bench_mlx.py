@@ -5,9 +5,9 @@ a 637-token coding prompt, in one run, against
 - llama-server on the GGUF the model was imported from, fed the same prompt token ids, with one
   thread and with its default (all cores); the headline ratio is against the faster of the two
   (`prefill_ratio_vs_llama`: goal >= 0.5; `decode_ratio_vs_llama`),
-- the reference path: the backend in a child process with FLASHCODE_CPU_FAST=0, i.e. the wheel's
-  reference BLAS and `quantized_matmul` for every row, as before `engine.cpu_fast` (speedups and
-  `same_tokens_as_reference`).
+- the reference path: the backend in a child process with FLASHCODE_CPU_FAST=0 (one run per repeat,
+  interleaved with the others), i.e. the wheel's reference BLAS and `quantized_matmul` for every row,
+  as before `engine.cpu_fast` (speedups, `decode_vs_reference`, `same_tokens_as_reference`).
 
 Runs alternate (mlx-lm, backend, llama-server, ...) after a warm-up so that load on a shared machine
 hits every side alike; medians are the summary, every run is kept with its token ids and the load
@@ -191,34 +191,46 @@ def run_llama(server: Any, prompt_ids: list[int], tokens: int) -> dict[str, Any]
     }
 
 
-def run_reference(model_name: str, tokens: int, timeout: float = 900) -> dict[str, Any]:
-    """The backend with FLASHCODE_CPU_FAST=0 in a fresh process (the BLAS is chosen at import)."""
-    env = {**os.environ, "FLASHCODE_CPU_FAST": "0"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "engine.bench_mlx",
-        "--reference-child",
-        "--model",
-        model_name,
-        "--tokens",
-        str(tokens),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"reference child failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class ReferenceProcess:
+    """The backend with FLASHCODE_CPU_FAST=0 in a child process (the BLAS is chosen at import), kept
+    alive so that its runs interleave with the others: one JSON line per `run`."""
+
+    def __init__(self, model_name: str) -> None:
+        cmd = [sys.executable, "-m", "engine.bench_mlx", "--reference-child", "--model", model_name]
+        env = {**os.environ, "FLASHCODE_CPU_FAST": "0"}
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def run(self, tokens: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{tokens}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the reference child exited with {self.proc.wait()}")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def _reference_child(model_name: str, tokens: int) -> int:
+def _reference_child(model_name: str) -> int:
     from .cpu_fast import blas_status
     from .models import find_model
 
     backend = MLXBackend()
     backend.load(find_model(model_name))
-    run = run_backend(backend, tokens)
-    run["blas"] = blas_status().reason
-    print(json.dumps(run))
+    for line in sys.stdin:
+        run = run_backend(backend, int(line))
+        run["blas"] = blas_status().reason
+        print(json.dumps(run), flush=True)
     return 0
 
 
@@ -277,7 +289,7 @@ def run_mlx_bench(
     tokens: int = 64,
     repeats: int = 3,
     llama_threads: tuple[int | None, ...] = (1, None),
-    reference_runs: int = 1,
+    reference: bool = True,
 ) -> dict[str, Any]:
     """`llama_threads`: a llama-server per setting (None: the server's default, all cores); () for none."""
     import mlx.core as mx
@@ -288,24 +300,29 @@ def run_mlx_bench(
     backend.load(model)
     prompt_ids = backend.apply_chat_template(MESSAGES)
     servers = {_threads_label(t): _start_llama(model, t) for t in llama_threads}
+    ref = ReferenceProcess(model.name) if reference else None
+    raw: list[dict[str, Any]] = []
+    ours: list[dict[str, Any]] = []
+    served: dict[str, list[dict[str, Any]]] = {k: [] for k in servers}
+    refs: list[dict[str, Any]] = []
     try:
-        run_mlx_lm(backend, prompt_ids, 8)  # warm-up every side
+        run_mlx_lm(backend, prompt_ids, 8)  # warm-up (the reference child's prefill alone takes a minute)
         run_backend(backend, 8)
         for server in servers.values():
             run_llama(server, prompt_ids, 8)
-        raw: list[dict[str, Any]] = []
-        ours: list[dict[str, Any]] = []
-        served: dict[str, list[dict[str, Any]]] = {k: [] for k in servers}
         for _ in range(repeats):
             raw.append(run_mlx_lm(backend, prompt_ids, tokens))
             ours.append(run_backend(backend, tokens))
             for k, server in servers.items():
                 served[k].append(run_llama(server, prompt_ids, tokens))
+            if ref is not None:
+                refs.append(ref.run(tokens))
     finally:
         for server in servers.values():
             server.close()
+        if ref is not None:
+            ref.close()
     backend.close()
-    reference = [run_reference(model.name, tokens) for _ in range(reference_runs)]
     status = blas_status()
     result: dict[str, Any] = {
         **_provenance(),
@@ -326,7 +343,7 @@ def run_mlx_bench(
         "mlx_lm": _side(raw),
         "backend": _side(ours),
         "llama": {k: _side(v) for k, v in served.items()},
-        "reference": _side(reference) if reference else None,
+        "reference": _side(refs) if refs else None,
         "peak_rss_bytes": peak_rss_bytes(),
         "load1_end": _load1(),
     }
@@ -363,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument(
-        "--reference-runs", type=int, default=1, help="runs of the FLASHCODE_CPU_FAST=0 path (0: none)"
-    )
+    ap.add_argument("--no-reference", action="store_true", help="skip the FLASHCODE_CPU_FAST=0 process")
     ap.add_argument(
         "--llama-threads",
         default="1,default",
@@ -375,13 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.reference_child:
-        return _reference_child(args.model, args.tokens)
+        return _reference_child(args.model)
 
     from .models import find_model
 
     model = find_model(args.model)
     threads = tuple(None if t == "default" else int(t) for t in args.llama_threads.split(",") if t)
-    result = run_mlx_bench(model, args.tokens, args.repeats, threads, args.reference_runs)
+    result = run_mlx_bench(model, args.tokens, args.repeats, threads, not args.no_reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict) or k == "blas"}))
