@@ -141,6 +141,14 @@ def default_model(model_home: Path):
     return find_model(None, model_home)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that runs the real model through `mlx_backend` is `slow` by that marker's definition
+    (`make check` leaves it out; `make test` runs it), wherever it is."""
+    for item in items:
+        if "mlx_backend" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def mlx_backend(default_model):
     """One loaded in-RAM MLX backend for the whole run (loading costs seconds on CPU)."""

@@ -11,6 +11,7 @@ from engine.flash.bench import cgroup_unavailable, run_child
 CAP = 360_000_000
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cgroup_unavailable() is not None, reason=f"{cgroup_unavailable()}")
 def test_flash_runs_a_model_twice_the_cap_under_it(
     tmp_path_factory: pytest.TempPathFactory, model_home: Path

@@ -43,6 +43,7 @@ def flash_client(default_model, tmp_path: Path, tmp_path_factory: pytest.TempPat
     worker.close()
 
 
+@pytest.mark.slow
 def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -> None:
     page = flash_client.get("/").text
     assert re.search(r'id="engine-meter" class="engine-meter" hidden', page)  # nothing to show before a reply
