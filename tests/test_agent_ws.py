@@ -161,3 +161,32 @@ def test_agent_ws_commands_run_in_the_sandbox_with_the_projects_network_switch(
     assert f"sandboxed: writes only in {project.resolve()}, network on" in frames
     send(ws, type="answer", dialog_id=dialog, choice="deny")
     until(ws, r'id="status" class="controls" data-state="idle"')
+
+
+def test_agent_answers_go_through_the_one_reply_pipeline(tmp_path: Path, project: Path) -> None:
+    """An agent turn's answer is batched, stored and given to the reply hooks like a chat reply."""
+    fast = FakeBackend(delay=0.002)
+    fast.enqueue_route("chat").enqueue(*[f"{i} " for i in range(300)])
+    worker = Worker(lambda: fast)
+    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
+    seen: list[tuple[dict, dict]] = []
+    try:
+        with TestClient(app, base_url=BASE) as client:
+            app.state.flashcode.on_reply.append(lambda stats, **kw: seen.append((stats, kw)))
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+                send(sock, type="send", text="/agent")
+                conv = re.search(
+                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
+                )
+                send(sock, type="send", text="count for me", conversation_id=conv.group(1))  # type: ignore[union-attr]
+                frames = []
+                while 'data-state="idle"' not in (frames[-1] if frames else ""):
+                    frames.append(sock.receive_text())
+    finally:
+        worker.close()
+    batches = [f for f in frames if '-body" hx-swap-oob="beforeend"' in f]
+    assert 1 < len(batches) < 100, f"{len(batches)} token frames for 300 tokens"
+    assert "".join(re.sub(r"<[^>]+>", "", f) for f in batches) == "".join(f"{i} " for i in range(300))
+    ((stats, kw),) = seen
+    assert kw["route"] == "chat" and kw["message_id"] > 0
+    assert stats["model"] == "fake-model" and stats["finish_reason"] == "stop" and stats["server_ttft_s"] > 0
