@@ -194,3 +194,17 @@ def _child_run(prompts: list[str], **env: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_results_carry_provenance_and_recompute_from_raw_runs() -> None:
+    """bench/results/mlx.json is written by engine/bench_mlx.py: its summary keys come from its runs."""
+    from engine.bench_mlx import summarize
+
+    result = json.loads((ROOT / "bench" / "results" / "mlx.json").read_text())
+    assert result["command"] and result["git_commit"] and result["machine"]
+    sides = [result["mlx_lm"], result["backend"], result["reference"], *result["llama"].values()]
+    assert all(r["token_ids"] and r["load1"] is not None for side in sides for r in side["runs"])
+    assert len(result["backend"]["runs"]) == result["repeats"]
+    for key, value in summarize(result).items():
+        assert result[key] == pytest.approx(value), key
+    assert {"prefill_ratio_vs_llama", "decode_ratio"} <= result.keys()
