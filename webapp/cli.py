@@ -346,7 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_options_on", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # a bench script's own options (`flashcode bench websocket --runs 3`)
+        args.rest = [*extra, *args.rest]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -109,8 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("websocket", "websocket.py", "tokens delivered to a websocket client vs the backend"),
     ):
         p = bsub.add_parser(name, help=help_text)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_script(script))
+        p.add_argument("rest", nargs=argparse.REMAINDER, help="the script's own options (--help lists them)")
+        p.set_defaults(func=_script(script), passes_options_on=True)
 
 
 # --------------------------------------------------------------------------- bench run
