@@ -18,6 +18,10 @@ Within the same generation it compares:
       client TTFT: chat, message sent -> first token frame; agent, the route's frame (sent just
       before the answer is requested from the engine) -> first token frame
 
+llama-server runs with `--llama-threads 1` unless told otherwise: on a small machine shared with
+other work, llama.cpp's spinning threads collapse (0.5 tok/s with 2 threads on 2 busy cores here,
+60 with one), and the point is the web app's overhead at the engine's full speed.
+
 Goals: delivery_ratio >= 0.98 and ttft_added_ms <= 20 (medians). The script writes
 bench/results/websocket.json itself: provenance (command, commit, machine), every raw run, and
 the medians per backend and turn kind.
@@ -122,12 +126,14 @@ def agent_run(base: str, max_tokens: int) -> dict[str, float]:
     return measure(base, cid, after, routed[0][0])
 
 
-def bench_backend(backend: str, kinds: list[str], runs: int, max_tokens: int) -> dict[str, Any]:
+def bench_backend(
+    backend: str, kinds: list[str], runs: int, max_tokens: int, serve_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flashcode-bench-ws-") as tmp:
         home = Path(tmp)
         (home / "models").symlink_to(paths.models_dir(paths.home()), target_is_directory=True)
         (home / "gguf").symlink_to(paths.home() / "gguf", target_is_directory=True)
-        with serve_cli(home, backend=backend) as served:
+        with serve_cli(home, *serve_args, backend=backend) as served:
             base = served.base
             chat_run(base, 4)  # warm-up: first-call compilation and caches are not what we measure
             if "agent" in kinds:
@@ -161,6 +167,7 @@ def main() -> int:
     ap.add_argument("--kind", action="append", choices=["chat", "agent"], help="repeatable; default: both")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--llama-threads", type=int, default=1, help="llama-server's threads (0: its default)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "websocket.json"))
     args = ap.parse_args()
     backends, kinds = args.backend or ["llama", "mlx"], args.kind or ["chat", "agent"]
@@ -170,11 +177,15 @@ def main() -> int:
         "model": "default",
         "prompt": PROMPT,
         "max_tokens": args.max_tokens,
+        "llama_threads": args.llama_threads or None,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "backends": {},
     }
     for backend in backends:
-        result["backends"][backend] = bench_backend(backend, kinds, args.runs, args.max_tokens)
+        threads = (
+            ("--llama-threads", str(args.llama_threads)) if backend == "llama" and args.llama_threads else ()
+        )
+        result["backends"][backend] = bench_backend(backend, kinds, args.runs, args.max_tokens, threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     summary = {
