@@ -87,8 +87,6 @@ class GenerationRequest:
     messages: tuple[Message, ...] | None = None
     prompt: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    # Optional key under which the backend may keep/reuse the prompt cache (e.g. a conversation id).
-    cache_key: str | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):

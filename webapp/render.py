@@ -5,7 +5,7 @@ What it knows: where `templates/` and `static/` are; that model output and user 
 untrusted. Templates autoescape everything interpolated. Raw HTML in markdown is never passed
 through (markdown-it's `html=False` escapes it), links keep markdown-it's scheme check (no
 `javascript:`) and open with `rel=noopener`, and code blocks are highlighted by pygments, which
-escapes their contents. `escape_text` shows text verbatim (what streams until the final render).
+escapes their contents. `escape_text` shows text verbatim.
 
 What it does not know: which template draws what (each feature's views), websockets, the database.
 """

@@ -6,8 +6,8 @@ engine `Worker` (sync for the CLI, async for the web app), and how to summarize 
 `store.record_bench_run`).
 
 What it does not know: HTML, the chat. Generation goes through the Worker, so MLX stays on the
-engine thread. Each prompt is sent with no `cache_key`: prompts share no prefix cache, so TTFT is a
-cold prefill every time.
+engine thread. Prompts are sent one after another as chat requests, so an engine that keeps its
+prompt cache warm (MLX) reuses the shared system prompt, as it would in the chat.
 """
 
 from __future__ import annotations
