@@ -31,7 +31,12 @@ from .engine_host import backend_options, make_loaded_backend, resolve_backend
 from .preflight import StartupError, data_dir
 from .units import non_negative_float, parse_size, positive_int
 
-__all__ = ["backend_options", "build_parser", "main", "parse_size"]  # parse_size: bench scripts import it here
+__all__ = [
+    "backend_options",
+    "build_parser",
+    "main",
+    "parse_size",
+]  # parse_size: bench scripts import it here
 
 log = logging.getLogger("flashcode")
 
@@ -71,8 +76,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = backend_options(args)
     backend = resolve_backend(args.backend)
     preflight.check_backend(backend, options)
-    settings = Settings(host=args.host, port=args.port, data_dir=root, backend=args.backend, model=model,
-                        backend_options=options, extra_origins=tuple(args.allow_origin or ()))  # fmt: skip
+    settings = Settings(
+        host=args.host,
+        port=args.port,
+        data_dir=root,
+        backend=args.backend,
+        model=model,
+        backend_options=options,
+        extra_origins=tuple(args.allow_origin or ()),
+    )
     try:
         settings.token = security.resolve_token(args.token, settings.is_loopback)
     except ValueError as exc:
@@ -87,14 +99,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     try:
         if not settings.is_loopback:
-            print(f"WARNING: listening on {args.host}: anyone who can reach this machine and has the token can use "
-                  "flashcode, including its shell tool (still behind approval). Use the default 127.0.0.1 unless "
-                  "you mean it.", file=sys.stderr)  # fmt: skip
+            print(
+                f"WARNING: listening on {args.host}: anyone who can reach this machine and has the token can use "
+                "flashcode, including its shell tool (still behind approval). Use the default 127.0.0.1 unless "
+                "you mean it.",
+                file=sys.stderr,
+            )
         sock.listen(2048)  # from here connections wait in the backlog: the printed URL works at once
         urls = security.token_urls(args.host, settings.port, settings.token)
         print(f"flashcode on {urls[0]}" + "".join(f"\n         or {u}" for u in urls[1:]), flush=True)
-        config = uvicorn.Config(create_app(settings, worker=worker), host=args.host, port=settings.port,
-                                log_level=args.log_level, ws_max_size=1 << 20)  # fmt: skip
+        config = uvicorn.Config(
+            create_app(settings, worker=worker),
+            host=args.host,
+            port=settings.port,
+            log_level=args.log_level,
+            ws_max_size=1 << 20,
+        )
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         worker.close()
@@ -111,8 +131,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from engine.gguf import import_gguf
 
-    target = import_gguf(args.file, paths.models_dir(), name=args.name, overwrite=args.force,
-                         show_progress=not args.quiet)  # fmt: skip
+    target = import_gguf(
+        args.file, paths.models_dir(), name=args.name, overwrite=args.force, show_progress=not args.quiet
+    )
     print(target.name)
     return 0
 
@@ -132,33 +153,66 @@ def cmd_models(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- generation
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
-    g.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (mlx, flash)")
-    g.add_argument("--memory-budget", type=parse_size, default=None, help="flash: hard memory budget, e.g. 300MB")
+    g.add_argument(
+        "--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (mlx, flash)"
+    )
+    g.add_argument(
+        "--memory-budget", type=parse_size, default=None, help="flash: hard memory budget, e.g. 300MB"
+    )
     g.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
     g.add_argument("--llama-url", default=None, help="llama: attach to a llama-server already running at URL")
     g.add_argument("--llama-binary", default=None, help="llama: path of the llama-server binary to run")
     g.add_argument("--llama-threads", type=int, default=None, help="llama: CPU threads (-t)")
     g.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None, help="llama: flash attention")
-    g.add_argument("--cache-type-k", choices=["f16", "q8_0", "q4_0"], default=None, help="llama: K cache type")
-    g.add_argument("--cache-type-v", choices=["f16", "q8_0", "q4_0"], default=None,
-                   help="llama: V cache type (quantized V needs --flash-attn on)")
+    g.add_argument(
+        "--cache-type-k", choices=["f16", "q8_0", "q4_0"], default=None, help="llama: K cache type"
+    )
+    g.add_argument(
+        "--cache-type-v",
+        choices=["f16", "q8_0", "q4_0"],
+        default=None,
+        help="llama: V cache type (quantized V needs --flash-attn on)",
+    )
     g.add_argument("--parallel", type=int, default=None, help="llama: parallel slots")
     g.add_argument("--n-gpu-layers", type=int, default=None, help="llama: layers offloaded to the GPU")
-    g.add_argument("--n-cpu-moe", type=int, default=None, help="llama: keep the experts of the first N layers on the CPU")
-    g.add_argument("--expert-policy", choices=["lru", "lfu", "s3fifo"], default=None,
-                   help="flash, MoE: expert cache policy (default lru)")
-    g.add_argument("--expert-prefetch", action="store_true", default=None,
-                   help="flash, MoE: read the next layer's likely experts ahead (exact)")
-    g.add_argument("--top-k-experts", type=positive_int, default=None,
-                   help="flash, MoE: fewer active experts per token than the model's (lossy)")
-    g.add_argument("--routing-bias", type=non_negative_float, default=None,
-                   help="flash, MoE: router logit bonus for cached experts, e.g. 1.0 (lossy; default 0: off)")
+    g.add_argument(
+        "--n-cpu-moe", type=int, default=None, help="llama: keep the experts of the first N layers on the CPU"
+    )
+    g.add_argument(
+        "--expert-policy",
+        choices=["lru", "lfu", "s3fifo"],
+        default=None,
+        help="flash, MoE: expert cache policy (default lru)",
+    )
+    g.add_argument(
+        "--expert-prefetch",
+        action="store_true",
+        default=None,
+        help="flash, MoE: read the next layer's likely experts ahead (exact)",
+    )
+    g.add_argument(
+        "--top-k-experts",
+        type=positive_int,
+        default=None,
+        help="flash, MoE: fewer active experts per token than the model's (lossy)",
+    )
+    g.add_argument(
+        "--routing-bias",
+        type=non_negative_float,
+        default=None,
+        help="flash, MoE: router logit bonus for cached experts, e.g. 1.0 (lossy; default 0: off)",
+    )
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     try:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                              seed=args.seed, stop=tuple(args.stop or ()))  # fmt: skip
+        return SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=tuple(args.stop or ()),
+        )
     except ValueError as exc:
         raise SystemExit(f"flashcode: {exc}") from None
 
@@ -166,7 +220,11 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def run_stream(backend: Any, request: GenerationRequest, on_text: Callable[[str], None]) -> Done:
     """Drive a backend on this thread; Ctrl-C cancels the reply instead of killing the process."""
     cancel = threading.Event()
-    old = signal.signal(signal.SIGINT, lambda *_: cancel.set()) if threading.current_thread() is threading.main_thread() else None
+    old = (
+        signal.signal(signal.SIGINT, lambda *_: cancel.set())
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     try:
         for event in backend.stream(request, cancel):
             if isinstance(event, TextDelta):
@@ -224,8 +282,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     name = resolve_backend(args.backend)
     backend = make_loaded_backend(name, args.model, backend_options(args, name))
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"flashcode chat — {backend.model.name} on {name}. /clear resets, /exit or Ctrl-D quits, "
-          "Ctrl-C stops a reply.", file=sys.stderr)  # fmt: skip
+    print(
+        f"flashcode chat — {backend.model.name} on {name}. /clear resets, /exit or Ctrl-D quits, "
+        "Ctrl-C stops a reply.",
+        file=sys.stderr,
+    )
     try:
         while True:
             try:
@@ -246,26 +307,40 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             print("bot> ", end="", flush=True)
-            done = run_stream(backend, GenerationRequest(messages=tuple(history), sampling=_sampling(args)),
-                              lambda t: print(t, end="", flush=True))  # fmt: skip
+            done = run_stream(
+                backend,
+                GenerationRequest(messages=tuple(history), sampling=_sampling(args)),
+                lambda t: print(t, end="", flush=True),
+            )
             print()
             if done.error:
                 print(f"flashcode: {done.error}", file=sys.stderr)
                 history.pop()
                 continue
             s = done.stats
-            print(f"  [{s.completion_tokens} tok · {s.decode_tps:.1f} tok/s · ttft {s.ttft_s * 1000:.0f} ms"
-                  f"{' · stopped' if done.finish_reason == 'cancelled' else ''}]", file=sys.stderr)  # fmt: skip
+            print(
+                f"  [{s.completion_tokens} tok · {s.decode_tps:.1f} tok/s · ttft {s.ttft_s * 1000:.0f} ms"
+                f"{' · stopped' if done.finish_reason == 'cancelled' else ''}]",
+                file=sys.stderr,
+            )
             history.append({"role": "assistant", "content": done.text})
     finally:
         backend.close()
 
 
 # --------------------------------------------------------------------------- parser
-def add_generation_args(p: argparse.ArgumentParser, backends: Sequence[str] = ("auto", "mlx", "llama", "flash")) -> None:
-    p.add_argument("--backend", default="auto", choices=list(backends),
-                   help="engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto picks per platform")  # fmt: skip
-    p.add_argument("--model", default=None, help="installed model name or model directory (default: the default model)")
+def add_generation_args(
+    p: argparse.ArgumentParser, backends: Sequence[str] = ("auto", "mlx", "llama", "flash")
+) -> None:
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=list(backends),
+        help="engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto picks per platform",
+    )
+    p.add_argument(
+        "--model", default=None, help="installed model name or model directory (default: the default model)"
+    )
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -273,17 +348,28 @@ def add_generation_args(p: argparse.ArgumentParser, backends: Sequence[str] = ("
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
     add_engine_args(p)
-    p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)",
+    )
 
 
 def _add_verbose(p: argparse.ArgumentParser) -> None:
     # SUPPRESS: `flashcode -v serve` and `flashcode serve -v` both work (the subparser keeps the global's value)
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="more logging, and a traceback with any error")  # fmt: skip
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="more logging, and a traceback with any error",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashcode", description="A local LLM coding agent with a classic-Mac UI.")
+    parser = argparse.ArgumentParser(
+        prog="flashcode", description="A local LLM coding agent with a classic-Mac UI."
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -294,23 +380,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("serve", help="run the web app")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: only this machine can connect; anything else exposes the agent)")  # fmt: skip
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: only this machine can connect; anything else exposes the agent)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
+    )
     p.add_argument("--data-dir", default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
     p.add_argument("--model", default=None)
     add_engine_args(p)
-    p.add_argument("--allow-origin", action="append", metavar="URL",
-                   help="also accept pages from this origin (e.g. http://my-mac.local:8000 when using --host 0.0.0.0)")
-    p.add_argument("--token", default=None,
-                   help="access token the page, websocket and /v1 require (default: $FLASHCODE_TOKEN, else a random "
-                        "one when --host is not loopback; printed in the URL)")  # fmt: skip
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        metavar="URL",
+        help="also accept pages from this origin (e.g. http://my-mac.local:8000 when using --host 0.0.0.0)",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help="access token the page, websocket and /v1 require (default: $FLASHCODE_TOKEN, else a random "
+        "one when --host is not loopback; printed in the URL)",
+    )
     p.add_argument("--log-level", default="info")
     _add_verbose(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("doctor", help="what is installed and what is missing (run this first when something is off)")
+    p = sub.add_parser(
+        "doctor", help="what is installed and what is missing (run this first when something is off)"
+    )
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(p)
@@ -351,7 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # a bench script's own options (`flashcode bench websocket --runs 3`)
         args.rest = [*extra, *args.rest]
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     _data_dir(args)
