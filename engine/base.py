@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-Message = dict[str, str]  # {"role": "system"|"user"|"assistant"|"tool", "content": "..."}
+# {"role": "system"|"user"|"assistant"|"tool", "content": "..."}; an assistant message that called tools
+# also has "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": {...}}}]
+Message = dict[str, Any]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -87,6 +89,11 @@ class GenerationRequest:
     messages: tuple[Message, ...] | None = None
     prompt: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # OpenAI-format tools given to the model's chat template (`ToolCallingBackend`); calls come back as
+    # `ToolCall` events. `constrain_tools`: once the model opens a call, only a valid call can follow.
+    tools: tuple[dict[str, Any], ...] = ()
+    constrain_tools: bool = True
+    tool_choice: Literal["auto", "required"] = "auto"  # required: the reply must be a call
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -99,6 +106,18 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     kind: Literal["text", "reasoning"] = "text"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model made (native tool calling). `error` is set when its text could not be
+    read as a call (the unconstrained decoder's malformed JSON); `raw` is the text as written."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    raw: str = ""
+    error: str | None = None
 
 
 @dataclass
@@ -126,7 +145,7 @@ class Done:
     error: str | None = None
 
 
-Event = TextDelta | Done
+Event = TextDelta | ToolCall | Done
 
 
 # --------------------------------------------------------------------------- models
@@ -173,6 +192,14 @@ class PromptCacheBackend(Protocol):
     def save_prompt_cache(self, path: Path, metadata: dict[str, str]) -> dict[str, Any]: ...
 
     def load_prompt_cache(self, path: Path) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ToolCallingBackend(Protocol):
+    """Capability: the loaded model's chat template takes `tools=`; `GenerationRequest.tools` are
+    passed through it and the model's calls come back as `ToolCall` events."""
+
+    def supports_tools(self) -> bool: ...
 
 
 @runtime_checkable

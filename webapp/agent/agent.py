@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
+from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta, ToolCallingBackend
 
 from ..db import connect_memory
 from . import router, sandbox
@@ -52,6 +52,7 @@ from .events import (
     TurnDone,
 )
 from .files import FileChange, FileToolError, ProjectFiles
+from .loop import DEFAULT_MAX_STEPS, LOOP_SYSTEM, ToolLoop
 from .runner import DEFAULT_OUTPUT_CAP, DEFAULT_TIMEOUT_S, CommandRun
 from .search import DDGSProvider, SearchProvider, SearchResult, SearchUnavailableError
 from .shell import Verdict, check_command
@@ -127,6 +128,9 @@ class AgentSession:
         on_model: Callable[[str], Awaitable[None]] | None = None,
         hidden: tuple[Path, ...] = (),
         commands: SlashCommands = DEFAULT,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        constrained: bool = True,
+        approve_edits: bool = False,
     ) -> None:
         self.worker = worker
         self.files = ProjectFiles(Path(project_dir))
@@ -149,12 +153,19 @@ class AgentSession:
         self._gen: Any = None
         self._approval: asyncio.Future[Decision] | None = None
         self._stopped = False
+        # the tool loop (models whose chat template takes tools): its limits and the last turn's state
+        self.max_steps = max_steps
+        self.constrained = constrained
+        self.approve_edits = approve_edits  # "auto-approve file edits in this project"
+        self.loop: ToolLoop | None = None
+        self._halt = False  # Stop was pressed during this turn
 
     # ------------------------------------------------------------------ control
     def stop(self) -> None:
         """Kill the running command (its whole process group), stop the reply being written, and
         answer an open approval dialog with deny."""
         self._stopped = True
+        self._halt = True
         if self._approval is not None:
             self._approval.cancel()
         if self._run is not None:
@@ -162,8 +173,14 @@ class AgentSession:
         if self._gen is not None:
             self._gen.cancel()
 
+    @property
+    def halted(self) -> bool:
+        """Whether Stop was pressed during the turn being run."""
+        return self._halt
+
     def clear(self) -> None:
         self.history.clear()
+        self.loop = None
 
     # ------------------------------------------------------------------ a turn
     async def run_turn(self, text: str) -> AsyncIterator[AgentEvent]:
@@ -182,6 +199,11 @@ class AgentSession:
                 yield ev
             yield TurnDone(None)
             return
+        if await self.uses_tools():
+            async for ev in self._tool_turn(text):
+                yield ev
+            yield TurnDone("tools")
+            return
         try:
             decision = await router.route(self.worker, text)
         except router.RoutingUnavailableError as exc:
@@ -196,7 +218,11 @@ class AgentSession:
     async def _slash(self, call: SlashCall) -> AsyncIterator[AgentEvent]:
         name, arg = call.name, call.arg
         route: str | None = None
-        if name in ("agent", "raw"):
+        if name == "continue":
+            route = "tools"
+            async for ev in self._continue():
+                yield ev
+        elif name in ("agent", "raw"):
             self.mode = name  # type: ignore[assignment]
             yield ModeChanged(self.mode)
         elif name == "help":
@@ -224,6 +250,39 @@ class AgentSession:
         else:
             yield SlashUnhandled(name, arg)
         yield TurnDone(route)
+
+    # ------------------------------------------------------------------ the tool loop
+    async def uses_tools(self) -> bool:
+        """Whether this turn runs the tool loop: the engine's model takes tools in its chat template
+        (native tool calling); other models keep the router (chat / search / shell)."""
+
+        def check(backend: Any) -> bool:
+            return isinstance(backend, ToolCallingBackend) and backend.supports_tools()
+
+        try:
+            return bool(await self.worker.acall(check))
+        except Exception:  # noqa: BLE001 - no engine, no model: the router says so
+            return False
+
+    async def _tool_turn(self, text: str) -> AsyncIterator[AgentEvent]:
+        self._halt = False
+        self.loop = ToolLoop(self, max_steps=self.max_steps, constrained=self.constrained)
+        messages: list[Message] = [{"role": "system", "content": LOOP_SYSTEM}, *self._recent()]
+        messages.append({"role": "user", "content": text})
+        answer = ""
+        async for ev in self.loop.run(messages):
+            if isinstance(ev, AnswerDone):
+                answer = ev.text or answer
+            yield ev
+        self._remember(text, answer or f"(worked for {self.loop.steps} steps)")
+
+    async def _continue(self) -> AsyncIterator[AgentEvent]:
+        if self.loop is None:
+            yield Notice("there is no agent task to continue", "warning")
+            return
+        self._halt = False
+        async for ev in self.loop.resume():
+            yield ev
 
     # ------------------------------------------------------------------ routes
     async def _chat(self, text: str, system: str | None = CHAT_SYSTEM) -> AsyncIterator[AgentEvent]:

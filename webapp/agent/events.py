@@ -219,6 +219,56 @@ class AnswerDone(_Event):
 
 
 @dataclass(frozen=True)
+class ToolStep(_Event):
+    """The model called a tool (step `step` of at most `max_steps`): a step card opens."""
+
+    step: int
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    max_steps: int
+    started: float  # time.time()
+    type: str = "tool_step"
+
+
+@dataclass(frozen=True)
+class ToolStepDone(_Event):
+    """What the call came to: the result the model gets back (`result`, quoted to it as untrusted
+    data), the card's collapsible `output`, the approval `decision` and, for commands, `exit_code`."""
+
+    step: int
+    call_id: str
+    tool: str
+    ok: bool
+    decision: str
+    result: str
+    output: str = ""
+    exit_code: int | None = None
+    action_id: int | None = None
+    duration_s: float = 0.0
+    type: str = "tool_step_done"
+
+
+@dataclass(frozen=True)
+class StepLimitReached(_Event):
+    """The loop stopped after `steps` steps; `/continue` (the Continue button) gives it more."""
+
+    steps: int
+    max_steps: int
+    type: str = "step_limit"
+
+
+@dataclass(frozen=True)
+class ContextTrimmed(_Event):
+    """The conversation neared the context limit: old tool outputs elided, then older steps summarised."""
+
+    elided: int  # tool results replaced by a note
+    summarised: int  # messages folded into a summary
+    note: str
+    type: str = "context_trimmed"
+
+
+@dataclass(frozen=True)
 class TurnDone(_Event):
     route: str | None
     type: str = "turn_done"
@@ -243,5 +293,9 @@ AgentEvent = (
     | FileWritten
     | AnswerDelta
     | AnswerDone
+    | ToolStep
+    | ToolStepDone
+    | StepLimitReached
+    | ContextTrimmed
     | TurnDone
 )

@@ -50,6 +50,7 @@ BUILTIN: tuple[SlashCommand, ...] = (
         True,
     ),
     SlashCommand("model", "switch to another installed model", "NAME", needs_arg=True),
+    SlashCommand("continue", "give the agent's task more steps after it reached the step limit"),
     SlashCommand("clear", "start over: forget this conversation's context"),
     SlashCommand("help", "list the slash commands"),
 )

@@ -1,0 +1,280 @@
+"""The agent's tools: what the model is offered (OpenAI-format schemas) and the read-only ones' code.
+
+What it knows: each tool's name, description, JSON schema and kind of effect (`none`: reads the
+project; `write`: changes a file, always approved; `shell`: runs a command under the shell policy,
+approval and sandbox; `network`: reads the web, only when the project allows the network); how to
+check a call's arguments against its schema; how to list files (honouring .gitignore), read a file
+by line range, search text (`rg` when present, Python otherwise) and fetch a page as readable text
+(trafilatura). What it does not know: approval, the model, events - `loop.py` runs the tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .files import FileToolError, ProjectFiles
+
+Effect = Literal["none", "write", "shell", "network"]
+MAX_LIST = 400  # entries list_files returns
+MAX_READ_LINES = 400  # lines read_file returns at once
+MAX_RESULT_CHARS = 12_000  # what one tool result hands the model
+MAX_MATCHES = 100
+FETCH_TIMEOUT_S = 15.0
+SKIP_DIRS = {".git", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache"}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    effect: Effect = "none"
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+def _params(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required}
+
+
+_STR, _INT = {"type": "string"}, {"type": "integer"}
+SPECS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        "list_files",
+        "List the files of the project (or of one folder in it), skipping what .gitignore ignores.",
+        _params([], path={**_STR, "description": "folder relative to the project root; default ."}),
+    ),
+    ToolSpec(
+        "read_file",
+        "Read a text file of the project, with line numbers; optionally only lines start_line..end_line.",
+        _params(["path"], path=_STR, start_line=_INT, end_line=_INT),
+    ),
+    ToolSpec(
+        "search_text",
+        "Search the project's files for a regular expression; returns path:line: text for each match.",
+        _params(["pattern"], pattern=_STR, path={**_STR, "description": "folder or file; default ."}),
+    ),
+    ToolSpec(
+        "edit_file",
+        "Replace one exact piece of text in a file. old_text must occur exactly once in the file.",
+        _params(["path", "old_text", "new_text"], path=_STR, old_text=_STR, new_text=_STR),
+        "write",
+    ),
+    ToolSpec(
+        "write_file",
+        "Create a file, or overwrite it, with the given content.",
+        _params(["path", "content"], path=_STR, content=_STR),
+        "write",
+    ),
+    ToolSpec(
+        "run_command",
+        "Run a bash command in the project directory and get its output and exit code.",
+        _params(["command"], command=_STR),
+        "shell",
+    ),
+    ToolSpec(
+        "web_search", "Search the web; returns numbered results.", _params(["query"], query=_STR), "network"
+    ),
+    ToolSpec("fetch_url", "Fetch a web page as readable text.", _params(["url"], url=_STR), "network"),
+)
+BY_NAME = {s.name: s for s in SPECS}
+
+
+def openai_tools(names: tuple[str, ...] | None = None) -> tuple[dict[str, Any], ...]:
+    return tuple(s.openai() for s in SPECS if names is None or s.name in names)
+
+
+_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "object": dict, "boolean": bool}
+
+
+def check_arguments(spec: ToolSpec, args: dict[str, Any]) -> str | None:
+    """Why `args` do not fit the tool's schema (required, known names, types), or None."""
+    props = spec.parameters["properties"]
+    missing = [k for k in spec.parameters.get("required", []) if k not in args]
+    if missing:
+        return f"{spec.name} needs {', '.join(missing)}"
+    unknown = [k for k in args if k not in props]
+    if unknown:
+        return f"{spec.name} takes no argument {', '.join(unknown)} (it takes {', '.join(props) or 'none'})"
+    for k, v in args.items():
+        want = _TYPES.get(props[k].get("type", ""), object)
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            return f"{spec.name}: {k} must be a {props[k]['type']}"
+    return None
+
+
+@dataclass
+class ToolResult:
+    """What one tool call came to: the text for the model, and what the step card shows."""
+
+    ok: bool
+    content: str
+    decision: str = (
+        "none"  # none (no approval needed) | rule | once | always_* | deny | timeout | network_off
+    )
+    exit_code: int | None = None
+    action_id: int | None = None
+    output: str = ""  # what the card shows collapsed (a file, a listing, command output)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- .gitignore
+class IgnoreRules:
+    """The project's root .gitignore (and .git/info/exclude), enough for listing and searching:
+    `name`, `dir/`, `/anchored`, `a/b`, `*.ext`, `**`, `!negation`."""
+
+    def __init__(self, root: Path) -> None:
+        self.rules: list[tuple[bool, bool, bool, str]] = []  # (negate, dir_only, anchored, pattern)
+        for f in (root / ".gitignore", root / ".git" / "info" / "exclude"):
+            try:
+                lines = f.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                line = line.rstrip()
+                if not line or line.startswith("#"):
+                    continue
+                negate = line.startswith("!")
+                line = line.removeprefix("!")
+                dir_only = line.endswith("/")
+                line = line.strip("/") if dir_only else line
+                anchored = line.startswith("/") or "/" in line
+                self.rules.append((negate, dir_only, anchored, line.lstrip("/")))
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        out = False
+        name = rel.rsplit("/", 1)[-1]
+        for negate, dir_only, anchored, pat in self.rules:
+            if dir_only and not is_dir:
+                continue
+            hit = fnmatch.fnmatchcase(rel, pat) or (
+                "**" in pat and fnmatch.fnmatchcase(rel, pat.replace("**/", ""))
+            )
+            if not anchored:
+                hit = hit or fnmatch.fnmatchcase(name, pat)
+            if hit:
+                out = not negate
+        return out
+
+
+def walk(root: Path, start: Path) -> list[str]:
+    """Files under `start`, relative to `root`, sorted, .gitignore'd ones and SKIP_DIRS left out."""
+    rules = IgnoreRules(root)
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(start):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir + "/"
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIRS and not rules.ignored(rel_dir + d, True)
+        )
+        out += [rel_dir + f for f in sorted(filenames) if not rules.ignored(rel_dir + f, False)]
+    return sorted(out)
+
+
+# --------------------------------------------------------------------------- the read-only tools
+class ReadTools:
+    """list_files, read_file and search_text over one project (`ProjectFiles` confines the paths)."""
+
+    def __init__(self, files: ProjectFiles) -> None:
+        self.files = files
+
+    def list_files(self, path: str = ".") -> str:
+        start = self.files.resolve(path or ".")
+        if not start.is_dir():
+            raise FileToolError(f"{path} is not a folder of the project")
+        names = walk(self.files.root, start)
+        if not names:
+            return "(no files)"
+        more = f"\n[... {len(names) - MAX_LIST} more]" if len(names) > MAX_LIST else ""
+        return "\n".join(names[:MAX_LIST]) + more
+
+    def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
+        text = self.files.read(path)
+        lines = text.splitlines()
+        first = max(1, start_line or 1)
+        last = min(len(lines), end_line or first + MAX_READ_LINES - 1, first + MAX_READ_LINES - 1)
+        if not lines:
+            return "(empty file)"
+        if first > len(lines):
+            return f"(the file has {len(lines)} lines)"
+        body = "\n".join(f"{n:>5}  {lines[n - 1]}" for n in range(first, last + 1))
+        rest = f"\n[... lines {last + 1}-{len(lines)} not shown]" if last < len(lines) else ""
+        return body + rest
+
+    def search_text(self, pattern: str, path: str = ".") -> str:
+        try:
+            regex = re.compile(pattern)
+        except re.error as exc:
+            raise FileToolError(f"not a regular expression: {exc}") from exc
+        start = self.files.resolve(path or ".")
+        rg = shutil.which("rg")
+        hits = self._rg(rg, pattern, start) if rg else self._python(regex, start)
+        if not hits:
+            return "(no matches)"
+        more = "\n[... more matches not shown]" if len(hits) > MAX_MATCHES else ""
+        return "\n".join(hits[:MAX_MATCHES]) + more
+
+    def _rg(self, rg: str, pattern: str, start: Path) -> list[str]:
+        argv = [rg, "--no-require-git", "--line-number", "--no-heading", "--color", "never", "-m", "20"]
+        proc = subprocess.run(
+            [*argv, "-e", pattern, "--", str(start)],
+            cwd=self.files.root,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        root = str(self.files.root) + os.sep
+        return [line.removeprefix(root)[:300] for line in proc.stdout.splitlines()[: MAX_MATCHES + 1]]
+
+    def _python(self, regex: re.Pattern[str], start: Path) -> list[str]:
+        root = self.files.root
+        names = [self.files.relative(start)] if start.is_file() else walk(root, start)
+        hits: list[str] = []
+        for rel in names:
+            try:
+                text = (root / rel).read_text(errors="strict")
+            except (OSError, UnicodeError):
+                continue  # binary or unreadable
+            for n, line in enumerate(text.splitlines(), 1):
+                if regex.search(line):
+                    hits.append(f"{rel}:{n}:{line[:300]}")
+                    if len(hits) > MAX_MATCHES:
+                        return hits
+        return hits
+
+
+# --------------------------------------------------------------------------- the web
+async def fetch_url(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
+    """The page at `url` as readable text (trafilatura's main-content extraction; plain text as is)."""
+    import httpx
+
+    if not re.match(r"^https?://", url):
+        raise FileToolError("fetch_url takes an http:// or https:// address")
+    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s) as client:
+        resp = await client.get(url, headers={"User-Agent": "flashcode"})
+    if resp.status_code >= 400:
+        raise FileToolError(f"{url} answered HTTP {resp.status_code}")
+    kind = resp.headers.get("content-type", "")
+    if "html" not in kind:
+        return resp.text[:MAX_RESULT_CHARS]
+    html = resp.text
+
+    def extract() -> str:
+        import trafilatura
+
+        return trafilatura.extract(html, url=url, include_links=False) or ""
+
+    text = await asyncio.to_thread(extract)
+    return text or "(the page has no readable text)"
