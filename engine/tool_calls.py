@@ -43,7 +43,9 @@ def call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    return {"anyOf": options}
+    # bounded whitespace between tokens: the template's own style (`{"name": ...}`, or indented), never
+    # a run of blanks a sampler can wander into
+    return {"anyOf": options, "x-guidance": {"whitespace_pattern": "[ \\n]{0,8}", "lenient": True}}
 
 
 def call_grammar(

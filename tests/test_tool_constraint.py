@@ -1,0 +1,81 @@
+"""The constrained decoder (`engine.tool_calls.ToolCallConstraint`, llguidance) never lets a model
+write an invalid tool call: over random logits (hypothesis), whatever token wins under the mask, the
+reply is the template's opening tag and then a JSON object naming one of the agent's tools with
+arguments its schema accepts. The real agent model's tokenizer (Qwen2.5-Coder, 151,936 tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.tool_calls import ToolCallConstraint, call_schema, parse_call_text
+from webapp.agent.tools import BY_NAME, check_arguments, openai_tools
+
+mx = pytest.importorskip("mlx.core")
+TOOLS = openai_tools()
+CLOSE_AFTER = 48  # then closing characters are favoured, so strings and objects end
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_home):
+    from transformers import AutoTokenizer
+
+    from engine.models import AGENT_MODEL
+
+    path = model_home / "models" / AGENT_MODEL
+    if not path.is_dir():
+        pytest.skip(f"the agent model {AGENT_MODEL} is not installed (`make setup`)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def closers(tokenizer) -> np.ndarray:
+    vocab = len(tokenizer)
+    texts = tokenizer.convert_ids_to_tokens(list(range(vocab)))
+    return np.array([bool(t) and any(c in t for c in '"}]') for t in texts])
+
+
+def decode(tokenizer, constraint: ToolCallConstraint, seed: int, required: bool, closers) -> list[int]:
+    rng = np.random.default_rng(seed)
+    vocab = len(tokenizer)
+    tokens = [1, 2, 3]  # a prompt
+    for step in range(400):
+        logits = rng.standard_normal(vocab).astype(np.float32) * 4
+        if step >= CLOSE_AFTER:
+            logits = logits + 40 * closers
+        out = np.array(constraint(mx.array(tokens), mx.array(logits[None]))[0])
+        if constraint.complete:  # set as it took the last token in: the backend ends the reply here
+            return tokens[3:]
+        token = int(np.argmax(out))
+        assert np.isfinite(out[token]), "the mask allowed no token"
+        tokens.append(token)
+        if step == 0 and not required and token != constraint.start[0]:
+            return tokens[3:]  # an answer: free text, nothing to check
+    raise AssertionError("the call never closed")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), required=st.booleans())
+def test_constrained_decoder_yields_only_valid_calls(tokenizer, closers, seed: int, required: bool) -> None:
+    start = tokenizer.convert_tokens_to_ids(["<tool_call>"])
+    constraint = ToolCallConstraint(tokenizer, start, TOOLS, required=required)
+    out = decode(tokenizer, constraint, seed, required, closers)
+    if out[0] != start[0]:
+        assert not required
+        return
+    call = parse_call_text(tokenizer.decode(out[1:]), None, TOOLS)
+    assert call.error is None, (call.raw, call.error)
+    assert call.name in BY_NAME
+    assert check_arguments(BY_NAME[call.name], call.arguments) is None, call
+    assert constraint.error is None
+
+
+def test_call_schema_names_every_tool() -> None:
+    schema = call_schema(TOOLS)
+    assert schema["x-guidance"]["whitespace_pattern"]
+    assert sorted(o["properties"]["name"]["const"] for o in schema["anyOf"]) == sorted(BY_NAME)
+    assert json.loads(json.dumps(schema)) == schema
