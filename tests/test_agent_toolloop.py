@@ -311,3 +311,24 @@ def test_toolloop_models_without_tools_keep_the_router(project: Path) -> None:
         w.close()
     assert of(events, ev.RouteChosen) and not of(events, ev.ToolStep)
     assert not fake.history[-1].tools
+
+
+def test_toolloop_step_cards_render_escaped() -> None:
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    from webapp.agent.views import AgentViews
+    from webapp.render import find_dir
+
+    env = Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape())
+    views = AgentViews(env)
+    card = views.event(ev.ToolStep(2, "call_x", "write_file", {"path": "<b>.py", "content": "a\n" * 100}, 25, 0.0))
+    assert 'id="step-call_x"' in card and "Step 2/25" in card and "&lt;b&gt;.py" in card and "<details>" in card
+    done = views.event(
+        ev.ToolStepDone(2, "call_x", "run_command", False, "once", "exit code 1\n<script>", "<script>x", 1, 7, 0.4)
+    )
+    assert 'data-exit-code="1"' in done and "<script>" not in done and "approved" in done and "Failed" in done
+    denied = views.event(ev.ToolStepDone(3, "c", "edit_file", False, "deny", "Denied by the user: no", ""))
+    assert "Denied" in denied and "Denied by the user: no" in denied
+    limit = views.event(ev.StepLimitReached(25, 25))
+    assert "/continue" in limit and "Continue" in limit
+    assert "elided" in views.event(ev.ContextTrimmed(2, 0, "2 old tool output(s) elided."))

@@ -37,7 +37,6 @@ from .events import (
     ContextTrimmed,
     Decided,
     FileWritten,
-    Notice,
     Proposal,
     StepLimitReached,
     ToolStep,
@@ -396,7 +395,6 @@ class ToolLoop:
             + "."
         )
         yield ContextTrimmed(elided + cut, summarised, note)
-        yield Notice(note, "info")
 
     async def _summarise(self) -> int:
         """Fold everything between the first two messages (system, task) and the latest ones into one

@@ -197,6 +197,7 @@ class AgentTurns:
                     reply.add(e.text)
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
+                    reply = None  # the tool loop writes one reply per step that has words
                 elif fragment := self.web.views.event(e):
                     turn.send(fragment)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the socket lives on
