@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.flash.bench import (  # noqa: E402
     PROMPT,
-    RUNTIME_MARGIN,
     MemoryCgroup,
     _child_env,
     _ratio,
@@ -61,9 +60,10 @@ def child_main(args: argparse.Namespace) -> None:
     from engine.flash.moe import moe_counters
 
     path = Path(args.model)
-    budget = args.memory_cap - current_rss_bytes() - RUNTIME_MARGIN if args.memory_cap else None
-    if budget and args.engine_share < 1:  # leave the rest of the cap to the OS page cache
-        budget = int(budget * args.engine_share)
+    budget = args.memory_cap  # the budget is the process's: the engine measures its own runtime
+    # leave part of what the cap leaves past the runtime to the OS page cache
+    if budget and args.engine_share < 1:
+        budget -= int((budget - current_rss_bytes()) * (1 - args.engine_share))
     backend = FlashBackend(
         memory_budget=budget,
         expert_policy=args.policy,
@@ -129,8 +129,15 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 def run_flash(
-    model: Path, tokens: int, cap: int, timeout: float, policy: str, top_k: int, prefetch_next: bool = False,
-    bias: float = 0.0, child_flags: tuple[str, ...] = (),
+    model: Path,
+    tokens: int,
+    cap: int,
+    timeout: float,
+    policy: str,
+    top_k: int,
+    prefetch_next: bool = False,
+    bias: float = 0.0,
+    child_flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
            "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, "--bias", str(bias),
@@ -240,7 +247,9 @@ def bench_one(
     res["bandwidth"] = expert_bandwidth(model / "split", in_flight=k)
     log(f"  bandwidth {res['bandwidth']['bandwidth_Bps'] / 1e9:.2f} GB/s ({k} expert reads in flight)")
     drop_page_cache()
-    res["flash"] = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=child_flags)
+    res["flash"] = run_flash(
+        model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=child_flags
+    )
     f = res["flash"]
     log(f"  flash: {f['status']} {f.get('decode_tps', 0):.3f} tok/s, hit {f.get('decode_hit_rate')}")
     if (
@@ -253,9 +262,14 @@ def bench_one(
     exact = res["flash"].get("tokens") or []
     for b in biases:  # opt-in, lossy: cache-aware routing at the same cap; its quality = agreement with exact
         drop_page_cache()
-        r = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, bias=b, child_flags=child_flags)
+        r = run_flash(
+            model, tokens, cap, timeout, policy, top_k, prefetch_next, bias=b, child_flags=child_flags
+        )
         toks = r.get("tokens") or []
-        agree = next((i for i, (a, c) in enumerate(zip(toks, exact, strict=False)) if a != c), min(len(toks), len(exact)))
+        agree = next(
+            (i for i, (a, c) in enumerate(zip(toks, exact, strict=False)) if a != c),
+            min(len(toks), len(exact)),
+        )
         res.setdefault("routing_bias", {})[str(b)] = {
             "status": r["status"], "decode_tps": r.get("decode_tps"), "decode_hit_rate": r.get("decode_hit_rate"),
             "decode_bytes_per_token": r.get("decode_bytes_per_token"), "ttft_s": r.get("ttft_s"),
@@ -308,12 +322,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--top-k", type=int, default=0, help="opt-in, lossy: fewer active experts (0 = the model's)"
     )
-    ap.add_argument("--routing-bias", default="", help="opt-in, lossy: extra flash runs at these cache-aware "
-                    "routing biases, e.g. 1,4 (compared with the exact run)")
+    ap.add_argument(
+        "--routing-bias",
+        default="",
+        help="opt-in, lossy: extra flash runs at these cache-aware "
+        "routing biases, e.g. 1,4 (compared with the exact run)",
+    )
     ap.add_argument("--bias", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--engine-share", type=float, default=1.0,
-                    help="give the engine this share of the budget the cap leaves (the rest: OS page cache)")
-    ap.add_argument("--buffered", action="store_true", help="read experts through the page cache (no O_DIRECT)")
+    ap.add_argument(
+        "--engine-share",
+        type=float,
+        default=1.0,
+        help="give the engine this share of the budget the cap leaves (the rest: OS page cache)",
+    )
+    ap.add_argument(
+        "--buffered", action="store_true", help="read experts through the page cache (no O_DIRECT)"
+    )
     ap.add_argument("--skip", action="append", default=[], choices=["ram", "llama"])
     ap.add_argument("--work", default=None, help="where models are made (default $FLASHCODE_HOME/synth)")
     ap.add_argument("--keep", action="store_true", help="keep the models (default: delete them after)")

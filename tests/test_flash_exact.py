@@ -25,7 +25,7 @@ def flash(default_model, tmp_path_factory: pytest.TempPathFactory):
     from engine.flash.split import split_model
 
     split = split_model(default_model.path, tmp_path_factory.mktemp("flash") / "split", progress=False)
-    b = FlashBackend(memory_budget=300_000_000)
+    b = FlashBackend(memory_budget=300_000_000, runtime_bytes=0)  # engine-only: pytest's own RSS varies
     b.load(dataclasses.replace(default_model, split_path=split))
     yield b
     b.close()
@@ -67,7 +67,9 @@ def run_stream(backend, request: GenerationRequest) -> tuple[list[int], Done, li
 
 def request_for(i: int, prompt: str) -> GenerationRequest:
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
-    if i == 0:  # one through the chat template, the rest raw (short prompts keep MLX's slow CPU prefill cheap)
+    if (
+        i == 0
+    ):  # one through the chat template, the rest raw (short prompts keep MLX's slow CPU prefill cheap)
         return GenerationRequest(messages=({"role": "user", "content": prompt},), sampling=greedy)
     return GenerationRequest(prompt=prompt, sampling=greedy)
 

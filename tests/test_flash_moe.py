@@ -187,7 +187,7 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     req = GenerationRequest(prompt="Once upon a time", sampling=SamplingParams(temperature=0.0, max_tokens=6))
     info = ModelInfo("moe-tiny", tiny_moe, "qwen3_moe", 0, split_path=tiny_moe / "split")
     runs = {}
-    for backend in (MLXBackend(), FlashBackend(memory_budget=60_000_000)):
+    for backend in (MLXBackend(), FlashBackend(memory_budget=60_000_000, runtime_bytes=0)):
         backend.load(info)
         events = list(backend.stream(req, threading.Event()))
         runs[backend.name] = [t for ev in events for t in getattr(ev, "token_ids", [])], events[-1]

@@ -47,10 +47,17 @@ def make_model(arch: str, out: Path) -> Path:
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     model = module.Model(module.ModelArgs.from_dict(config))
     # random weights at a useful scale (the default init of a 64-wide model is fine), then 4-bit
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith("gate"))
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith("gate"),
+    )
     config["quantization"] = {"group_size": 32, "bits": 4}
     out.mkdir(parents=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -72,8 +79,15 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[An
     unit = max(u.padded for u in man.units if u.kind == "expert")
     layers = len(expert_units(man))
     staging = 2 * 2 * unit + (0 if man.dense_units() else -plan.buffers)  # load_experts' staging for top-2
-    budget = plan.fixed + 256 * plan.kv_per_token + max(0, staging) + slots * layers * resident_expert_bytes(expert_units(man))
-    _, experts = stream_model(obj, man, UnitReader(man.units_path), plan, budget, verify=True, routing_bias=routing_bias)
+    budget = (
+        plan.fixed
+        + 256 * plan.per_token
+        + max(0, staging)
+        + slots * layers * resident_expert_bytes(expert_units(man))
+    )
+    _, experts = stream_model(
+        obj, man, UnitReader(man.units_path), plan, budget, verify=True, routing_bias=routing_bias
+    )
     assert experts.cache.slots == slots
     experts.record = True
     cast_pinned(obj)
@@ -98,7 +112,9 @@ def test_streamed_experts_match_mlx_lm_for(arch: str, tmp_path: Path, model_home
     split_model(model_dir, progress=False)
     man = load_manifest(model_dir / "split")
     moe_layers = 4 - len(CONFIGS[arch].get("mlp_only_layers", []))
-    assert sum(u.kind == "expert" for u in man.units) == moe_layers * 8  # every MoE layer's 8 experts are units
+    assert (
+        sum(u.kind == "expert" for u in man.units) == moe_layers * 8
+    )  # every MoE layer's 8 experts are units
     assert len(man.dense_units()) == 4 - moe_layers
     assert not any("switch_mlp" in n for n in man.pinned_tensors)
     ref, _ = load_model(model_dir)
@@ -109,7 +125,9 @@ def test_streamed_experts_match_mlx_lm_for(arch: str, tmp_path: Path, model_home
     toks, logits = greedy(model)
     assert toks == toks_ref
     assert mx.abs(logits - logits_ref).max().item() <= 1e-4
-    assert stream.stats.experts_read > 3 * moe_layers and stream.cache.used_bytes <= stream.cache.capacity_bytes
+    assert (
+        stream.stats.experts_read > 3 * moe_layers and stream.cache.used_bytes <= stream.cache.capacity_bytes
+    )
 
 
 def decode_hit_rate(model: Any, stream: Any, n: int) -> tuple[float, list[int]]:
@@ -130,7 +148,9 @@ def decode_hit_rate(model: Any, stream: Any, n: int) -> tuple[float, list[int]]:
     return hits / (hits + misses), toks
 
 
-def test_cache_aware_routing_is_opt_in_lossy_and_raises_the_hit_rate(tmp_path: Path, model_home: Path) -> None:
+def test_cache_aware_routing_is_opt_in_lossy_and_raises_the_hit_rate(
+    tmp_path: Path, model_home: Path
+) -> None:
     """A logit bonus for resident experts: more hits, fewer reads; the answer may change, so it is off by default."""
     from engine.flash.moe import CacheAwareRouter, moe_blocks
     from engine.flash.split import split_model
@@ -160,7 +180,9 @@ def test_routing_bias_must_not_be_negative(tmp_path: Path, model_home: Path) -> 
 
     obj, _ = load_model(model_dir / "split", lazy=True, strict=False)
     with pytest.raises(ValueError, match="routing_bias must be >= 0"):
-        load_experts(obj, man, UnitReader(man.units_path), plan_budget(man, None, 1, 256, 128), None, routing_bias=-1.0)
+        load_experts(
+            obj, man, UnitReader(man.units_path), plan_budget(man, None, 1, 256, 128), None, routing_bias=-1.0
+        )
 
 
 def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path) -> None:

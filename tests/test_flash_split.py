@@ -48,14 +48,18 @@ def test_split_round_trips_unit_bytes(tiny: Path, tiny_split: Path) -> None:
         buf.close()
     pinned = read_model_tensors(tiny_split)
     assert not any(".mlp." in n for n in pinned)
-    assert set(pinned) | {f"model.layers.{u.layer}.mlp.{t.name}" for u in man.units for t in u.tensors} == set(refs)
+    assert set(pinned) | {
+        f"model.layers.{u.layer}.mlp.{t.name}" for u in man.units for t in u.tensors
+    } == set(refs)
 
 
 def test_split_of_the_default_model_matches_its_tensors(default_model, tmp_path: Path) -> None:
     out = split_model(default_model.path, tmp_path / "split", progress=False)
     man = load_manifest(out)
     assert len(man.dense_units()) == 30
-    assert man.pinned_bytes + man.streamed_bytes == sum(r.nbytes for r in read_model_tensors(default_model.path).values())
+    assert man.pinned_bytes + man.streamed_bytes == sum(
+        r.nbytes for r in read_model_tensors(default_model.path).values()
+    )
 
 
 def test_flash_load_detects_a_damaged_unit(tiny: Path, tiny_split: Path) -> None:
@@ -171,7 +175,7 @@ def test_budget_refuses_when_pinned_weights_do_not_fit(tiny_split: Path) -> None
 def test_budget_shrinks_the_context_to_fit(tiny_split: Path) -> None:
     man = load_manifest(tiny_split)
     free = plan_budget(man, None, 2, 8192, 128)
-    budget = free.fixed + 1000 * free.kv_per_token
+    budget = free.fixed + 1000 * free.per_token
     plan = plan_budget(man, budget, 2, 8192, 128)
     assert plan.context == 1000 and plan.total <= budget
 
@@ -204,5 +208,10 @@ def test_synth_gguf_export_holds_the_same_weights(tiny: Path, tmp_path: Path) ->
     export_gguf(src, src / "model.gguf", progress=False)
     g, s = mx.load(str(src / "model.gguf")), mx.load(str(src / "model.safetensors"))
     for leaf in ("weight", "scales", "biases"):
-        assert np.array_equal(np.array(g[f"blk.1.ffn_down.{leaf}"]), np.array(s[f"model.layers.1.mlp.down_proj.{leaf}"]))
-        assert np.array_equal(np.array(g[f"blk.0.attn_q.{leaf}"]), _permute(np.array(s[f"model.layers.0.self_attn.q_proj.{leaf}"]), 4))
+        assert np.array_equal(
+            np.array(g[f"blk.1.ffn_down.{leaf}"]), np.array(s[f"model.layers.1.mlp.down_proj.{leaf}"])
+        )
+        assert np.array_equal(
+            np.array(g[f"blk.0.attn_q.{leaf}"]),
+            _permute(np.array(s[f"model.layers.0.self_attn.q_proj.{leaf}"]), 4),
+        )

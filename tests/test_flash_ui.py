@@ -24,14 +24,17 @@ from webapp.settings import Settings
 @pytest.fixture
 def flash_client(default_model, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                  monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:  # fmt: skip
-    from engine.flash.backend import FlashBackend
+    from engine.flash.backend import FlashBackend, current_rss_bytes
     from engine.flash.split import split_model
 
     split = split_model(default_model.path, tmp_path_factory.mktemp("flash-ui") / "split", progress=False)
     model = dataclasses.replace(default_model, split_path=split)
+    budget = (
+        current_rss_bytes() + 250_000_000
+    )  # the budget is the process's: this pytest process + the engine
 
     def load() -> FlashBackend:
-        b = FlashBackend(memory_budget=300_000_000)
+        b = FlashBackend(memory_budget=budget)
         b.load(model)
         return b
 
@@ -54,7 +57,14 @@ def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -
     meters = [f for f in frames if 'id="engine-meter"' in f]
     assert meters, "the meter is sent while the reply streams"
     last = meters[-1]
-    assert re.search(r"Disk \d+\.\d\d GB/s", last) and re.search(r"Mem \d+\.\d\d / 0\.30 GB", last)
+    assert re.search(r"Disk \d+\.\d\d GB/s", last) and re.search(r"Mem \d+\.\d\d / \d+\.\d\d GB", last)
+    peak = re.search(
+        r'data-meter="peak"[^>]*>Peak (\d+\.\d\d) / (\d+\.\d\d) GB', last
+    )  # peak RSS vs the budget
+    assert peak and 0 < float(peak[1]) <= float(peak[2])
     assert re.search(r"\d+ MB/token", "".join(meters))  # once tokens arrived: bytes read per token
     footer = "".join(frames)
-    assert re.search(r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer)  # the finished reply keeps the number
+    assert re.search(
+        r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer
+    )  # the finished reply keeps the number
+    assert re.search(r'data-stat="memory"[^>]*>Peak \d+\.\d\d / \d+\.\d\d GB', footer)  # and its peak RSS

@@ -6,12 +6,18 @@ checking it (pinned checksum always; every unit's checksum on load for splits up
 budget, and adding flash numbers (bytes read, bytes/s, read latency, the budget) to the stats.
 Generation, tokenization and prompt caching are MLXBackend's, unchanged: same tokens as in RAM.
 
-What it does not know: threads (the worker owns it), HTTP, MoE routing (a later issue).
+The memory budget is the process's: `load` loads the tokenizer first, measures what the process then
+holds (RSS: Python, MLX, the tokenizer and whatever else lives in it), adds `TRANSIENT_ALLOWANCE`, and
+plans the engine in what is left; peak RSS (VmHWM, reset at load) is reported against the budget.
+
+What it does not know: threads (the worker owns it), HTTP, how MoE routing works (moe.py).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +26,9 @@ from typing import Any
 
 from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
-from .budget import BudgetPlan, plan_budget
+from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, plan_budget
 from .dense import LayerStream, attach
-from .moe import has_experts, load_experts, moe_counters, moe_extra
+from .moe import expert_floor, has_experts, load_experts, moe_counters, moe_extra
 from .reader import UnitReader
 from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
 
@@ -36,6 +42,29 @@ def current_rss_bytes() -> int:
         return int(psutil.Process().memory_info().rss)
     except ImportError:
         return 0
+
+
+def reset_peak_rss() -> bool:
+    """Linux: restart this process's peak-RSS counter (VmHWM, and ru_maxrss with it) from its current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset() -> int:
+    """VmHWM where /proc has it (restarted by `reset_peak_rss`), else the process's lifetime ru_maxrss."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return peak_rss_bytes()
 
 
 def cast_pinned(model: Any) -> None:
@@ -89,6 +118,7 @@ class FlashBackend(MLXBackend):
         expert_prefetch: bool = False,
         routing_bias: float = 0.0,
         direct_io: bool = True,
+        runtime_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -97,10 +127,17 @@ class FlashBackend(MLXBackend):
         self.prefetch = prefetch
         self.verify_limit = verify_limit
         self.auto_split = auto_split
-        self.expert_policy, self.top_k = expert_policy, top_k  # MoE: cache policy; top_k < the model's is lossy
+        self.expert_policy, self.top_k = (
+            expert_policy,
+            top_k,
+        )  # MoE: cache policy; top_k < the model's is lossy
         self.expert_prefetch = expert_prefetch  # MoE: exact next-layer guess-and-read (moe.py)
         self.routing_bias = routing_bias  # MoE: > 0 is lossy cache-aware routing (moe.py)
         self.direct_io = direct_io  # False: read units through the page cache (measured, off by default)
+        # what the process holds besides the engine: None = measured at load (RSS after the tokenizer, plus
+        # TRANSIENT_ALLOWANCE); 0 = the budget covers the engine only (tests that share a process with others)
+        self.runtime_bytes = runtime_bytes
+        self.runtime: dict[str, int] = {}
         self.expert_stream: Any = None
         self.manifest: Manifest | None = None
         self.reader: UnitReader | None = None
@@ -115,29 +152,42 @@ class FlashBackend(MLXBackend):
         if (model.path / "manifest.json").exists():  # pointed straight at a split directory
             return model.path
         if not self.auto_split:
-            raise ModelLoadError(f"model {model.name} has no split layout: run `flashcode split {model.name}`")
+            raise ModelLoadError(
+                f"model {model.name} has no split layout: run `flashcode split {model.name}`"
+            )
         log.info("model %s has no split layout yet: splitting it into %s", model.name, model.path / "split")
         return split_model(model.path, progress=False)
 
     def load(self, model: ModelInfo) -> None:
         import mlx.core as mx
-        from mlx_lm.utils import load_model, load_tokenizer
+        from mlx_lm.utils import load_config, load_model, load_tokenizer
 
         self.close()
         root = self._split_dir(model)
         man = load_manifest(root)
+        gc.collect()
+        mx.clear_cache()
+        if self.memory_budget:
+            reset_peak_rss()  # peak RSS is reported against the budget from here, the tokenizer's load included
+        # the tokenizer first: it is part of the runtime the budget pays before the engine
+        tokenizer = load_tokenizer(model.path, eos_token_ids=load_config(root).get("eos_token_id"))
+        runtime = self._measure_runtime()
         float_bytes = 4 if compute_dtype() == mx.float32 else 2
         ctx = self._context_override or int(man.config.get("max_position_embeddings", 4096))
         if self.memory_budget and self.prefill_step_size > 128:
             self.prefill_step_size = 128  # prefill activations grow with the step; keep them small
+        args = (ctx, self.prefill_step_size, float_bytes)
         try:
-            plan = plan_budget(man, self.memory_budget, self.prefetch, ctx, self.prefill_step_size, float_bytes)
+            plan = plan_budget(man, self.memory_budget, self.prefetch, *args, runtime=runtime,
+                               reserve=self._expert_floor(man, self.prefetch))  # fmt: skip
         except BudgetError:
             if self.prefetch <= 1:
                 raise
             log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
             self.prefetch = 1
-            plan = plan_budget(man, self.memory_budget, 1, ctx, self.prefill_step_size, float_bytes)
+            plan = plan_budget(
+                man, self.memory_budget, 1, *args, runtime=runtime, reserve=self._expert_floor(man, 1)
+            )
         verify_pinned(man)
         verify_now = man.streamed_bytes <= self.verify_limit
         reader = UnitReader(man.units_path, threads=self.io_threads, direct=self.direct_io)
@@ -151,6 +201,9 @@ class FlashBackend(MLXBackend):
         except SplitError:
             reader.close()
             raise
+        except BudgetError:
+            reader.close()
+            raise
         except Exception as exc:
             reader.close()
             raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
@@ -159,7 +212,7 @@ class FlashBackend(MLXBackend):
         if self.memory_budget:  # freed unit arrays are recycled, not hoarded by MLX's buffer cache
             mx.set_cache_limit(plan.in_flight + plan.activations)
         mx.clear_cache()  # the float16 originals of cast weights
-        self.tokenizer = load_tokenizer(model.path, eos_token_ids=cfg.get("eos_token_id"))
+        self.tokenizer = tokenizer
         self.model_obj, self.config = obj, cfg
         self.manifest, self.reader, self.layer_stream, self.plan = man, reader, stream, plan
         self.expert_stream = experts
@@ -167,8 +220,20 @@ class FlashBackend(MLXBackend):
             self._context_override = plan.context
         self._model_info = model
         self.prompt_cache.reset()
-        log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s",
-                 model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct)  # fmt: skip
+        log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s, runtime %.1f MB",
+                 model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct,
+                 self.runtime.get("rss_bytes", 0) / 1e6)  # fmt: skip
+
+    def _expert_floor(self, man: Manifest, n_buffers: int) -> int:
+        return expert_floor(man, self.top_k, self.expert_prefetch, n_buffers) if has_experts(man) else 0
+
+    def _measure_runtime(self) -> int:
+        """Bytes of the budget the process holds besides the engine: RSS now (the tokenizer loaded) + the allowance."""
+        rss = current_rss_bytes()
+        allowance = TRANSIENT_ALLOWANCE if self.runtime_bytes is None else 0
+        runtime = rss + allowance if self.runtime_bytes is None else self.runtime_bytes
+        self.runtime = {"rss_bytes": rss, "allowance_bytes": allowance, "runtime_bytes": runtime}
+        return runtime
 
     def _verify_units(self, man: Manifest, reader: UnitReader) -> None:
         from .reader import AlignedBuffer
@@ -199,13 +264,13 @@ class FlashBackend(MLXBackend):
                     "read_bandwidth_Bps": read / read_s if read_s else 0.0,
                     "bytes_per_s": read / s.total_s if s.total_s else 0.0,
                     "direct_io": self.reader.direct,
-                    "memory_budget": self.memory_budget,
                     "budget": self.plan.as_dict() if self.plan else None,
                     "rss_bytes": current_rss_bytes(),
+                    **self.memory_report(),
                 })  # fmt: skip
                 if self.expert_stream and m0 is not None:
                     s.extra.update(moe_extra(self.expert_stream, m0, tokens + 1))
-                s.peak_rss_bytes = peak_rss_bytes()
+                s.peak_rss_bytes = s.extra["peak_rss_bytes"]
             yield ev
 
     def live_stats(self) -> dict[str, Any]:
@@ -216,10 +281,20 @@ class FlashBackend(MLXBackend):
         if dt > 0.2:
             self._live = {"t": now, "bytes": total, "Bps": (total - self._live["bytes"]) / dt}
         live = {"bytes_read": total, "bytes_per_s": self._live["Bps"], "rss_bytes": current_rss_bytes(),
-                "memory_budget": self.memory_budget}  # fmt: skip
+                **self.memory_report()}  # fmt: skip
         if self.expert_stream is not None:
             live["hit_rate"] = self.expert_stream.cache.hit_rate()
         return live
+
+    def memory_report(self) -> dict[str, Any]:
+        """Peak RSS since load against the budget, and the runtime measured at load (the budget's first part)."""
+        peak = peak_rss_since_reset()
+        out: dict[str, Any] = {"memory_budget": self.memory_budget, "peak_rss_bytes": peak,
+                               "runtime_rss_bytes": self.runtime.get("rss_bytes"),
+                               "runtime_allowance_bytes": self.runtime.get("allowance_bytes")}  # fmt: skip
+        if self.memory_budget:
+            out["peak_rss_of_budget"] = round(peak / self.memory_budget, 4)
+        return out
 
     def close(self) -> None:
         if self.layer_stream is not None:

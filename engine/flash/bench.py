@@ -25,7 +25,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-RUNTIME_MARGIN = 96 << 20  # tokenizer, allocator slack, page cache of the libraries
 PROMPT = "The history of the printing press begins"
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
@@ -68,11 +67,26 @@ class MemoryCgroup:
         f = self.path / ("memory.max_usage_in_bytes" if self.v1 else "memory.peak")
         return int(f.read_text()) if f.exists() else 0
 
-    def oom_kills(self) -> int:
+    def failcnt(self) -> int:
+        """v1: how often usage hit the limit (page-cache reclaim counts too); v2: `max` events."""
         if self.v1:
             return int(self.path.joinpath("memory.failcnt").read_text())
-        ev = dict(line.split() for line in self.path.joinpath("memory.events").read_text().splitlines())
-        return int(ev.get("oom_kill", 0))
+        return self._events().get("max", 0)
+
+    def oom_kills(self) -> int:
+        """Processes the kernel's OOM killer killed in this cgroup (v1 `memory.oom_control`, v2 `memory.events`)."""
+        if self.v1:
+            ctl = dict(
+                line.split() for line in self.path.joinpath("memory.oom_control").read_text().splitlines()
+            )
+            return int(ctl.get("oom_kill", 0))
+        return self._events().get("oom_kill", 0)
+
+    def _events(self) -> dict[str, int]:
+        return {
+            k: int(v)
+            for k, v in (ln.split() for ln in self.path.joinpath("memory.events").read_text().splitlines())
+        }
 
     def remove(self) -> None:
         for _ in range(50):
@@ -102,7 +116,17 @@ def _child_env() -> dict[str, str]:
 
 def run_child(mode: str, model: Path, tokens: int, cap: int | None, timeout: float, extra: list[str] | None = None,
               prompt: str = PROMPT) -> dict[str, Any]:  # fmt: skip
-    cmd = [sys.executable, "-m", "engine.flash.bench", "--child", mode, "--model", str(model), "--tokens", str(tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.flash.bench",
+        "--child",
+        mode,
+        "--model",
+        str(model),
+        "--tokens",
+        str(tokens),
+    ]
     cmd += ["--prompt", prompt]
     cmd += [*(extra or []), *(["--memory-cap", str(cap)] if cap else [])]
     cg = MemoryCgroup(f"flashcode-{mode}", cap) if cap else None
@@ -123,7 +147,8 @@ def run_child(mode: str, model: Path, tokens: int, cap: int | None, timeout: flo
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     if cg:
         out["cgroup_peak_bytes"] = cg.peak()
-        out["cgroup_failcnt"] = cg.oom_kills()
+        out["cgroup_failcnt"] = cg.failcnt()
+        out["cgroup_oom_kills"] = cg.oom_kills()
         cg.remove()
     return out
 
@@ -132,20 +157,21 @@ def child_main(args: argparse.Namespace) -> None:
     import threading
 
     from engine.base import GenerationRequest, ModelInfo, SamplingParams
-    from engine.mlx_backend import MLXBackend
+    from engine.mlx_backend import MLXBackend, peak_rss_bytes
 
-    from .backend import FlashBackend, current_rss_bytes
+    from .backend import FlashBackend
 
     path = Path(args.model)
-    info = ModelInfo(path.name, path, "llama", 0, split_path=path / "split" if (path / "split/manifest.json").exists() else None)
+    info = ModelInfo(
+        path.name,
+        path,
+        "llama",
+        0,
+        split_path=path / "split" if (path / "split/manifest.json").exists() else None,
+    )
     if args.child == "flash":
-        # the budget is what the cap leaves once this process's runtime (Python, MLX, tokenizer) is paid
-        import mlx.core  # noqa: F401
-        import mlx_lm.utils  # noqa: F401
-        import transformers  # noqa: F401
-
-        budget = args.memory_cap - current_rss_bytes() - RUNTIME_MARGIN if args.memory_cap else None
-        backend: Any = FlashBackend(memory_budget=budget, prefetch=args.prefetch)
+        # the budget is the cap: the engine measures this process's runtime (Python, MLX, tokenizer) itself
+        backend: Any = FlashBackend(memory_budget=args.memory_cap, prefetch=args.prefetch)
     elif args.child == "mmap":
         backend = LazyMLXBackend()
     else:
@@ -153,7 +179,11 @@ def child_main(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     backend.load(info)
     load_s = time.perf_counter() - t0
-    req = GenerationRequest(prompt=args.prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens))
+    fill = (
+        backend.context_length - args.tokens - 16 if args.fill < 0 else args.fill
+    )  # < 0: this run's own plan
+    prompt = fill_prompt(backend, args.prompt, fill) if fill else args.prompt
+    req = GenerationRequest(prompt=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens))
     done = None
     ids: list[int] = []
     for ev in backend.stream(req, threading.Event()):
@@ -164,8 +194,24 @@ def child_main(args: argparse.Namespace) -> None:
     assert done is not None
     s = done.stats
     print(json.dumps({"mode": args.child, "load_s": round(load_s, 2), "ttft_s": s.ttft_s, "decode_tps": s.decode_tps,
-                      "tokens": ids, "completion_tokens": s.completion_tokens, "peak_rss_bytes": s.peak_rss_bytes,
-                      "extra": s.extra, "error": done.error}))  # fmt: skip
+                      "tokens": ids, "fill": fill, "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+                      "peak_rss_bytes": s.peak_rss_bytes, "mlx_peak_bytes": s.peak_memory_bytes,
+                      "process_peak_rss_bytes": peak_rss_bytes(), "major_faults": _major_faults(), "extra": s.extra, "error": done.error}))  # fmt: skip
+
+
+def _major_faults() -> int:
+    """Page faults that read from disk (code or data evicted under memory pressure)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_majflt)
+
+
+def fill_prompt(backend: Any, text: str, n_tokens: int) -> str:
+    """`text` repeated and cut to about `n_tokens` tokens: a prompt that fills the context the budget planned."""
+    ids = backend.encode_raw(text)
+    reps = n_tokens // max(1, len(ids)) + 2
+    ids = backend.encode_raw(" ".join([text] * reps))[:n_tokens]
+    return str(backend.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 class LazyMLXBackend:
@@ -178,7 +224,9 @@ class LazyMLXBackend:
             def load(self, model: Any) -> None:
                 from mlx_lm import load as mlx_load
 
-                self.model_obj, self.tokenizer, self.config = mlx_load(str(model.path), lazy=True, return_config=True)
+                self.model_obj, self.tokenizer, self.config = mlx_load(
+                    str(model.path), lazy=True, return_config=True
+                )
                 self._model_info = model
                 self.prompt_cache.reset()
 
@@ -204,7 +252,9 @@ def run_llama(gguf: Path, tokens: int, cap: int | None, timeout: float, threads:
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", "512",
            "--no-warmup", "-np", "1"]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=cg.enter if cg else None)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=cg.enter if cg else None
+    )
     out: dict[str, Any] = {}
     try:
         while time.perf_counter() - t0 < timeout:
@@ -218,8 +268,12 @@ def run_llama(gguf: Path, tokens: int, cap: int | None, timeout: float, threads:
             except OSError:
                 time.sleep(0.5)
         if not out:
-            body = json.dumps({"prompt": PROMPT, "n_predict": tokens, "temperature": 0, "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+            body = json.dumps(
+                {"prompt": PROMPT, "n_predict": tokens, "temperature": 0, "cache_prompt": False}
+            ).encode()
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=max(10.0, timeout - (time.perf_counter() - t0))) as r:
                 res = json.loads(r.read())
             tm = res.get("timings", {})
@@ -227,7 +281,9 @@ def run_llama(gguf: Path, tokens: int, cap: int | None, timeout: float, threads:
                    "ttft_s": (tm.get("prompt_ms", 0.0) + tm.get("predicted_ms", 0.0) / max(1, tm.get("predicted_n", 1))) / 1000,
                    "completion_tokens": tm.get("predicted_n", 0), "load_s": None}  # fmt: skip
     except Exception as exc:
-        out = {"status": f"failed: {exc}" if proc.poll() is None else f"llama-server died ({proc.returncode})"}
+        out = {
+            "status": f"failed: {exc}" if proc.poll() is None else f"llama-server died ({proc.returncode})"
+        }
     finally:
         proc.terminate()
         try:
@@ -258,14 +314,20 @@ def run_bench(model: Path, memory_cap: int, tokens: int = 8, timeout: float = 18
     reason = cgroup_unavailable()
     if reason:
         raise PermissionError(reason)
-    man = load_manifest(model / "split") if (model / "split/manifest.json").exists() else load_manifest(split_model(model))
+    man = (
+        load_manifest(model / "split")
+        if (model / "split/manifest.json").exists()
+        else load_manifest(split_model(model))
+    )
     bytes_per_token = sum(u.padded for u in man.dense_units())
     size = sum(f.stat().st_size for f in model.glob("model*.safetensors"))
     res: dict[str, Any] = {"model": str(model), "model_bytes": size, "memory_cap": memory_cap, "tokens": tokens,
                            "prompt": PROMPT, "machine": {"cpus": os.cpu_count(), "platform": sys.platform}}  # fmt: skip
     res["page_cache_dropped"] = drop_page_cache()
     log("measuring direct-read bandwidth on the split ...")
-    bw = measure_bandwidth(man.units_path, man.max_unit_bytes, total=min(2 << 30, man.units_path.stat().st_size))
+    bw = measure_bandwidth(
+        man.units_path, man.max_unit_bytes, total=min(2 << 30, man.units_path.stat().st_size)
+    )
     res["bandwidth"] = bw
     log(f"  {bw['bandwidth_Bps'] / 1e9:.2f} GB/s for {bw['unit_bytes'] / 1e6:.0f} MB reads")
 
@@ -327,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument(
+        "--fill",
+        type=int,
+        default=0,
+        help="child: a prompt of about this many tokens (PROMPT repeated); -1: the context the budget planned",
+    )
     ap.add_argument("--child", choices=["flash", "ram", "mmap"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--skip", action="append", default=[], choices=["ram", "mmap", "llama"])
@@ -347,7 +415,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _size(text: str) -> int:
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+    }
     s = text.strip().lower()
     num = s.rstrip("kmgib")
     return int(float(num) * units[s[len(num) :]])

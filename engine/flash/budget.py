@@ -1,16 +1,19 @@
-"""Byte accounting for a flash-streamed model under `--memory-budget`.
+"""Byte accounting for a flash-streamed model under `--memory-budget`: the budget is the whole process's.
 
-What it knows: what the engine itself holds — pinned weights (as they sit in memory after the
-CPU float32 cast), the reader's aligned buffers, the unit arrays in flight, activations, and the
-KV cache per token — and how much context is left once those are paid for. It refuses a budget
-that the pinned weights alone (or pinned + streaming machinery) cannot meet, saying by how much.
+What it knows: what the process holds besides the engine — the runtime (Python, MLX, the tokenizer:
+measured by the backend as RSS at load, plus `TRANSIENT_ALLOWANCE` for transient buffers) — and what the
+engine holds: pinned weights (as they sit in memory after the CPU float32 cast), the reader's aligned
+buffers, the unit arrays in flight, activations, and per token of context the KV cache plus one
+prefill chunk's attention scores; and how much context is left once those are paid for. It refuses a
+budget that the runtime and the pinned weights alone (or with the streaming machinery) cannot meet,
+saying by how much and what to raise it to.
 
-What it does not know: the Python/MLX runtime itself (~150-250 MB of RSS on CPU, libraries and
-tokenizer), which the process pays whatever the engine does; peak RSS is reported beside it.
+What it does not know: how the runtime is measured (backend.py) or where the bytes are (dense.py, moe.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,10 +22,20 @@ from .dense import max_piece_bytes
 from .split import Manifest, dtype_size
 
 MIN_CONTEXT = 256  # below this the model is useless for the agent
+# What the process allocates beyond the runtime measured at load and the engine's own accounting:
+# allocator slack after MLX frees buffers, library code pages first touched while generating, the
+# tokenizer's and chat template's work per request, reader threads. Measured (bench/flash_budget.py,
+# docs/flash.md "Memory budget"): at most 27 MB over SmolLM2, Qwen2.5-Coder-0.5B and a synth MoE.
+TRANSIENT_ALLOWANCE = 48_000_000
 
 
 def fmt(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
+
+
+def fmt_up(n: float) -> str:
+    """Rounded up to 0.1 MB: a budget of this many MB is enough."""
+    return f"{math.ceil(n / 1e5) / 10:.1f} MB"
 
 
 def pinned_resident_bytes(man: Manifest, float_bytes: int) -> int:
@@ -30,7 +43,9 @@ def pinned_resident_bytes(man: Manifest, float_bytes: int) -> int:
     total = 0
     for name, t in man.pinned_tensors.items():
         size = dtype_size(t["dtype"])
-        if t["dtype"] in ("F16", "BF16", "F32") and (not name.endswith((".scales", ".biases")) or "embed" in name):
+        if t["dtype"] in ("F16", "BF16", "F32") and (
+            not name.endswith((".scales", ".biases")) or "embed" in name
+        ):
             total += t["nbytes"] // size * float_bytes
         else:
             total += t["nbytes"]
@@ -46,14 +61,21 @@ class BudgetPlan:
     activations: int
     kv_per_token: int
     context: int
+    runtime: int = 0  # the process outside the engine: RSS at load + TRANSIENT_ALLOWANCE (0: engine only)
+    scores_per_token: int = 0  # attention scores (and softmax) of one prefill chunk, per token of context
+    experts: int = 0  # MoE: expert banks + staging (set by moe.load_experts)
+
+    @property
+    def per_token(self) -> int:
+        return self.kv_per_token + self.scores_per_token
 
     @property
     def fixed(self) -> int:
-        return self.pinned + self.buffers + self.in_flight + self.activations
+        return self.runtime + self.pinned + self.buffers + self.in_flight + self.activations + self.experts
 
     @property
     def total(self) -> int:
-        return self.fixed + self.kv_per_token * self.context
+        return self.fixed + self.per_token * self.context
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fixed": self.fixed, "total": self.total}
@@ -66,7 +88,11 @@ def plan_budget(
     context_length: int,
     prefill_step: int,
     float_bytes: int = 4,
+    runtime: int = 0,
+    reserve: int = 0,
 ) -> BudgetPlan:
+    """What the process will hold with `budget` bytes in all; `runtime` is what it holds besides the engine,
+    `reserve` the least the engine needs beyond this plan (MoE: the smallest expert cache and its staging)."""
     cfg = man.config
     hidden = int(cfg["hidden_size"])
     inter = int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or hidden * 4)
@@ -75,26 +101,44 @@ def plan_budget(
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     pinned = pinned_resident_bytes(man, float_bytes)
-    unit = max_piece_bytes(man) if man.dense_units() else man.max_unit_bytes  # dense: one projection at a time
+    unit = (
+        max_piece_bytes(man) if man.dense_units() else man.max_unit_bytes
+    )  # dense: one projection at a time
     buffers = n_buffers * unit
     in_flight = unit  # the piece being computed, in MLX arrays the stream reuses (dense.py)
-    activations = prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
+    activations = (
+        prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
+    )
     kv_per_token = layers * 2 * kv_heads * head_dim * float_bytes
-    plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length)
+    scores_per_token = 2 * heads * prefill_step * float_bytes
+    plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length,
+                      runtime=runtime, scores_per_token=scores_per_token)  # fmt: skip
     if budget is None:
         return plan
+    need = (
+        plan.fixed + reserve + MIN_CONTEXT * plan.per_token
+    )  # the smallest budget that runs: a 256-token context
     if pinned > budget:
         raise BudgetError(
             f"the pinned weights alone need {fmt(pinned)} but the memory budget is {fmt(budget)}: "
-            f"{fmt(pinned - budget)} over; raise --memory-budget to at least {fmt(plan.fixed + MIN_CONTEXT * kv_per_token)}"
+            f"{fmt(pinned - budget)} over; raise --memory-budget to at least {fmt_up(need)}"
+        )
+    if runtime + pinned > budget:
+        raise BudgetError(
+            f"this process holds {fmt(runtime)} before the engine loads anything (Python, MLX, the tokenizer and "
+            f"room for transient buffers) and the pinned weights need {fmt(pinned)}: with the streaming buffers"
+            f"{', the smallest expert cache' if reserve else ''} and a {MIN_CONTEXT}-token context the memory budget "
+            f"of {fmt(budget)} is {fmt(need - budget)} short; "
+            f"raise --memory-budget to at least {fmt_up(need)}"
         )
     room = budget - plan.fixed
-    if room < MIN_CONTEXT * kv_per_token:
-        short = MIN_CONTEXT * kv_per_token - room
+    if room < reserve + MIN_CONTEXT * plan.per_token:
+        runtime_part = f"the runtime ({fmt(runtime)}) and " if runtime else ""
+        experts = f", the smallest expert cache ({fmt(reserve)})" if reserve else ""
         raise BudgetError(
-            f"the memory budget {fmt(budget)} covers the pinned weights ({fmt(pinned)}) but not the streaming "
-            f"buffers ({fmt(buffers + in_flight)}), activations ({fmt(activations)}) and a {MIN_CONTEXT}-token "
-            f"KV cache: {fmt(short)} short; raise --memory-budget to at least {fmt(budget + short)}"
+            f"the memory budget {fmt(budget)} covers {runtime_part}the pinned weights ({fmt(pinned)}) but not the "
+            f"streaming buffers ({fmt(buffers + in_flight)}), activations ({fmt(activations)}){experts} and a "
+            f"{MIN_CONTEXT}-token context: {fmt(need - budget)} short; raise --memory-budget to at least {fmt_up(need)}"
         )
-    plan.context = min(context_length, room // kv_per_token)
+    plan.context = min(context_length, room // plan.per_token)
     return plan

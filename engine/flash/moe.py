@@ -106,7 +106,8 @@ class ExpertStream:
         self.banks: list[dict[str, Any]] = []
         for li in self.layers:
             bank = {
-                t.name: mx.zeros((cache.slots, *t.shape), dtype=_mx_dtype(bank_dtype(t.dtype))) for t in self.template[li]
+                t.name: mx.zeros((cache.slots, *t.shape), dtype=_mx_dtype(bank_dtype(t.dtype)))
+                for t in self.template[li]
             }
             mx.eval(list(bank.values()))
             self.banks.append(bank)
@@ -116,7 +117,11 @@ class ExpertStream:
         # CPU: writable numpy views of the banks (MLX arrays, evaluated once, never replaced on the CPU).
         # Safe: a layer's bank is written only after its router readback, which has evaluated every
         # earlier use of it (the previous token's), and grouped prefill evaluates each group first.
-        self.bank_np = [{k: np.array(v, copy=False) for k, v in b.items()} for b in self.banks] if self.host_writes else []
+        self.bank_np = (
+            [{k: np.array(v, copy=False) for k, v in b.items()} for b in self.banks]
+            if self.host_writes
+            else []
+        )
         self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
@@ -237,7 +242,9 @@ class StreamedSwitchGLU:
         self.index = index
         layer = stream.layers[index]
         q = stream.man.quant
-        self.q = {p: q.get(f"model.layers.{layer}.{block_name}.switch_mlp.{p}") or q["default"] for p in PROJS}
+        self.q = {
+            p: q.get(f"model.layers.{layer}.{block_name}.switch_mlp.{p}") or q["default"] for p in PROJS
+        }
         self.next_gate: Any = None  # the next MoE block's router, when next-layer prefetch is on
 
     def _proj(self, x: Any, idx: Any, p: str, sort: bool) -> Any:
@@ -345,7 +352,11 @@ def set_block_top_k(block: Any, k: int) -> None:
 
 
 def attach_moe(
-    model: Any, stream: ExpertStream, top_k: int | None = None, prefetch_next: bool = False, routing_bias: float = 0.0
+    model: Any,
+    stream: ExpertStream,
+    top_k: int | None = None,
+    prefetch_next: bool = False,
+    routing_bias: float = 0.0,
 ) -> None:
     """Replace each MoE block's `switch_mlp` with a StreamedSwitchGLU (placeholders leave the tree unevaluated)."""
     import mlx.nn as nn
@@ -380,6 +391,21 @@ def has_experts(man: Manifest) -> bool:
     return any(u.kind == "expert" for u in man.units)
 
 
+def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool, n_buffers: int) -> int:
+    """The least the expert cache and its staging take under a budget (top-k experts per layer), as
+    `load_experts` sizes them: what `plan_budget` must leave for a MoE split (its `reserve`)."""
+    units = expert_units(man)
+    if not units:
+        return 0
+    unit = max(u.padded for us in units.values() for u in us)
+    k = int(man.config.get("num_experts_per_tok") or 8)
+    k = k if top_k is None else min(top_k, k)
+    staging = (2 * k + k * prefetch_next) * unit
+    if not man.dense_units():  # as in load_experts: the plan's read-ahead buffers are never made
+        staging = max(0, staging - n_buffers * man.max_unit_bytes)
+    return k * len(units) * resident_expert_bytes(units) + staging
+
+
 def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
                  top_k: int | None = None, verify: bool = False, prefetch_next: bool = False,
                  routing_bias: float = 0.0) -> ExpertStream:  # fmt: skip
@@ -396,17 +422,29 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
     if routing_bias < 0:
         raise ValueError(f"routing_bias must be >= 0 (a logit bonus for cached experts), not {routing_bias}")
     if budget is None:
-        cache = ExpertCache(n_layers, n_experts, resident, policy)  # no budget: every expert may stay, as in RAM
+        cache = ExpertCache(
+            n_layers, n_experts, resident, policy
+        )  # no budget: every expert may stay, as in RAM
     else:
         staging = (max_misses + k * prefetch_next) * unit
         if not man.dense_units():  # no dense layer: the plan's read-ahead buffers are never made
             staging = max(0, staging - plan.buffers)
         for ctx in (min(plan.context, 4096), MIN_CONTEXT):
-            left = budget - plan.fixed - staging - ctx * plan.kv_per_token
+            left = budget - plan.fixed - staging - ctx * plan.per_token
             if left >= k * n_layers * resident:
                 break
+        if left < k * n_layers * resident:
+            from ..base import BudgetError
+            from .budget import fmt, fmt_up
+
+            short = k * n_layers * resident - left
+            raise BudgetError(f"the expert cache needs {k} experts x {n_layers} layers = {fmt(k * n_layers * resident)} "
+                              f"but the memory budget {fmt(budget)} leaves {fmt(max(0, left))} for it (runtime, pinned "
+                              f"weights, staging and a {MIN_CONTEXT}-token context come first): {fmt(short)} short; "
+                              f"raise --memory-budget to at least {fmt_up(budget + short)}")  # fmt: skip
         cache = ExpertCache.for_budget(left, n_layers, n_experts, resident, min_slots=k, policy=policy)
         plan.context = ctx
+        plan.experts = cache.capacity_bytes + staging
     stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
     attach_moe(model, stream, top_k, prefetch_next, routing_bias)
     return stream

@@ -1,0 +1,150 @@
+"""`--memory-budget` is the whole process's (issue 22).
+
+Fast: a budget below what the process already holds (Python, MLX, the tokenizer) is refused with the
+shortfall and the budget that would do; the budget the message names then loads, and its peak RSS is
+reported against it.
+Slow, root (a memory cgroup whose limit equals the budget, page cache included; see
+engine/flash/bench.py): the default model, the agent model (Qwen2.5-Coder-0.5B Q4_K_M, split for flash)
+and a synthetic MoE (`flashcode synth qwen3-30b-a3b --layers 2`) run in a child process under it: the
+same greedy tokens as in RAM, no OOM kill, peak RSS within the budget.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.base import BudgetError, Done, GenerationRequest, ModelInfo, SamplingParams
+from engine.flash.bench import cgroup_unavailable, run_child
+from engine.flash.budget import MIN_CONTEXT, plan_budget
+from engine.flash.split import load_manifest, split_model
+
+NO_CGROUP = cgroup_unavailable()
+SHORTFALL = re.compile(r"is ([\d.]+) MB short; raise --memory-budget to at least ([\d.]+) MB$")
+
+
+@pytest.fixture(scope="module")
+def tiny_split(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Path:
+    from engine.flash.synth import synth_model
+
+    model = synth_model("tiny", tmp_path_factory.mktemp("budget") / "tiny", progress=False)
+    return split_model(model, progress=False)
+
+
+def test_plan_refuses_a_budget_below_the_runtime_with_the_shortfall(tiny_split: Path) -> None:
+    man = load_manifest(tiny_split)
+    engine = plan_budget(man, None, 2, 8192, 128)
+    runtime = 200_000_000
+    need = runtime + engine.fixed + MIN_CONTEXT * engine.per_token
+    with pytest.raises(BudgetError) as err:
+        plan_budget(man, 150_000_000, 2, 8192, 128, runtime=runtime)  # the runtime alone is over
+    msg = str(err.value)
+    assert msg.startswith("this process holds 200.0 MB before the engine loads anything"), msg
+    short, least = map(float, SHORTFALL.search(msg).groups())  # type: ignore[union-attr]
+    assert abs(short - (need - 150_000_000) / 1e6) < 0.051 and least * 1e6 >= need > (least - 0.1) * 1e6
+    plan = plan_budget(man, int(least * 1e6), 2, 8192, 128, runtime=runtime)  # the named budget is enough
+    assert plan.context >= MIN_CONTEXT and plan.total <= int(least * 1e6) and plan.runtime == runtime
+
+
+def test_flash_backend_counts_its_own_process_in_the_budget(tiny_split: Path) -> None:
+    from engine.flash.backend import FlashBackend, current_rss_bytes
+
+    info = ModelInfo("tiny", tiny_split, "llama", 0)
+    budget = current_rss_bytes() // 2  # well above the tiny model's pinned weights, below this process
+    with pytest.raises(BudgetError) as err:
+        FlashBackend(memory_budget=budget).load(info)
+    msg = str(err.value)
+    held = float(re.match(r"this process holds ([\d.]+) MB", msg).group(1))  # type: ignore[union-attr]
+    short, least = map(float, SHORTFALL.search(msg).groups())  # type: ignore[union-attr]
+    assert held * 1e6 > budget and abs(least - short - budget / 1e6) < 0.11
+    b = FlashBackend(memory_budget=int(least * 1e6) + 20_000_000)  # what it asked for, and room for RSS drift
+    b.load(info)
+    try:
+        assert b.plan is not None and b.plan.runtime >= b.runtime["rss_bytes"] > budget
+        req = GenerationRequest(prompt="Once", sampling=SamplingParams(temperature=0.0, max_tokens=3))
+        done = [ev for ev in b.stream(req, threading.Event()) if isinstance(ev, Done)][0]
+        x = done.stats.extra
+        assert x["memory_budget"] == b.memory_budget and x["runtime_rss_bytes"] == b.runtime["rss_bytes"]
+        assert 0 < x["peak_rss_bytes"] == done.stats.peak_rss_bytes
+        assert x["peak_rss_of_budget"] == round(x["peak_rss_bytes"] / b.memory_budget, 4)
+        assert b.live_stats()["memory_budget"] == b.memory_budget and b.live_stats()["peak_rss_bytes"] > 0
+    finally:
+        b.close()
+
+
+# --------------------------------------------------------------------------- under a cgroup of the budget's size
+def run_capped(
+    model: Path, split: Path, budget: int, tokens: int, fill: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(flash under a cgroup limit = budget, the model in RAM uncapped), the same greedy prompt; `fill`: a
+    prompt as long as the flash run's plan allows (its KV cache and attention scores at their largest)."""
+    flash = run_child("flash", split, tokens, budget, timeout=900, extra=["--fill", "-1"] if fill else None)
+    assert flash["status"] == "ok", flash
+    ram = run_child(
+        "ram", model, tokens, None, timeout=900, extra=["--fill", str(flash["fill"])] if fill else None
+    )
+    assert ram["status"] == "ok", ram
+    return flash, ram
+
+
+def check_within(flash: dict[str, Any], ram: dict[str, Any], budget: int, tokens: int) -> None:
+    assert flash["tokens"] == ram["tokens"] and len(ram["tokens"]) == tokens
+    assert flash["cgroup_oom_kills"] == 0 and flash["cgroup_peak_bytes"] <= budget
+    x = flash["extra"]
+    assert x["memory_budget"] == budget and x["budget"]["total"] <= budget
+    assert 0 < flash["process_peak_rss_bytes"] <= budget, (flash["process_peak_rss_bytes"], budget)
+    assert x["peak_rss_bytes"] <= budget and x["runtime_rss_bytes"] > 50_000_000
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(NO_CGROUP is not None, reason=f"{NO_CGROUP}")
+def test_default_model_stays_within_a_cgroup_of_its_budget(default_model, tmp_path: Path) -> None:
+    budget = 280_000_000  # ~20 MB above the least it takes: a context of ~400 tokens
+    split = split_model(default_model.path, tmp_path / "split", progress=False)
+    flash, ram = run_capped(default_model.path, split, budget, 8)
+    check_within(flash, ram, budget, 8)
+    assert MIN_CONTEXT <= flash["extra"]["budget"]["context"] < 1000
+    flash, ram = run_capped(default_model.path, split, budget, 4, fill=True)  # the planned context, filled
+    assert flash["prompt_tokens"] > flash["extra"]["budget"]["context"] - 40
+    check_within(flash, ram, budget, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(NO_CGROUP is not None, reason=f"{NO_CGROUP}")
+def test_agent_model_stays_within_a_cgroup_of_its_budget(model_home: Path, tmp_path: Path) -> None:
+    from engine.models import ensure_agent_model
+
+    agent = ensure_agent_model(model_home, quiet=True)  # `flashcode setup` installs it
+    budget = 750_000_000  # the model is 0.66 GB on disk, ~1.1 GB in RAM
+    split = split_model(agent.path, tmp_path / "split", progress=False)
+    flash, ram = run_capped(agent.path, split, budget, 8)
+    check_within(flash, ram, budget, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(NO_CGROUP is not None, reason=f"{NO_CGROUP}")
+def test_synth_moe_stays_within_a_cgroup_of_its_budget(model_home: Path, tmp_path: Path) -> None:
+    model = tmp_path / "qwen3-30b-a3b-l2"
+    made = subprocess.run([sys.executable, "-m", "webapp.cli", "synth", "qwen3-30b-a3b", "--layers", "2", "--skew", "2",
+                           "--out", str(model), "--split"], capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    try:
+        budget = 600_000_000
+        size = (model / "model.safetensors").stat().st_size
+        assert size > budget, f"the synthetic MoE ({size} bytes) must not fit in the budget"
+        flash, ram = run_capped(model, model / "split", budget, 8)
+        check_within(flash, ram, budget, 8)
+        cache = flash["extra"]["expert_cache"]
+        assert cache["used_bytes"] <= cache["capacity_bytes"] <= flash["extra"]["budget"]["experts"]
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
