@@ -27,14 +27,15 @@ ORIGIN = "http://127.0.0.1:8000"
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     p = tmp_path / "proj"
     p.mkdir()
-    monkeypatch.chdir(p)  # the web app's project is the directory it was started in
+    monkeypatch.chdir(tmp_path)  # never the project: the app works in the one it is given
     return p
 
 
 @pytest.fixture
 def ws(tmp_path: Path, fake: FakeBackend, project: Path) -> Iterator:
     worker = Worker(lambda: fake)
-    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
+    settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)
+    app = create_app(settings, worker=worker)
     with TestClient(app, base_url=BASE) as client:
         with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
             yield sock
@@ -126,11 +127,13 @@ def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBacken
 
 def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend, project: Path) -> None:
     worker = Worker(lambda: fake)
-    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
+    settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)
+    app = create_app(settings, worker=worker)
     try:
         with TestClient(app, base_url=BASE) as client:
             state = app.state.flashcode
-            rule = AgentStore(state.db.conn).add_rule(str(project.resolve()), "prefix", "git status")
+            key = state.projects.current().id  # rules belong to the project (its id)
+            rule = AgentStore(state.db.conn).add_rule(key, "prefix", "git status")
             html = client.get("/agent/rules").text
             assert "git status" in html and f"/agent/rules/{rule.id}/delete" in html
             assert client.post(f"/agent/rules/{rule.id}/delete").status_code == 403  # no CSRF token

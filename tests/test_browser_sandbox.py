@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.paths import database_path
 from tests.test_browser_ui import browser, fake_server, page  # noqa: F401 - fixtures
+from webapp.db import Database
+from webapp.projects.store import ProjectStore
 
 pytestmark = [pytest.mark.browser]
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -19,7 +22,10 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     p = tmp_path / "proj"
     p.mkdir()
-    monkeypatch.chdir(p)  # the web app's project is the directory it was started in
+    db = Database(database_path(tmp_path))  # the project the server opens: fake_server's data is tmp_path
+    projects = ProjectStore(db.conn, tmp_path)
+    projects.open(projects.add(p).id)
+    db.close()
     return p
 
 

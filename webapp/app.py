@@ -7,6 +7,7 @@ each feature with what it needs, and the middleware, then mounts their routes:
     chat      the page, the websocket, the one reply pipeline        webapp.chat
     agent     slash commands and agent turns in the chat; rules     webapp.agent.web
     contexts  saved project contexts (the Projects window)          webapp.contexts
+    projects  the project registry, dialogs, Files window, auto-resume  webapp.projects
     stats     the Stats window, reply numbers, /stats /cost ...     webapp.stats
     api       OpenAI-compatible /v1                                 webapp.api
 
@@ -36,6 +37,7 @@ from engine import paths
 from engine.worker import Worker
 
 from . import security
+from .agent.agent import quote_untrusted
 from .agent.slash import BUILTIN, SlashCommand, SlashCommands
 from .agent.web import AgentWeb
 from .api.openai import OpenAIAPI
@@ -45,6 +47,9 @@ from .chat.views import ChatViews
 from .contexts.http import SavedContexts
 from .db import Database
 from .engine_host import EngineState, start_worker
+from .projects.resume import AutoResume
+from .projects.store import ProjectStore
+from .projects.web import ProjectsWeb
 from .render import find_dir, make_environment
 from .settings import Settings
 from .stats.views import SLASH_COMMANDS as STATS_COMMANDS
@@ -67,6 +72,8 @@ class AppParts:
     slash: SlashCommands
     stats: Stats
     agent: AgentWeb
+    projects: ProjectStore | None = None
+    resume: AutoResume | None = None
 
 
 def slash_commands() -> SlashCommands:
@@ -77,6 +84,11 @@ def slash_commands() -> SlashCommands:
 async def http_error(request: Request, exc: Exception) -> PlainTextResponse:
     assert isinstance(exc, HTTPException)
     return PlainTextResponse(f"{exc.status_code}: {exc.detail}", status_code=exc.status_code)
+
+
+def _quote_file(source: str, text: str) -> str:
+    """An attached file, quoted for the model as untrusted data (the agent's quoting)."""
+    return quote_untrusted(source, text, limit=len(text) + 1)
 
 
 def create_app(settings: Settings | None = None, worker: Worker | None = None) -> Starlette:
@@ -90,8 +102,15 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     csrf_token = security.new_token()
     on_reply: list[ReplyHook] = []
 
-    stats = Stats(db, settings.data_dir, env, engine.worker, csrf_token)
+    projects = ProjectStore(db.conn, settings.data_dir)
+    if settings.project_dir is not None:  # serve --project DIR: added if needed, and opened
+        projects.open(projects.add(settings.project_dir).id)
+    resume = AutoResume(settings.data_dir, engine.worker, db)
+    projects_web = ProjectsWeb(projects, env, _quote_file, on_switch=resume.save_now)
+
+    stats = Stats(db, settings.data_dir, env, engine.worker, csrf_token, projects=projects)
     on_reply.append(stats.record_chat_reply)
+    on_reply.append(resume.note_reply)
     commands = slash_commands()
     agent = AgentWeb(
         db=db,
@@ -100,14 +119,17 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         env=env,
         commands=commands,
         slash_handlers={c.name: stats.answer_fragment for c in STATS_COMMANDS},
+        projects=projects,
     )
     contexts = SavedContexts(settings.data_dir, engine.worker, db, env)
     api = OpenAIAPI(engine.worker, stats.record_api_reply)
-    views = ChatViews(env, db, engine, settings, csrf_token)
+    views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
     pages = ChatPages(db, engine, views)
     chat = ChatContext(
         db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns
     )
+    chat.projects, chat.before_reply = projects, resume.before_reply
+    chat.take_attachments = projects_web.take_attachments
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -115,6 +137,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         try:
             yield
         finally:
+            await resume.save_now()  # the live conversation's KV cache, for the next start
             if own_worker:
                 engine.worker.close()
             db.close()
@@ -123,6 +146,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         routes=[
             *pages.routes,
             *agent.routes,
+            *projects_web.routes,
             *contexts.routes,
             *stats.routes,
             *api.routes,
@@ -135,4 +159,5 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     )
     app.state.settings = settings
     app.state.flashcode = AppParts(settings, db, engine, csrf_token, on_reply, commands, stats, agent)
+    app.state.flashcode.projects, app.state.flashcode.resume = projects, resume
     return app

@@ -25,7 +25,7 @@ from engine.base import Done, EngineError, GenerationRequest, SamplingParams, Te
 from engine.flash import cli as flash_cli
 from engine.models import DEFAULT_MODEL
 
-from . import agent_cli, cli_bench, preflight
+from . import agent_cli, cli_bench, cli_projects, preflight
 from .doctor import doctor_report, format_report
 from .engine_host import backend_options, make_loaded_backend, resolve_backend
 from .preflight import StartupError, data_dir
@@ -40,7 +40,12 @@ __all__ = [
 
 log = logging.getLogger("flashcode")
 
-SUBCOMMANDS = (cli_bench.register, flash_cli.register, agent_cli.register)  # each adds its parsers
+SUBCOMMANDS = (  # each adds its parsers
+    cli_bench.register,
+    flash_cli.register,
+    agent_cli.register,
+    cli_projects.register,
+)
 
 
 def _data_dir(args: argparse.Namespace) -> None:
@@ -71,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     root = preflight.check_data_dir(preflight.data_dir())
     preflight.check_database(root)
+    project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
     model = args.model or DEFAULT_MODEL
     preflight.check_model(model, root)
     options = backend_options(args)
@@ -84,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=model,
         backend_options=options,
         extra_origins=tuple(args.allow_origin or ()),
+        project_dir=project,
     )
     try:
         settings.token = security.resolve_token(args.token, settings.is_loopback)
@@ -242,6 +249,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     from .engine_host import make_loaded_backend, resolve_backend
 
+    cli_projects.enter_project(args)
     name = resolve_backend(args.backend)
     backend = make_loaded_backend(name, args.model, backend_options(args, name))
     try:
@@ -279,6 +287,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    cli_projects.enter_project(args)
     name = resolve_backend(args.backend)
     backend = make_loaded_backend(name, args.model, backend_options(args, name))
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -405,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
         "one when --host is not loopback; printed in the URL)",
     )
     p.add_argument("--log-level", default="info")
+    cli_projects.add_project_arg(p)
     _add_verbose(p)
     p.set_defaults(func=cmd_serve)
 
@@ -433,10 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="plain completion of PROMPT, no chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with the reply and stats")
     p.add_argument("prompt")
+    cli_projects.add_project_arg(p)
     p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("chat", help="interactive terminal chat with streaming")
     add_generation_args(p)
+    cli_projects.add_project_arg(p)
     p.set_defaults(func=cmd_chat)
 
     for register in SUBCOMMANDS:

@@ -8,6 +8,7 @@ database (WAL, foreign keys), and the conversation and message queries. Tables a
     agent_project_settings
     stats_replies, stats_grades,       webapp.stats.store
     stats_bench_runs
+    projects                           webapp.projects.store (conversations.project_id: this module)
 
 Migrations. Each step is `(version, name, statements)`: statements run one by one, in one
 transaction with `PRAGMA user_version = version`, so a step is applied whole or not at all and
@@ -171,6 +172,34 @@ MIGRATIONS: list[Migration] = [
         )""",
         ),
     ),
+    # projects (issue 15): everything before this step belonged to the one hard-wired project, which
+    # becomes "Default" (its directory, '' here, is the scratch folder under the data directory)
+    Migration(
+        5,
+        "projects",
+        (
+            """CREATE TABLE projects (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE COLLATE NOCASE,
+            path TEXT NOT NULL DEFAULT '',
+            created_at REAL NOT NULL,
+            opened_at REAL
+        )""",
+            "INSERT INTO projects (id, name, path, created_at) VALUES ('default', 'Default', '', 0)",
+            "ALTER TABLE conversations ADD COLUMN project_id TEXT NOT NULL DEFAULT 'default'",
+            "CREATE INDEX conversations_by_project ON conversations(project_id, updated_at)",
+            "UPDATE OR IGNORE agent_allow_rules SET project = 'default'",
+            "DELETE FROM agent_allow_rules WHERE project != 'default'",  # duplicates of a moved rule
+            """INSERT OR REPLACE INTO agent_project_settings (project, network, updated_at)
+            SELECT 'default', network, updated_at FROM agent_project_settings
+            ORDER BY updated_at DESC LIMIT 1""",
+            "DELETE FROM agent_project_settings WHERE project != 'default'",
+            "UPDATE agent_actions SET project = 'default'",
+            "ALTER TABLE stats_replies ADD COLUMN project_id TEXT",
+            "UPDATE stats_replies SET project_id = 'default' WHERE source = 'chat'",
+            "CREATE INDEX stats_replies_project ON stats_replies (project_id, created_at)",
+        ),
+    ),
 ]
 
 SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows
@@ -212,6 +241,7 @@ class Conversation:
     backend: str | None
     created_at: float
     updated_at: float
+    project_id: str = "default"
 
 
 @dataclass
@@ -248,13 +278,18 @@ class Database:
 
     # ------------------------------------------------------------------ conversations
     def create_conversation(
-        self, title: str = "Untitled", model: str | None = None, backend: str | None = None
+        self,
+        title: str = "Untitled",
+        model: str | None = None,
+        backend: str | None = None,
+        project_id: str = "default",
     ) -> Conversation:
         now = time.time()
-        conv = Conversation(uuid.uuid4().hex[:12], title, model, backend, now, now)
+        conv = Conversation(uuid.uuid4().hex[:12], title, model, backend, now, now, project_id)
         self.conn.execute(
-            "INSERT INTO conversations (id, title, model, backend, created_at, updated_at) VALUES (?,?,?,?,?,?)",
-            (conv.id, conv.title, conv.model, conv.backend, now, now),
+            "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id) "
+            "VALUES (?,?,?,?,?,?,?)",
+            (conv.id, conv.title, conv.model, conv.backend, now, now, project_id),
         )
         return conv
 
@@ -262,8 +297,12 @@ class Database:
         row = self.conn.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
         return Conversation(**dict(row)) if row else None
 
-    def list_conversations(self) -> list[Conversation]:
-        rows = self.conn.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id").fetchall()
+    def list_conversations(self, project_id: str | None = None) -> list[Conversation]:
+        """Newest first: one project's, or every project's (None)."""
+        where, args = ("WHERE project_id=? ", (project_id,)) if project_id is not None else ("", ())
+        rows = self.conn.execute(
+            f"SELECT * FROM conversations {where}ORDER BY updated_at DESC, id", args
+        ).fetchall()
         return [Conversation(**dict(r)) for r in rows]
 
     def rename_conversation(self, conversation_id: str, title: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -103,3 +104,26 @@ class TurnHandler(Protocol):
 
 
 TurnHandlerFactory = Callable[[], TurnHandler]  # one handler per websocket
+
+
+@dataclass(frozen=True)
+class ProjectRef:
+    """A project as the features see it: its id (the key of its rows and files), name and directory."""
+
+    id: str
+    name: str
+    path: Path
+
+
+class ProjectLookup(Protocol):
+    """Which project is open, and which project a conversation belongs to (`webapp.projects`)."""
+
+    def current(self) -> ProjectRef: ...
+
+    def get(self, project_id: str) -> ProjectRef | None: ...
+
+    def of_conversation(self, conversation_id: str | None) -> ProjectRef:
+        """The conversation's project; the current one for a new (None) or unknown conversation."""
+        ...
+
+    def all(self) -> list[ProjectRef]: ...

@@ -69,14 +69,6 @@ class AgentViews:
                 return str(ui.notice("Context cleared: the agent starts over."))
             case ev.ModelRequested():
                 return str(ui.notice(f"Switching to {e.name}…"))
-            case ev.ToolStep():
-                return str(ui.tool_step(e))
-            case ev.ToolStepDone():
-                return str(ui.tool_step_done(e))
-            case ev.StepLimitReached():
-                return str(ui.step_limit(e))
-            case ev.ContextTrimmed():
-                return str(ui.notice(e.note))
             case ev.SlashUnhandled():
                 return str(ui.notice(f"/{e.name} is not available here yet.", "warning"))
         return ""

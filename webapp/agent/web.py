@@ -8,8 +8,9 @@ through the chat's dialogs, and writes answers through the chat's one reply pipe
 and go to their `SlashHandler`. What it does not know: the socket, MLX, HTML layout.
 
 One `AgentSession` per conversation and socket, created on first use with the conversation's
-stored messages as history. The project directory is `settings.project_dir` when the app has one,
-else the directory `flashcode serve` was started in.
+stored messages as history. It works in the conversation's project (`webapp.turns.ProjectLookup`):
+its directory, its allow rules and network switch (keyed by the project's id). Without a project
+lookup (a bare test app) the project is `settings.project_dir`, else the working directory.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from engine.base import SamplingParams
 from ..db import Database
 from ..engine_host import EngineState
 from ..settings import Settings
-from ..turns import ReplyWriter, SlashHandler, Turn
+from ..turns import ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
 from . import events as ev
 from .agent import AgentSession
 from .sandbox import detect
@@ -46,8 +47,23 @@ DEFAULT_MODE = "raw"
 
 
 def project_key(settings: Settings) -> str:
-    """The project the web app's agent works in (as `AgentSession.project` names it)."""
+    """Without projects: the key of the directory the agent works in (as `AgentSession.project` names it)."""
     return str(Path(settings.project_dir or Path.cwd()).resolve())
+
+
+def hidden_paths(data_dir: Path, project_dir: Path) -> tuple[Path, ...]:
+    """What a command never sees of flashcode's data directory: all of it, or, for a project inside
+    it (the scratch project), everything but the folders that lead to the project."""
+    data, project = Path(data_dir).resolve(), Path(project_dir).resolve()
+    if not project.is_relative_to(data):
+        return (data,)
+    out: list[Path] = []
+    folder = data
+    while folder != project:
+        step = project.relative_to(folder).parts[0]
+        out += [child for child in folder.iterdir() if child.name != step] if folder.is_dir() else []
+        folder = folder / step
+    return tuple(out)
 
 
 class AgentWeb:
@@ -60,8 +76,9 @@ class AgentWeb:
         env: Environment,
         commands: SlashCommands,
         slash_handlers: Mapping[str, SlashHandler],
+        projects: ProjectLookup | None = None,
     ) -> None:
-        self.db, self.engine, self.settings = db, engine, settings
+        self.db, self.engine, self.settings, self.projects = db, engine, settings, projects
         self.views = AgentViews(env)
         self.store = AgentStore(db.conn)
         self.commands = commands
@@ -74,6 +91,15 @@ class AgentWeb:
     def project_dir(self) -> Path:
         return Path(self.settings.project_dir or Path.cwd())
 
+    def project_for(self, conversation_id: str | None) -> ProjectRef:
+        """The project a conversation's agent works in (the open one for a new conversation)."""
+        if self.projects is not None:
+            return self.projects.of_conversation(conversation_id)
+        return ProjectRef(project_key(self.settings), "", self.project_dir)
+
+    def _current_key(self) -> str:
+        return self.project_for(None).id
+
     # ------------------------------------------------------------------ Settings: allow rules
     @property
     def routes(self) -> list[Route]:
@@ -84,9 +110,11 @@ class AgentWeb:
         ]
 
     def _rules_html(self) -> HTMLResponse:
-        project = project_key(self.settings)
+        current = self.project_for(None)
+        project = current.id
         rules = self.store.list_rules(project)
-        html = self.views.ui.allow_rules(rules, project, detect(), self.store.network_allowed(project))
+        shown = f"{current.name} ({current.path})" if current.name else str(current.path)
+        html = self.views.ui.allow_rules(rules, shown, detect(), self.store.network_allowed(project))
         return HTMLResponse(str(html))
 
     async def rules_fragment(self, request: Request) -> HTMLResponse:
@@ -95,13 +123,13 @@ class AgentWeb:
 
     async def delete_rule(self, request: Request) -> HTMLResponse:
         """POST /agent/rules/{rule_id}/delete: remove one rule, answer with the new list."""
-        self.store.remove_rule(project_key(self.settings), int(request.path_params["rule_id"]))
+        self.store.remove_rule(self._current_key(), int(request.path_params["rule_id"]))
         return self._rules_html()
 
     async def set_network(self, request: Request) -> HTMLResponse:
         """POST /agent/network: the project's network switch (form field `network=on`)."""
         form = await request.form()
-        self.store.set_network_allowed(project_key(self.settings), form.get("network") == "on")
+        self.store.set_network_allowed(self._current_key(), form.get("network") == "on")
         return self._rules_html()
 
 
@@ -133,9 +161,11 @@ class AgentTurns:
         ):
             agent.history = self._stored_history(conversation_id)  # plain-chat turns happened in between
         if agent is None:
+            project = web.project_for(conversation_id)
             agent = AgentSession(
                 web.engine.worker,
-                web.project_dir,
+                project.path,
+                project=project.id,
                 request_approval=self.approve,
                 store=web.store,
                 search=self.search,
@@ -143,7 +173,7 @@ class AgentTurns:
                 history=self._stored_history(conversation_id),
                 approval_timeout_s=DIALOG_TIMEOUT_S,
                 on_model=self._switch_model,
-                hidden=(web.settings.data_dir,),
+                hidden=hidden_paths(web.settings.data_dir, project.path),
                 commands=web.commands,
             )
             agent.mode = DEFAULT_MODE  # type: ignore[assignment]
@@ -197,7 +227,6 @@ class AgentTurns:
                     reply.add(e.text)
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
-                    reply = None  # the tool loop writes one reply per step that has words
                 elif fragment := self.web.views.event(e):
                     turn.send(fragment)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the socket lives on

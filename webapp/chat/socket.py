@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDe
 
 from ..db import Database, StoredMessage
 from ..engine_host import EngineState
-from ..turns import DialogAnswer, ReplyHook, TurnHandler, TurnHandlerFactory
+from ..turns import DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
 from .pipeline import ReplyStream
 from .views import ChatViews
@@ -52,6 +52,11 @@ class ChatContext:
     sampling: dict[str, Any]
     hooks: list[ReplyHook] = field(default_factory=list)
     turns: TurnHandlerFactory | None = None
+    projects: ProjectLookup | None = None  # new conversations go to the open project
+    # before a reply is generated for a conversation: e.g. resume its saved KV cache; a note to show
+    before_reply: Callable[[str], Awaitable[str | None]] | None = None
+    # files attached to the next message of a project: (them quoted as untrusted data, a fragment)
+    take_attachments: Callable[[str], tuple[str, str]] | None = None
 
     async def endpoint(self, ws: WebSocket) -> None:
         await ws.accept()
@@ -144,8 +149,14 @@ class Session:
         created = conv is None
         if conv is None:
             title = " ".join(msg.text.split())[:TITLE_CHARS] or "Untitled"
-            conv = db.create_conversation(title, *self.ctx.engine.model_and_backend())
-        user = db.add_message(conv.id, "user", msg.text)
+            project_id = self.ctx.projects.current().id if self.ctx.projects else "default"
+            conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
+        text = msg.text
+        if self.ctx.take_attachments is not None and not text.lstrip().startswith("/"):
+            quoted, cleared = self.ctx.take_attachments(conv.project_id)
+            text = quoted + text
+            self.send(cleared)
+        user = db.add_message(conv.id, "user", text)
         given = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
         overrides = {k: v for k, v in given.items() if v is not None}
         first = [views.conversation_field(conv.id), views.chat_title(conv.title)] if created else []
@@ -257,6 +268,11 @@ class Session:
 
     async def _generate(self, conversation_id: str, sampling: dict[str, Any], first: list[str]) -> None:
         db, views, engine = self.ctx.db, self.views, self.ctx.engine
+        if self.ctx.before_reply is not None:  # e.g. resume the conversation's saved KV cache
+            self.send(*first)
+            first = []
+            if note := await self.ctx.before_reply(conversation_id):
+                self.send(views.alert(note, "note"))
         history: list[Message] = [
             {"role": m.role, "content": m.content}
             for m in db.messages(conversation_id)

@@ -19,15 +19,21 @@ from engine.registry import available_backends
 from ..db import Database, StoredMessage
 from ..engine_host import EngineState
 from ..settings import Settings
-
-PROJECT_ID = "default"  # until projects exist, every conversation belongs to this one
+from ..turns import ProjectLookup, ProjectRef
 
 
 class ChatViews:
     def __init__(
-        self, env: Environment, db: Database, engine: EngineState, settings: Settings, csrf_token: str
+        self,
+        env: Environment,
+        db: Database,
+        engine: EngineState,
+        settings: Settings,
+        csrf_token: str,
+        projects: ProjectLookup | None = None,
     ) -> None:
         self.env, self.db, self.engine, self.settings, self.csrf_token = env, db, engine, settings, csrf_token
+        self.projects = projects
         self.ui: Any = env.get_template("macros.html").module
 
     # ------------------------------------------------------------------ page
@@ -42,17 +48,19 @@ class ChatViews:
         conv = db.get_conversation(conversation_id) if conversation_id else None
         messages = db.messages(conv.id) if conv else []
         last_stats = next((m.stats for m in reversed(messages) if m.role == "assistant" and m.stats), {})
+        project = self.project_of(conv.id if conv else None)
         return {
             "conversation": conv,
             "messages": messages,
-            "conversations": db.list_conversations(),
+            "conversations": db.list_conversations(project.id if project else None),
+            "project": project,
             "engine": engine,
             "model_choices": self.model_choices(),
             "current_choice": f"{engine.backend}:{engine.model}",
             "context_used": (last_stats.get("prompt_tokens", 0) + last_stats.get("completion_tokens", 0)),
             "can_regenerate": bool(messages) and messages[-1].role == "assistant",
             "csrf_token": self.csrf_token,
-            "project_id": PROJECT_ID,
+            "project_id": project.id if project else "default",
             "settings_rows": self.settings_rows(),
         }
 
@@ -97,8 +105,13 @@ class ChatViews:
     def engine_meter(self, meter: dict[str, Any] | None) -> str:
         return str(self.ui.engine_meter(meter, oob=True))
 
+    def project_of(self, conversation_id: str | None) -> ProjectRef | None:
+        """The project a page shows: the conversation's, or the open one (None: projects not wired)."""
+        return self.projects.of_conversation(conversation_id) if self.projects else None
+
     def conversation_list(self, current_id: str | None, oob: bool = True) -> str:
-        conversations = self.db.list_conversations()
+        project = self.project_of(current_id)
+        conversations = self.db.list_conversations(project.id if project else None)
         count = str(self.ui.conversation_count(len(conversations), oob=True))
         return str(self.ui.conversation_list(conversations, current_id, oob=oob)) + count
 

@@ -46,6 +46,7 @@ def record_reply(
     message_id: int | None = None,
     finish_reason: str | None = None,
     bench_run_id: int | None = None,
+    project_id: str | None = None,
 ) -> int | None:
     """Store one reply's numbers; returns the row id, or None when nothing was generated at all."""
     s = stats.to_dict() if isinstance(stats, GenerationStats) else dict(stats)
@@ -73,6 +74,7 @@ def record_reply(
         "flash_bytes_read": _first(extra, BYTES_READ_KEYS),
         "finish_reason": finish_reason or s.get("finish_reason"),
         "bench_run_id": bench_run_id,
+        "project_id": project_id,
     }
     cols = ", ".join(row)
     cur = conn.execute(
@@ -111,20 +113,26 @@ _AGG = """COUNT(*) AS replies, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens,
           COALESCE(SUM(flash_bytes_read),0) AS flash_bytes_read"""
 
 
-def _where(source: str | None) -> tuple[str, tuple[Any, ...]]:
-    return ("WHERE source = ?", (source,)) if source else ("WHERE source != 'bench'", ())
+def _where(source: str | None, project: str | None = None) -> tuple[str, tuple[Any, ...]]:
+    """`project`: one project's replies (its id), or every project's (None)."""
+    where, args = ("WHERE source = ?", (source,)) if source else ("WHERE source != 'bench'", ())
+    if project is not None:
+        where, args = f"{where} AND project_id = ?", (*args, project)
+    return where, args
 
 
-def totals(conn: sqlite3.Connection, source: str | None = None) -> Totals:
+def totals(conn: sqlite3.Connection, source: str | None = None, project: str | None = None) -> Totals:
     """Everything recorded (bench replies excluded unless `source='bench'`)."""
-    where, args = _where(source)
+    where, args = _where(source, project)
     row = conn.execute(f"SELECT {_AGG} FROM stats_replies {where}", args).fetchone()
     return Totals(*row)
 
 
-def by_model(conn: sqlite3.Connection, source: str | None = None) -> list[GroupRow]:
+def by_model(
+    conn: sqlite3.Connection, source: str | None = None, project: str | None = None
+) -> list[GroupRow]:
     """One row per (backend, model), most used first."""
-    where, args = _where(source)
+    where, args = _where(source, project)
     rows = conn.execute(
         f"SELECT {_AGG}, backend, model FROM stats_replies {where} GROUP BY backend, model "
         "ORDER BY replies DESC, model, backend",
@@ -133,8 +141,10 @@ def by_model(conn: sqlite3.Connection, source: str | None = None) -> list[GroupR
     return [GroupRow(*r) for r in rows]
 
 
-def by_backend(conn: sqlite3.Connection, source: str | None = None) -> list[GroupRow]:
-    where, args = _where(source)
+def by_backend(
+    conn: sqlite3.Connection, source: str | None = None, project: str | None = None
+) -> list[GroupRow]:
+    where, args = _where(source, project)
     rows = conn.execute(
         f"SELECT {_AGG}, backend, NULL FROM stats_replies {where} GROUP BY backend ORDER BY backend", args
     ).fetchall()
@@ -142,12 +152,16 @@ def by_backend(conn: sqlite3.Connection, source: str | None = None) -> list[Grou
 
 
 def series(
-    conn: sqlite3.Connection, metric: str, limit: int = 200, source: str | None = None
+    conn: sqlite3.Connection,
+    metric: str,
+    limit: int = 200,
+    source: str | None = None,
+    project: str | None = None,
 ) -> dict[str, list[tuple[float, float]]]:
     """The latest `limit` values of `metric` as (time, value) points, one list per backend, oldest first."""
     if metric not in ("decode_tps", "ttft_s", "prompt_tps", "peak_memory_bytes", "total_s"):
         raise ValueError(f"no series for {metric!r}")
-    where, args = _where(source)
+    where, args = _where(source, project)
     rows = conn.execute(
         f"SELECT created_at, {metric}, COALESCE(backend, '?') FROM stats_replies {where} AND {metric} > 0 "
         "ORDER BY id DESC LIMIT ?",

@@ -12,7 +12,7 @@ What it does not know: sockets, the agent (its slash commands reach it through `
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from starlette.routing import Route
 from engine.worker import Worker
 
 from ..db import Database
-from ..turns import SlashSpec
+from ..turns import ProjectLookup, SlashSpec
 from . import bench, charts, costs, store
 
 SLASH_COMMANDS: tuple[SlashSpec, ...] = (
@@ -56,18 +56,28 @@ def _mib(n: int | float) -> str:
 
 
 def window_context(
-    conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "", error: str | None = None
+    conn: sqlite3.Connection,
+    data_dir: Path,
+    csrf_token: str = "",
+    error: str | None = None,
+    project: str | None = None,
+    project_choices: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
-    total = store.totals(conn)
+    """`project`: one project's numbers (its id), or every project's (None); `project_choices`:
+    (id, name) pairs for the window's project menu."""
+    total = store.totals(conn, project=project)
     try:
         prices = costs.load_prices(costs.prices_path(data_dir))
     except costs.PriceTableError as exc:
         prices, error = costs.DEFAULT_PRICES, str(exc)
-    models = store.by_model(conn)
-    backends = store.by_backend(conn)
+    models = store.by_model(conn, project=project)
+    backends = store.by_backend(conn, project=project)
     counts, graded = store.improve(conn, limit=8)
-    tps = store.series(conn, "decode_tps")
-    ttft = {b: [(t, v * 1000) for t, v in pts] for b, pts in store.series(conn, "ttft_s").items()}
+    tps = store.series(conn, "decode_tps", project=project)
+    ttft = {
+        b: [(t, v * 1000) for t, v in pts]
+        for b, pts in store.series(conn, "ttft_s", project=project).items()
+    }
     return {
         "totals": total,
         "models": models,
@@ -106,13 +116,22 @@ def window_context(
         "mib": _mib,
         "csrf_token": csrf_token,
         "error": error,
+        "project": project or "all",
+        "project_choices": list(project_choices),
     }
 
 
 def render_window(
-    env: Environment, conn: sqlite3.Connection, data_dir: Path, csrf_token: str = "", error: str | None = None
+    env: Environment,
+    conn: sqlite3.Connection,
+    data_dir: Path,
+    csrf_token: str = "",
+    error: str | None = None,
+    project: str | None = None,
+    project_choices: Sequence[tuple[str, str]] = (),
 ) -> str:
-    return env.get_template("stats/window.html").render(**window_context(conn, data_dir, csrf_token, error))
+    context = window_context(conn, data_dir, csrf_token, error, project, project_choices)
+    return env.get_template("stats/window.html").render(**context)
 
 
 def _getlist(form: FormData, key: str) -> list[str]:
@@ -233,8 +252,15 @@ class Stats:
     """The Stats window's routes, the reply hook and the slash commands, for one app's database."""
 
     def __init__(
-        self, db: Database, data_dir: Path, env: Environment, worker: Worker, csrf_token: str
+        self,
+        db: Database,
+        data_dir: Path,
+        env: Environment,
+        worker: Worker,
+        csrf_token: str,
+        projects: ProjectLookup | None = None,
     ) -> None:
+        self.projects = projects  # the window's project filter (None: no filter)
         self.db, self.data_dir, self.env, self.worker, self.csrf_token = (
             db,
             Path(data_dir),
@@ -251,12 +277,19 @@ class Stats:
             Route("/stats/prices/reset", self.reset_prices_route, methods=["POST"]),
         ]
 
-    def _window(self, error: str | None = None, status_code: int = 200) -> HTMLResponse:
-        html = render_window(self.env, self.db.conn, self.data_dir, self.csrf_token, error)
+    def _window(
+        self, error: str | None = None, status_code: int = 200, project: str | None = None
+    ) -> HTMLResponse:
+        choices = [(p.id, p.name) for p in self.projects.all()] if self.projects else []
+        if project is not None and project not in {pid for pid, _ in choices}:
+            project = None  # an unknown id shows every project's numbers
+        html = render_window(self.env, self.db.conn, self.data_dir, self.csrf_token, error, project, choices)
         return HTMLResponse(html, status_code=status_code)
 
     async def window_route(self, request: Request) -> HTMLResponse:
-        return self._window()
+        """GET /stats/window[?project=ID|all]: every project's numbers unless one is picked."""
+        picked = request.query_params.get("project", "all")
+        return self._window(project=None if picked == "all" else picked)
 
     async def save_prices_route(self, request: Request) -> HTMLResponse:
         form = await request.form()
@@ -292,6 +325,7 @@ class Stats:
             conversation_id=conversation_id,
             message_id=message_id,
             finish_reason=stats.get("finish_reason"),
+            project_id=conv.project_id if (conv := self.db.get_conversation(conversation_id)) else None,
         )
 
     def record_api_reply(self, stats: Mapping[str, Any]) -> int | None:

@@ -1,0 +1,341 @@
+"""Projects: the registry, the migration of a database made by the previous code, scoping of
+conversations, rules and stats per project, the dialogs' path checks, the Files window, attachments,
+and the command line. Real SQLite, real files, the app in-process (TestClient) with FakeBackend."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.worker import Worker
+from tests.conftest import FakeBackend
+from webapp import db as dbmod
+from webapp.agent.store import AgentStore
+from webapp.app import create_app
+from webapp.db import Database
+from webapp.projects.files import ATTACH_LIMIT, FilesError, ProjectTree
+from webapp.projects.store import DEFAULT_ID, ProjectError, ProjectStore, check_directory
+from webapp.settings import Settings
+
+BASE = "http://127.0.0.1:8000"
+ORIGIN = {"origin": BASE}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- the registry
+def test_projects_check_directory_says_why_a_path_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file.txt").write_text("x")
+    for raw, message in [
+        ("", "type the path"),
+        ("relative/dir", "not an absolute path"),
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(tmp_path / "file.txt"), "is a file, not a directory"),
+        ("/", "root directory cannot be a project"),
+    ]:
+        with pytest.raises(ProjectError, match=message):
+            check_directory(raw)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o000)
+    try:
+        import os
+
+        if os.geteuid() != 0:  # root reads anything
+            with pytest.raises(ProjectError, match="not readable"):
+                check_directory(str(locked))
+    finally:
+        locked.chmod(0o700)
+    assert check_directory(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_projects_first_start_is_the_scratch_project_never_the_cwd(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    current = store.current()
+    assert current.id == DEFAULT_ID and current.name == "Default"
+    assert current.path == (tmp_path / "data" / "projects" / "scratch").resolve()
+    assert current.path.is_dir() and current.path != tmp_path
+
+
+def test_projects_add_open_remove_keeps_the_directory_and_brings_data_back(tmp_path: Path) -> None:
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    p = store.add(str(work))
+    assert p.name == "work" and p.path == work.resolve()
+    assert store.add(str(work)).id == p.id  # the same directory is the same project
+    with pytest.raises(ProjectError, match="already exists"):
+        store.add(str(tmp_path / "data"), name="work")
+    store.open(p.id)
+    assert store.current().id == p.id
+    conv = d.create_conversation("in work", project_id=p.id)
+    AgentStore(d.conn).add_rule(p.id, "exact", "ls")
+
+    store.remove(p.id)  # keep the data
+    assert store.get(p.id) is None and (work / "keep.txt").read_text() == "mine"
+    assert store.current().id == DEFAULT_ID
+    again = store.add(str(work))
+    assert again.id == p.id and [c.id for c in d.list_conversations(p.id)] == [conv.id]
+
+    contexts = tmp_path / "data" / "projects" / p.id / "contexts"
+    contexts.mkdir(parents=True)
+    store.remove(p.id, delete_data=True)
+    assert (work / "keep.txt").read_text() == "mine"  # never the directory
+    assert d.list_conversations(p.id) == [] and AgentStore(d.conn).list_rules(p.id) == []
+    assert not contexts.exists()
+    assert (tmp_path / "data" / "projects" / "scratch").is_dir()
+    with pytest.raises(ProjectError, match="stays on the list"):
+        store.remove(DEFAULT_ID)
+
+
+# --------------------------------------------------------------------------- migration
+def _previous_code_database(path: Path, project_dir: Path) -> None:
+    """A database as the code before projects made it: its own four migration steps (steps are never
+    edited, so MIGRATIONS[:4] is that code's list), rows keyed by the directory serve ran in."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    previous = [m for m in dbmod.MIGRATIONS if m.version <= 4]
+    saved = dbmod.MIGRATIONS
+    try:
+        dbmod.MIGRATIONS = previous
+        dbmod.migrate(conn)
+    finally:
+        dbmod.MIGRATIONS = saved
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+    conn.execute("INSERT INTO conversations VALUES ('c1', 'old chat', 'm', 'mlx', 1.0, 2.0)")
+    conn.execute(
+        "INSERT INTO messages (conversation_id, role, content, status, created_at) "
+        "VALUES ('c1', 'user', 'hello from before projects', 'complete', 1.5)"
+    )
+    key = str(project_dir)
+    conn.execute(
+        "INSERT INTO agent_allow_rules (project, kind, pattern, created_at) VALUES (?, 'exact', 'ls -la', 1)",
+        (key,),
+    )
+    conn.execute("INSERT INTO agent_project_settings VALUES (?, 1, 5)", (key,))
+    conn.execute(
+        "INSERT INTO stats_replies (created_at, source, conversation_id, prompt_tokens, completion_tokens) "
+        "VALUES (1, 'chat', 'c1', 5, 7)"
+    )
+    conn.close()
+
+
+def test_projects_migrates_a_database_made_by_the_previous_code(tmp_path: Path, fake: FakeBackend) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    _previous_code_database(data / "flashcode.db", tmp_path / "old-cwd")
+    ctx = data / "projects" / "default" / "contexts" / "20260101-000000-abcdef"
+    ctx.mkdir(parents=True)
+    (ctx / "meta.json").write_text("{}")
+
+    worker = Worker(lambda: fake)
+    app = create_app(Settings(data_dir=data, load_model=False), worker=worker)
+    with TestClient(app, base_url=BASE) as client:
+        parts = app.state.flashcode
+        d = parts.db
+        assert d.conn.execute("PRAGMA user_version").fetchone()[0] >= 5
+        default = parts.projects.current()
+        assert (default.id, default.name) == ("default", "Default")
+        assert default.path == (data / "projects" / "scratch").resolve()
+        assert [c.id for c in d.list_conversations("default")] == ["c1"]
+        assert [m.content for m in d.messages("c1")] == ["hello from before projects"]
+        store = AgentStore(d.conn)
+        assert [r.pattern for r in store.list_rules("default")] == ["ls -la"]
+        assert store.network_allowed("default")
+        assert d.conn.execute("SELECT project_id FROM stats_replies").fetchone()[0] == "default"
+        page = client.get("/").text
+        assert "old chat" in page and 'id="menubar-project"' in page and ">Default<" in page
+        assert ctx.is_dir()  # saved contexts stay where they were: projects/default/contexts
+        assert "ls -la" in client.get("/agent/rules").text
+    worker.close()
+
+
+# --------------------------------------------------------------------------- the web app
+@pytest.fixture
+def two(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "alpha", tmp_path / "beta"
+    for p in (a, b):
+        p.mkdir()
+    (a / "main.py").write_text("def hello():\n    return '<b>hi</b>'\n")
+    (a / ".gitignore").write_text("build/\n*.log\n")
+    (a / "build").mkdir()
+    (a / "build" / "out.txt").write_text("x")
+    (a / "debug.log").write_text("x")
+    (a / "pkg").mkdir()
+    (a / "pkg" / ".gitignore").write_text("secret.txt\n")
+    (a / "pkg" / "secret.txt").write_text("x")
+    (a / "pkg" / "mod.py").write_text("X = 1\n")
+    (a / "big.txt").write_text("y" * (ATTACH_LIMIT + 1))
+    (a / ".git").mkdir()
+    (a / ".git" / "config").write_text("[core]")
+    (b / "notes.md").write_text("# beta\n")
+    return a, b
+
+
+@pytest.fixture
+def client(tmp_path: Path, fake: FakeBackend) -> Iterator[TestClient]:
+    worker = Worker(lambda: fake)
+    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
+    with TestClient(app, base_url=BASE) as c:
+        c.headers["X-CSRF-Token"] = app.state.flashcode.csrf_token
+        c.headers["origin"] = BASE
+        yield c
+    worker.close()
+
+
+def _open(client: TestClient, path: Path | str, **extra: str):
+    return client.post("/projects/open", data={"path": str(path), **extra}, headers={"HX-Request": "true"})
+
+
+def _chat(client: TestClient, text: str) -> str:
+    with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
+        sock.send_text(json.dumps({"type": "send", "text": text}))
+        frames = ""
+        for _ in range(200):
+            frames += sock.receive_text()
+            if 'data-status="complete"' in frames or "msg-stats" in frames:
+                break
+    m = re.search(r'id="conversation-id" value="(\w+)"', frames)
+    assert m, frames[-500:]
+    return m.group(1)
+
+
+def test_projects_open_dialog_refuses_a_bad_directory_with_its_message(client, tmp_path: Path) -> None:
+    r = _open(client, tmp_path / "nope", mode="open")
+    assert r.status_code == 200 and "HX-Redirect" not in r.headers
+    assert "does not exist" in r.text and "data-error" in r.text
+    r = client.post("/projects/open", data={"path": "x"}, headers={"origin": BASE, "X-CSRF-Token": "bad"})
+    assert r.status_code == 403  # the CSRF check covers the new POSTs
+
+
+def test_projects_conversations_rules_and_stats_are_per_project(client, two) -> None:
+    a, b = two
+    assert _open(client, a, mode="new", name="Alpha").headers["HX-Redirect"] == "/"
+    conv_a = _chat(client, "question in alpha")
+    page_a = client.get("/").text
+    assert "Alpha" in page_a and "question in alpha" in page_a
+    rules = AgentStore(client.app.state.flashcode.db.conn)
+    project_a = client.app.state.flashcode.projects.current()
+    rules.add_rule(project_a.id, "exact", "pwd")
+    assert "pwd" in client.get("/agent/rules").text
+
+    _open(client, b)
+    page_b = client.get("/").text
+    assert ">beta<" in page_b and "question in alpha" not in page_b
+    assert "pwd" not in client.get("/agent/rules").text  # alpha's rule is not beta's
+    conv_b = _chat(client, "question in beta")
+    assert conv_b != conv_a
+    assert "question in alpha" not in client.get("/conversations").text
+    assert "question in beta" in client.get("/conversations").text
+    # a conversation keeps its project: alpha's page shows alpha's list and name
+    assert "question in alpha" in client.get(f"/c/{conv_a}").text
+
+    stats_all = client.get("/stats/window").text
+    stats_b = client.get("/stats/window", params={"project": client.app.state.flashcode.projects.current().id})
+    assert 'data-stat="replies">2<' in stats_all and 'data-stat="replies">1<' in stats_b.text
+    assert ">All projects<" in stats_all
+
+
+def test_projects_recent_dialog_lists_and_reopens(client, two) -> None:
+    a, b = two
+    _open(client, a)
+    _open(client, b)
+    dialog = client.get("/projects/dialog", params={"mode": "recent"}).text
+    assert dialog.index(">beta<") < dialog.index(">alpha<")  # newest first
+    pid = client.app.state.flashcode.projects.by_path(a).id
+    r = client.post("/projects/open", data={"project_id": pid}, headers={"HX-Request": "true"})
+    assert r.headers["HX-Redirect"] == "/" and client.app.state.flashcode.projects.current().id == pid
+
+
+def test_projects_folder_browser_stays_under_home(client, tmp_path: Path, monkeypatch) -> None:
+    web = next(
+        r.endpoint.__self__
+        for r in client.app.routes
+        if getattr(r, "path", "") == "/projects/browse"  # the ProjectsWeb of this app
+    )
+    web.home = tmp_path
+    (tmp_path / "visible").mkdir()
+    (tmp_path / ".hidden").mkdir()
+    html = client.get("/projects/browse", params={"dir": "/etc"}).text
+    assert f'data-dir="{tmp_path}"' in html and "visible" in html and ".hidden" not in html
+
+
+def test_projects_files_window_lists_respecting_gitignore_and_views_escaped(client, two) -> None:
+    a, _ = two
+    _open(client, a)
+    listing = client.get("/files/window").text
+    names = re.findall(r'<tr data-path="([^"]+)"', listing)
+    assert names == ["pkg", ".gitignore", "big.txt", "main.py"]  # folders first; build/, *.log, .git hidden
+    inner = re.findall(r'<tr data-path="([^"]+)"', client.get("/files/list", params={"dir": "pkg"}).text)
+    assert inner == ["pkg/.gitignore", "pkg/mod.py"]  # the nested .gitignore hides secret.txt
+    view = client.get("/files/view", params={"path": "main.py"}).text
+    assert "<b>hi</b>" not in view and "&lt;b&gt;" in view and 'class="highlight"' in view
+    for bad, why in [("../beta/notes.md", "outside the project"), ("build/out.txt", "ignored"), (".git/config", "ignored")]:
+        assert why in client.get("/files/view", params={"path": bad}).text
+
+
+def _last_prompt(fake: FakeBackend) -> str:
+    request = fake.history[-1]
+    return request.messages[-1]["content"] if request.messages else str(request.prompt)
+
+
+def test_projects_attached_files_reach_the_model_quoted_with_path_and_size(client, two, fake) -> None:
+    a, _ = two
+    _open(client, a)
+    chip = client.post("/files/attach", data={"path": ["main.py", "big.txt"]}).text
+    assert 'data-path="main.py"' in chip and "big.txt is" in chip and "at most" in chip
+    _chat(client, "what does this do?")
+    prompt = _last_prompt(fake)
+    size = (a / "main.py").stat().st_size
+    assert prompt.startswith(f'<untrusted source="file main.py ({size:,} bytes)">')
+    assert prompt.rstrip().endswith("what does this do?") and "return '<b>hi</b>'" in prompt
+    _chat(client, "and now?")  # attachments go with one message only
+    assert _last_prompt(fake) == "and now?"
+
+
+def test_projects_tree_refuses_symlinks_out(tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    root.mkdir()
+    (tmp_path / "outside.txt").write_text("secret")
+    (root / "link.txt").symlink_to(tmp_path / "outside.txt")
+    with pytest.raises(FilesError, match="outside the project"):
+        ProjectTree(root).read_text("link.txt")
+
+
+# --------------------------------------------------------------------------- the command line
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"FLASHCODE_HOME": str(home), "PATH": "/usr/bin:/bin", "HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "webapp.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    home.mkdir()
+    out = _cli(home, "projects")
+    assert out.returncode == 0 and out.stdout.splitlines() == [
+        f"Default\t{(home / 'projects' / 'scratch').resolve()}\t0"
+    ]
+    assert _cli(home, "projects", "add", str(work), "--name", "Work").returncode == 0
+    lines = _cli(home, "projects").stdout.splitlines()
+    assert f"Work\t{work.resolve()}\t0" in lines and len(lines) == 2
+    bad = _cli(home, "projects", "add", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    gone = _cli(home, "projects", "remove", "Work", "--delete-data")
+    assert gone.returncode == 0 and "was not touched" in gone.stdout and work.is_dir()
+    assert len(_cli(home, "projects").stdout.splitlines()) == 1
+    missing = _cli(home, "projects", "remove", "Nope")
+    assert missing.returncode == 2 and "no project named 'Nope'" in missing.stderr
+    bad_serve = _cli(home, "serve", "--project", str(tmp_path / "missing"), "--port", "0")
+    assert bad_serve.returncode == 2 and "--project:" in bad_serve.stderr and "does not exist" in bad_serve.stderr

@@ -1,0 +1,140 @@
+"""Auto-resume with the real default model, on both backends: a conversation's KV cache saved
+automatically (8-bit on MLX, llama-server's slot as is) and resumed when the conversation comes back
+gives the same next greedy tokens as re-reading (prefilling) the conversation, with most of the
+prompt served from the cache; a conversation changed since its save is ignored with a note."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.base import Done, GenerationRequest, SamplingParams
+from engine.worker import Worker
+from webapp.db import Database
+from webapp.projects.resume import AutoResume
+
+pytestmark = [pytest.mark.slow]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+SYSTEM = "You are a terse assistant. " + "Answer in one short sentence. " * 25
+
+
+def _generate(backend, messages) -> Done:
+    done = None
+    request = GenerationRequest(messages=tuple(messages), sampling=GREEDY)
+    for ev in backend.stream(request, threading.Event()):
+        if isinstance(ev, Done):
+            done = ev
+    assert done is not None and done.error is None, done
+    return done
+
+
+def _restart(backend) -> None:
+    """The engine as at a fresh start: no live cache (llama-server: a new process, whose slot and
+    prompt cache are empty; MLX: its one prompt cache dropped)."""
+    if hasattr(backend, "close_process"):
+        backend.close_process()
+        backend.ensure_running()
+    else:
+        backend.prompt_cache.reset()
+
+
+async def _turn(resume: AutoResume, db: Database, worker: Worker, cid: str, text: str) -> Done:
+    """One chat turn as the web app runs it: before_reply, generate, store, the reply hook."""
+    note = await resume.before_reply(cid)
+    assert note is None, note
+    db.add_message(cid, "user", text)
+    history = resume._history(cid)
+    done = await worker.acall(lambda b: _generate(b, history))
+    reply = db.add_message(cid, "assistant", done.text)
+    resume.note_reply({}, conversation_id=cid, message_id=reply.id)
+    return done
+
+
+def _scenario(tmp_path: Path, worker: Worker) -> None:
+    db = Database(tmp_path / "f.db")
+    resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+    events: list[tuple[str, str]] = []
+    resume.on_event = lambda kind, cid: events.append((kind, cid))
+
+    async def run() -> None:
+        a = db.create_conversation("a").id
+        other = db.create_conversation("other").id
+        db.add_message(a, "system", SYSTEM)
+        await _turn(resume, db, worker, a, "What is 2+2?")
+        # switching to another conversation saves a's cache first (a is still live)
+        await _turn(resume, db, worker, other, "Name a colour.")
+        assert ("saved", a) in events
+        # cold: a fresh engine (flashcode restarted) re-reads a from the start
+        await worker.acall(_restart)
+        resume.live = None
+        cold_db_len = len(db.messages(a))
+        db.add_message(a, "user", "And 3+3?")
+        history = resume._history(a)
+        cold = await worker.acall(lambda b: _generate(b, history))
+        for m in db.messages(a)[cold_db_len:]:
+            db.delete_message(m.id)  # back to where a was saved
+        await worker.acall(_restart)
+        resume.live = None
+        # resumed: after a restart, reopening a loads its saved cache, then the same next turn
+        resumed = await _turn(resume, db, worker, a, "And 3+3?")
+        assert ("resumed", a) in events
+        assert resumed.text == cold.text and resumed.text
+        assert resumed.stats.cached_tokens > cold.stats.cached_tokens + 100
+        # a conversation changed since its save: the save is ignored with a note
+        await _turn(resume, db, worker, other, "One more colour.")
+        last = db.messages(a)[-1]
+        db.delete_message(last.id)
+        db.delete_message(db.messages(a)[-1].id)
+        db.add_message(a, "user", "Edited question?")
+        db.add_message(a, "assistant", "Edited answer.")
+        note = await resume.before_reply(a)
+        assert note is not None and "no longer matches" in note and ("mismatch", a) in events
+
+    asyncio.run(run())
+    db.close()
+
+
+def test_projects_autoresume_mlx_same_greedy_tokens_as_reprefill(tmp_path: Path, default_model) -> None:
+    from engine.mlx_backend import MLXBackend
+
+    def make() -> MLXBackend:
+        b = MLXBackend()
+        b.load(default_model)
+        return b
+
+    worker = Worker(make)
+    try:
+        _scenario(tmp_path, worker)
+    finally:
+        worker.close()
+    saves = list((tmp_path / "projects" / "default" / "autosave").glob("*/meta.json"))
+    assert saves and all('"kv_bits": 8' in p.read_text() for p in saves)
+
+
+@pytest.mark.llama
+def test_projects_autoresume_llama_same_greedy_tokens_as_reprefill(
+    tmp_path: Path, model_home: Path, default_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llama_server = pytest.importorskip("engine.llama_server")
+    try:
+        llama_server.find_llama_server()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no llama-server: {exc}")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(model_home / "models", target_is_directory=True)
+    monkeypatch.setenv("FLASHCODE_HOME", str(home))
+
+    def make():
+        b = llama_server.LlamaServerBackend(context_length=2048, threads=1)
+        b.load(default_model)
+        return b
+
+    worker = Worker(make)
+    try:
+        _scenario(home, worker)
+    finally:
+        worker.close()

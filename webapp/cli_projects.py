@@ -1,0 +1,103 @@
+"""`flashcode projects [add DIR [--name NAME] | remove NAME [--delete-data]]`, and the `--project
+DIR` option of serve, ask, chat (and any command that registers it with `add_project_arg`).
+
+Output of `flashcode projects`: one line per project, tab-separated: name, path, conversations.
+What it knows: the command line's forms and messages. The registry is `webapp.projects.store`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from . import preflight
+from .db import Database
+from .projects.store import ProjectError, ProjectStore, check_directory
+
+
+def _store() -> tuple[Database, ProjectStore]:
+    root = preflight.check_data_dir(preflight.data_dir())
+    preflight.check_database(root)
+    db = Database(root / "flashcode.db")
+    return db, ProjectStore(db.conn, root)
+
+
+def cmd_projects(args: argparse.Namespace) -> int:
+    db, store = _store()
+    try:
+        action = getattr(args, "action", None)
+        if action == "add":
+            project = store.add(args.dir, args.name)
+            print(f"{project.name}\t{project.path}")
+        elif action == "remove":
+            found = store.resolve(args.name)
+            if found is None:
+                names = ", ".join(p.name for p in store.all())
+                raise ProjectError(f"there is no project named {args.name!r} (projects: {names})")
+            store.remove(found.id, delete_data=args.delete_data)
+            kept = "deleted flashcode's data for it" if args.delete_data else "kept flashcode's data for it"
+            print(f"removed {found.name} ({found.path} was not touched; {kept})")
+        else:
+            counts = store.conversation_counts()
+            for p in store.all():
+                print(f"{p.name}\t{p.path}\t{counts.get(p.id, 0)}")
+    except ProjectError as exc:
+        raise preflight.StartupError(str(exc)) from None
+    finally:
+        db.close()
+    return 0
+
+
+def add_project_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--project",
+        default=None,
+        metavar="DIR",
+        help="the project directory to work in (added to `flashcode projects` if new)",
+    )
+
+
+def project_dir(args: argparse.Namespace) -> Path | None:
+    """The checked `--project` directory (None when not given), or a StartupError saying why not."""
+    raw = getattr(args, "project", None)
+    if raw is None:
+        return None
+    try:
+        return check_directory(raw)
+    except ProjectError as exc:
+        raise preflight.StartupError(f"--project: {exc}") from None
+
+
+def enter_project(args: argparse.Namespace) -> Path | None:
+    """For commands that work in a project (ask, chat, agent): check `--project`, add it to the
+    registry and make it the working directory."""
+    folder = project_dir(args)
+    if folder is None:
+        return None
+    db, store = _store()
+    try:
+        store.open(store.add(folder).id)
+    finally:
+        db.close()
+    os.chdir(folder)
+    return folder
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("projects", help="list projects (name, path, conversations); add or remove one")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_projects, action=None)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    a = actions.add_parser("add", help="add a directory as a project")
+    a.add_argument("dir", metavar="DIR")
+    a.add_argument("--name", default=None)
+    a.set_defaults(func=cmd_projects)
+    r = actions.add_parser("remove", help="take a project off the list (its directory is never deleted)")
+    r.add_argument("name", metavar="NAME")
+    r.add_argument(
+        "--delete-data",
+        action="store_true",
+        help="also delete flashcode's data for it (conversations, rules, stats, saved contexts)",
+    )
+    r.set_defaults(func=cmd_projects)

@@ -1,0 +1,147 @@
+"""The Files window's view of a project directory: listing (respecting `.gitignore`), reading a
+file for display, and attaching files to the next message.
+
+What is covered: paths are relative to the project and resolved (symlinks included) before use; one
+that leads outside the project, into `.git`, or to something ignored is refused with a message.
+Listings skip `.git` and whatever the project's `.gitignore` files (root and nested, with
+`.git/info/exclude`) ignore, using `pathspec`'s git semantics. Files are shown only when they are
+text (UTF-8, no NUL) and at most `VIEW_LIMIT` bytes; attachments at most `ATTACH_LIMIT` bytes each
+and `ATTACH_TOTAL` together. What is not covered: file contents are the user's project, but are
+treated as untrusted data all the same: escaped when shown (pygments escapes), quoted as untrusted
+when given to the model (the caller's `quote`).
+
+What it does not know: HTTP, templates, the database.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import pathspec
+
+VIEW_LIMIT = 1 << 20
+ATTACH_LIMIT = 64 << 10
+ATTACH_TOTAL = 192 << 10
+MAX_ENTRIES = 2000
+
+
+class FilesError(ValueError):
+    """A path that cannot be listed, shown or attached; the message says why."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    rel: str  # relative to the project, with "/"
+    is_dir: bool
+    size: int
+    modified: float
+
+    @property
+    def kind(self) -> str:
+        if self.is_dir:
+            return "folder"
+        suffix = Path(self.name).suffix.lower().lstrip(".")
+        return f"{suffix.upper()} file" if suffix else "file"
+
+
+def _spec_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+class ProjectTree:
+    """One project directory, as the Files window sees it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+
+    def _ignore_spec(self, rel_dir: str) -> pathspec.GitIgnoreSpec:
+        """The patterns that apply inside `rel_dir`: the root's, .git/info/exclude, and each nested
+        .gitignore on the way down (its patterns anchored to its own folder)."""
+        lines = _spec_lines(self.root / ".git" / "info" / "exclude") + _spec_lines(self.root / ".gitignore")
+        parts = [p for p in rel_dir.split("/") if p]
+        for i in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            for line in _spec_lines(self.root / prefix / ".gitignore"):
+                text = line.strip()
+                if not text or text.startswith("#"):
+                    continue
+                neg = text.startswith("!")
+                body = text[1:] if neg else text
+                anchored = body.lstrip("/") if "/" in body.rstrip("/") else f"**/{body}"
+                lines.append(("!" if neg else "") + f"{prefix}/{anchored}")
+        return pathspec.GitIgnoreSpec.from_lines(lines)
+
+    def ignored(self, rel: str, is_dir: bool = False) -> bool:
+        parts = [p for p in rel.split("/") if p]
+        if ".git" in parts:
+            return True
+        parent = "/".join(parts[:-1])
+        spec = self._ignore_spec(parent)
+        for i in range(1, len(parts) + 1):  # a file inside an ignored folder is ignored too
+            sub = "/".join(parts[:i])
+            if spec.match_file(sub + ("/" if i < len(parts) or is_dir else "")):
+                return True
+        return False
+
+    def resolve(self, rel: str) -> Path:
+        """The real path of `rel` inside the project, or FilesError."""
+        text = (rel or "").strip().strip("/")
+        if "\x00" in text or len(text) > 4096:
+            raise FilesError("that is not a usable path")
+        target = (self.root / text).resolve() if text else self.root
+        if target != self.root and not target.is_relative_to(self.root):
+            raise FilesError(f"{text} is outside the project: refused")
+        rel_real = target.relative_to(self.root).as_posix() if target != self.root else ""
+        if rel_real and self.ignored(rel_real, target.is_dir()):
+            raise FilesError(f"{text} is ignored (.git or .gitignore): not shown")
+        return target
+
+    def list(self, rel_dir: str = "") -> list[Entry]:
+        folder = self.resolve(rel_dir)
+        if not folder.is_dir():
+            raise FilesError(f"{rel_dir or '.'} is not a folder")
+        base = folder.relative_to(self.root).as_posix() if folder != self.root else ""
+        spec = self._ignore_spec(base)
+        out = []
+        try:
+            children = sorted(os.scandir(folder), key=lambda e: e.name.lower())
+        except OSError as exc:
+            raise FilesError(f"{rel_dir or 'the project'} cannot be read: {exc.strerror or exc}") from exc
+        for child in children[: MAX_ENTRIES * 2]:
+            if child.name == ".git":
+                continue
+            rel = f"{base}/{child.name}" if base else child.name
+            try:
+                st = child.stat(follow_symlinks=True)
+            except OSError:
+                continue
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if spec.match_file(rel + ("/" if is_dir else "")):
+                continue
+            out.append(Entry(child.name, rel, is_dir, 0 if is_dir else st.st_size, st.st_mtime))
+            if len(out) >= MAX_ENTRIES:
+                break
+        return sorted(out, key=lambda e: (not e.is_dir, e.name.lower()))
+
+    def read_text(self, rel: str, limit: int = VIEW_LIMIT) -> tuple[str, int]:
+        """(text, size in bytes) of a project file, or FilesError saying why it cannot be shown."""
+        path = self.resolve(rel)
+        if not path.is_file():
+            raise FilesError(f"{rel} is not a file")
+        size = path.stat().st_size
+        if size > limit:
+            raise FilesError(f"{rel} is {size:,} bytes; the limit is {limit:,} bytes")
+        data = path.read_bytes()[: limit + 1]
+        if b"\x00" in data:
+            raise FilesError(f"{rel} is a binary file: not shown")
+        try:
+            return data.decode("utf-8"), size
+        except UnicodeDecodeError as exc:
+            raise FilesError(f"{rel} is not UTF-8 text: not shown") from exc

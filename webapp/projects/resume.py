@@ -1,0 +1,245 @@
+"""Conversations resume by themselves: each conversation's KV cache is saved to disk, and reopening
+the conversation continues from it instead of re-reading (prefilling) the whole conversation.
+
+The engine holds one live cache: the last conversation it answered. That cache is saved (8-bit KV
+on MLX; llama-server's slot as its cache type keeps it) under the conversation's project
+
+    $FLASHCODE_HOME/projects/<project_id>/autosave/<context_id>/   (engine.sessions' layout)
+        conversation.json   the conversation id, how many messages the cache holds and their digest
+
+- when it has been idle `idle_s` seconds (3 minutes by default),
+- when another conversation is about to replace it (the user switched conversation), and when the
+  user opens another project,
+- at shutdown.
+
+Before a conversation's reply, if the engine's live cache is another conversation's, the saved
+cache of this one is resumed (`engine.sessions.try_resume`): the reply then prefills only the new
+message. A saved cache is never trusted blindly: another model or engine, a damaged file (checked by
+`engine.sessions`), or a conversation changed since the save (a reply regenerated or deleted: the
+digest of its first messages differs) is ignored with a note, and the reply re-reads the
+conversation. Each project's automatic saves stay within a disk quota (`quota_bytes`, 2 GiB by
+default, `FLASHCODE_AUTOSAVE_QUOTA_MB`): the least recently used are deleted to make room. Named
+saves (the Projects window) are a separate list with their own quota.
+
+What it knows: when to save and resume, and the conversation check. What it does not know: HTTP,
+the page; the file format (`engine.sessions`). Saves and resumes run on the engine's worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.base import EngineError, PromptCacheBackend
+from engine.sessions import (
+    ContextNameError,
+    ContextStore,
+    QuotaExceededError,
+    SavedContext,
+    check_id,
+    try_resume,
+)
+from engine.worker import Worker
+
+from ..db import Database
+
+log = logging.getLogger(__name__)
+IDLE_S = 180.0
+KV_BITS = 8
+SIDECAR = "conversation.json"
+
+
+def autosave_quota() -> int:
+    mb = os.environ.get("FLASHCODE_AUTOSAVE_QUOTA_MB")
+    return int(float(mb) * 2**20) if mb else 2 << 30
+
+
+class AutoSaveStore(ContextStore):
+    """`ContextStore` with the automatic saves in `projects/<id>/autosave/` instead of `contexts/`."""
+
+    def contexts_dir(self, project_id: str, create: bool = False) -> Path:
+        d = self.root / check_id(project_id) / "autosave"
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
+        if d.exists() and d.resolve() != self.root.resolve() / project_id / "autosave":
+            raise ContextNameError(f"{d} leads outside project {project_id}'s folder: refused")
+        return d
+
+
+def digest(messages: Sequence[Mapping[str, Any]]) -> str:
+    h = hashlib.sha256()
+    for m in messages:
+        h.update(json.dumps([m.get("role"), m.get("content")], ensure_ascii=False).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Saved:
+    context: SavedContext
+    messages: int  # how many of the conversation's messages the cache held
+    digest: str
+    used: float  # last save or resume (least recently used goes first)
+
+
+class AutoResume:
+    """One app's automatic saves. `note_reply` is a `webapp.turns.ReplyHook`; `before_reply` runs
+    before each chat reply; `save_now` on a switch and at shutdown."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        worker: Worker,
+        db: Database,
+        idle_s: float = IDLE_S,
+        quota_bytes: int | None = None,
+        kv_bits: int | None = KV_BITS,
+    ) -> None:
+        self.store = AutoSaveStore(data_dir, quota_bytes if quota_bytes is not None else autosave_quota())
+        self.worker, self.db, self.idle_s, self.kv_bits = worker, db, idle_s, kv_bits
+        self.live: str | None = None  # the conversation the engine's cache holds
+        self.dirty = False  # the live cache changed since it was last saved
+        self.lock = asyncio.Lock()
+        self._timer: asyncio.TimerHandle | None = None
+        self.on_event: Callable[[str, str], None] | None = None  # (kind, conversation_id): tests, logs
+
+    # ------------------------------------------------------------------ what the chat calls
+    def note_reply(
+        self, stats: Mapping[str, Any], *, conversation_id: str, message_id: int, route: str | None = None
+    ) -> None:
+        """After every stored reply: a chat reply leaves its conversation in the live cache; an agent
+        turn leaves its own prompts there (not the conversation's), so nothing to save then."""
+        if route is None:
+            self.live, self.dirty = conversation_id, True
+        else:
+            self.live, self.dirty = None, False
+        self._arm_idle()
+
+    async def before_reply(self, conversation_id: str) -> str | None:
+        """Make the conversation's saved cache the live one, if it is not already; a note when a
+        saved cache was found but could not be used."""
+        async with self.lock:
+            if self.live == conversation_id:
+                return None
+            await self._save_live()
+            self.live, self.dirty = None, False
+            return await self._resume(conversation_id)
+
+    async def save_now(self) -> None:
+        """Save the live conversation's cache if it changed (a switch of project, shutdown)."""
+        async with self.lock:
+            await self._save_live()
+
+    # ------------------------------------------------------------------ saving
+    def _arm_idle(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._timer = loop.call_later(self.idle_s, lambda: loop.create_task(self.save_now()))
+
+    def _history(self, conversation_id: str) -> list[dict[str, str]]:
+        return [
+            {"role": m.role, "content": m.content}
+            for m in self.db.messages(conversation_id)
+            if m.role in ("user", "assistant", "system") and m.content
+        ]
+
+    async def _save_live(self) -> None:
+        cid = self.live
+        if cid is None or not self.dirty:
+            return
+        conv = self.db.get_conversation(cid)
+        if conv is None:
+            self.dirty = False
+            return
+        history = self._history(cid)
+        project = conv.project_id
+        try:
+            await self.worker.acall(lambda b: self._save(b, project, cid, history))
+            self.dirty = False
+            self._event("saved", cid)
+        except EngineError as exc:  # nothing to save, no room even after eviction: the next reply re-reads
+            log.info("automatic save of conversation %s skipped: %s", cid, exc)
+        except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
+            log.exception("automatic save of conversation %s failed", cid)
+
+    def _save(self, backend: Any, project: str, cid: str, history: list[dict[str, str]]) -> None:
+        """On the worker thread: save the live cache, replacing the conversation's previous save,
+        evicting the project's least recently used saves while the quota is short."""
+        if not isinstance(backend, PromptCacheBackend) or backend.model is None:
+            return
+        kv_bits = self.kv_bits if getattr(backend, "name", "") != "llama" else None
+        previous = [s for s in self.saved(project) if s.context.conversation_id == cid]
+        for s in previous:  # make room first: the new save replaces it
+            self.store.delete(project, s.context.id)
+        while True:
+            try:
+                ctx = self.store.save(backend, project, f"auto {cid}", kv_bits=kv_bits, conversation_id=cid)
+                break
+            except QuotaExceededError:
+                victims = self.saved(project)
+                if not victims:
+                    raise
+                self.store.delete(project, victims[-1].context.id)
+                self._event("evicted", victims[-1].context.conversation_id or "")
+        folder = self.store.context_dir(project, ctx.id)
+        (folder / SIDECAR).write_text(
+            json.dumps({"conversation_id": cid, "messages": len(history), "digest": digest(history)})
+        )
+
+    def saved(self, project: str) -> list[Saved]:
+        """The project's automatic saves, most recently used first."""
+        out = []
+        for ctx in self.store.list(project):
+            side = self.store.contexts_dir(project) / ctx.id / SIDECAR
+            try:
+                data = json.loads(side.read_text())
+                out.append(Saved(ctx, int(data["messages"]), str(data["digest"]), side.stat().st_mtime))
+            except (OSError, ValueError, KeyError, TypeError):
+                out.append(Saved(ctx, -1, "", 0.0))  # unreadable: first to go
+        return sorted(out, key=lambda s: s.used, reverse=True)
+
+    # ------------------------------------------------------------------ resuming
+    async def _resume(self, cid: str) -> str | None:
+        conv = self.db.get_conversation(cid)
+        if conv is None:
+            return None
+        project = conv.project_id
+        found = next((s for s in self.saved(project) if s.context.conversation_id == cid), None)
+        if found is None:
+            return None
+        history = self._history(cid)
+        if found.messages < 0 or digest(history[: found.messages]) != found.digest:
+            self.store.delete(project, found.context.id)
+            self._event("mismatch", cid)
+            return (
+                "The saved cache of this conversation no longer matches it (it changed since it was "
+                "saved): it was ignored, and this reply re-reads the conversation."
+            )
+        res = await self.worker.acall(lambda b: try_resume(self.store, b, project, found.context.id))
+        if not res.resumed:
+            self._event("mismatch", cid)
+            return f"The saved cache of this conversation was ignored: {res.message}"
+        os.utime(self.store.contexts_dir(project) / found.context.id / SIDECAR)
+        self.live, self.dirty = cid, False
+        self._event("resumed", cid)
+        return None
+
+    def forget_project(self, project: str) -> None:
+        shutil.rmtree(self.store.root / check_id(project) / "autosave", ignore_errors=True)
+
+    def _event(self, kind: str, cid: str) -> None:
+        log.debug("autosave %s %s at %.0f", kind, cid, time.time())
+        if self.on_event is not None:
+            self.on_event(kind, cid)

@@ -1,0 +1,244 @@
+"""The project registry: which directories are projects, which one is open, and what a directory
+must be to become one.
+
+A project is a directory plus flashcode's own data about it, keyed by the project's id: its
+conversations (`conversations.project_id`), allow rules and network switch (`agent_*.project`),
+reply stats (`stats_replies.project_id`) and files under `$FLASHCODE_HOME/projects/<id>/` (saved
+contexts, automatic saves). The id is derived from the directory (`name-<hash of the path>`), so a
+project removed with its data kept comes back with it when the same directory is added again.
+"Default" (id `default`) is the scratch project under `$FLASHCODE_HOME/projects/scratch`: the one
+open at first start, never the server's working directory.
+
+What it knows: the `projects` table, the checks on a directory, and which rows and folders a
+project's data is made of (to delete them when asked). What it does not know: HTTP, the UI, engines.
+Removing a project never touches its directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+from engine import paths
+
+from ..turns import ProjectRef
+
+DEFAULT_ID = "default"
+SCRATCH = "scratch"  # the Default project's directory under projects/: never a project id
+MAX_NAME_CHARS = 80
+
+
+class ProjectError(ValueError):
+    """A directory or name that cannot be a project; the message says what to do."""
+
+
+def check_directory(raw: str | os.PathLike[str]) -> Path:
+    """The resolved directory `raw` names, or ProjectError saying why it cannot be a project."""
+    text = str(raw).strip()
+    if not text:
+        raise ProjectError("type the path of a directory, e.g. ~/code/myapp")
+    if "\x00" in text or len(text) > 4096:
+        raise ProjectError("that path is not a usable directory path (a NUL byte, or too long)")
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        raise ProjectError(f"{text} is not an absolute path: start it with / or ~/")
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:
+        raise ProjectError(f"{text} cannot be checked: {exc.strerror or exc}") from exc
+    if not exists:
+        raise ProjectError(f"{text} does not exist: check the spelling, or create the folder first")
+    if not is_dir:
+        raise ProjectError(f"{text} is a file, not a directory: pick the folder that holds it")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ProjectError(f"{text} is not readable by flashcode (permissions): pick a folder you own")
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor):
+        raise ProjectError("the root directory cannot be a project: pick a folder of your own")
+    return resolved
+
+
+def clean_name(name: str) -> str:
+    text = " ".join("".join(c if c.isprintable() else " " for c in name).split())[:MAX_NAME_CHARS]
+    if not text:
+        raise ProjectError("a project name cannot be empty")
+    return text
+
+
+def project_id_for(path: Path) -> str:
+    """`name-hash`: a valid context project id (engine.sessions.check_id), stable for a directory."""
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", path.name).strip("-_")[:40] or "project"
+    digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    return f"{stem}-{digest}"
+
+
+class ProjectStore:
+    """The projects of one data directory (a `webapp.turns.ProjectLookup`)."""
+
+    def __init__(self, conn: sqlite3.Connection, data_dir: Path) -> None:
+        self.conn, self.data_dir = conn, Path(data_dir)
+
+    # ------------------------------------------------------------------ reading
+    def scratch_dir(self) -> Path:
+        d = paths.projects_dir(self.data_dir) / SCRATCH
+        d.mkdir(parents=True, exist_ok=True)
+        return d.resolve()
+
+    def data_folder(self, project_id: str) -> Path:
+        """Where flashcode keeps its files about a project (saved contexts, automatic saves)."""
+        return paths.projects_dir(self.data_dir) / project_id
+
+    def _ref(self, row: sqlite3.Row | tuple) -> ProjectRef:
+        pid, name, path = row[0], row[1], row[2]
+        return ProjectRef(pid, name, Path(path) if path else self.scratch_dir())
+
+    def _one(self, where: str, *args: object) -> ProjectRef | None:
+        row = self.conn.execute(f"SELECT id, name, path FROM projects WHERE {where}", args).fetchone()
+        return self._ref(row) if row else None
+
+    def all(self) -> list[ProjectRef]:
+        rows = self.conn.execute("SELECT id, name, path FROM projects ORDER BY name COLLATE NOCASE")
+        return [self._ref(r) for r in rows.fetchall()]
+
+    def recent(self, limit: int = 8) -> list[ProjectRef]:
+        rows = self.conn.execute(
+            "SELECT id, name, path FROM projects WHERE opened_at IS NOT NULL ORDER BY opened_at DESC LIMIT ?",
+            (limit,),
+        )
+        return [self._ref(r) for r in rows.fetchall()]
+
+    def get(self, project_id: str) -> ProjectRef | None:
+        return self._one("id = ?", project_id)
+
+    def by_name(self, name: str) -> ProjectRef | None:
+        return self._one("name = ?", name.strip())
+
+    def by_path(self, path: Path) -> ProjectRef | None:
+        if Path(path).resolve() == self.scratch_dir():
+            return self.get(DEFAULT_ID)
+        return self._one("path = ?", str(Path(path).resolve()))
+
+    def current(self) -> ProjectRef:
+        """The project opened last; Default (the scratch folder) until one is opened."""
+        found = self._one("opened_at IS NOT NULL ORDER BY opened_at DESC LIMIT 1")
+        return found or self._default()
+
+    def of_conversation(self, conversation_id: str | None) -> ProjectRef:
+        if conversation_id:
+            row = self.conn.execute(
+                "SELECT p.id, p.name, p.path FROM conversations c JOIN projects p ON p.id = c.project_id "
+                "WHERE c.id = ?",
+                (conversation_id,),
+            ).fetchone()
+            if row:
+                return self._ref(row)
+        return self.current()
+
+    def conversation_counts(self) -> dict[str, int]:
+        rows = self.conn.execute("SELECT project_id, COUNT(*) FROM conversations GROUP BY project_id")
+        return {pid: int(n) for pid, n in rows.fetchall()}
+
+    def _default(self) -> ProjectRef:
+        self.conn.execute(
+            "INSERT OR IGNORE INTO projects (id, name, path, created_at) VALUES (?, 'Default', '', ?)",
+            (DEFAULT_ID, time.time()),
+        )
+        found = self.get(DEFAULT_ID)
+        assert found is not None
+        return found
+
+    # ------------------------------------------------------------------ changes
+    def add(self, directory: str | os.PathLike[str], name: str | None = None) -> ProjectRef:
+        """Add a directory (checked) as a project; an existing project of that directory is returned
+        as it is (renamed when `name` is given)."""
+        path = check_directory(directory)
+        existing = self.by_path(path)
+        if existing is not None:
+            return self.rename(existing.id, name) if name else existing
+        pid = project_id_for(path)
+        wanted = clean_name(name or path.name or "project")
+        final = wanted if name else self._free_name(wanted)
+        self._check_name_free(final, pid)
+        self.conn.execute(
+            "INSERT INTO projects (id, name, path, created_at) VALUES (?, ?, ?, ?)",
+            (pid, final, str(path), time.time()),
+        )
+        found = self.get(pid)
+        assert found is not None
+        return found
+
+    def _free_name(self, name: str) -> str:
+        n, candidate = 2, name
+        while self.by_name(candidate) is not None:
+            candidate, n = f"{name} {n}", n + 1
+        return candidate
+
+    def _check_name_free(self, name: str, project_id: str) -> None:
+        other = self.by_name(name)
+        if other is not None and other.id != project_id:
+            raise ProjectError(f"a project named {name!r} already exists ({other.path}): pick another name")
+
+    def rename(self, project_id: str, name: str) -> ProjectRef:
+        final = clean_name(name)
+        self._check_name_free(final, project_id)
+        self.conn.execute("UPDATE projects SET name = ? WHERE id = ?", (final, project_id))
+        found = self.get(project_id)
+        if found is None:
+            raise ProjectError(f"there is no project {project_id}")
+        return found
+
+    def open(self, project_id: str) -> ProjectRef:
+        if project_id == DEFAULT_ID:
+            self._default()
+        found = self.get(project_id)
+        if found is None:
+            raise ProjectError(f"there is no project {project_id!r}: add its directory first")
+        self.conn.execute("UPDATE projects SET opened_at = ? WHERE id = ?", (time.time(), project_id))
+        return found
+
+    def resolve(self, key: str) -> ProjectRef | None:
+        """A project by name, id or directory (what the command line takes)."""
+        found = self.by_name(key) or self.get(key)
+        if found is None and (key.startswith(("/", "~"))):
+            try:
+                found = self.by_path(Path(key).expanduser())
+            except OSError:
+                return None
+        return found
+
+    def remove(self, project_id: str, delete_data: bool = False) -> ProjectRef:
+        """Take a project off the list; its directory is never touched. With `delete_data`, also
+        delete flashcode's own data about it: conversations, rules, stats, saved contexts."""
+        found = self.get(project_id)
+        if found is None:
+            raise ProjectError(f"there is no project {project_id!r}")
+        if project_id == DEFAULT_ID:
+            raise ProjectError("Default is the scratch project and stays on the list")
+        statements = ["DELETE FROM projects WHERE id = ?"]
+        if delete_data:
+            statements += [
+                "DELETE FROM conversations WHERE project_id = ?",  # messages go with them (cascade)
+                "DELETE FROM agent_allow_rules WHERE project = ?",
+                "DELETE FROM agent_project_settings WHERE project = ?",
+                "DELETE FROM agent_actions WHERE project = ?",
+                "DELETE FROM stats_replies WHERE project_id = ?",
+            ]
+        self.conn.execute("BEGIN")
+        try:
+            for sql in statements:
+                self.conn.execute(sql, (project_id,))
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        if delete_data:
+            folder = self.data_folder(project_id)
+            root = paths.projects_dir(self.data_dir).resolve()
+            if folder.is_dir() and not folder.is_symlink() and folder.resolve().parent == root:
+                shutil.rmtree(folder, ignore_errors=True)
+        return found

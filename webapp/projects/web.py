@@ -1,0 +1,238 @@
+"""The projects in the web app: the New/Open/Open Recent/Remove dialogs with their folder browser,
+the Files window, and attachments for the next message.
+
+What it knows: URLs, what a dialog answers (HX-Redirect to `/` once a project is open: the page is
+redrawn for it), the folder browser's bounds (directories under the user's home), and the pending
+attachments of each project. What it does not know: SQL (`store.ProjectStore`), the socket (the
+chat asks `take_attachments` when a message is sent), HTML layout (`templates/projects/`). Every
+POST passed `webapp.security.CsrfMiddleware` before it arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import TextLexer, guess_lexer_for_filename
+from pygments.util import ClassNotFound
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from .files import ATTACH_LIMIT, ATTACH_TOTAL, FilesError, ProjectTree
+from .store import DEFAULT_ID, ProjectError, ProjectStore
+
+MAX_BROWSE = 400
+Quote = Callable[[str, str], str]  # (source, text) -> the text quoted as untrusted data for the model
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n} GB"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+class ProjectsWeb:
+    def __init__(
+        self,
+        store: ProjectStore,
+        env: Environment,
+        quote: Quote,
+        on_switch: Callable[[], Awaitable[None]] | None = None,
+        home: Path | None = None,
+    ) -> None:
+        self.store, self.quote, self.on_switch = store, quote, on_switch
+        self.home = (home or Path.home()).resolve()
+        self.ui: Any = env.get_template("projects/fragments.html").module
+        self.pending: dict[str, list[tuple[str, int, str]]] = {}  # project id -> (path, size, text)
+
+    @property
+    def routes(self) -> list[Route]:
+        return [
+            Route("/projects/dialog", self.dialog),
+            Route("/projects/browse", self.browse),
+            Route("/projects/open", self.open_project, methods=["POST"]),
+            Route("/projects/remove", self.remove_dialog),
+            Route("/projects/remove", self.remove_project, methods=["POST"]),
+            Route("/files/window", self.files_window),
+            Route("/files/list", self.files_list),
+            Route("/files/view", self.file_view),
+            Route("/files/attach", self.attach, methods=["POST"]),
+            Route("/files/attachments/clear", self.clear_attachments, methods=["POST"]),
+        ]
+
+    # ------------------------------------------------------------------ dialogs
+    def _dialog(self, mode: str, path: str = "", name: str = "", error: str = "") -> HTMLResponse:
+        mode = mode if mode in ("new", "open", "recent") else "open"
+        start = path or str(self.home)
+        html = self.ui.project_dialog(
+            mode=mode,
+            path=path,
+            name=name,
+            error=error,
+            recent=self.store.recent(),
+            current=self.store.current(),
+            browser=self._browser(start),
+        )
+        return HTMLResponse(str(html))
+
+    async def dialog(self, request: Request) -> HTMLResponse:
+        """GET /projects/dialog?mode=new|open|recent: the dialog, appended to #alerts."""
+        return self._dialog(request.query_params.get("mode", "open"))
+
+    def _browse_dir(self, raw: str) -> Path:
+        """The folder to list: `raw` when it is a readable directory under the home, else the home."""
+        try:
+            folder = Path(raw).expanduser().resolve() if raw else self.home
+        except (OSError, RuntimeError, ValueError):
+            return self.home
+        if folder != self.home and not folder.is_relative_to(self.home):
+            return self.home
+        return folder if folder.is_dir() and os.access(folder, os.R_OK | os.X_OK) else self.home
+
+    def _browser(self, raw: str) -> str:
+        folder = self._browse_dir(raw)
+        try:
+            subdirs = sorted(
+                (e.name for e in os.scandir(folder) if not e.name.startswith(".") and e.is_dir()),
+                key=str.lower,
+            )[:MAX_BROWSE]
+        except OSError:
+            subdirs = []
+        parent = folder.parent if folder != self.home else None
+        return str(self.ui.folder_browser(folder, parent, [(n, folder / n) for n in subdirs]))
+
+    async def browse(self, request: Request) -> HTMLResponse:
+        """GET /projects/browse?dir=PATH: the folders of PATH (under the home) for the dialog."""
+        return HTMLResponse(self._browser(request.query_params.get("dir", "")))
+
+    async def open_project(self, request: Request) -> Response:
+        """POST /projects/open: `project_id` (recent), or `path` (+ `name` for a new one). The page
+        is redrawn for the project (HX-Redirect); a refused directory redraws the dialog with why."""
+        form = await request.form()
+        mode = str(form.get("mode") or "open")
+        path, name = str(form.get("path") or ""), str(form.get("name") or "")
+        try:
+            if form.get("project_id"):
+                project = self.store.get(str(form.get("project_id")))
+                if project is None:
+                    raise ProjectError("that project is no longer on the list: open its directory")
+            else:
+                project = self.store.add(path, name or None)
+            if self.on_switch is not None and project.id != self.store.current().id:
+                await self.on_switch()
+            self.store.open(project.id)
+        except ProjectError as exc:
+            return self._dialog(mode, path, name, str(exc))
+        return Response(status_code=200, headers={"HX-Redirect": "/"})
+
+    async def remove_dialog(self, request: Request) -> HTMLResponse:
+        """GET /projects/remove: asks whether to keep or delete flashcode's data for the project."""
+        project = self.store.current()
+        counts = self.store.conversation_counts()
+        html = self.ui.remove_dialog(project, counts.get(project.id, 0), project.id == DEFAULT_ID)
+        return HTMLResponse(str(html))
+
+    async def remove_project(self, request: Request) -> Response:
+        """POST /projects/remove: `project_id`, `delete_data=on` to delete flashcode's data too."""
+        form = await request.form()
+        try:
+            self.store.remove(str(form.get("project_id") or ""), delete_data=form.get("delete_data") == "on")
+        except ProjectError as exc:
+            return HTMLResponse(str(self.ui.dialog_error(str(exc))))
+        self.pending.pop(str(form.get("project_id")), None)
+        return Response(status_code=200, headers={"HX-Redirect": "/"})
+
+    # ------------------------------------------------------------------ the Files window
+    def _tree(self) -> tuple[ProjectTree, str]:
+        project = self.store.current()
+        return ProjectTree(project.path), project.id
+
+    def _listing(self, rel: str, error: str = "") -> str:
+        tree, pid = self._tree()
+        try:
+            entries = tree.list(rel)
+        except FilesError as exc:
+            entries, error, rel = tree.list(""), str(exc), ""
+        crumbs = [p for p in rel.strip("/").split("/") if p]
+        trail = [(p, "/".join(crumbs[: i + 1])) for i, p in enumerate(crumbs)]
+        return str(
+            self.ui.files_list(
+                self.store.current(), rel, trail, entries, error, _human, _when, self._attached(pid)
+            )
+        )
+
+    async def files_window(self, request: Request) -> HTMLResponse:
+        return HTMLResponse(str(self.ui.files_window(self._listing(""))))
+
+    async def files_list(self, request: Request) -> HTMLResponse:
+        return HTMLResponse(self._listing(request.query_params.get("dir", "")))
+
+    async def file_view(self, request: Request) -> HTMLResponse:
+        rel = request.query_params.get("path", "")
+        tree, _ = self._tree()
+        try:
+            text, size = tree.read_text(rel)
+        except FilesError as exc:
+            return HTMLResponse(str(self.ui.file_view(rel, 0, "", str(exc))))
+        try:
+            lexer = guess_lexer_for_filename(rel, text[:4096])
+        except ClassNotFound:
+            lexer = TextLexer()
+        code = highlight(text, lexer, HtmlFormatter(cssclass="highlight", linenos=False))
+        return HTMLResponse(str(self.ui.file_view(rel, size, code, "")))  # pygments escapes the text
+
+    # ------------------------------------------------------------------ attachments
+    def _attached(self, project_id: str) -> list[tuple[str, int]]:
+        return [(p, size) for p, size, _ in self.pending.get(project_id, [])]
+
+    async def attach(self, request: Request) -> HTMLResponse:
+        """POST /files/attach: `path` (repeated): files for the next message of this project."""
+        form = await request.form()
+        tree, pid = self._tree()
+        chosen = [str(v) for v in form.getlist("path")]
+        have = self.pending.setdefault(pid, [])
+        errors = []
+        if not chosen:
+            errors.append("tick one or more files first")
+        for rel in chosen:
+            if any(p == rel for p, _, _ in have):
+                continue
+            try:
+                text, size = tree.read_text(rel, limit=ATTACH_LIMIT)
+            except FilesError as exc:
+                errors.append(f"{exc} (attachments: at most {_human(ATTACH_LIMIT)} each)")
+                continue
+            if sum(s for _, s, _ in have) + size > ATTACH_TOTAL:
+                errors.append(
+                    f"{rel} was not attached: the attachments would pass {_human(ATTACH_TOTAL)} in all"
+                )
+                continue
+            have.append((rel, size, text))
+        return HTMLResponse(str(self.ui.attachments(self._attached(pid), errors, _human, oob=False)))
+
+    async def clear_attachments(self, request: Request) -> HTMLResponse:
+        self.pending.pop(self.store.current().id, None)
+        return HTMLResponse(str(self.ui.attachments([], [], _human, oob=False)))
+
+    def take_attachments(self, project_id: str) -> tuple[str, str]:
+        """For the chat, when a message of `project_id` is sent: (the files quoted as untrusted data,
+        to put before the message; the fragment that empties the attachment bar)."""
+        files = self.pending.pop(project_id, [])
+        cleared = str(self.ui.attachments([], [], _human, oob=True))
+        if not files:
+            return "", cleared
+        blocks = [self.quote(f"file {rel} ({size:,} bytes)", text) for rel, size, text in files]
+        return "\n\n".join(blocks) + "\n\n", cleared
