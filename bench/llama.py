@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.base import Done, GenerationRequest, SamplingParams, TextDelta  # noqa: E402
 from engine.llama_server import LlamaServerBackend  # noqa: E402
 from engine.models import find_model  # noqa: E402
+from engine.provenance import provenance  # noqa: E402
 
 PROMPT = "Write a long, detailed story about a dragon who learns to program computers."
 RESULTS = Path(__file__).resolve().parent / "results" / "llama.json"
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     # ratios of neighbouring runs, and each client's rate against the server's own for the same run
     pairs = [a["client_tps"] / r["client_tps"] for a, r in zip(adapter, raw, strict=True)]
     result = {
+        **provenance(),
         "decode_ratio": round(med(adapter, "client_tps") / med(raw, "client_tps"), 4),
         "paired_decode_ratio": round(statistics.median(pairs), 4),
         "adapter_client_vs_server": round(

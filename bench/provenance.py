@@ -1,54 +1,5 @@
-"""Where a benchmark result came from: the command that wrote it, the commit, the machine.
+"""Where a benchmark result came from: see engine/provenance.py (the engine's benchmarks use it too)."""
 
-Every script under bench/ that writes a file in bench/results/ puts `provenance()` at the top of
-its JSON, beside the raw runs its summary keys are computed from. Results are never edited by hand.
-"""
+from engine.provenance import git_commit, machine, provenance
 
-from __future__ import annotations
-
-import os
-import platform
-import shlex
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def git_commit() -> str:
-    """HEAD's hash, with `-dirty` when the work tree has uncommitted changes to tracked files."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, capture_output=True).returncode
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty else "")
-
-
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-    }
-    try:
-        import psutil
-
-        info["memory_bytes"] = psutil.virtual_memory().total
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        pass
-    try:
-        info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # pragma: no cover - not on every OS
-        pass
-    return info
-
-
-def provenance(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv if argv is None else argv
-    return {"command": shlex.join(argv), "git_commit": git_commit(), "machine": machine()}
+__all__ = ["git_commit", "machine", "provenance"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from engine.base import Done, GenerationRequest, SamplingParams  # noqa: E402
 from engine.mlx_backend import MLXBackend  # noqa: E402
 from engine.models import find_model  # noqa: E402
+from engine.provenance import provenance  # noqa: E402
 from engine.sessions import ContextStore  # noqa: E402
 
 SUFFIX_MESSAGE = "Summarize what the code above does in two sentences."
@@ -130,7 +130,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "model": model.name,
         "device": "cpu" if "cpu" in str(__import__("mlx.core").core.default_device()).lower() else "gpu",
-        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        **provenance(),
         "load_avg_start": os.getloadavg(),
         "backend_load_s": round(load_s, 2),
         "gen_tokens": args.gen,

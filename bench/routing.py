@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections import Counter
@@ -86,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         name = backend.model.name if backend.model else None
         backend.close()
+    from engine.provenance import provenance
+
     result = {
+        **provenance(),
         "model": name,
         "backend": args.backend,
-        "machine": f"{platform.system()} {platform.machine()}",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "system_prompt": "custom: " + args.system if args.system else "router.ROUTING_SYSTEM",
         **result,

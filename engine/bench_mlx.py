@@ -17,7 +17,6 @@ average it saw. Writes bench/results/mlx.json with the provenance (command, comm
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -364,15 +363,9 @@ def _start_llama(model: Any, threads: int | None) -> Any:
 
 
 def _provenance() -> dict[str, Any]:
-    """bench/provenance.py's `provenance()` (command, commit, machine); bench/ is not in the wheel."""
-    path = ROOT / "bench" / "provenance.py"
-    if not path.exists():
-        return {"command": " ".join(sys.argv), "git_commit": "unknown", "machine": {}}
-    spec = importlib.util.spec_from_file_location("_flashcode_bench_provenance", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return dict(mod.provenance())
+    from .provenance import provenance
+
+    return provenance()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -322,7 +322,7 @@ def run_bench(model: Path, memory_cap: int, tokens: int = 8, timeout: float = 18
     bytes_per_token = sum(u.padded for u in man.dense_units())
     size = sum(f.stat().st_size for f in model.glob("model*.safetensors"))
     res: dict[str, Any] = {"model": str(model), "model_bytes": size, "memory_cap": memory_cap, "tokens": tokens,
-                           "prompt": PROMPT, "machine": {"cpus": os.cpu_count(), "platform": sys.platform}}  # fmt: skip
+                           "prompt": PROMPT}  # fmt: skip
     res["page_cache_dropped"] = drop_page_cache()
     log("measuring direct-read bandwidth on the split ...")
     bw = measure_bandwidth(
@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--memory-cap is required")
     res = run_bench(Path(args.model), args.memory_cap, args.tokens, prefetch=args.prefetch, skip_ram="ram" in args.skip,
                     skip_mmap="mmap" in args.skip, skip_llama="llama" in args.skip, log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    from ..provenance import provenance
+
+    res = {**provenance(), **res}
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
