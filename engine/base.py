@@ -14,6 +14,7 @@ the thread that made them. Only `cancel` (a `threading.Event`) crosses threads.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -157,6 +158,20 @@ class ModelInfo:
     size_bytes: int
     gguf_path: Path | None = None  # the GGUF it was imported from, when kept (llama-server uses it)
     split_path: Path | None = None  # a `flashcode split` layout, when made
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model directory carries a chat template; a model without one is a base model:
+        it continues raw text (`GenerationRequest(prompt=...)`), and no backend applies a template."""
+        if not self.path.is_dir():  # not a model directory (a scripted engine): the backend decides
+            return True
+        if (self.path / "chat_template.jinja").exists() or (self.path / "chat_template.json").exists():
+            return True
+        try:
+            config = json.loads((self.path / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(config.get("chat_template"))
 
 
 # --------------------------------------------------------------------------- protocol

@@ -609,10 +609,23 @@ class LlamaServerBackend:
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         # the same steps the server takes for a chat request: its template, then tokenize with specials
         client = self._require()
+        self._check_template()
         return client.tokenize(client.apply_template(messages), add_special=True, parse_special=True)
+
+    def _check_template(self) -> None:
+        """llama-server falls back to a built-in template (chatml) for a GGUF without one; a base model's
+        reply then shows `<|im_end|>` and loops. A model without a chat template only continues text."""
+        info = self._model_info
+        if info is not None and not info.has_chat_template:
+            raise EngineError(
+                f"model {info.name} has no chat template (a base model): give it text to continue "
+                "(completion mode in the chat window, --raw on the command line)"
+            )
 
     # ------------------------------------------------------------------ generation
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        if request.messages is not None:
+            self._check_template()
         sp = request.sampling
         body: dict[str, Any] = {
             "stream": True,

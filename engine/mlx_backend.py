@@ -313,7 +313,8 @@ class MLXBackend:
         self._require()
         if not getattr(self.tokenizer, "chat_template", None):
             raise EngineError(
-                f"model {self.model.name if self.model else '?'} has no chat template: use --raw"
+                f"model {self.model.name if self.model else '?'} has no chat template (a base model): "
+                "give it text to continue (completion mode in the chat window, --raw on the command line)"
             )
         extra = {"tools": list(tools)} if tools else {}
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)

@@ -125,6 +125,11 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     api = OpenAIAPI(engine.worker, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
     pages = ChatPages(db, engine, views)
+    views.render_event = agent.views.stored  # the transcript replays the agent's logged events
+    views.slash_commands = tuple(
+        {"name": c.name, "usage": c.usage, "help": c.help}
+        for c in sorted(commands.commands.values(), key=lambda c: c.name)
+    )
     chat = ChatContext(
         db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns
     )

@@ -200,6 +200,30 @@ MIGRATIONS: list[Migration] = [
             "CREATE INDEX stats_replies_project ON stats_replies (project_id, created_at)",
         ),
     ),
+    # issue 21: a conversation's mode and generation settings, its event log (everything the
+    # transcript shows besides the messages), and app-wide settings (generation defaults)
+    Migration(
+        6,
+        "conversation mode, generation settings, event log, app settings",
+        (
+            "ALTER TABLE conversations ADD COLUMN mode TEXT NOT NULL DEFAULT 'chat'",  # chat | agent
+            "ALTER TABLE conversations ADD COLUMN generation TEXT",  # JSON: max_tokens, temperature, top_p, system
+            """CREATE TABLE conversation_events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            after_message INTEGER NOT NULL DEFAULT 0,  -- the conversation's newest message id when it happened
+            type TEXT NOT NULL,
+            data TEXT NOT NULL,                        -- the event's to_dict(), as JSON
+            created_at REAL NOT NULL
+        )""",
+            "CREATE INDEX conversation_events_by_conversation ON conversation_events(conversation_id, id)",
+            """CREATE TABLE app_settings (
+            key TEXT PRIMARY KEY,
+            value TEXT NOT NULL,                       -- JSON
+            updated_at REAL NOT NULL
+        )""",
+        ),
+    ),
 ]
 
 SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows
@@ -242,6 +266,24 @@ class Conversation:
     created_at: float
     updated_at: float
     project_id: str = "default"
+    mode: str = "chat"  # chat | agent
+    generation: str | None = None  # JSON of the conversation's own generation settings
+
+    @property
+    def generation_settings(self) -> dict[str, Any]:
+        return json.loads(self.generation) if self.generation else {}
+
+
+@dataclass
+class StoredEvent:
+    """One entry of a conversation's event log: what the transcript showed besides a message."""
+
+    id: int
+    conversation_id: str
+    after_message: int
+    type: str
+    data: dict[str, Any]
+    created_at: float
 
 
 @dataclass
@@ -347,6 +389,55 @@ class Database:
 
     def delete_message(self, message_id: int) -> None:
         self.conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    # ------------------------------------------------------------------ mode, generation settings
+    def set_mode(self, conversation_id: str, mode: str) -> None:
+        self.conn.execute("UPDATE conversations SET mode=? WHERE id=?", (mode, conversation_id))
+
+    def set_generation(self, conversation_id: str, values: dict[str, Any]) -> None:
+        self.conn.execute(
+            "UPDATE conversations SET generation=? WHERE id=?",
+            (json.dumps(values) if values else None, conversation_id),
+        )
+
+    def get_setting(self, key: str, default: Any = None) -> Any:
+        row = self.conn.execute("SELECT value FROM app_settings WHERE key=?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def set_setting(self, key: str, value: Any) -> None:
+        self.conn.execute(
+            "INSERT OR REPLACE INTO app_settings (key, value, updated_at) VALUES (?,?,?)",
+            (key, json.dumps(value), time.time()),
+        )
+
+    # ------------------------------------------------------------------ the event log
+    def add_event(self, conversation_id: str, type: str, data: dict[str, Any]) -> StoredEvent:
+        """Log an event after the conversation's newest message (the transcript draws it there)."""
+        now = time.time()
+        row = self.conn.execute(
+            "SELECT COALESCE(MAX(id), 0) FROM messages WHERE conversation_id=?", (conversation_id,)
+        ).fetchone()
+        after = int(row[0])
+        cur = self.conn.execute(
+            "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+            "VALUES (?,?,?,?,?)",
+            (conversation_id, after, type, json.dumps(data, default=str), now),
+        )
+        return StoredEvent(int(cur.lastrowid or 0), conversation_id, after, type, data, now)
+
+    def events(self, conversation_id: str) -> list[StoredEvent]:
+        rows = self.conn.execute(
+            "SELECT * FROM conversation_events WHERE conversation_id=? ORDER BY id", (conversation_id,)
+        ).fetchall()
+        return [StoredEvent(**(dict(r) | {"data": json.loads(r["data"])})) for r in rows]
+
+    def context_start(self, conversation_id: str) -> int:
+        """Messages with a larger id are the model's context: those after the latest /clear."""
+        row = self.conn.execute(
+            "SELECT MAX(after_message) FROM conversation_events WHERE conversation_id=? AND type='clear'",
+            (conversation_id,),
+        ).fetchone()
+        return int(row[0] or 0)
 
     def messages(self, conversation_id: str) -> list[StoredMessage]:
         rows = self.conn.execute(

@@ -114,8 +114,9 @@ def start_worker(settings: Settings) -> Worker:
     return Worker(lambda: make_loaded_backend(settings.backend, settings.model, settings.backend_options))
 
 
-def _read(b: Backend) -> tuple[str, str | None, int]:
-    return b.name, b.model.name if b.model else None, int(b.context_length or 0)
+def _read(b: Backend) -> tuple[str, str | None, int, bool]:
+    base = bool(b.model) and not b.model.has_chat_template  # type: ignore[union-attr]
+    return b.name, b.model.name if b.model else None, int(b.context_length or 0), base
 
 
 @dataclass
@@ -125,15 +126,16 @@ class EngineState:
     model: str | None = None
     context_length: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # engine flags from the CLI, kept across switches
+    is_base_model: bool = False  # the model has no chat template: completion mode only
 
     def model_and_backend(self) -> tuple[str | None, str | None]:
         return self.model, self.backend
 
     async def refresh(self) -> None:
         try:
-            self.backend, self.model, self.context_length = await self.worker.acall(_read)
+            self.backend, self.model, self.context_length, self.is_base_model = await self.worker.acall(_read)
         except Exception:  # noqa: BLE001 - no backend loaded (tests, or a failed switch)
-            self.backend, self.model, self.context_length = None, None, 0
+            self.backend, self.model, self.context_length, self.is_base_model = None, None, 0, False
 
     async def switch(self, backend: str, model: str) -> None:
         """Load `model` on `backend`; on failure reload what was there before, then re-raise."""

@@ -45,6 +45,13 @@ class SlashSpec:
     help: str
 
 
+class EventRenderer(Protocol):
+    """Draws one logged transcript event (its `type` and `to_dict()` data) as the fragment it was
+    live: the chat replays a conversation's event log through it on load, reload and reopen."""
+
+    def __call__(self, type: str, data: Mapping[str, Any]) -> str: ...
+
+
 class DialogAnswer(Protocol):
     """The user's answer to a dialog the server opened."""
 

@@ -300,7 +300,7 @@ class AgentSession:
                 results = await self.search.search(query, "text")
         except SearchUnavailableError as exc:
             yield SearchUnavailable(str(exc))
-            text = f"{exc}. I could not look that up; try again later, or ask without searching."
+            text = "I could not search the web just now, so I have no results to answer from. Try again later, or ask without searching."
             self._remember(query, text)
             yield AnswerDelta(text)
             yield AnswerDone(text)

@@ -7,9 +7,12 @@ app streams and renders it like any reply. What it does not know: sockets, the d
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from jinja2 import Environment
+from markupsafe import Markup
 
 from . import events as ev
 from .visible import invisible_parts
@@ -29,6 +32,21 @@ class AgentViews:
     def notice(self, text: str, level: str = "info") -> str:
         return str(self.ui.notice(text, level))
 
+    def stored(self, type: str, data: Mapping[str, Any]) -> str:
+        """A logged event drawn as it was live (`webapp.turns.EventRenderer`): the event class is
+        found by its `type`, so an event type added later is stored and redrawn with no change here."""
+        if type == SLASH_OUTPUT:  # another feature's answer to its slash command, drawn when it ran
+            return str(Markup(str(data.get("html", ""))))  # noqa: S704 - our own escaped fragment
+        cls = event_classes().get(type)
+        if cls is None:
+            return str(self.ui.stored_event(type, data))
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            e = cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError:  # logged by an older shape of the event
+            return str(self.ui.stored_event(type, data))
+        return self.event(e) or str(self.ui.stored_event(type, data))
+
     def event(self, e: ev._Event) -> str:
         """The fragment for one event; "" for those the web app draws itself (answer text, turn end)."""
         ui = self.ui
@@ -38,7 +56,7 @@ class AgentViews:
             case ev.SearchResults():
                 return str(ui.search_cards(e))
             case ev.SearchUnavailable():
-                return str(ui.notice(e.message, "warning"))
+                return str(ui.search_unavailable(SEARCH_DOWN, e.message))
             case ev.SearchStarted():
                 return str(ui.notice(f"Searching the web ({e.provider}) for “{e.query}”…"))
             case ev.Proposal():
@@ -62,13 +80,43 @@ class AgentViews:
                     ui.notice(
                         "Agent mode: messages are routed to chat, web search or the shell."
                         if e.mode == "agent"
-                        else "Raw mode: messages go straight to the model."
+                        else "Chat mode: messages go straight to the model, which has no tools here."
                     )
                 )
             case ev.Cleared():
                 return str(ui.notice("Context cleared: the agent starts over."))
             case ev.ModelRequested():
                 return str(ui.notice(f"Switching to {e.name}…"))
+            case ev.ToolStep():
+                return str(ui.tool_step(e))
+            case ev.ToolStepDone():
+                return str(ui.tool_step_done(e))
+            case ev.StepLimitReached():
+                return str(ui.step_limit(e))
+            case ev.ContextTrimmed():
+                return str(ui.notice(e.note))
             case ev.SlashUnhandled():
                 return str(ui.notice(f"/{e.name} is not available here yet.", "warning"))
         return ""
+
+
+SLASH_OUTPUT = "slash_output"  # the logged fragment of a slash command another feature answered
+
+
+def event_classes() -> dict[str, type[ev._Event]]:
+    """Every event class by its `type` (subclasses of `events._Event`, however deep)."""
+    found: dict[str, type[ev._Event]] = {}
+    todo: list[type[ev._Event]] = list(ev._Event.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if dataclasses.is_dataclass(cls):
+            default = {f.name: f.default for f in dataclasses.fields(cls)}.get("type")
+            if isinstance(default, str):
+                found.setdefault(default, cls)
+    return found
+
+
+SEARCH_DOWN = (
+    "Web search is unavailable right now: this computer may be offline, or the search service did not answer."
+)

@@ -37,13 +37,13 @@ from .sandbox import detect
 from .search import DDGSProvider
 from .slash import SlashCommands
 from .store import AgentStore
-from .views import AgentViews
+from .views import SLASH_OUTPUT, AgentViews
 
 log = logging.getLogger(__name__)
 DIALOG_TIMEOUT_S = 300.0
-# Conversations start in plain chat ("raw"); `/agent` turns routing on. Flip to "agent" once the UI
-# has a visible mode switch (the browser test types a story prompt and expects a plain reply).
-DEFAULT_MODE = "raw"
+# A conversation's mode is stored with it (`conversations.mode`: chat | agent) and shown in the chat
+# window's toolbar; conversations start in chat; `/agent` or the toolbar turns routing on.
+DEFAULT_MODE = "chat"
 
 
 def project_key(settings: Settings) -> str:
@@ -146,10 +146,11 @@ class AgentTurns:
     def _stored_history(self, conversation_id: str) -> list[dict[str, str]]:
         """The conversation as stored, minus the message of the turn being run."""
         rows = self.web.db.messages(conversation_id)
+        start = self.web.db.context_start(conversation_id)  # nothing from before a /clear
         return [
             {"role": m.role, "content": m.content}
             for m in rows[:-1]
-            if m.role in ("user", "assistant") and m.content
+            if m.role in ("user", "assistant") and m.content and m.id > start
         ]
 
     def agent_for(self, conversation_id: str) -> AgentSession:
@@ -176,15 +177,17 @@ class AgentTurns:
                 hidden=hidden_paths(web.settings.data_dir, project.path),
                 commands=web.commands,
             )
-            agent.mode = DEFAULT_MODE  # type: ignore[assignment]
             self.agents[conversation_id] = agent
+        agent.mode = "agent" if self._mode(conversation_id) == "agent" else "raw"  # the stored mode
         return agent
+
+    def _mode(self, conversation_id: str) -> str:
+        conv = self.web.db.get_conversation(conversation_id)
+        return conv.mode if conv is not None else DEFAULT_MODE
 
     def wants(self, conversation_id: str, text: str) -> bool:
         """Whether this message is the agent's: a slash command, or any message in agent mode."""
-        agent = self.agents.get(conversation_id)
-        mode = agent.mode if agent is not None else DEFAULT_MODE
-        return text.lstrip().startswith("/") or mode == "agent"
+        return text.lstrip().startswith("/") or self._mode(conversation_id) == "agent"
 
     async def approve(self, proposal: ev.Proposal) -> ev.Decision:
         assert self._turn is not None
@@ -219,8 +222,12 @@ class AgentTurns:
             async for e in agent.run_turn(text):
                 if isinstance(e, ev.RouteChosen):
                     route = e.route
+                if isinstance(e, ev.ModeChanged):
+                    db.set_mode(conversation_id, "agent" if e.mode == "agent" else "chat")
                 if isinstance(e, ev.SlashUnhandled) and e.name in self.web.slash_handlers:
-                    turn.send(await self.web.slash_handlers[e.name](e.name, e.arg, conversation_id))
+                    html = await self.web.slash_handlers[e.name](e.name, e.arg, conversation_id)
+                    db.add_event(conversation_id, SLASH_OUTPUT, {"type": SLASH_OUTPUT, "html": html})
+                    turn.send(html)
                 elif isinstance(e, ev.AnswerDelta):
                     if reply is None:
                         reply = turn.start_reply(route)
@@ -228,6 +235,7 @@ class AgentTurns:
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
                 elif fragment := self.web.views.event(e):
+                    db.add_event(conversation_id, e.type, e.to_dict())  # the transcript keeps it
                     turn.send(fragment)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the socket lives on
             log.exception("agent turn failed")

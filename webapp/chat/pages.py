@@ -18,6 +18,7 @@ from starlette.routing import Route
 from ..db import Conversation, Database, export_json, export_markdown
 from ..engine_host import EngineState
 from ..render import pygments_css
+from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
 
 MAX_TITLE_CHARS = 120
@@ -48,6 +49,10 @@ class ChatPages:
             Route("/c/{conversation_id:str}/export.md", self.export_md),
             Route("/c/{conversation_id:str}/export.json", self.export_json),
             Route("/static/pygments.css", self.pygments_stylesheet),
+            Route("/generation", self.generation_window),
+            Route("/engine-state", self.engine_state),
+            Route("/c/{conversation_id:str}/generation", self.save_generation, methods=["POST"]),
+            Route("/settings/generation", self.save_generation_defaults, methods=["POST"]),
         ]
 
     def _conversation(self, request: Request) -> Conversation:
@@ -90,6 +95,35 @@ class ChatPages:
         if re.search(rf"/c/{re.escape(conv.id)}(?:[?#]|$)", current_url):
             return Response(status_code=200, headers={"HX-Redirect": "/"})
         return HTMLResponse(self.views.conversation_list(None, oob=False))
+
+    async def engine_state(self, request: Request) -> HTMLResponse:
+        """GET /engine-state: every place that names the engine, out-of-band (a page that reconnected)."""
+        return HTMLResponse(self.views.engine_state())
+
+    # ------------------------------------------------------------------ generation settings
+    async def generation_window(self, request: Request) -> HTMLResponse:
+        """GET /generation?conversation_id=ID: the conversation's own settings form (or why there is none)."""
+        conv = self.db.get_conversation(request.query_params.get("conversation_id") or "")
+        if conv is None:
+            return HTMLResponse(str(self.views.tx.generation_none()))
+        return HTMLResponse(self.views.generation_form(conv.id))
+
+    async def save_generation(self, request: Request) -> HTMLResponse:
+        conv = self._conversation(request)
+        try:
+            values = parse_generation(await request.form())
+        except ValueError as exc:
+            return HTMLResponse(self.views.generation_form(conv.id, note=f"Not saved: {exc}."))
+        self.db.set_generation(conv.id, values)
+        return HTMLResponse(self.views.generation_form(conv.id, note="Saved."))
+
+    async def save_generation_defaults(self, request: Request) -> HTMLResponse:
+        try:
+            values = parse_generation(await request.form())
+        except ValueError as exc:
+            return HTMLResponse(self.views.generation_form(None, note=f"Not saved: {exc}."))
+        self.db.set_setting(DEFAULTS_KEY, values)
+        return HTMLResponse(self.views.generation_form(None, note="Saved."))
 
     # ------------------------------------------------------------------ exports and assets
     async def export_md(self, request: Request) -> PlainTextResponse:

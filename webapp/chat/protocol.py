@@ -31,6 +31,8 @@ class Send:
     conversation_id: str | None = None
     max_tokens: int | None = None  # optional sampling overrides (the Settings window, benchmarks)
     temperature: float | None = None
+    mode: str | None = None  # chat | agent: the toolbar's mode, for a conversation this message starts
+    top_p: float | None = None
     type: str = "send"
 
 
@@ -49,7 +51,17 @@ class Regenerate:
 class SwitchModel:
     backend: str
     model: str
+    conversation_id: str | None = None  # the window's conversation (its context gauge is redrawn)
     type: str = "model"
+
+
+@dataclass(frozen=True)
+class SetMode:
+    """The toolbar's mode switch: chat (no tools) or agent (routed to chat, search or the shell)."""
+
+    mode: str
+    conversation_id: str | None = None  # none: the next conversation starts in this mode
+    type: str = "mode"
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,8 @@ class Answer:
     type: str = "answer"
 
 
-ClientMessage = Send | Stop | Regenerate | SwitchModel | Answer
+ClientMessage = Send | Stop | Regenerate | SwitchModel | Answer | SetMode
+MODES = ("chat", "agent")
 
 
 def _str(d: dict[str, Any], key: str, *, required: bool = True, limit: int = MAX_ID_CHARS) -> str | None:
@@ -101,7 +114,16 @@ def _send(d: dict[str, Any]) -> Send:
         conversation_id=_str(d, "conversation_id", required=False),
         max_tokens=_number(d, "max_tokens", int, 1, 32768),
         temperature=_number(d, "temperature", float, 0.0, 2.0),
+        mode=_mode(d, required=False),
+        top_p=_number(d, "top_p", float, 0.01, 1.0),
     )
+
+
+def _mode(d: dict[str, Any], required: bool = True) -> str | None:
+    mode = _str(d, "mode", required=required)
+    if mode is not None and mode not in MODES:
+        raise ProtocolError(f"mode must be one of {', '.join(MODES)}")
+    return mode
 
 
 def _model(d: dict[str, Any]) -> SwitchModel:
@@ -109,8 +131,14 @@ def _model(d: dict[str, Any]) -> SwitchModel:
     choice = _str(d, "choice", required=False, limit=300)
     if choice and ":" in choice:
         backend, model = choice.split(":", 1)
-        return SwitchModel(backend=backend, model=model)
-    return SwitchModel(backend=_str(d, "backend") or "", model=_str(d, "model", limit=300) or "")
+        return SwitchModel(
+            backend=backend, model=model, conversation_id=_str(d, "conversation_id", required=False)
+        )
+    return SwitchModel(
+        backend=_str(d, "backend") or "",
+        model=_str(d, "model", limit=300) or "",
+        conversation_id=_str(d, "conversation_id", required=False),
+    )
 
 
 _PARSERS = {
@@ -118,6 +146,9 @@ _PARSERS = {
     "stop": lambda d: Stop(),
     "regenerate": lambda d: Regenerate(conversation_id=_str(d, "conversation_id") or ""),
     "model": _model,
+    "mode": lambda d: SetMode(
+        mode=_mode(d) or "chat", conversation_id=_str(d, "conversation_id", required=False)
+    ),
     "answer": lambda d: Answer(
         dialog_id=_str(d, "dialog_id") or "",
         choice=_str(d, "choice") or "",

@@ -35,11 +35,13 @@ from ..engine_host import EngineState
 from ..turns import DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
 from .pipeline import ReplyStream
+from .transcript import CHAT_MODE_SYSTEM, make_title
 from .views import ChatViews
 
 log = logging.getLogger(__name__)
 METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
-TITLE_CHARS = 48
+SAMPLING_FIELDS = ("temperature", "top_p", "max_tokens", "seed", "stop")
+TITLE_CHARS = 60
 
 
 @dataclass
@@ -52,6 +54,7 @@ class ChatContext:
     sampling: dict[str, Any]
     hooks: list[ReplyHook] = field(default_factory=list)
     turns: TurnHandlerFactory | None = None
+    sessions: set[Session] = field(default_factory=set)  # open sockets: all follow the one engine
     projects: ProjectLookup | None = None  # new conversations go to the open project
     # before a reply is generated for a conversation: e.g. resume its saved KV cache; a note to show
     before_reply: Callable[[str], Awaitable[str | None]] | None = None
@@ -78,9 +81,11 @@ class Session:
     # ------------------------------------------------------------------ plumbing
     async def run(self) -> None:
         writer = asyncio.create_task(self._write())
+        self.ctx.sessions.add(self)
         try:
             await self._read()
         finally:
+            self.ctx.sessions.discard(self)
             await self._stop_turn()
             for fut in self.dialogs.values():
                 fut.cancel()
@@ -139,6 +144,8 @@ class Session:
             self._regenerate(msg)
         elif isinstance(msg, p.SwitchModel):
             await self._switch_model(msg)
+        elif isinstance(msg, p.SetMode):
+            self._set_mode(msg)
 
     def _send(self, msg: p.Send) -> None:
         db, views = self.ctx.db, self.views
@@ -148,22 +155,28 @@ class Session:
             return
         created = conv is None
         if conv is None:
-            title = " ".join(msg.text.split())[:TITLE_CHARS] or "Untitled"
+            title = make_title(msg.text, TITLE_CHARS)
             project_id = self.ctx.projects.current().id if self.ctx.projects else "default"
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
+        if created and msg.mode:
+            db.set_mode(conv.id, msg.mode)
         text = msg.text
         if self.ctx.take_attachments is not None and not text.lstrip().startswith("/"):
             quoted, cleared = self.ctx.take_attachments(conv.project_id)
             text = quoted + text
             self.send(cleared)
         user = db.add_message(conv.id, "user", text)
-        given = {"max_tokens": msg.max_tokens, "temperature": msg.temperature}
+        given = {"max_tokens": msg.max_tokens, "temperature": msg.temperature, "top_p": msg.top_p}
         overrides = {k: v for k, v in given.items() if v is not None}
         first = [views.conversation_field(conv.id), views.chat_title(conv.title)] if created else []
+        if created:
+            first.append(views.conversation_list(conv.id))
         first.append(views.append_message(user))
-        if self.turns is not None and self.turns.wants(conv.id, msg.text):  # e.g. a slash command
+        completion = self.ctx.engine.is_base_model and not msg.text.lstrip().startswith("/")
+        if self.turns is not None and not completion and self.turns.wants(conv.id, msg.text):
             self.send(*first)
-            self.task = asyncio.create_task(self._hand_over(conv.id, msg.text, overrides))
+            sampling = views.sampling(conv.id) | overrides
+            self.task = asyncio.create_task(self._hand_over(conv.id, msg.text, sampling))
             return
         # the engine starts first; the page is updated while it reads the prompt
         self._start(conv.id, overrides, first=first)
@@ -188,9 +201,25 @@ class Session:
             await self.ctx.engine.switch(msg.backend, msg.model)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
             self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
+        for session in list(self.ctx.sessions):  # every window names the engine that now answers
+            session.send(session.views.engine_state())
+        conv = self.ctx.db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         self.send(
-            views.model_picker(), views.controls(generating=False), views.gauge(0), views.engine_meter(None)
+            views.controls(generating=False),
+            views.gauge_for(msg.conversation_id),
+            views.mode_picker(conv.mode if conv else "chat"),
+            views.engine_meter(None),
         )
+
+    def _set_mode(self, msg: p.SetMode) -> None:
+        db = self.ctx.db
+        if msg.conversation_id and db.get_conversation(msg.conversation_id) is not None:
+            db.set_mode(msg.conversation_id, msg.mode)
+            data = {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"}
+            db.add_event(msg.conversation_id, "mode", data)  # the transcript says when it changed
+            if self.views.render_event is not None:
+                self.send(self.views.render_event("mode", data))
+        self.send(self.views.mode_picker(msg.mode))
 
     def _answer(self, msg: p.Answer) -> None:
         fut = self.dialogs.pop(msg.dialog_id, None)
@@ -218,14 +247,21 @@ class Session:
             await self.turns.run(SocketTurn(self, conversation_id, self.received, sampling), text)
         finally:
             self.cancel = None
-            self.send(self.views.controls(generating=False, can_regenerate=False))
+            conv = self.ctx.db.get_conversation(conversation_id)
+            self.send(
+                self.views.controls(generating=False, can_regenerate=False),
+                self.views.gauge_for(conversation_id),  # an agent turn's prompt, or 0 after /clear
+                self.views.mode_picker(conv.mode if conv else "chat"),
+            )
 
     # ------------------------------------------------------------------ a chat reply
     def _start(
         self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None
     ) -> None:
         self.task = asyncio.create_task(
-            self._generate(conversation_id, self.ctx.sampling | (sampling or {}), first or [])
+            self._generate(
+                conversation_id, self.views.sampling(conversation_id) | (sampling or {}), first or []
+            )
         )
         self.task.add_done_callback(self._generation_ended)
 
@@ -267,18 +303,14 @@ class Session:
         )
 
     async def _generate(self, conversation_id: str, sampling: dict[str, Any], first: list[str]) -> None:
-        db, views, engine = self.ctx.db, self.views, self.ctx.engine
+        views, engine = self.views, self.ctx.engine
         if self.ctx.before_reply is not None:  # e.g. resume the conversation's saved KV cache
             self.send(*first)
             first = []
             if note := await self.ctx.before_reply(conversation_id):
                 self.send(views.alert(note, "note"))
-        history: list[Message] = [
-            {"role": m.role, "content": m.content}
-            for m in db.messages(conversation_id)
-            if m.role in ("user", "assistant", "system") and m.content
-        ]
-        request = GenerationRequest(messages=tuple(history), sampling=SamplingParams(**sampling))
+        history = self._history(conversation_id)
+        request = self._request(history, sampling)
         submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
@@ -304,6 +336,26 @@ class Session:
                 gen.cancel()
                 stream.abandon()
         self._finish(stream, done, history)
+
+    def _history(self, conversation_id: str) -> list[Message]:
+        """The model's context: a chat-mode system prompt (no tools; the conversation's own system prompt
+        after it), then the messages since the latest /clear."""
+        db = self.ctx.db
+        start = db.context_start(conversation_id)
+        own = self.views.generation(conversation_id)["system"]
+        system = "\n\n".join(s for s in (CHAT_MODE_SYSTEM, own) if s)
+        return [{"role": "system", "content": system}] + [
+            {"role": m.role, "content": m.content}
+            for m in db.messages(conversation_id)
+            if m.role in ("user", "assistant", "system") and m.content and m.id > start
+        ]
+
+    def _request(self, history: list[Message], sampling: dict[str, Any]) -> GenerationRequest:
+        params = SamplingParams(**{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS})
+        if self.ctx.engine.is_base_model:  # completion mode: the model continues the user's text
+            last = next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
+            return GenerationRequest(prompt=last, sampling=params)
+        return GenerationRequest(messages=tuple(history), sampling=params)
 
     async def _meter(self, stream: ReplyStream) -> None:
         """While a reply is written, send the engine's live numbers (flash: disk rate, MB per token, expert

@@ -20,9 +20,10 @@ from ..db import Database, StoredMessage
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
+from .transcript import TranscriptViews
 
 
-class ChatViews:
+class ChatViews(TranscriptViews):
     def __init__(
         self,
         env: Environment,
@@ -47,7 +48,6 @@ class ChatViews:
         db, engine = self.db, self.engine
         conv = db.get_conversation(conversation_id) if conversation_id else None
         messages = db.messages(conv.id) if conv else []
-        last_stats = next((m.stats for m in reversed(messages) if m.role == "assistant" and m.stats), {})
         project = self.project_of(conv.id if conv else None)
         return {
             "conversation": conv,
@@ -57,7 +57,8 @@ class ChatViews:
             "engine": engine,
             "model_choices": self.model_choices(),
             "current_choice": f"{engine.backend}:{engine.model}",
-            "context_used": (last_stats.get("prompt_tokens", 0) + last_stats.get("completion_tokens", 0)),
+            "context_used": self.context_used(conv.id if conv else None),
+            **self.trust_context(conv.id if conv else None),
             "can_regenerate": bool(messages) and messages[-1].role == "assistant",
             "csrf_token": self.csrf_token,
             "project_id": project.id if project else "default",
@@ -75,13 +76,19 @@ class ChatViews:
         ]
 
     def model_choices(self) -> list[tuple[str, str]]:
-        models = [m.name for m in list_models()]
+        infos = list_models()
+        models = [m.name for m in infos]
+        base = {i.name for i in infos if not i.has_chat_template}  # marked: completion mode only
         if self.engine.model and self.engine.model not in models:
             models.insert(0, self.engine.model)
         backends = available_backends()
         if self.engine.backend and self.engine.backend not in backends:
             backends.insert(0, self.engine.backend)
-        return [(f"{b}:{m}", f"{m} · {b}") for m in models for b in backends]
+        return [
+            (f"{b}:{m}", f"{m} · {b}" + (" · base model" if m in base else ""))
+            for m in models
+            for b in backends
+        ]
 
     # ------------------------------------------------------------------ fragments (all out-of-band)
     def append_message(self, m: StoredMessage) -> str:

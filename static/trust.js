@@ -1,0 +1,139 @@
+// flashcode: the state a newcomer can trust. The transcript is replayed from the fragments that drew
+// it live (so a reload shows what happened, tool steps included); the connection is shown, a message
+// is refused while it is down, and the page resyncs when it comes back; slash-command completion;
+// copy buttons on code blocks. Everything that talks to the server goes through htmx or the websocket.
+(function () {
+  "use strict";
+  const $ = (sel, root) => (root || document).querySelector(sel);
+  const conversationId = () => ($("#conversation-id") || {}).value || "";
+
+  // ---------------------------------------------------------------- the transcript
+  // <script type="application/json" class="transcript-replay"> holds the conversation's fragments, in
+  // order, exactly as the websocket sent them; each is swapped like a websocket frame (out-of-band).
+  function replay(root) {
+    const blocks = root && root.querySelectorAll ? root.querySelectorAll("script.transcript-replay") : [];
+    blocks.forEach((block) => {
+      let fragments = [];
+      try { fragments = JSON.parse(block.textContent || "[]"); } catch (_) { fragments = []; }
+      block.remove();
+      fragments.forEach((html) => htmx.swap("#messages", html, { swapStyle: "none" }));
+      const transcript = $("#transcript");
+      if (transcript) transcript.scrollTop = transcript.scrollHeight;
+      document.body.dataset.replayed = String(fragments.length);
+    });
+  }
+  htmx.onLoad(replay);
+
+  // ---------------------------------------------------------------- the connection
+  let everOpen = false, down = false;
+  function showConnection() {
+    const c = $("#connection");
+    if (c) c.hidden = !down;
+    document.body.classList.toggle("disconnected", down);
+    document.body.dataset.connection = down ? "down" : (everOpen ? "up" : "connecting");
+    const status = $("#status .status-text");
+    if (status && down) status.textContent = "Disconnected — reconnecting…";
+  }
+  function resync() {
+    // what happened while the page was away (a reply finished, another window switched the model):
+    // the chat window and the conversation list are drawn again from the server; the typed text stays
+    const typed = ($("#prompt") || {}).value || "";
+    const id = conversationId();
+    htmx.ajax("GET", id ? `/c/${id}` : "/", { target: "#chat-window", swap: "outerHTML" }).then(() => {
+      const p = $("#prompt");
+      if (p && typed) p.value = typed;
+    });
+    htmx.ajax("GET", `/conversations?current=${encodeURIComponent(id)}`, { target: "#conversation-list", swap: "outerHTML" });
+    htmx.ajax("GET", "/engine-state", { target: "#menubar-model", swap: "none" });  // picker, Settings, About
+  }
+  document.body.addEventListener("htmx:wsOpen", () => {
+    const wasDown = down;
+    everOpen = true; down = false;
+    showConnection();
+    if (wasDown) resync();
+  });
+  document.body.addEventListener("htmx:wsClose", () => { if (everOpen) { down = true; showConnection(); } });
+  document.body.addEventListener("htmx:wsConfigSend", (e) => {
+    if (!down) return;
+    e.preventDefault();  // the ws extension would queue it and send it later, unseen
+    say("Not sent: flashcode's server is not connected. Your message is still in the box; send it again when the status says Ready.");
+  });
+  function say(text) {
+    const box = document.createElement("div");
+    box.className = "alert-box outer-border"; box.setAttribute("role", "alert"); box.dataset.kind = "error";
+    box.innerHTML = '<div class="inner-border"><div class="alert-contents"><span class="alert-icon">!</span><p class="alert-text"></p><button type="button" class="btn btn-default alert-ok">OK</button></div></div>';
+    box.querySelector(".alert-text").textContent = text;
+    $("#alerts").appendChild(box);
+  }
+
+  // ---------------------------------------------------------------- small actions
+  function flash(button, text) {
+    const old = button.textContent;
+    button.textContent = text;
+    setTimeout(() => { button.textContent = old; }, 1200);
+  }
+  document.addEventListener("click", (e) => {
+    const t = e.target.closest("[data-action]");
+    if (!t) return;
+    if (t.dataset.action === "switch-model") {
+      const win = $("#chat-window");
+      if (win) { win.hidden = false; win.dispatchEvent(new Event("pointerdown", { bubbles: true })); }
+      const picker = $("#model-picker");
+      if (picker) { picker.focus(); picker.classList.add("attention"); setTimeout(() => picker.classList.remove("attention"), 1500); }
+    } else if (t.dataset.action === "copy-code") {
+      const code = t.closest(".code-block")?.querySelector("pre");
+      if (code && navigator.clipboard) navigator.clipboard.writeText(code.innerText).then(() => flash(t, "Copied"), () => flash(t, "Copy failed"));
+      else flash(t, "Copy failed");
+    }
+  });
+
+  // ---------------------------------------------------------------- slash commands
+  // Typing "/" at the start of the message lists the commands the server knows (#slash-commands).
+  function commands() {
+    const src = $("#slash-commands");
+    try { return JSON.parse((src && src.textContent) || "[]"); } catch (_) { return []; }
+  }
+  function menu() { return $("#slash-menu"); }
+  function closeMenu() { const m = menu(); if (m) m.remove(); }
+  function showMenu(prompt) {
+    const text = prompt.value;
+    const m0 = /^\/(\S*)$/.exec(text);
+    if (!m0) return closeMenu();
+    const found = commands().filter((c) => c.name.startsWith(m0[1]));
+    if (!found.length) return closeMenu();
+    let m = menu();
+    if (!m) {
+      m = document.createElement("ul");
+      m.id = "slash-menu"; m.className = "slash-menu"; m.setAttribute("role", "listbox");
+      prompt.parentElement.insertBefore(m, prompt);
+    }
+    m.replaceChildren(...found.map((c, i) => {
+      const li = document.createElement("li");
+      li.setAttribute("role", "option"); li.dataset.name = c.name;
+      if (i === 0) li.classList.add("selected");
+      const name = document.createElement("strong"); name.textContent = "/" + c.name + (c.usage ? " " + c.usage : "");
+      const help = document.createElement("span"); help.textContent = " — " + c.help;
+      li.append(name, help);
+      li.addEventListener("mousedown", (ev) => { ev.preventDefault(); pick(prompt, c.name); });
+      return li;
+    }));
+  }
+  function pick(prompt, name) { prompt.value = "/" + name + " "; closeMenu(); prompt.focus(); }
+  document.addEventListener("input", (e) => { if (e.target.id === "prompt") showMenu(e.target); });
+  document.addEventListener("keydown", (e) => {
+    const m = menu();
+    if (!m || e.target.id !== "prompt") return;
+    const items = [...m.querySelectorAll("li")];
+    const at = items.findIndex((li) => li.classList.contains("selected"));
+    if (e.key === "ArrowDown" || e.key === "ArrowUp") {
+      e.preventDefault();
+      const next = (at + (e.key === "ArrowDown" ? 1 : items.length - 1)) % items.length;
+      items.forEach((li, i) => li.classList.toggle("selected", i === next));
+    } else if (e.key === "Tab" || (e.key === "Enter" && !e.shiftKey && at >= 0 && items[at].dataset.name !== e.target.value.slice(1).trim())) {
+      e.preventDefault(); e.stopImmediatePropagation();
+      pick(e.target, items[Math.max(at, 0)].dataset.name);
+    } else if (e.key === "Escape") {
+      e.stopImmediatePropagation(); closeMenu();
+    }
+  }, true);
+})();

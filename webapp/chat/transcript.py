@@ -1,0 +1,163 @@
+"""The chat window's state that must survive a reload: the transcript (messages and the event log,
+replayed as the fragments that drew them live), the conversation's mode, its generation settings,
+the context gauge, and every place that names the loaded model and engine.
+
+What it knows: how to merge messages and logged events in order, and which macro of
+`templates/transcript.html` draws the toolbar's mode, the engine's names and the settings forms.
+What it does not know: how an agent event looks (it is handed `render_event`, the agent's
+`webapp.turns.EventRenderer`), sockets, HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..db import Database
+from ..engine_host import EngineState
+from ..settings import Settings
+from ..turns import EventRenderer
+
+DEFAULTS_KEY = "generation_defaults"  # app_settings: the generation defaults (the Settings window)
+GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "system")
+MODES = ("chat", "agent")
+CHAT_MODE_SYSTEM = (
+    "You are flashcode, a concise coding assistant. This conversation is in chat mode: you have no "
+    "tools here. You cannot run commands, read or write files, or search the web, and nothing you "
+    "write is executed. Never say that you ran a command or looked something up."
+)
+
+
+class TranscriptViews:
+    """Mixed into `ChatViews` (which supplies `db`, `engine`, `settings`, `env`, `ui`, `csrf_token`)."""
+
+    db: Database
+    engine: EngineState
+    settings: Settings
+    env: Any
+    ui: Any
+    csrf_token: str
+    render_event: EventRenderer | None = None  # set by create_app: the agent's events, drawn as live
+    slash_commands: tuple[Mapping[str, str], ...] = ()  # set by create_app: name, usage, help (completion)
+
+    @property
+    def tx(self) -> Any:
+        return self.env.get_template("transcript.html").module
+
+    def trust_context(self, conversation_id: str | None) -> dict[str, Any]:
+        conv = self.db.get_conversation(conversation_id) if conversation_id else None
+        return {
+            "transcript": self.transcript(conv.id) if conv else [],
+            "mode": conv.mode if conv else "chat",
+            "generation": self.generation(conv.id if conv else None),
+            "generation_defaults": self.generation(None),
+            "base_model": self.engine.is_base_model,
+            "slash_commands": list(self.slash_commands),
+        }
+
+    def transcript(self, conversation_id: str) -> list[str]:
+        """The conversation as the fragments that drew it live, in order: each message, then each
+        event logged after it (the page replays them into #messages, as the websocket did)."""
+        items: list[tuple[int, int, int, str]] = [
+            (m.id, 0, 0, str(self.ui.appended_message(m))) for m in self.db.messages(conversation_id)
+        ]
+        if self.render_event is not None:
+            render = self.render_event
+            items += [
+                (e.after_message, 1, e.id, render(e.type, e.data)) for e in self.db.events(conversation_id)
+            ]
+        return [html for *_, html in sorted(items, key=lambda i: i[:3])]
+
+    def context_used(self, conversation_id: str | None) -> int:
+        """The last prompt's size plus its reply, as the engine counted them; 0 after a /clear."""
+        if not conversation_id:
+            return 0
+        start = self.db.context_start(conversation_id)
+        for m in reversed(self.db.messages(conversation_id)):
+            if m.id <= start:
+                break
+            if m.role == "assistant" and m.stats.get("prompt_tokens"):
+                return int(m.stats["prompt_tokens"]) + int(m.stats.get("completion_tokens") or 0)
+        return 0
+
+    def generation(self, conversation_id: str | None) -> dict[str, Any]:
+        """Generation settings in force: the app's, the Settings window's defaults, the conversation's."""
+        values: dict[str, Any] = {"top_p": 1.0} | dict(self.settings.sampling) | {"system": ""}
+        values |= _given(self.db.get_setting(DEFAULTS_KEY) or {})
+        conv = self.db.get_conversation(conversation_id) if conversation_id else None
+        if conv is not None:
+            values |= _given(conv.generation_settings)
+        return values
+
+    def sampling(self, conversation_id: str | None) -> dict[str, Any]:
+        """The sampling part of `generation` (what `SamplingParams` and the agent take)."""
+        return {k: v for k, v in self.generation(conversation_id).items() if k != "system"}
+
+    # ------------------------------------------------------------------ fragments
+    def gauge_for(self, conversation_id: str | None) -> str:
+        return str(self.ui.gauge(self.context_used(conversation_id), self.engine.context_length, oob=True))
+
+    def mode_picker(self, mode: str) -> str:
+        return str(self.tx.mode_picker(mode, self.engine.is_base_model, oob=True))
+
+    def engine_state(self) -> str:
+        """Every place that names the loaded model and engine, redrawn from the one `EngineState`."""
+        e = self.engine
+        picker = self.ui.model_picker(self.model_choices(), f"{e.backend}:{e.model}", oob=True)  # type: ignore[attr-defined]
+        return "".join(
+            str(x)
+            for x in (
+                picker,
+                self.ui.menubar_model(e.model, oob=True),
+                self.tx.settings_rows(self.settings_rows(), oob=True),  # type: ignore[attr-defined]
+                self.tx.about_engine(e.backend, e.model, oob=True),
+                self.tx.completion_hint(e.is_base_model, oob=True),
+            )
+        )
+
+    def generation_form(self, conversation_id: str | None, note: str = "") -> str:
+        values = self.generation(conversation_id)
+        return str(self.tx.generation_form(conversation_id, values, self.csrf_token, note))
+
+
+def make_title(text: str, limit: int = 60) -> str:
+    """A conversation's title from its first message: the first line, cut at a word within `limit`."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = " ".join(line.split())
+    if len(line) <= limit:
+        return line or "Untitled"
+    cut = line[: limit - 1]
+    if " " in cut[limit // 2 :]:
+        cut = cut[: cut.rindex(" ")]
+    return cut.rstrip(" ,.;:-") + "…"
+
+
+def _given(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k in GENERATION_FIELDS and v not in (None, "")}
+
+
+def parse_generation(form: Mapping[str, Any]) -> dict[str, Any]:
+    """Generation settings from a form: empty fields are left out (the defaults apply); bad values raise
+    ValueError with a sentence that names the field and its range."""
+    out: dict[str, Any] = {}
+    for key, cast, low, high in (
+        ("max_tokens", int, 1, 32768),
+        ("temperature", float, 0.0, 2.0),
+        ("top_p", float, 0.01, 1.0),
+    ):
+        raw = str(form.get(key) or "").strip()
+        if not raw:
+            continue
+        try:
+            value = cast(raw)
+        except ValueError:
+            raise ValueError(f"{key.replace('_', ' ')} must be a number") from None
+        if not low <= value <= high:
+            raise ValueError(f"{key.replace('_', ' ')} must be between {low} and {high}")
+        out[key] = value
+    system = str(form.get("system") or "").strip()
+    if len(system) > 8000:
+        raise ValueError("the system prompt is longer than 8,000 characters")
+    if system:
+        out["system"] = system
+    return out
