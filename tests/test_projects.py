@@ -240,7 +240,9 @@ def test_projects_conversations_rules_and_stats_are_per_project(client, two) -> 
     assert "question in alpha" in client.get(f"/c/{conv_a}").text
 
     stats_all = client.get("/stats/window").text
-    stats_b = client.get("/stats/window", params={"project": client.app.state.flashcode.projects.current().id})
+    stats_b = client.get(
+        "/stats/window", params={"project": client.app.state.flashcode.projects.current().id}
+    )
     assert 'data-stat="replies">2<' in stats_all and 'data-stat="replies">1<' in stats_b.text
     assert ">All projects<" in stats_all
 
@@ -279,7 +281,11 @@ def test_projects_files_window_lists_respecting_gitignore_and_views_escaped(clie
     assert inner == ["pkg/.gitignore", "pkg/mod.py"]  # the nested .gitignore hides secret.txt
     view = client.get("/files/view", params={"path": "main.py"}).text
     assert "<b>hi</b>" not in view and "&lt;b&gt;" in view and 'class="highlight"' in view
-    for bad, why in [("../beta/notes.md", "outside the project"), ("build/out.txt", "ignored"), (".git/config", "ignored")]:
+    for bad, why in [
+        ("../beta/notes.md", "outside the project"),
+        ("build/out.txt", "ignored"),
+        (".git/config", "ignored"),
+    ]:
         assert why in client.get("/files/view", params={"path": bad}).text
 
 
@@ -338,4 +344,8 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
     missing = _cli(home, "projects", "remove", "Nope")
     assert missing.returncode == 2 and "no project named 'Nope'" in missing.stderr
     bad_serve = _cli(home, "serve", "--project", str(tmp_path / "missing"), "--port", "0")
-    assert bad_serve.returncode == 2 and "--project:" in bad_serve.stderr and "does not exist" in bad_serve.stderr
+    assert (
+        bad_serve.returncode == 2
+        and "--project:" in bad_serve.stderr
+        and "does not exist" in bad_serve.stderr
+    )

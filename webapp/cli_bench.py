@@ -107,6 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, script, help_text in (
         ("llama", "llama.py", "llama-server adapter vs raw llama-server"),
         ("websocket", "websocket.py", "tokens delivered to a websocket client vs the backend"),
+        ("projects", "projects.py", "reopening a conversation: auto-resumed KV cache vs re-prefill (TTFT)"),
     ):
         p = bsub.add_parser(name, help=help_text)
         p.add_argument("rest", nargs=argparse.REMAINDER, help="the script's own options (--help lists them)")

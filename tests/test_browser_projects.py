@@ -1,0 +1,171 @@
+"""Projects through the real browser (Chromium): two projects in two temp directories, opened with
+File > New Project… and Open Project…; `/shell pwd` prints each one's own directory (the real
+sandboxed runner); a rule allowed in one does not apply in the other; conversations and the Projects
+window are per project; the Files window lists, opens and attaches a file; a bad directory gets its
+message. The engine is scripted (FakeBackend); the page's CSP forbids eval, so waits poll from Python."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.worker import Worker
+from tests.conftest import FakeBackend
+from tests.servers import free_port, serve_app
+from tests.test_browser_ui import browser  # noqa: F401 - fixture
+from webapp.app import create_app
+from webapp.settings import Settings
+
+pytestmark = [pytest.mark.browser]
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[str, FakeBackend, object]]:
+    fake = FakeBackend(delay=0.005)
+    worker = Worker(lambda: fake)
+    port = free_port()
+    app = create_app(Settings(port=port, data_dir=tmp_path / "data", load_model=False), worker=worker)
+    with serve_app(app, port) as url:
+        yield url, fake, app
+    worker.close()
+
+
+def wait_for(page, selector: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loc = page.locator(selector)
+        if loc.count() and loc.first.is_visible():
+            return loc.first
+        time.sleep(0.1)
+    raise AssertionError(f"{selector} did not appear in {timeout_s} s")
+
+
+def wait_text(page, selector: str, text: str, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loc = page.locator(selector)
+        got = loc.first.inner_text() if loc.count() else ""
+        if text in got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{selector} never showed {text!r}")
+
+
+def menu(page, top: str, item: str) -> None:
+    page.locator(f"nav.menubar li[role=menu-item]:has-text('{top}')").first.click()
+    page.locator(f"nav.menubar {item}").click()
+
+
+def open_project(page, mode: str, path: Path | str, name: str = "") -> None:
+    menu(page, "File", f"[data-project-dialog={mode}]")
+    wait_for(page, "#project-path").fill(str(path))
+    if name:
+        page.fill("#project-name", name)
+    page.locator("#project-dialog .dialog-ok").click()
+
+
+def shell_pwd(page, choice: str) -> str:
+    before = page.locator(".action-output").count()
+    page.fill("#prompt", "/shell pwd")
+    page.press("#prompt", "Enter")
+    dialog = wait_for(page, ".agent-approval")
+    dialog.locator(f"button[data-choice={choice}]").click()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        outs = page.locator(".action-output")
+        if outs.count() > before and outs.nth(before).inner_text().strip():
+            return outs.nth(before).inner_text().strip()
+        time.sleep(0.1)
+    raise AssertionError("no command output")
+
+
+def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> None:  # noqa: F811
+    url, fake, app = server
+    alpha, beta = tmp_path / "alpha", tmp_path / "beta"
+    for d in (alpha, beta):
+        d.mkdir()
+    (alpha / "app.py").write_text("def greet(name):\n    return f'hello {name}'\n")
+    (alpha / ".gitignore").write_text("*.secret\n")
+    (alpha / "keys.secret").write_text("nope")
+    ARTIFACTS.mkdir(exist_ok=True)
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    assert page.locator("#menubar-project").inner_text() == "Default"
+
+    # a bad directory gets its message, in the dialog
+    open_project(page, "new", tmp_path / "missing")
+    assert "does not exist" in wait_for(page, "#project-dialog [data-error]").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "projects-bad-directory.png"))
+    page.fill("#project-path", str(alpha))
+    page.fill("#project-name", "Alpha")
+    page.locator("#project-dialog .dialog-ok").click()
+    wait_text(page, "#menubar-project", "Alpha")
+    assert page.locator("#chat-project").inner_text() == "Alpha"
+
+    out_a = shell_pwd(page, "always_exact")  # and allow it in Alpha
+    assert out_a == str(alpha.resolve())
+    page.screenshot(path=str(ARTIFACTS / "projects-alpha-shell.png"))
+    conv_a = page.locator("#conversation-id").input_value()
+    assert conv_a
+
+    # the Files window: .gitignore respected, a file opened (highlighted), attached to the next message
+    menu(page, "View", "[data-open=files-window]")
+    wait_for(page, "#files-window tr[data-path='app.py']")
+    assert page.locator("#files-window tr[data-path='keys.secret']").count() == 0
+    page.locator("#files-window tr[data-path='app.py'] .file-name").click()
+    code = wait_for(page, "#file-view .highlight")
+    assert "def greet" in code.inner_text()
+    page.locator("#files-window tr[data-path='app.py'] td.pick label").click()
+    assert page.locator("#files-window tr[data-path='app.py'] input[type=checkbox]").is_checked()
+    page.locator("#attach-button").click()
+    wait_for(page, "#attachments .attachment[data-path='app.py']")
+    page.screenshot(path=str(ARTIFACTS / "projects-files-window.png"))
+    page.fill("#prompt", "what does this file do?")
+    page.press("#prompt", "Enter")
+    wait_for(page, "#status[data-state=idle]")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(
+        "what does this file do?" in str(r.messages or r.prompt) for r in fake.history
+    ):
+        time.sleep(0.1)
+    request = fake.history[-1]
+    sent = request.messages[-1]["content"] if request.messages else str(request.prompt)
+    assert '<untrusted source="file app.py (' in sent and "return f'hello {name}'" in sent
+    assert page.locator("#attachments .attachment").count() == 0
+
+    # Beta: its own directory, no Alpha rule, its own conversations and contexts
+    open_project(page, "open", beta)
+    wait_text(page, "#menubar-project", "beta")
+    out_b = shell_pwd(page, "once")  # the dialog appeared: Alpha's rule does not apply here
+    assert out_b == str(beta.resolve())
+    projects = app.state.flashcode.projects
+    beta_id, alpha_id = projects.current().id, projects.by_path(alpha).id
+    menu(page, "View", "[data-open=conversations-window]")
+    conv_b = page.locator("#conversation-id").input_value()
+    listed = [li.get_attribute("data-id") for li in page.locator("#conversation-list li[data-id]").all()]
+    assert listed == [conv_b] and conv_b != conv_a
+    assert beta_id in page.locator(".contexts-loader").get_attribute("hx-get")
+    page.screenshot(path=str(ARTIFACTS / "projects-beta.png"))
+
+    # back to Alpha through Open Recent: the rule allows pwd without a dialog
+    menu(page, "File", "[data-project-dialog=recent]")
+    wait_for(page, f"#project-dialog .recent-project[data-project='{alpha_id}']").click()
+    wait_text(page, "#menubar-project", "Alpha")
+    page.fill("#prompt", "/shell pwd")
+    page.press("#prompt", "Enter")
+    wait_text(page, "#messages", "Allowed by rule")
+    assert page.locator(".agent-approval").count() == 0
+
+    page.set_viewport_size({"width": 900, "height": 700})
+    menu(page, "File", "[data-project-dialog=open]")
+    wait_for(page, "#folder-browser")
+    page.screenshot(path=str(ARTIFACTS / "projects-open-dialog-900.png"))
+    assert not errors, errors
+    context.close()
