@@ -38,11 +38,14 @@ from typing import Any
 import numpy as np
 
 from .base import EngineError
+from .flash.safetensors_io import TensorSpec
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-IMPORTER_VERSION = 1
+IMPORTER_VERSION = (
+    2  # 2: sharded safetensors written chunk by chunk (an index; FFN tensors gate, up, down in a row)
+)
 
 
 class GGUFImportError(EngineError):
@@ -421,15 +424,23 @@ _BLOCKS = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}
 
 
 def ggml_to_mlx_quantized(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Q4_0/Q4_1/Q8_0 blocks -> MLX affine (packed uint32 weight, fp16 scales, fp16 biases, bits).
+    """A whole Q4_0/Q4_1/Q8_0 tensor -> MLX affine triple (see `blocks_to_mlx`)."""
+    shape = _shape(t)
+    raw = np.ascontiguousarray(np.asarray(t.data, dtype=np.uint8)).reshape(-1, _row_bytes(t, shape[-1]))
+    w, d, bias, bits = blocks_to_mlx(tensor_type_name(t), raw, shape[-1])
+    lead = shape[:-1]
+    return w.reshape(*lead, -1), d.reshape(*lead, -1), bias.reshape(*lead, -1), bits
+
+
+def blocks_to_mlx(kind: str, raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Rows of Q4_0/Q4_1/Q8_0 blocks (uint8, one row per line) -> MLX affine (packed uint32 weight,
+    fp16 scales, fp16 biases, bits), row for row.
 
     Exact: Q8_0 x = d*q (q int8) is scale d, bias -128d on q+128; Q4_0 x = d*(q-8) is scale d,
     bias -8d; Q4_1 x = d*q + m is scale d, bias m. MLX packs values little-end first in uint32."""
-    kind = tensor_type_name(t)
     block, off = _BLOCKS[kind]
-    shape = _shape(t)
-    lead, cols = shape[:-1], shape[-1]
-    b = np.ascontiguousarray(np.asarray(t.data, dtype=np.uint8)).reshape(-1, cols // 32, block)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, cols // 32, block)
     d = b[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
         q = (b[..., off:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
@@ -443,34 +454,120 @@ def ggml_to_mlx_quantized(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, i
             bias = (-8.0 * d.astype(np.float32)).astype(np.float16)
         else:
             bias = b[..., 2:4].copy().view(np.float16)[..., 0]
-    rows = int(np.prod(lead)) if lead else 1
-    weight = np.ascontiguousarray(packed.reshape(rows, -1)).view(np.uint32).reshape(*lead, -1)
-    return weight, d.reshape(*lead, -1), bias.reshape(*lead, -1), bits
+    weight = np.ascontiguousarray(packed.reshape(rows, -1)).view(np.uint32)
+    return weight, d, bias, bits
 
 
-def _plain(t: Any) -> Any:
-    import mlx.core as mx
+def _row_bytes(t: Any, cols: int) -> int:
+    from gguf import GGML_QUANT_SIZES
 
-    kind = tensor_type_name(t)
-    data = np.asarray(t.data).reshape(_shape(t))
-    if kind == "BF16":
-        return mx.array(data.view(np.uint16)).view(mx.bfloat16)
-    return mx.array(np.ascontiguousarray(data))
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    return cols // block * size
 
 
-def convert_weights(
-    gf: GGUFFile, spec: ArchSpec, config: dict[str, Any], progress: Callable[[int], None] | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(weights with HF names, quantization config) from the GGUF's tensors, one tensor at a time."""
-    import mlx.core as mx
+# about 32 MB of float32 values per conversion step: what bounds the import's memory, not the model
+CHUNK_ELEMENTS = 8 << 20
+_ST_DTYPE = {np.dtype(np.uint32): "U32", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
 
+
+@dataclass
+class SourceTensor:
+    """One GGUF tensor seen as rows (every dimension but the last flattened), converted `step` rows at a time."""
+
+    gguf_name: str
+    module: str  # HF name without the leaf, e.g. model.layers.0.mlp.gate_proj
+    leaf: str  # weight / bias
+    kind: str  # ggml type name
+    t: Any
+    lead: tuple[int, ...]
+    cols: int
+    permute_heads: int = 0  # llama Q/K: undo llama.cpp's row permutation over this many heads
+    norm_offset: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.lead)) if self.lead else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return _row_bytes(self.t, self.cols)
+
+    @property
+    def step(self) -> int:
+        """Rows per chunk: whole heads for a permuted Q/K, all of a 1-D tensor, else ~CHUNK_ELEMENTS values."""
+        if not self.lead:
+            return 1
+        if self.permute_heads:
+            per_head = self.rows // self.permute_heads
+            return per_head * max(1, CHUNK_ELEMENTS // (per_head * self.cols))
+        return max(1, CHUNK_ELEMENTS // self.cols)
+
+    def read_rows(self, fd: int, r0: int, r1: int) -> np.ndarray:
+        n = (r1 - r0) * self.row_bytes
+        at = int(self.t.data_offset) + r0 * self.row_bytes
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = os.preadv(fd, [view[got:]], at + got)
+            if k == 0:
+                raise GGUFImportError(
+                    f"{self.gguf_name}: the file ends inside this tensor; download it again"
+                )
+            got += k
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)  # read once: do not let it fill the cache
+        return np.frombuffer(buf, dtype=np.uint8).reshape(r1 - r0, self.row_bytes)
+
+    def convert(self, raw: np.ndarray) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, int] | None]:
+        """Rows of raw GGUF bytes -> {suffix: (array with one line per row, safetensors dtype)}, quant entry."""
+        import mlx.core as mx
+
+        rows = raw.shape[0]
+        quant = None
+        if self.kind in _MLX_NATIVE_QUANT:
+            w, sc, bi, bits = blocks_to_mlx(self.kind, raw, self.cols)
+            parts = {"weight": w, "scales": sc, "biases": bi}
+            quant = {"group_size": 32, "bits": bits}
+        elif self.kind in _MLX_NATIVE_PLAIN:
+            dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[self.kind]
+            parts = {self.leaf: raw.view(dt).reshape(rows, self.cols)}
+        else:
+            from gguf import quants
+
+            w = np.asarray(quants.dequantize(raw, self.t.tensor_type), dtype=np.float32).reshape(
+                rows, self.cols
+            )
+            bits = _REQUANT_BITS[self.kind]
+            if self.lead and self.cols % 64 == 0:
+                wq, scales, biases = mx.quantize(mx.array(w), group_size=64, bits=bits)
+                parts = {"weight": np.array(wq), "scales": np.array(scales), "biases": np.array(biases)}
+                quant = {"group_size": 64, "bits": bits}
+            else:
+                parts = {self.leaf: np.array(mx.array(w).astype(mx.float16))}
+            del w
+        out: dict[str, tuple[np.ndarray, str]] = {}
+        for suffix, arr in parts.items():
+            dtype = "BF16" if arr.dtype == np.uint16 else _ST_DTYPE[arr.dtype]
+            if not self.lead:
+                arr = arr.reshape(-1)
+            if self.permute_heads:
+                heads = self.permute_heads if not self.lead else rows // (self.rows // self.permute_heads)
+                arr = _unpermute(arr, heads)
+            if self.norm_offset and suffix == "weight":
+                m = mx.array(arr)
+                m = m.view(mx.bfloat16) if dtype == "BF16" else m
+                arr, dtype = np.array(m.astype(mx.float32) - self.norm_offset), "F32"
+            out[suffix] = (np.ascontiguousarray(arr), dtype)
+        return out, quant
+
+
+def source_tensors(gf: GGUFFile, spec: ArchSpec, config: dict[str, Any]) -> list[SourceTensor]:
+    """The model's tensors in the order they are written: by layer; in a layer its FFN projections
+    gate, up, down next to each other (a dense FFN is one contiguous byte range: docs/flash.md)."""
     arch = gf.architecture
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    out: dict[str, Any] = {}
-    quant: dict[str, dict[str, int]] = {}
+    out = []
     for name, t in gf.tensors.items():
-        if progress:
-            progress(1)
         if _SKIP.match(name):
             continue
         target = hf_name(name, arch)
@@ -478,31 +575,84 @@ def convert_weights(
             log.warning("skipping unknown tensor %s", name)
             continue
         module, leaf = target.rsplit(".", 1)
-        tname = tensor_type_name(t)
-        if tname in _MLX_NATIVE_QUANT:
-            w, sc, bi, bits = ggml_to_mlx_quantized(t)
-            parts = {"weight": mx.array(w), "scales": mx.array(sc), "biases": mx.array(bi)}
-            quant[module] = {"group_size": 32, "bits": bits}
-        elif tname in _MLX_NATIVE_PLAIN:
-            parts = {leaf: _plain(t)}
-        else:
-            w = mx.array(_dequantize(t))
-            bits = _REQUANT_BITS[tname]
-            if w.ndim >= 2 and w.shape[-1] % 64 == 0:
-                wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
-                parts = {"weight": wq, "scales": scales, "biases": biases}
-                quant[module] = {"group_size": 64, "bits": bits}
-            else:
-                parts = {leaf: w.astype(mx.float16)}
-        for suffix, arr in parts.items():
-            if spec.permute_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-                arr = _unpermute(arr, heads if module.endswith("q_proj") else kv_heads)
-            if spec.norm_offset and module.endswith("norm") and suffix == "weight":
-                arr = arr.astype(mx.float32) - spec.norm_offset
-            out[f"{module}.{suffix}"] = arr
-        mx.eval(list(parts.values()))
-    _phi3_rope(gf, config)
-    return out, quant
+        shape = _shape(t)
+        permute = 0
+        if spec.permute_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            permute = heads if module.endswith("q_proj") else kv_heads
+        offset = spec.norm_offset if module.endswith("norm") else 0.0
+        out.append(
+            SourceTensor(name, module, leaf, tensor_type_name(t), t, shape[:-1], shape[-1], permute, offset)
+        )
+    return sorted(out, key=_write_order)
+
+
+_FFN_ORDER = {"gate_proj": 0, "up_proj": 1, "gate_up_proj": 1, "down_proj": 2}
+
+
+def _write_order(s: SourceTensor) -> tuple[int, int, int, str]:
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", s.module)
+    if not m:
+        return (-1 if "embed" in s.module else 1 << 30, 0, 0, s.module)
+    proj = m[2].rsplit(".", 1)[-1]
+    in_ffn = m[2].startswith("mlp.") and proj in _FFN_ORDER
+    return (int(m[1]), int(in_ffn), _FFN_ORDER.get(proj, 0) if in_ffn else 0, m[2])
+
+
+def _probe(s: SourceTensor, fd: int) -> tuple[list[TensorSpec], dict[str, int] | None]:
+    """The output tensors of `s` (names, dtypes, shapes), from converting its first chunk."""
+    step = min(s.step, s.rows)
+    parts, quant = s.convert(s.read_rows(fd, 0, step))
+    specs = []
+    for suffix, (arr, dtype) in parts.items():
+        shape = (*s.lead, *arr.shape[1:]) if s.lead else arr.shape
+        specs.append(TensorSpec(f"{s.module}.{suffix}", dtype, tuple(int(d) for d in shape)))
+    return specs, quant
+
+
+def write_weights(
+    gf: GGUFFile,
+    sources: list[SourceTensor],
+    out_dir: Path,
+    shard_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Convert `sources` chunk by chunk into sharded safetensors in `out_dir`; returns the quantization
+    entries per module. Memory: one chunk of one tensor (and its conversion) at a time."""
+    from .shards import SHARD_BYTES, ShardWriter, plan_shards
+
+    fd = os.open(gf.path, os.O_RDONLY)
+    try:
+        groups, quant = [], {}
+        for s in sources:
+            specs, q = _probe(s, fd)
+            groups.append(specs)
+            if q:
+                quant[s.module] = q
+        writer = ShardWriter(out_dir, plan_shards(groups, shard_bytes or SHARD_BYTES))
+        try:
+            for s, specs in zip(sources, groups, strict=True):
+                done = 0
+                for r0 in range(0, s.rows, s.step):
+                    r1 = min(s.rows, r0 + s.step)
+                    parts, _ = s.convert(s.read_rows(fd, r0, r1))
+                    for spec in specs:
+                        arr, dtype = parts[spec.name.rsplit(".", 1)[1]]
+                        if dtype != spec.dtype:
+                            raise GGUFImportError(
+                                f"{s.gguf_name}: chunk at row {r0} converts to {dtype}, not {spec.dtype}"
+                            )
+                        writer.write(spec.name, r0 * (spec.nbytes // s.rows), arr.data)
+                    del parts
+                    if progress:
+                        progress((r1 - r0) * s.row_bytes)
+                    done = r1
+                assert done == s.rows
+            writer.finish()
+        finally:
+            writer.close()
+    finally:
+        os.close(fd)
+    return quant
 
 
 def _phi3_rope(gf: GGUFFile, config: dict[str, Any]) -> None:
@@ -545,9 +695,30 @@ def validate_name(name: str) -> str:
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
+        pos = 0
         while block := fh.read(chunk):
             h.update(block)
+            if hasattr(os, "posix_fadvise"):  # read once: keep the page cache (and a cgroup's charge) small
+                os.posix_fadvise(fh.fileno(), pos, len(block), os.POSIX_FADV_DONTNEED)
+            pos += len(block)
     return h.hexdigest()
+
+
+def _sweep_stale_imports(models_root: Path) -> None:
+    """Remove the temporary directories of imports whose process is gone (killed: SIGKILL, OOM)."""
+    for d in models_root.glob(".*.importing-*"):
+        m = re.search(r"\.importing-(\d+)-", d.name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m[1]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        log.info("removing %s, left by an interrupted import", d)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def import_gguf(
@@ -556,9 +727,11 @@ def import_gguf(
     name: str | None = None,
     overwrite: bool = False,
     show_progress: bool = True,
+    shard_bytes: int | None = None,
 ) -> Path:
-    """Import `path` into `models_root/<name>`; returns the model directory."""
-    import mlx.core as mx
+    """Import `path` into `models_root/<name>`; returns the model directory. Tensors are converted and
+    written one chunk at a time (memory does not grow with the model) into a temporary directory that
+    is renamed into place at the end: an interrupted import leaves nothing behind."""
     from tqdm import tqdm
 
     path = Path(path).expanduser().resolve()
@@ -574,19 +747,20 @@ def import_gguf(
     config["model_type"] = spec.model_type
 
     models_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.importing-", dir=models_root))
+    _sweep_stale_imports(models_root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.importing-{os.getpid()}-", dir=models_root))
     tmp.chmod(0o755)
     try:
-        with tqdm(
-            total=len(gf.tensors), desc=f"importing {path.name}", unit="tensor", disable=not show_progress
-        ) as bar:
-            weights, quant = convert_weights(gf, spec, config, bar.update)
+        sources = source_tensors(gf, spec, config)
+        total = sum(s.rows * s.row_bytes for s in sources)
+        with tqdm(total=total, desc=f"importing {path.name}", unit="B", unit_scale=True,
+                  disable=not show_progress) as bar:  # fmt: skip
+            quant = write_weights(gf, sources, tmp, shard_bytes, bar.update)
+        _phi3_rope(gf, config)
         qcfg = _quant_config(quant)
         if qcfg:
             config["quantization"] = qcfg
             config["quantization_config"] = qcfg
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        del weights
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         build_tokenizer(gf, tmp)
         meta = {
