@@ -54,7 +54,7 @@ from tests.servers import serve_cli  # noqa: E402
 
 PROMPT = "Tell me a story about a robot who learns to paint."  # routed to chat by the default model
 GOAL = {"delivery_ratio": ">= 0.98", "ttft_added_ms": "<= 20"}
-TOKEN_FRAME = re.compile(r'id="msg-\d+-body" hx-swap-oob="beforeend">')
+TOKEN_FRAME = re.compile(r'id="msg-\d+-tail" hx-swap-oob="innerHTML">')
 IDLE = 'id="status" class="controls" data-state="idle"'
 
 

@@ -26,12 +26,14 @@
     if (win) focusWindow(win);
     const bar = e.target.closest(".title-bar");
     if (!bar || e.target.closest("button") || !win || win.classList.contains("zoomed")) return;
+    e.preventDefault();  // dragging a window selects no text
     const desk = win.parentElement.getBoundingClientRect();
     const start = win.getBoundingClientRect();
     const dx = e.clientX - start.left, dy = e.clientY - start.top;
     const move = (ev) => {
-      win.style.left = Math.max(0, ev.clientX - dx - desk.left) + "px";
-      win.style.top = Math.max(0, ev.clientY - dy - desk.top) + "px";
+      // the title bar stays on the desktop: a window can never be dragged out of reach
+      win.style.left = Math.min(Math.max(0, ev.clientX - dx - desk.left), desk.width - 80) + "px";
+      win.style.top = Math.min(Math.max(0, ev.clientY - dy - desk.top), desk.height - 24) + "px";
       win.style.right = "auto"; win.style.bottom = "auto";
       win.style.width = start.width + "px"; win.style.height = start.height + "px";
     };
@@ -66,8 +68,16 @@
   async function remove() {
     const id = conversationId();
     if (!id) return alertBox("There is no conversation to delete yet.");
-    const yes = await ask(`Delete “${($("#chat-title") || {}).textContent}”? This cannot be undone.`, { ok: "Delete" });
+    const yes = await ask(`Delete “${($("#chat-title") || {}).textContent}”? This cannot be undone.`, { ok: "Delete", safe: true });
     if (yes !== null) post(`/c/${id}/delete`, {});
+  }
+  // a passing word in the status line (Copy Last Reply), without a dialog to dismiss
+  function note(text) {
+    const s = $("#status .status-text");
+    if (!s || generating()) return;
+    const old = s.textContent;
+    s.textContent = text;
+    setTimeout(() => { if (s.textContent === text) s.textContent = old; }, 1800);
   }
   function alertBox(text) {
     const box = document.createElement("div");
@@ -77,7 +87,8 @@
     $("#alerts").appendChild(box);
   }
   // A modal System 7 dialog: resolves to the text typed (or "" without a field), or null on Cancel/Esc.
-  function ask(text, { value = null, ok = "OK" } = {}) {
+  // `safe`: Cancel is the default button (Return), for a choice that cannot be undone.
+  function ask(text, { value = null, ok = "OK", safe = false } = {}) {
     return new Promise((resolve) => {
       const box = document.createElement("div");
       box.className = "alert-box outer-border modal"; box.setAttribute("role", "dialog");
@@ -86,15 +97,22 @@
         '<span class="dialog-buttons"><button type="button" class="btn dialog-cancel">Cancel</button><button type="submit" class="btn btn-default dialog-ok"></button></span></form></div>';
       box.querySelector(".alert-text").textContent = text;
       box.querySelector(".dialog-ok").textContent = ok;
+      if (safe) {
+        box.querySelector(".dialog-ok").className = "btn dialog-ok";
+        box.querySelector(".dialog-ok").type = "button";
+        box.querySelector(".dialog-cancel").className = "btn btn-default dialog-cancel";
+        box.querySelector(".dialog-cancel").type = "submit";
+      }
       const input = box.querySelector(".dialog-input");
       if (input) input.value = value;
       const close = (result) => { box.remove(); document.removeEventListener("keydown", onKey, true); resolve(result); };
       const onKey = (e) => { if (e.key === "Escape") { e.stopPropagation(); e.preventDefault(); close(null); } };
-      box.querySelector("form").addEventListener("submit", (e) => { e.preventDefault(); close(input ? input.value : ""); });
+      box.querySelector("form").addEventListener("submit", (e) => { e.preventDefault(); close(safe ? null : (input ? input.value : "")); });
+      if (safe) box.querySelector(".dialog-ok").addEventListener("click", () => close(""));
       box.querySelector(".dialog-cancel").addEventListener("click", () => close(null));
       document.addEventListener("keydown", onKey, true);
       $("#alerts").appendChild(box);
-      (input || box.querySelector(".dialog-ok")).focus();
+      (input || box.querySelector(safe ? ".dialog-cancel" : ".dialog-ok")).focus();
       if (input) input.select();
     });
   }
@@ -103,7 +121,13 @@
     new: newConversation, rename, delete: remove,
     "export-md": () => download("md"), "export-json": () => download("json"),
     stop: () => click("#stop-button"), regenerate: () => click("#regenerate-button"),
-    "copy-last": () => { const all = document.querySelectorAll(".msg-assistant .body"); if (all.length) navigator.clipboard?.writeText(all[all.length - 1].innerText); },
+    "copy-last": () => {
+      const all = document.querySelectorAll(".msg-assistant .body");
+      if (!all.length) return alertBox("There is no reply to copy yet.");
+      const done = (ok) => note(ok ? "Copied the last reply." : "Could not copy: the browser refused the clipboard.");
+      if (navigator.clipboard) navigator.clipboard.writeText(all[all.length - 1].innerText).then(() => done(true), () => done(false));
+      else done(false);
+    },
     "clear-input": () => { const p = $("#prompt"); if (p) p.value = ""; },
   };
   document.addEventListener("click", (e) => {
@@ -128,6 +152,7 @@
       e.preventDefault();
       if (!generating() && e.target.value.trim()) $("#composer").requestSubmit();
     } else if (e.key === "Escape") {
+      if (document.activeElement?.closest?.("nav.menubar")) { document.activeElement.blur(); return; }  // closes the menu
       const alert = document.querySelector("#alerts .alert-box");
       if (generating()) click("#stop-button"); else if (alert) alert.remove();
     } else if ((e.metaKey || e.ctrlKey) && !e.shiftKey && (e.key === "n" || e.key === "N")) {

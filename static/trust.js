@@ -25,6 +25,8 @@
   htmx.onLoad(replay);
 
   // ---------------------------------------------------------------- the connection
+  // reconnect within a few seconds (the extension's default backs off to a minute)
+  htmx.config.wsReconnectDelay = (retry) => Math.min(3000, 250 * 2 ** retry) * (0.5 + Math.random() / 2);
   let everOpen = false, down = false;
   function showConnection() {
     const c = $("#connection");

@@ -187,7 +187,7 @@ def test_agent_answers_go_through_the_one_reply_pipeline(tmp_path: Path, project
                     frames.append(sock.receive_text())
     finally:
         worker.close()
-    batches = [f for f in frames if '-body" hx-swap-oob="beforeend"' in f]
+    batches = [f for f in frames if '-tail" hx-swap-oob="innerHTML"' in f]
     assert 1 < len(batches) < 100, f"{len(batches)} token frames for 300 tokens"
     assert "".join(re.sub(r"<[^>]+>", "", f) for f in batches) == "".join(f"{i} " for i in range(300))
     ((stats, kw),) = seen

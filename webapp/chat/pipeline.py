@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,20 @@ log = logging.getLogger(__name__)
 BATCH_SECONDS = 0.04  # token text is flushed to the socket at most every 40 ms (first token at once)
 SAVE_PARTIAL_SECONDS = 1.0  # how often a growing reply is written to SQLite (crash safety)
 STATUS_OF = {"stop": "complete", "length": "complete", "cancelled": "stopped"}  # anything else: error
+
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)
+
+
+def stable_cut(text: str, start: int = 0) -> int:
+    """Where the finished markdown blocks of a growing text end: after its last blank line that is
+    outside a code fence (at least `start`). What follows may still change as tokens arrive."""
+    cut = text.rfind("\n\n", start)
+    while cut >= start:
+        if len(_FENCE.findall(text, 0, cut)) % 2 == 0:
+            return cut + 2
+        cut = text.rfind("\n\n", start, cut)
+    return start
 
 
 class ReplyStream:
@@ -62,6 +77,7 @@ class ReplyStream:
         self.latest = 0.0
         self.tokens = 0
         self.parts: list[str] = []
+        self.done_upto = 0  # the text before this is sent as finished markdown blocks
         self.pending: list[str] = []
         self.last_flush = 0.0
         self.last_save = time.monotonic()
@@ -94,10 +110,12 @@ class ReplyStream:
         self.timer = None
         if not self.pending:
             return
-        chunk = "".join(self.pending)
         self.pending.clear()
         self.last_flush = time.monotonic()
-        self.send(self.views.tokens(self.message.id, chunk))
+        text = self.text
+        cut = stable_cut(text, self.done_upto)
+        done, self.done_upto = text[self.done_upto : cut], cut
+        self.send(self.views.tokens(self.message.id, done, text[cut:]))
         if self.first_sent is None:
             self.first_sent = self.last_flush
         if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:

@@ -100,8 +100,9 @@ class ChatViews(TranscriptViews):
     def delete_message(self, message_id: int) -> str:
         return str(self.ui.deleted_message(int(message_id)))
 
-    def tokens(self, message_id: int, text: str) -> str:
-        return str(self.ui.tokens(message_id, text))
+    def tokens(self, message_id: int, done: str, tail: str) -> str:
+        """A token frame: `done` markdown blocks to add for good, `tail` the unfinished rest."""
+        return str(self.ui.tokens(message_id, done, tail))
 
     def controls(self, generating: bool, can_regenerate: bool = False, text: str | None = None) -> str:
         return str(self.ui.controls(generating, can_regenerate, oob=True, text=text))

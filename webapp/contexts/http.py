@@ -47,12 +47,20 @@ STATUS_OF_ERROR: list[tuple[type[EngineError], int]] = [
     (CacheMismatchError, 409),
     (EngineError, 409),
 ]
-PRECISIONS = [
-    ("8", "8-bit KV (recommended)"),
+PRECISIONS = [  # MLX and flash requantize the cache when they save it; the first is the default
+    ("8", "8-bit KV (half the size of 16-bit, near-lossless)"),
     ("16", "16-bit KV"),
-    ("native", "full precision"),
-    ("4", "4-bit KV (lossy on small models)"),
+    ("native", "KV as the engine holds it (float32 on a CPU: the largest)"),
+    ("4", "4-bit KV (smallest; lossy on small models)"),
 ]
+LLAMA_PRECISIONS = [  # llama-server saves its slot as it is (--cache-type-k/v decides)
+    ("native", "KV as llama-server holds it (its --cache-type, f16 unless set)"),
+]
+
+
+def precisions(backend: str | None) -> list[tuple[str, str]]:
+    """The KV precisions the loaded engine can save, the default first (one that works there)."""
+    return LLAMA_PRECISIONS if backend == "llama" else PRECISIONS
 
 
 def _htmx(request: Request) -> bool:
@@ -123,7 +131,8 @@ class SavedContexts:
             items, usage = store.list(pid), store.usage(pid)
         except EngineError as exc:
             items, usage, error = [], 0, str(exc)
-        pane = self.ui.pane(pid, items, usage, store.quota_bytes, note, error, link, PRECISIONS)
+        backend = getattr(getattr(self.worker, "backend", None), "name", None)
+        pane = self.ui.pane(pid, items, usage, store.quota_bytes, note, error, link, precisions(backend))
         return HTMLResponse(str(pane))
 
     async def window(self, request: Request) -> Response:

@@ -1,0 +1,121 @@
+"""The transcript a reload keeps (issue 21), in-process: the event log replays what an agent turn
+showed, any event type included; the mode belongs to the conversation; /clear empties the context
+and the gauge; generation settings are stored and used; titles cut at a word. FakeBackend scripts
+the model; SQLite and the app are real.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.worker import Worker
+from tests.conftest import FakeBackend
+from tests.test_ws import BASE, connect, conversation_id, send, until
+from webapp.app import create_app
+from webapp.chat.transcript import make_title
+from webapp.settings import Settings
+
+
+@pytest.fixture
+def app_client(tmp_path: Path, fake: FakeBackend) -> Iterator[tuple[TestClient, object]]:
+    worker = Worker(lambda: fake)
+    app = create_app(Settings(data_dir=tmp_path, load_model=False, project_dir=tmp_path), worker=worker)
+    with TestClient(app, base_url=BASE) as c:
+        yield c, app.state.flashcode
+    worker.close()
+
+
+def replayed(page: str) -> list[str]:
+    """The fragments the page replays into #messages, in order."""
+    m = re.search(r'<script type="application/json" class="transcript-replay">(.*?)</script>', page, re.S)
+    assert m, "no transcript in the page"
+    return json.loads(m.group(1))
+
+
+def test_transcript_replays_slash_output_events_and_unknown_types(app_client) -> None:
+    client, parts = app_client
+    with connect(client) as ws:
+        send(ws, type="send", text="/help", conversation_id="")
+        frames = until(ws, r'data-state="idle"')
+    cid = conversation_id(frames)
+    live = "".join(frames)
+    assert "agent-help" in live
+    parts.db.add_event(cid, "tool_step_from_the_future", {"type": "tool_step_from_the_future", "n": 7})
+    fragments = replayed(client.get(f"/c/{cid}").text)
+    assert 'class="msg msg-user' in fragments[0] and "/help" in fragments[0]
+    help_html = next(f for f in fragments if "agent-help" in f)
+    assert help_html in live  # drawn exactly as it was live
+    assert 'data-type="tool_step_from_the_future"' in fragments[-1] and "<dd>7</dd>" in fragments[-1]
+
+
+def test_mode_is_the_conversations_and_shown(app_client, fake: FakeBackend) -> None:
+    client, parts = app_client
+    with connect(client) as ws:
+        send(ws, type="send", text="hello", conversation_id="", mode="agent")
+        frames = until(ws, r'data-state="idle"')
+        cid = conversation_id(frames)
+        assert parts.db.get_conversation(cid).mode == "agent"
+        send(ws, type="mode", mode="chat", conversation_id=cid)
+        frames = until(ws, r'id="mode-switch"')
+    assert parts.db.get_conversation(cid).mode == "chat"
+    assert "Chat mode" in "".join(frames)
+    page = client.get(f"/c/{cid}").text
+    assert re.search(r'<option value="chat" selected>', page)
+    assert any("Chat mode" in f for f in replayed(page))  # the switch is in the transcript too
+
+
+def test_clear_empties_the_context_and_the_gauge(app_client, fake: FakeBackend) -> None:
+    client, parts = app_client
+    with connect(client) as ws:
+        send(ws, type="send", text="one two three", conversation_id="")
+        frames = until(ws, r'data-state="idle"')
+        cid = conversation_id(frames)
+        assert not re.search(r'gauge-text">0 /', frames[-1] + "".join(frames))
+        send(ws, type="send", text="/clear", conversation_id=cid)
+        frames = until(ws, r'data-state="idle"')
+        assert re.search(r'class="gauge-text">0 / 2048', "".join(frames))
+        send(ws, type="send", text="four", conversation_id=cid)
+        until(ws, r'data-state="idle"')
+    last = fake.history[-1].messages
+    assert [m["content"] for m in last if m["role"] != "system"] == ["four"]  # nothing from before /clear
+    assert 'class="gauge-text">0 /' not in client.get(f"/c/{cid}").text
+
+
+def test_generation_settings_are_stored_and_used(app_client, fake: FakeBackend) -> None:
+    client, parts = app_client
+    token = parts.csrf_token
+    r = client.post(
+        "/settings/generation", data={"max_tokens": "7", "temperature": "0.2", "csrf_token": token}
+    )
+    assert "Saved." in r.text
+    r = client.post("/settings/generation", data={"top_p": "3", "csrf_token": token})
+    assert "Not saved: top p must be between" in r.text
+    with connect(client) as ws:
+        send(ws, type="send", text="hi", conversation_id="")
+        frames = until(ws, r'data-state="idle"')
+    cid = conversation_id(frames)
+    assert fake.history[-1].sampling.max_tokens == 7 and fake.history[-1].sampling.temperature == 0.2
+    r = client.post(
+        f"/c/{cid}/generation", data={"max_tokens": "3", "system": "Be brief.", "csrf_token": token}
+    )
+    assert "Saved." in r.text
+    with connect(client) as ws:
+        send(ws, type="send", text="again", conversation_id=cid)
+        until(ws, r'data-state="idle"')
+    request = fake.history[-1]
+    assert request.sampling.max_tokens == 3 and request.sampling.temperature == 0.2
+    assert request.messages[0]["role"] == "system" and request.messages[0]["content"].endswith("Be brief.")
+    assert client.post(f"/c/{cid}/generation", data={"max_tokens": "3"}).status_code == 403  # no CSRF token
+
+
+def test_titles_cut_at_a_word() -> None:
+    assert make_title("fix the bug") == "fix the bug"
+    title = make_title("please explain how the context gauge is computed for agent turns and slash commands")
+    assert title.endswith("…") and len(title) <= 60 and not title[:-1].endswith(" ")
+    assert make_title("  \n first line\nsecond") == "first line"
