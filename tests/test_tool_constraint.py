@@ -24,11 +24,11 @@ CLOSE_AFTER = 48  # then closing characters are favoured, so strings and objects
 def tokenizer(model_home):
     from transformers import AutoTokenizer
 
-    from engine.models import AGENT_MODEL
+    from webapp.agent.loop import DEFAULT_AGENT_MODEL
 
-    path = model_home / "models" / AGENT_MODEL
+    path = model_home / "models" / DEFAULT_AGENT_MODEL
     if not path.is_dir():
-        pytest.skip(f"the agent model {AGENT_MODEL} is not installed (`make setup`)")
+        pytest.skip(f"the agent model {DEFAULT_AGENT_MODEL} is not installed (`make setup`)")
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -1,18 +1,35 @@
 """`flashcode route [--json] PROMPT`: the agent's routing decision for one prompt, with the three
 label scores (log-probabilities after the routing prompt). For debugging and evaluation; the web
-app routes through the same `webapp.agent.router.route_step`. Part of the command line."""
+app routes through the same `webapp.agent.router.route_step`.
+
+`flashcode agent --project DIR [--model NAME] [--backend B] [--approve ask|all|none] [--max-steps N]
+[--json] TASK`: one agent task in the terminal through the same `AgentSession` tool loop as the web
+app (approvals asked on the terminal with `ask`); `--json` prints one object: answer, steps (tool,
+arguments, decision, ok, exit_code) and stats. Part of the command line."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from engine import paths
+from engine.base import SamplingParams
+from engine.worker import Worker
 
 from . import engine_host
+from .agent import events as ev
+from .agent.agent import AgentSession
+from .agent.loop import DEFAULT_AGENT_MODEL, DEFAULT_MAX_STEPS
 from .agent.router import route_step
+from .agent.search import DDGSProvider
+from .agent.store import AgentStore
+from .db import connect_memory
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -52,3 +69,123 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_route)
+    register_agent(sub)
+
+
+# --------------------------------------------------------------------------- flashcode agent
+def terminal_approval(mode: str) -> Any:
+    """The approval callback for `--approve`: all (approve everything), none (deny everything), ask."""
+
+    async def approve(p: ev.Proposal) -> ev.Decision:
+        if mode == "all":
+            return ev.Decision.once()
+        if mode == "none":
+            return ev.Decision.deny("the agent runs with --approve none")
+        what = "run" if p.tool == "shell" else "write"
+        print(
+            f"\n{p.diff or ''}The agent wants to {what}: {p.command}\n  ({p.sandbox or p.rule_text})",
+            file=sys.stderr,
+        )
+        answer = await asyncio.to_thread(input, "Allow? [y/N] ")
+        return (
+            ev.Decision.once() if answer.strip().lower() in ("y", "yes") else ev.Decision.deny(answer.strip())
+        )
+
+    return approve
+
+
+def _progress(e: ev._Event) -> None:
+    if isinstance(e, ev.ToolStep):
+        print(f"[{e.step}/{e.max_steps}] {e.tool} {json.dumps(e.arguments)[:200]}", file=sys.stderr)
+    elif isinstance(e, ev.ToolStepDone):
+        code = f" exit {e.exit_code}" if e.exit_code is not None else ""
+        print(f"    -> {'ok' if e.ok else 'failed'} ({e.decision}{code}) {e.result[:160]!r}", file=sys.stderr)
+    elif isinstance(e, ev.ActionOutput):
+        sys.stderr.write(e.text)
+    elif isinstance(e, ev.Notice | ev.StepLimitReached):
+        print(f"    {getattr(e, 'text', '') or f'step limit reached ({e.steps})'}", file=sys.stderr)
+
+
+async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    answer, finish, stats, error = "", None, {}, None
+    async for e in session.run_turn(task):
+        if echo:
+            _progress(e)
+            if isinstance(e, ev.AnswerDelta):
+                sys.stdout.write(e.text)
+                sys.stdout.flush()
+        if isinstance(e, ev.AnswerDone):
+            answer, finish, stats, error = e.text or answer, e.finish_reason, e.stats, e.error
+    loop = session.loop
+    return {
+        "answer": answer,
+        "steps": list(loop.records) if loop else [],
+        "stats": {
+            "steps": loop.steps if loop else 0,
+            "step_limit_reached": bool(loop and loop.steps >= loop.limit),
+            "time_s": round(time.perf_counter() - t0, 3),
+            "finish_reason": finish,
+            "error": error,
+            "tool_loop": loop is not None,
+            "constrained": session.constrained,
+            "last_reply": stats,
+        },
+    }
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    if args.data_dir:
+        os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
+    project = Path(args.project).expanduser().resolve()
+    if not project.is_dir():
+        print(f"flashcode agent: --project {args.project} is not a directory", file=sys.stderr)
+        return 2
+    model = args.model or DEFAULT_AGENT_MODEL
+    worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, model))
+    try:
+        backend, loaded = worker.call(lambda b: (b.name, b.model.name if b.model else None))
+        session = AgentSession(
+            worker,
+            project,
+            request_approval=terminal_approval(args.approve),
+            store=AgentStore(connect_memory()),
+            search=DDGSProvider(),
+            max_steps=args.max_steps,
+            constrained=not args.unconstrained,
+            approve_edits=args.approve == "all",
+            sampling=SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed),
+        )
+        result = asyncio.run(run_agent_task(session, args.task, echo=not args.json))
+    finally:
+        worker.close()
+    result["stats"].update(model=loaded, backend=backend, project=str(project))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+    return 0 if result["stats"]["finish_reason"] not in ("error",) else 1
+
+
+def register_agent(sub: Any) -> None:
+    p = sub.add_parser(
+        "agent", help="run one agent task in a project: the model reads, edits and runs, you approve"
+    )
+    p.add_argument("task")
+    p.add_argument("--project", required=True, help="the project directory the agent works in")
+    p.add_argument("--model", default=None, help=f"installed model name (default: {DEFAULT_AGENT_MODEL})")
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
+    p.add_argument(
+        "--approve",
+        default="ask",
+        choices=["ask", "all", "none"],
+        help="ask on the terminal (default), approve every edit and command (still sandboxed), or deny all",
+    )
+    p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
+    p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")
+    p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512, help="reply budget of each step")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_agent)

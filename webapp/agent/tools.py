@@ -50,27 +50,12 @@ def _params(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
 
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}
+# the order the model sees them in (small models favour the first ones)
 SPECS: tuple[ToolSpec, ...] = (
-    ToolSpec(
-        "list_files",
-        "List the files of the project (or of one folder in it), skipping what .gitignore ignores.",
-        _params([], path={**_STR, "description": "folder relative to the project root; default ."}),
-    ),
     ToolSpec(
         "read_file",
         "Read a text file of the project, with line numbers; optionally only lines start_line..end_line.",
         _params(["path"], path=_STR, start_line=_INT, end_line=_INT),
-    ),
-    ToolSpec(
-        "search_text",
-        "Search the project's files for a regular expression; returns path:line: text for each match.",
-        _params(["pattern"], pattern=_STR, path={**_STR, "description": "folder or file; default ."}),
-    ),
-    ToolSpec(
-        "edit_file",
-        "Replace one exact piece of text in a file. old_text must occur exactly once in the file.",
-        _params(["path", "old_text", "new_text"], path=_STR, old_text=_STR, new_text=_STR),
-        "write",
     ),
     ToolSpec(
         "write_file",
@@ -79,10 +64,26 @@ SPECS: tuple[ToolSpec, ...] = (
         "write",
     ),
     ToolSpec(
+        "edit_file",
+        "Replace one exact piece of text in a file. old_text must occur exactly once in the file.",
+        _params(["path", "old_text", "new_text"], path=_STR, old_text=_STR, new_text=_STR),
+        "write",
+    ),
+    ToolSpec(
         "run_command",
         "Run a bash command in the project directory and get its output and exit code.",
         _params(["command"], command=_STR),
         "shell",
+    ),
+    ToolSpec(
+        "list_files",
+        "List the files of the project (or of one folder in it), skipping what .gitignore ignores.",
+        _params([], path={**_STR, "description": "folder relative to the project root; default ."}),
+    ),
+    ToolSpec(
+        "search_text",
+        "Search the project's files for a regular expression; returns path:line: text for each match.",
+        _params(["pattern"], pattern=_STR, path={**_STR, "description": "folder or file; default ."}),
     ),
     ToolSpec(
         "web_search", "Search the web; returns numbered results.", _params(["query"], query=_STR), "network"
