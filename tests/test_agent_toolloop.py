@@ -321,10 +321,16 @@ def test_toolloop_step_cards_render_escaped() -> None:
 
     env = Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape())
     views = AgentViews(env)
-    card = views.event(ev.ToolStep(2, "call_x", "write_file", {"path": "<b>.py", "content": "a\n" * 100}, 25, 0.0))
-    assert 'id="step-call_x"' in card and "Step 2/25" in card and "&lt;b&gt;.py" in card and "<details>" in card
+    card = views.event(
+        ev.ToolStep(2, "call_x", "write_file", {"path": "<b>.py", "content": "a\n" * 100}, 25, 0.0)
+    )
+    assert (
+        'id="step-call_x"' in card and "Step 2/25" in card and "&lt;b&gt;.py" in card and "<details>" in card
+    )
     done = views.event(
-        ev.ToolStepDone(2, "call_x", "run_command", False, "once", "exit code 1\n<script>", "<script>x", 1, 7, 0.4)
+        ev.ToolStepDone(
+            2, "call_x", "run_command", False, "once", "exit code 1\n<script>", "<script>x", 1, 7, 0.4
+        )
     )
     assert 'data-exit-code="1"' in done and "<script>" not in done and "approved" in done and "Failed" in done
     denied = views.event(ev.ToolStepDone(3, "c", "edit_file", False, "deny", "Denied by the user: no", ""))
