@@ -3,6 +3,8 @@
 Same measurements as `flashcode bench flash` (engine.flash.bench), for machines where a memory
 cgroup cannot be made (e.g. a gVisor sandbox): the flash engine runs under its own byte budget
 (`--memory-budget`) and reports peak RSS; the compute ceiling is the same model held in GPU memory.
+The JSON starts with `provenance()` (command, commit — `FLASHCODE_GIT_COMMIT` on a machine without
+.git —, machine) and keeps both runs' raw numbers and token ids.
 
     python bench/flash_gpu.py --work /root/flash --preset llama-8b --budget 1.75GB --tokens 16 --out OUT.json
 """
@@ -23,6 +25,7 @@ def main() -> int:
     from engine.flash.reader import measure_bandwidth
     from engine.flash.split import load_manifest, split_model
     from engine.flash.synth import synth_model
+    from engine.provenance import provenance
     from webapp.units import parse_size
 
     ap = argparse.ArgumentParser()
@@ -46,6 +49,7 @@ def main() -> int:
     print(f"model ready in {time.perf_counter() - t0:.0f} s on {mx.default_device()}", flush=True)
     bytes_per_token = sum(u.padded for u in man.dense_units())
     res: dict = {
+        **provenance(),
         "model": args.preset,
         "model_bytes": sum(f.stat().st_size for f in model.glob("model*.safetensors")),
         "device": str(mx.default_device()),

@@ -13,6 +13,13 @@ the page cache dropped before each capped run:
 - llama-server (mmap, -t 2) on the GGUF under the same cap (`vs_llama`).
 I/O ceiling = bandwidth / ((1 - hit rate) x expert bytes a token routes to); ceiling = min(I/O,
 compute); `ceiling_ratio` = flash decode tok/s / ceiling. Runs as root (cgroups).
+
+`--repeats N` runs flash N times (a fresh process each; every run's numbers and token ids are kept;
+the summary takes the median tok/s); `--profile` adds one profiled flash run per routing: per decode
+token and per MoE layer, where the time goes (router + readback, cache, read wait, host-to-device copy,
+bank update, expert compute, the rest of the token), each part evaluated on the spot (engine/flash/moe.py
+`MoEProfile`); `--compare "NAME:FLAGS;..."` adds flash runs with other engine flags (e.g. the previous
+device path: `legacy:--pipeline legacy`). The output starts with `provenance()` (command, commit, machine).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from engine.flash.bench import (  # noqa: E402
     run_child,
     run_llama,
 )
+from engine.provenance import provenance  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -71,12 +79,18 @@ def child_main(args: argparse.Namespace) -> None:
         expert_prefetch=args.prefetch_next,
         routing_bias=args.bias,
         direct_io=not args.buffered,
+        **({"io_threads": args.io_threads} if args.io_threads else {}),
     )
     t0 = time.perf_counter()
     backend.load(ModelInfo(path.name, path, "qwen3_moe", 0, split_path=path / "split"))
     load_s = time.perf_counter() - t0
     es = backend.expert_stream
     es.record = True
+    es.profile = args.profile
+    if args.pipeline:
+        es.pipeline = args.pipeline
+    if args.read_chunk >= 0:
+        es.read_chunk = args.read_chunk or None  # 0: the reader's own chunk (one preadv per expert)
     req = GenerationRequest(
         prompt=args.prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens)
     )
@@ -91,6 +105,7 @@ def child_main(args: argparse.Namespace) -> None:
                     **moe_counters(es),
                     "bytes": backend.reader.stats.bytes,
                     "trace": len(es.stats.trace),
+                    "profile": es.prof.snapshot(),
                 }
         else:
             done = ev
@@ -122,10 +137,30 @@ def child_main(args: argparse.Namespace) -> None:
         "read_wait_s_total": round(es.stats.read_wait_s, 3),  # the compute thread blocked on expert reads
         "prefetched": es.stats.prefetched,
         "prefetch_used": es.stats.prefetch_used,
+        "pipeline": es.pipeline if not es.host_writes else "host_writes",
+        "profiled": args.profile,
+        "profile": decode_profile(first["profile"], es.prof.snapshot(), decode_tokens, s.decode_tps),
         "extra": s.extra,
         "error": done.error,
     }
     print(json.dumps(out, default=str))
+
+
+def decode_profile(
+    before: dict[str, Any], after: dict[str, Any], tokens: int, tps: float | None
+) -> dict[str, Any]:
+    """The decode part of a run's MoE profile: ms per token and us per MoE layer call for each part; `other`
+    = the token's wall time (1 / decode tok/s) less the parts (attention graph, sampling, the rest)."""
+    calls = after["calls"] - before["calls"]
+    parts = {k: after[k] - before[k] for k in after if k != "calls"}
+    out: dict[str, Any] = {"decode_tokens": tokens, "layer_calls": calls,
+                           "ms_per_token": {k: round(1000 * v / tokens, 3) for k, v in parts.items()},
+                           "us_per_layer": {k: round(1e6 * v / max(1, calls), 1) for k, v in parts.items()}}  # fmt: skip
+    if tps:
+        token_ms = 1000 / tps
+        out["token_ms"] = round(token_ms, 3)
+        out["ms_per_token"]["other"] = round(token_ms - sum(out["ms_per_token"].values()), 3)
+    return out
 
 
 def run_flash(
@@ -142,7 +177,7 @@ def run_flash(
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
            "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, "--bias", str(bias),
            *child_flags,
-           *(["--prefetch-next"] if prefetch_next else [])]  # fmt: skip
+           *(["--prefetch-next", str(int(prefetch_next))] if prefetch_next else [])]  # fmt: skip
     cg = MemoryCgroup("flashcode-moe", cap)
     t0 = time.perf_counter()
     try:
@@ -205,7 +240,7 @@ def prepare(
     from engine.flash.synth_moe import export_gguf_moe, synth_moe
 
     model = work / f"{preset}-l{layers or 'all'}-skew{skew:g}"
-    if not (model / "model.safetensors").exists():
+    if not (model / "model.safetensors").exists() and not (model / "split/manifest.json").exists():
         log(f"synth {model.name} ...")
         synth_moe(preset, model, layers=layers, skew=skew, progress=False)
     if not (model / "split/manifest.json").exists():
@@ -230,9 +265,12 @@ def bench_one(
     skip: set[str],
     timeout: float,
     compute_tps: float | None = None,
-    prefetch_next: bool = False,
+    prefetch_next: int = 0,
     biases: tuple[float, ...] = (),
     child_flags: tuple[str, ...] = (),
+    repeats: int = 1,
+    profile: bool = False,
+    compare: tuple[tuple[str, tuple[str, ...]], ...] = (),
 ) -> dict[str, Any]:
     from engine.flash.split import load_manifest
 
@@ -246,12 +284,31 @@ def bench_one(
     res["page_cache_dropped"] = drop_page_cache()
     res["bandwidth"] = expert_bandwidth(model / "split", in_flight=k)
     log(f"  bandwidth {res['bandwidth']['bandwidth_Bps'] / 1e9:.2f} GB/s ({k} expert reads in flight)")
-    drop_page_cache()
-    res["flash"] = run_flash(
-        model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=child_flags
-    )
-    f = res["flash"]
-    log(f"  flash: {f['status']} {f.get('decode_tps', 0):.3f} tok/s, hit {f.get('decode_hit_rate')}")
+    res["flash_runs"] = []
+    for r in range(repeats):
+        drop_page_cache()
+        f = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=child_flags)
+        res["flash_runs"].append(f)
+        log(f"  flash {r + 1}/{repeats}: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, hit {f.get('decode_hit_rate')}, "
+            f"read wait {f.get('read_wait_s_total')} s")  # fmt: skip
+    tps_runs = [f.get("decode_tps") or 0.0 for f in res["flash_runs"]]
+    median = sorted(tps_runs)[(len(tps_runs) - 1) // 2]  # the lower middle for an even count
+    res["flash"] = res["flash_runs"][tps_runs.index(median)]
+    if profile:  # one more run, each part evaluated on the spot: slower, but it says where the time goes
+        drop_page_cache()
+        f = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next,
+                      child_flags=(*child_flags, "--profile"))  # fmt: skip
+        res["profile"] = f
+        parts = (f.get("profile") or {}).get("ms_per_token")
+        log(f"  profiled: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s; ms/token {parts}")
+    for name, flags in compare:  # the same cap and model, other engine flags (e.g. the previous device path)
+        drop_page_cache()
+        f = run_flash(
+            model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=(*child_flags, *flags)
+        )
+        res.setdefault("compare", {})[name] = {"flags": list(flags), **f}
+        log(f"  {name} ({' '.join(flags)}): {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, "
+            f"hit {f.get('decode_hit_rate')}")  # fmt: skip
     if (
         compute_tps
     ):  # the model does not fit in RAM here: a compute ceiling measured elsewhere, labelled as such
@@ -284,7 +341,15 @@ def bench_one(
     return summarize(res, unit * k * cfg["num_hidden_layers"])
 
 
+def ceiling_of(run: dict[str, Any], bandwidth: float, routed_bytes: int, compute: float | None) -> float:
+    """min(I/O ceiling at this run's decode hit rate, compute ceiling)."""
+    io = bandwidth / max(1.0, (1 - (run.get("decode_hit_rate") or 0.0)) * routed_bytes)
+    return min(io, compute) if compute else io
+
+
 def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
+    """Summary keys from the raw runs: the median flash run's tok/s and hit rate against this run's
+    bandwidth and in-RAM tok/s; every repeat's ratio beside it."""
     flash, ram = res["flash"], res.get("ram", {})
     tps = flash.get("decode_tps") or 0.0
     hit = flash.get("decode_hit_rate") or 0.0
@@ -293,7 +358,12 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
     io = bw / need
     compute = ram.get("decode_tps") or None
     ceiling = min(io, compute) if compute else io
+    runs = res.get("flash_runs") or [flash]
+    every = [flash, *runs, *([res["profile"]] if "profile" in res else []), *res.get("compare", {}).values()]
+    same = all(f.get("tokens") == ram.get("tokens") for f in every) if ram.get("tokens") else None
     res.update({
+        "decode_tps_runs": [f.get("decode_tps") for f in runs],
+        "ceiling_ratio_runs": [_ratio(f.get("decode_tps"), ceiling_of(f, bw, routed_bytes, compute)) for f in runs],
         "decode_tps": tps, "ttft_s": flash.get("ttft_s"), "hit_rate": hit,
         "policy_hit_rates": flash.get("policy_decode_hit_rates"),
         "routed_bytes_per_token": routed_bytes, "bytes_per_token": flash.get("decode_bytes_per_token"),
@@ -301,10 +371,24 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
         "io_ceiling_tps": io, "compute_ceiling_tps": compute, "ceiling_tps": ceiling,
         "ceiling_bound": "compute" if compute and compute < io else "io",
         "ceiling_ratio": _ratio(tps, ceiling), "vs_llama": _ratio(tps, res.get("llama", {}).get("decode_tps")),
-        "same_tokens_as_ram": flash.get("tokens") == ram.get("tokens") if ram.get("tokens") else None,
+        "same_tokens_as_ram": same,
         "cgroup_peak_bytes": flash.get("cgroup_peak_bytes"), "peak_rss_bytes": flash.get("peak_rss_bytes"),
     })  # fmt: skip
     return res
+
+
+def device_name() -> str:
+    """MLX's default device and, on CUDA, the card (nvidia-smi), for the result's `device`."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import mlx.core as mx; print(mx.default_device())"],
+                             capture_output=True, text=True, timeout=120).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        out = "unknown"
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True)  # fmt: skip
+        out += f" ({q.stdout.strip()})"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +402,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-cap", type=_size, default=None)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--policy", default="lru")
-    ap.add_argument("--prefetch-next", action="store_true", help="opt-in, exact: next-layer expert prefetch")
+    ap.add_argument("--prefetch-next", type=int, nargs="?", const=1, default=0,
+                    help="opt-in, exact: read the guessed experts of the next N layers ahead (default 1 when given)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1, help="flash runs per routing (fresh processes)")
+    ap.add_argument(
+        "--profile", action="store_true", help="add a profiled flash run per routing (time per part)"
+    )
+    ap.add_argument(
+        "--compare", default="", help='extra flash runs with other flags: "NAME:FLAGS;NAME:FLAGS"'
+    )
+    ap.add_argument(
+        "--pipeline", default="", choices=["", "overlap", "legacy"], help="device path (engine default)"
+    )
+    ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")
+    ap.add_argument("--read-chunk", type=int, default=-1,
+                    help="bytes per preadv of an expert read (0: one per expert; -1: the engine's default)")  # fmt: skip
     ap.add_argument(
         "--top-k", type=int, default=0, help="opt-in, lossy: fewer active experts (0 = the model's)"
     )
@@ -358,12 +456,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.memory_cap:
         ap.error("--memory-cap is required")
-    child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []))
+    child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []),
+                   *(["--pipeline", args.pipeline] if args.pipeline else []),
+                   *(["--io-threads", str(args.io_threads)] if args.io_threads else []),
+                   *(["--read-chunk", str(args.read_chunk)] if args.read_chunk >= 0 else []))  # fmt: skip
+    compare = tuple((name.strip(), tuple(flags.split())) for name, _, flags in
+                    (c.partition(":") for c in args.compare.split(";") if c.strip()))  # fmt: skip
     work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")
-    results: dict[str, Any] = {"preset": args.preset, "layers": args.layers, "policy": args.policy,
+    results: dict[str, Any] = {**provenance(), "preset": args.preset, "layers": args.layers, "policy": args.policy,
                                "engine_share": args.engine_share, "buffered": args.buffered,
-                               "prefetch_next": args.prefetch_next,
-                               "top_k": args.top_k or None, "machine": {"cpus": os.cpu_count()}, "runs": {}}  # fmt: skip
+                               "prefetch_next": args.prefetch_next, "memory_cap": args.memory_cap,
+                               "tokens": args.tokens, "repeats": args.repeats, "device": device_name(),
+                               "top_k": args.top_k or None, "runs": {}}  # fmt: skip
     for routing in args.routing.split(","):
         skew = 0.0 if routing == "uniform" else args.skew
         model = prepare(
@@ -372,13 +476,22 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{routing} routing ({model.name}) under {args.memory_cap / 1e9:.2f} GB ...")
         results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
                                              set(args.skip), args.timeout, args.compute_ceiling, args.prefetch_next,
-                                             tuple(float(b) for b in args.routing_bias.split(",") if b), child_flags)  # fmt: skip
+                                             tuple(float(b) for b in args.routing_bias.split(",") if b), child_flags,
+                                             args.repeats, args.profile, compare)  # fmt: skip
         if not args.keep:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))
     for key in ("decode_tps", "ttft_s", "hit_rate", "bytes_per_token", "measured_bandwidth_Bps", "io_ceiling_tps",
                 "compute_ceiling_tps", "ceiling_tps", "ceiling_ratio", "vs_llama"):  # fmt: skip
         results[key] = head.get(key)
+    for routing, run in results["runs"].items():  # the keys the checks read
+        results[f"ceiling_ratio_{routing}"] = run.get("ceiling_ratio")
+        results[f"decode_tps_{routing}"] = run.get("decode_tps")
+    results["same_tokens_as_ram"] = (
+        all(r.get("same_tokens_as_ram") for r in results["runs"].values())
+        if all(r.get("same_tokens_as_ram") is not None for r in results["runs"].values())
+        else None
+    )
     text = json.dumps(results, indent=1, default=str)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

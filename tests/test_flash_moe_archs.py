@@ -62,7 +62,7 @@ def make_model(arch: str, out: Path) -> Path:
     return out
 
 
-def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[Any, Any]:
+def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0, prefetch: int = 0) -> tuple[Any, Any]:
     """The split model as FlashBackend builds it (`stream_model`), with `slots` experts per layer's bank."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
@@ -78,7 +78,8 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[An
     plan = plan_budget(man, None, 2, 256, 128)
     unit = max(u.padded for u in man.units if u.kind == "expert")
     layers = len(expert_units(man))
-    staging = 2 * 2 * unit + (0 if man.dense_units() else -plan.buffers)  # load_experts' staging for top-2
+    # load_experts' staging for top-2 (+ the guessed reads' regions)
+    staging = (2 + prefetch) * 2 * unit + (0 if man.dense_units() else -plan.buffers)
     budget = (
         plan.fixed
         + 256 * plan.per_token
@@ -86,7 +87,14 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0) -> tuple[An
         + slots * layers * resident_expert_bytes(expert_units(man))
     )
     _, experts = stream_model(
-        obj, man, UnitReader(man.units_path), plan, budget, verify=True, routing_bias=routing_bias
+        obj,
+        man,
+        UnitReader(man.units_path),
+        plan,
+        budget,
+        verify=True,
+        routing_bias=routing_bias,
+        expert_prefetch=prefetch,
     )
     assert experts.cache.slots == slots
     experts.record = True
@@ -202,3 +210,39 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
     toks, logits = greedy(model)
     assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
     assert stream.stats.experts_read > 3 * 4
+
+
+@pytest.mark.parametrize("pipeline,prefetch", [("overlap", 0), ("overlap", 2), ("legacy", 1)])
+def test_device_pipelines_give_the_same_answer(
+    pipeline: str, prefetch: int, tmp_path: Path, model_home: Path
+) -> None:
+    """The device paths — each expert copied as its read lands (overlap) or after all (legacy), with the exact
+    multi-layer guess-ahead read in the router's own sync — give mlx-lm's tokens and logits, profiled or not."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.split import split_model
+
+    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
+    split_model(model_dir, progress=False)
+    ref, _ = load_model(model_dir)
+    ref.set_dtype(mx.float32)
+    toks_ref, logits_ref = greedy(ref)
+    syncs: set[int] = set()
+    for profile in (False, True):
+        model, stream = streamed(model_dir, slots=3, prefetch=prefetch)
+        stream.host_writes, stream.pipeline, stream.profile = False, pipeline, profile
+        toks, logits = greedy(model)
+        assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
+        assert stream.stats.experts_read > 3 * 4
+        # only grouped prefill adds syncs, never the guesses
+        syncs.add(stream.stats.host_syncs - stream.stats.calls)
+        if prefetch:
+            assert stream.stats.prefetched > 0 and stream.stats.prefetch_used > 0
+        prof = stream.prof.snapshot()
+        assert prof["calls"] == stream.stats.calls and prof["router"] > 0 and prof["read_wait"] > 0
+        assert (prof["wait_input"] > 0) == profile
+        stream.close()
+    plain, plain_stream = streamed(model_dir, slots=3)
+    greedy(plain)
+    assert syncs == {plain_stream.stats.host_syncs - plain_stream.stats.calls}

@@ -21,6 +21,7 @@ What it does not know: budgets (backend.py sizes the cache), tokenization, atten
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -84,8 +85,40 @@ class MoEStats:
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
+PROFILE_PARTS = ("wait_input", "router", "cache", "read_wait", "h2d", "bank", "compute", "prefetch")
+
+
+@dataclass
+class MoEProfile:
+    """Where the MoE layers' time goes, in seconds summed over calls. Always counted on the host (a few
+    `perf_counter` calls per layer); with `ExpertStream.profile` on, each part that queues device work is
+    also evaluated on the spot (extra syncs), so device time lands in the part that caused it — a profiled
+    run is slower than a plain one; its parts say where the time goes, the plain run says how fast it is.
+
+    wait_input: profile only, the device finishing what precedes the router (this layer's attention, the
+    previous layer's experts); router: router + top-k + reading the choice back (the layer's one host sync);
+    cache: ids -> slots (unique, policy, slot table); read_wait: waiting for missed experts' reads;
+    h2d: host-to-device copies of their bytes; bank: bank updates (profile: evaluated); compute: the
+    experts' matmuls (profile: evaluated); prefetch: guessing and issuing speculative reads (opt-in)."""
+
+    calls: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROFILE_PARTS, 0.0))
+
+    def add(self, part: str, dt: float) -> None:
+        self.seconds[part] += dt
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"calls": self.calls, **{k: round(v, 6) for k, v in self.seconds.items()}}
+
+
 class ExpertStream:
-    """Per-layer banks + the cache + parallel reads of misses. One instance serves every MoE layer."""
+    """Per-layer banks + the cache + parallel reads of misses. One instance serves every MoE layer.
+
+    Device path (`host_writes` False): `pipeline = "overlap"` (default) copies each missed expert to the
+    device as its read lands — one host-to-device copy of the expert's bytes, then per-tensor views into
+    its bank slot, started at once (`mx.async_eval`) so the copy runs while the other reads are still in
+    flight; `"legacy"` is the earlier path (all reads waited for, then one copy per tensor), kept to
+    measure against. Either way no host sync per miss."""
 
     def __init__(self, man: Manifest, reader: UnitReader, cache: ExpertCache, max_misses: int = 16,
                  verify: bool = False, record: bool = False) -> None:  # fmt: skip
@@ -103,6 +136,7 @@ class ExpertStream:
         self.max_misses = max(1, min(max_misses, cache.slots))
         self.staging = AlignedBuffer(self.max_misses * self.unit_bytes)
         self.template: dict[int, list[UnitTensor]] = {li: self.units[li][0].tensors for li in self.layers}
+        self.used_bytes = {li: max(t.offset + t.nbytes for t in ts) for li, ts in self.template.items()}
         self.banks: list[dict[str, Any]] = []
         for li in self.layers:
             bank = {
@@ -126,85 +160,137 @@ class ExpertStream:
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
         self.record = record
+        self.pipeline = "overlap"  # device path: "overlap" or "legacy" (see the class docstring)
+        # one expert read spread over several preadv calls: a single miss still keeps the disk queue deep
+        self.read_chunk: int | None = 512 << 10
+        self.prof = MoEProfile()
+        self.profile = False  # True: evaluate each part on the spot (MoEProfile)
+        self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
+        self.pf_depth = 0
+        self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
 
     @property
     def bank_bytes(self) -> int:
         return sum(a.nbytes for b in self.banks for a in b.values())
 
-    def ensure(self, i: int, ids: np.ndarray) -> None:
-        """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i]."""
-        res = self.cache.access(i, [int(k) for k in ids])
+    def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None) -> None:
+        """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
+        `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued)."""
+        t0 = time.perf_counter()
+        res = self.cache.access(i, ids.tolist())
         misses = [(k, s) for k, s, hit in res if not hit]
-        for k, s, _ in res:
-            self.slot_of[i, k] = s
+        self.slot_of[i, [k for k, _, _ in res]] = [s for _, s, _ in res]
+        self.prof.add("cache", time.perf_counter() - t0)
         ready = self._take_prefetched(i)
-        for j in range(0, len(misses), self.max_misses):
-            self._load(i, misses[j : j + self.max_misses], ready)
+        if not misses:
+            self._drain(ready)
+            if guesses:
+                self.prefetch(i, guesses)
+            return
+        n, mm = len(misses), self.max_misses
+        for j in range(0, n, mm):  # the guesses go out with the last group (they reuse this layer's region)
+            self._load(i, misses[j : j + mm], ready, guesses if j + mm >= n else None)
 
     # ------------------------------------------------------------------ opt-in next-layer prefetch
-    def enable_prefetch(self, k: int) -> None:
-        """Guess layer i+1's experts from layer i's input and start reading the uncached ones (exact: a
-        wrong guess costs only bandwidth; prefetched bytes enter the bank only when the router picks them)."""
-        self.pf_staging = AlignedBuffer(k * self.unit_bytes)
-        self.pf_k = k
-        self.pf: dict[int, tuple[int, Any]] = {}  # expert -> (position in pf_staging, future)
-        self.pf_layer = -1
-
-    def prefetch(self, i: int, guess: np.ndarray) -> None:
-        if getattr(self, "pf_k", 0) == 0 or i >= len(self.layers):
-            return
-        self._take_prefetched(-1)  # drain the previous guesses before their buffer is reused
-        layer, ub, resident = self.layers[i], self.unit_bytes, self.cache.layers[i].slot
-        todo = [int(k) for k in guess if int(k) not in resident][: self.pf_k]
-        for j, k in enumerate(todo):
-            u = self.units[layer][k]
-            part = SimpleNamespace(size=ub, view=self.pf_staging.view[j * ub : (j + 1) * ub])
-            self.pf[k] = (j, self.reader.read(part, u.offset, u.length))  # type: ignore[arg-type]
-        self.pf_layer = i
-        self.stats.prefetched += len(todo)
-
-    def _take_prefetched(self, i: int) -> dict[int, memoryview]:
-        """Completed prefetches for layer index `i` (all pending ones are waited for and dropped)."""
-        if not getattr(self, "pf", None):
-            return {}
-        ub, out = self.unit_bytes, {}
-        for k, (j, fut) in self.pf.items():
-            fut.exception()
-            if self.pf_layer == i:
-                out[k] = self.pf_staging.view[j * ub : (j + 1) * ub]
+    def enable_prefetch(self, k: int, depth: int = 1) -> None:
+        """Guess the experts of the next `depth` layers from layer i's input (their routers on it) and start
+        reading the uncached ones (exact: a wrong guess costs only bandwidth; prefetched bytes enter the
+        bank only when the router picks them). Layer j's guesses use staging region j % depth."""
+        self.pf_k, self.pf_depth = k, max(1, depth)
+        self.pf_staging = AlignedBuffer(self.pf_depth * k * self.unit_bytes)
         self.pf = {}
-        return out
+
+    def prefetch(self, i: int, guesses: list[np.ndarray]) -> None:
+        """Layer index `i` has consumed its own prefetches: read the guesses for layers i+1 .. i+len(guesses)."""
+        if not self.pf_k:
+            return
+        t0 = time.perf_counter()
+        ub = self.unit_bytes
+        for d, guess in enumerate(guesses, start=1):
+            j = i + d
+            if j >= len(self.layers):
+                break
+            layer, resident = self.layers[j], self.cache.layers[j].slot
+            mine = self.pf.setdefault(j, {})
+            base = (j % self.pf_depth) * self.pf_k
+            for k in (int(e) for e in guess):
+                if len(mine) >= self.pf_k:
+                    break
+                if k in resident or k in mine:
+                    continue
+                pos = base + len(mine)
+                u = self.units[layer][k]
+                part = SimpleNamespace(size=ub, view=self.pf_staging.view[pos * ub : (pos + 1) * ub])
+                mine[k] = (pos, self.reader.read(part, u.offset, u.length, self.read_chunk, speculative=True))  # type: ignore[arg-type]
+                self.stats.prefetched += 1
+        self.prof.add("prefetch", time.perf_counter() - t0)
+
+    def _take_prefetched(self, i: int) -> dict[int, tuple[memoryview, Any]]:
+        """Layer index `i`'s prefetches (expert -> (staging view, future)); its region is free once they are
+        copied. A negative `i` waits for every pending guess and drops them all."""
+        if not self.pf:
+            return {}
+        ub = self.unit_bytes
+        if i < 0:
+            for mine in self.pf.values():
+                for _, fut in mine.values():
+                    fut.exception()
+            self.pf = {}
+            return {}
+        mine = self.pf.pop(i, {})
+        return {k: (self.pf_staging.view[pos * ub : (pos + 1) * ub], fut) for k, (pos, fut) in mine.items()}
 
     def _load(
-        self, i: int, misses: list[tuple[int, int]], ready: dict[int, memoryview] | None = None
+        self,
+        i: int,
+        misses: list[tuple[int, int]],
+        ready: dict[int, tuple[memoryview, Any]] | None = None,
+        guesses: list[np.ndarray] | None = None,
     ) -> None:
-        import mlx.core as mx
-
         layer = self.layers[i]
         ub, ready = self.unit_bytes, ready or {}
-        futs, views = [], []
-        for j, (k, _) in enumerate(misses):  # all reads in flight at once: the pool spreads them
+        futs: dict[Any, tuple[int, int, memoryview]] = {}  # read -> (expert, slot, staging view)
+        landed: list[tuple[int, int, memoryview]] = []  # guessed right: read ahead already
+        for j, (k, s) in enumerate(misses):  # all reads in flight at once: the pool spreads them
             if k in ready:
-                views.append(ready[k])
+                landed.append((k, s, ready[k][0]))
                 self.stats.prefetch_used += 1
                 continue
             u = self.units[layer][k]
             view = self.staging.view[j * ub : (j + 1) * ub]
-            futs.append(self.reader.read(SimpleNamespace(size=ub, view=view), u.offset, u.length))  # type: ignore[arg-type]
-            views.append(view)
+            part = SimpleNamespace(size=ub, view=view)
+            futs[self.reader.read(part, u.offset, u.length, self.read_chunk)] = (k, s, view)  # type: ignore[arg-type]
+        self.stats.experts_read += len(futs)
+        self._drain(ready, {k for k, _, _ in landed})
+        if not self.host_writes and self.pipeline == "overlap":
+            for k, s, view in landed:  # their region is reused by the guesses issued next
+                self._to_bank(i, k, s, view)
+            if guesses:
+                self.prefetch(i, guesses)
+            pending = set(futs)
+            while pending:  # each expert goes to the device as its read lands, while the rest are in flight
+                t0 = time.perf_counter()
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                dt = time.perf_counter() - t0
+                self.prof.add("read_wait", dt)
+                self.stats.read_wait_s += dt
+                for f in done:
+                    f.result()
+                    self._to_bank(i, *futs[f])
+            return
         t0 = time.perf_counter()
         for f in futs:
             f.result()
-        self.stats.read_wait_s += time.perf_counter() - t0
-        self.stats.experts_read += len(futs)
+        dt = time.perf_counter() - t0
+        self.prof.add("read_wait", dt)
+        self.stats.read_wait_s += dt
+        todo = landed + list(futs.values())
         if self.verified is not None:
-            for (k, _), view in zip(misses, views, strict=True):
-                if (layer, k) not in self.verified:
-                    check_unit(self.man, self.units[layer][k], view)
-                    self.verified.add((layer, k))
-        bank = self.banks[i]
+            for k, _, view in todo:
+                self._verify(layer, k, view)
         if self.host_writes:  # CPU: straight into the bank's memory through numpy views (no MLX op, no sync)
-            for (_, s), view in zip(misses, views, strict=True):
+            t0 = time.perf_counter()
+            for _, s, view in todo:
                 raw = np.frombuffer(view, dtype=np.uint8, count=ub)
                 for t in self.template[layer]:
                     src = raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
@@ -213,24 +299,84 @@ class ExpertStream:
                         dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
                     else:
                         np.copyto(dst, src)
+            self.prof.add("h2d", time.perf_counter() - t0)
+        else:
+            self._legacy_to_bank(i, todo)
+        if guesses:
+            self.prefetch(i, guesses)
+
+    def _drain(self, ready: dict[int, tuple[memoryview, Any]], used: set[int] | None = None) -> None:
+        """Wait for a layer's guessed reads (used or not) before their region is reused; a used one must have
+        succeeded."""
+        if not ready:
             return
-        for (_, s), view in zip(misses, views, strict=True):
+        t0 = time.perf_counter()
+        for k, (_, fut) in ready.items():
+            if used and k in used:
+                fut.result()
+            else:
+                fut.exception()
+        dt = time.perf_counter() - t0
+        self.prof.add("read_wait", dt)
+        self.stats.read_wait_s += dt
+
+    def _verify(self, layer: int, k: int, view: memoryview) -> None:
+        if self.verified is not None and (layer, k) not in self.verified:
+            check_unit(self.man, self.units[layer][k], view)
+            self.verified.add((layer, k))
+
+    def _to_bank(self, i: int, k: int, s: int, view: memoryview) -> None:
+        """Device path: one host-to-device copy of expert k's bytes, views of it into bank slot `s`, started now."""
+        import mlx.core as mx
+
+        layer = self.layers[i]
+        self._verify(layer, k, view)
+        t0 = time.perf_counter()
+        raw = mx.array(np.frombuffer(view, dtype=np.uint8, count=self.used_bytes[layer]))
+        t1 = time.perf_counter()
+        self.prof.add("h2d", t1 - t0)
+        bank = self.banks[i]
+        for t in self.template[layer]:
+            new = raw[t.offset : t.offset + t.nbytes].view(_mx_dtype(t.dtype)).reshape(1, *t.shape)
+            if new.dtype != bank[t.name].dtype:
+                new = new.astype(bank[t.name].dtype)  # CPU (tests): float32 scales/biases
+            bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
+        if self.profile:
+            mx.eval(list(bank.values()))
+        else:
+            mx.async_eval(list(bank.values()))  # the device copies it while the other reads land
+        self.prof.add("bank", time.perf_counter() - t1)
+
+    def _legacy_to_bank(self, i: int, todo: list[tuple[int, int, memoryview]]) -> None:
+        """The earlier device path: one `mx.array` per tensor, after every read has landed."""
+        import mlx.core as mx
+
+        layer, bank, ub = self.layers[i], self.banks[i], self.unit_bytes
+        for _, s, view in todo:
             raw = np.frombuffer(view, dtype=np.uint8, count=ub)
             for t in self.template[layer]:
                 # a contiguous view: mx.array copies just these bytes (a strided one copies its whole span)
+                t0 = time.perf_counter()
                 new = mx.array(raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(1, *t.shape))
+                t1 = time.perf_counter()
+                self.prof.add("h2d", t1 - t0)
                 if t.dtype == "BF16":
                     new = new.view(mx.bfloat16)
                 if new.dtype != bank[t.name].dtype:
                     new = new.astype(bank[t.name].dtype)  # CPU: float32 scales/biases (exact, faster)
                 bank[t.name][s : s + 1] = new  # slice update: in place once evaluated, O(expert)
+                self.prof.add("bank", time.perf_counter() - t1)
+        if self.profile and todo:
+            t0 = time.perf_counter()
+            mx.eval(list(bank.values()))
+            self.prof.add("bank", time.perf_counter() - t0)
         # GPU: no sync here; the updates (`mx.array` copied the bytes already) ride in the layer's graph
 
     def close(self) -> None:
         self._take_prefetched(-1)
         self.banks = []
         self.staging.close()
-        if getattr(self, "pf_k", 0):
+        if self.pf_k:
             self.pf_staging.close()
 
 
@@ -245,7 +391,7 @@ class StreamedSwitchGLU:
         self.q = {
             p: q.get(f"model.layers.{layer}.{block_name}.switch_mlp.{p}") or q["default"] for p in PROJS
         }
-        self.next_gate: Any = None  # the next MoE block's router, when next-layer prefetch is on
+        self.next_gates: list[Any] = []  # the next MoE blocks' routers, when next-layer prefetch is on
 
     def _proj(self, x: Any, idx: Any, p: str, sort: bool) -> Any:
         import mlx.core as mx
@@ -272,33 +418,58 @@ class StreamedSwitchGLU:
             y = _scatter_unsort(y, inv, indices_shape)
         return y.squeeze(-2)
 
+    def _guess_ops(self, x: Any, k: int) -> list[Any]:
+        """Lazy top-k guesses of the next layers' experts: their routers on this layer's input (last token)."""
+        import mlx.core as mx
+
+        xl = x.reshape(-1, x.shape[-1])[-1:]
+        out = []
+        for gate in self.next_gates:
+            logits = gate(xl)
+            out.append(mx.argpartition(-logits, kth=k - 1, axis=-1)[0, :k] if k < logits.shape[-1] else
+                       mx.argsort(-logits, axis=-1)[0])  # fmt: skip
+        return out
+
     def __call__(self, x: Any, indices: Any) -> Any:
         import mlx.core as mx
 
         st = self.stream
+        prof = st.prof
+        t0 = time.perf_counter()
+        if st.profile:
+            mx.eval(x)  # the device finishes what precedes the router
+            t1 = time.perf_counter()
+            prof.add("wait_input", t1 - t0)
+            t0 = t1
+        k = indices.shape[-1]
+        guess_ops = self._guess_ops(x, k) if self.next_gates and indices.size <= 64 else []
+        if guess_ops:  # opt-in: decode-sized calls guess the next layers, read back in the same sync
+            mx.eval(indices, *guess_ops)
         chosen = np.array(indices)  # the one host sync of the layer: the router's choice
+        guesses = [np.array(g) for g in guess_ops]
         st.stats.calls += 1
         st.stats.host_syncs += 1
+        prof.calls += 1
+        prof.add("router", time.perf_counter() - t0)
         ids = np.unique(chosen)
         if st.record:
             st.stats.trace.append((self.index, ids.tolist()))
         slots = st.cache.slots
         if len(ids) <= slots:
-            st.ensure(self.index, ids)
-            if (
-                self.next_gate is not None and chosen.size <= 64
-            ):  # opt-in: decode-sized calls guess the next layer
-                logits = np.array(self.next_gate(x.reshape(-1, x.shape[-1])[-1:]))[0]
-                st.stats.host_syncs += 1
-                st.prefetch(self.index + 1, np.argsort(-logits)[: chosen.shape[-1]])
+            st.ensure(self.index, ids, guesses)
+            t0 = time.perf_counter()
             y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
-            if not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
+            if st.profile:
+                mx.eval(y)
+            elif not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
                 mx.async_eval(y)
+            prof.add("compute", time.perf_counter() - t0)
             return y
         out = None  # a prefill chunk needing more experts than the bank: groups of `slots`, each read once
         for g in range(0, len(ids), slots):
             group = ids[g : g + slots]
             st.ensure(self.index, group)
+            t0 = time.perf_counter()
             mine = np.isin(chosen, group)
             table = st.slot_of[self.index]
             idx = np.where(mine, table[chosen], table[group[0]]).astype(np.uint32)
@@ -306,6 +477,7 @@ class StreamedSwitchGLU:
             out = y if out is None else mx.where(mx.array(mine)[..., None], y, out)
             mx.eval(out)  # before the bank's slots are reused by the next group
             st.stats.host_syncs += 1
+            prof.add("compute", time.perf_counter() - t0)
         return out
 
 
@@ -355,7 +527,7 @@ def attach_moe(
     model: Any,
     stream: ExpertStream,
     top_k: int | None = None,
-    prefetch_next: bool = False,
+    prefetch_next: bool | int = False,
     routing_bias: float = 0.0,
 ) -> None:
     """Replace each MoE block's `switch_mlp` with a StreamedSwitchGLU (placeholders leave the tree unevaluated)."""
@@ -376,10 +548,13 @@ def attach_moe(
             if not isinstance(getattr(block, "gate", None), nn.Module):
                 raise ValueError(f"{type(block).__name__} has no router `gate` to bias")
             object.__setattr__(block, "gate", CacheAwareRouter(block["gate"], stream, index, routing_bias))
-    if prefetch_next and len(blocks) > 1:  # opt-in: layer i guesses layer i+1's experts with i+1's router
+    depth = int(prefetch_next)  # True = 1; an int = that many layers ahead
+    if depth and len(blocks) > 1:  # opt-in: layer i guesses layers i+1..i+depth's experts with their routers
         for index in range(len(blocks) - 1):
-            blocks[index][1].switch_mlp.next_gate = blocks[index + 1][1].gate
-        stream.enable_prefetch(block_top_k(blocks[0][1]) or 8)
+            blocks[index][1].switch_mlp.next_gates = [
+                b.gate for _, b in blocks[index + 1 : index + 1 + depth]
+            ]
+        stream.enable_prefetch(block_top_k(blocks[0][1]) or 8, depth)
 
 
 def top_k_of(model: Any) -> int:
@@ -391,7 +566,7 @@ def has_experts(man: Manifest) -> bool:
     return any(u.kind == "expert" for u in man.units)
 
 
-def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool, n_buffers: int) -> int:
+def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool | int, n_buffers: int) -> int:
     """The least the expert cache and its staging take under a budget (top-k experts per layer), as
     `load_experts` sizes them: what `plan_budget` must leave for a MoE split (its `reserve`)."""
     units = expert_units(man)
@@ -407,7 +582,7 @@ def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool, n_buffer
 
 
 def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
-                 top_k: int | None = None, verify: bool = False, prefetch_next: bool = False,
+                 top_k: int | None = None, verify: bool = False, prefetch_next: bool | int = False,
                  routing_bias: float = 0.0) -> ExpertStream:  # fmt: skip
     """Size the expert cache from what the budget leaves (after pinned weights, buffers and a KV cache of
     up to 4096 tokens, else 256), build the banks and attach the streamed layers. Sets `plan.context`."""

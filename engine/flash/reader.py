@@ -85,6 +85,8 @@ class UnitReader:
         self.threads = threads
         self.chunk = max(ALIGN, chunk // ALIGN * ALIGN)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flash-read")
+        # speculative reads (guesses) get a queue of their own, made on first use
+        self._spec: ThreadPoolExecutor | None = None
         self.stats = ReadStats()
         self._lock = threading.Lock()
 
@@ -97,15 +99,31 @@ class UnitReader:
             got += n
         return got
 
-    def read(self, buf: AlignedBuffer, offset: int, length: int) -> Future[float]:
-        """Start reading; the future's result is the read's wall time. `length` is rounded up to ALIGN."""
+    def read(
+        self,
+        buf: AlignedBuffer,
+        offset: int,
+        length: int,
+        chunk: int | None = None,
+        speculative: bool = False,
+    ) -> Future[float]:
+        """Start reading; the future's result is the read's wall time. `length` is rounded up to ALIGN.
+        `chunk`: the most bytes one preadv takes (a smaller one spreads a single unit over more threads,
+        deepening the disk queue when few units are in flight). `speculative`: a guess, read on a queue of
+        its own so that reads the compute waits for never queue behind it."""
         length = -(-length // ALIGN) * ALIGN
         if length > buf.size:
             raise ValueError(f"read of {length} bytes does not fit a {buf.size}-byte buffer")
-        step = max(self.chunk, -(-length // self.threads // ALIGN) * ALIGN)
+        chunk = self.chunk if chunk is None else max(ALIGN, chunk // ALIGN * ALIGN)
+        step = max(chunk, -(-length // self.threads // ALIGN) * ALIGN)
+        pool = self.pool
+        if speculative:
+            if self._spec is None:
+                self._spec = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="flash-guess")
+            pool = self._spec
         t0 = time.perf_counter()
         parts = [
-            self.pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s)
+            pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s)
             for s in range(0, length, step)
         ]
         done: Future[float] = Future()
@@ -135,6 +153,8 @@ class UnitReader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self._spec is not None:
+            self._spec.shutdown(wait=True)
         os.close(self.fd)
 
 
