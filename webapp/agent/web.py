@@ -234,7 +234,6 @@ class AgentTurns:
                     reply.add(e.text)
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
-                    reply = None  # the tool loop writes one reply per step that has words
                 elif fragment := self.web.views.event(e):
                     db.add_event(conversation_id, e.type, e.to_dict())  # the transcript keeps it
                     turn.send(fragment)
