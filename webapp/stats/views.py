@@ -75,8 +75,7 @@ def window_context(
     counts, graded = store.improve(conn, limit=8)
     tps = store.series(conn, "decode_tps", project=project)
     ttft = {
-        b: [(t, v * 1000) for t, v in pts]
-        for b, pts in store.series(conn, "ttft_s", project=project).items()
+        b: [(t, v * 1000) for t, v in pts] for b, pts in store.series(conn, "ttft_s", project=project).items()
     }
     return {
         "totals": total,
