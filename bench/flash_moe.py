@@ -200,14 +200,15 @@ def run_flash(
 # --------------------------------------------------------------------------- bandwidth
 def expert_bandwidth(split: Path, in_flight: int, total: int = 1 << 30) -> dict[str, Any]:
     """Direct reads of random whole experts, `in_flight` at a time (what one layer's misses look like)."""
+    from engine.flash.inplace import open_reader
     from engine.flash.moe import expert_units
-    from engine.flash.reader import AlignedBuffer, UnitReader
+    from engine.flash.reader import AlignedBuffer
     from engine.flash.split import load_manifest
 
     man = load_manifest(split)
     units = [u for us in expert_units(man).values() for u in us]
     size = max(u.padded for u in units)
-    reader = UnitReader(man.units_path, threads=in_flight)
+    reader = open_reader(man, threads=in_flight)
     bufs = [AlignedBuffer(size) for _ in range(in_flight)]
     rng = random.Random(0)
     n = max(in_flight, total // size // in_flight * in_flight)

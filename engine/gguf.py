@@ -606,7 +606,9 @@ def _probe(s: SourceTensor, fd: int) -> tuple[list[TensorSpec], dict[str, int] |
     for suffix, (arr, dtype) in parts.items():
         shape = (*s.lead, *arr.shape[1:]) if s.lead else arr.shape
         specs.append(TensorSpec(f"{s.module}.{suffix}", dtype, tuple(int(d) for d in shape)))
-    return specs, quant
+    return sorted(
+        specs, key=lambda t: t.name
+    ), quant  # biases, scales, weight: the order a split's unit holds them
 
 
 def write_weights(

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from engine.base import Done, GenerationRequest, ModelInfo, SamplingParams, TextDelta
+from engine.flash.split import ALIGN
 from engine.gguf import import_gguf
 from engine.shards import INDEX_NAME
 
@@ -57,14 +61,16 @@ def test_import_writes_shards_with_an_index_equal_to_the_source(tiny_gguf: Path,
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]
 
 
-def test_import_keeps_each_ffn_contiguous_gate_up_down(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_import_keeps_each_ffn_contiguous_gate_up_down_as_a_split_unit(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
     from engine.flash.safetensors_io import read_model_tensors
 
     out = import_gguf(tiny_gguf / "model.gguf", tmp_path / "models", name="t", show_progress=False)
     refs = read_model_tensors(out)
     for layer in range(4):
         parts = [refs[f"model.layers.{layer}.mlp.{p}_proj.{s}"] for p in ("gate", "up", "down")
-                 for s in ("weight", "scales", "biases")]  # fmt: skip
+                 for s in ("biases", "scales", "weight")]  # fmt: skip
         for a, b in zip(parts, parts[1:], strict=False):
             assert a.offset + a.nbytes == b.offset, (a.name, b.name)
 
@@ -95,3 +101,93 @@ def test_killed_import_is_swept_by_the_next(tiny_gguf: Path, tmp_path: Path) -> 
     mine.mkdir()
     import_gguf(tiny_gguf / "model.gguf", root, name="t", show_progress=False)
     assert sorted(p.name for p in root.iterdir()) == sorted([mine.name, "t"])
+
+
+# --------------------------------------------------------------------------- one copy on disk
+def greedy_tokens(
+    backend: Any, model: ModelInfo, n: int = 12, prompt: str = "def fibonacci(n):"
+) -> list[int]:
+    backend.load(model)
+    try:
+        req = GenerationRequest(prompt=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=n))
+        out: list[int] = []
+        for ev in backend.stream(req, threading.Event()):
+            if isinstance(ev, TextDelta):
+                out.extend(ev.token_ids)
+            elif isinstance(ev, Done):
+                assert ev.error is None, ev.error
+                stats = ev.stats
+        backend.last_extra = stats.extra
+        return out
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def imported(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return import_gguf(tiny_gguf / "model.gguf", tmp_path_factory.mktemp("models"), name="t", show_progress=False,
+                       shard_bytes=3 << 20)  # fmt: skip
+
+
+def test_in_place_split_copies_no_weights_and_reads_what_a_copy_holds(imported: Path, tmp_path: Path) -> None:
+    from engine.flash.inplace import InPlaceReader, open_reader
+    from engine.flash.reader import AlignedBuffer
+    from engine.flash.split import load_manifest, split_model
+
+    inplace = load_manifest(split_model(imported, tmp_path / "inplace", progress=False))
+    copied = load_manifest(split_model(imported, tmp_path / "copy", progress=False, copy=True))
+    weights = sum(f.stat().st_size for f in imported.glob("*.safetensors"))
+    assert inplace.in_place and not (tmp_path / "inplace" / "units.bin").exists()
+    names = {f.name for f in (tmp_path / "inplace").iterdir()}
+    assert not {n for n in names if n.endswith((".safetensors", ".bin"))}, (
+        names
+    )  # manifest, config, tokenizer
+    assert (tmp_path / "inplace" / "manifest.json").stat().st_size < weights / 20
+    assert len(inplace.files) > 1  # the units span several shards
+    dense_extents = [e for e in inplace.extents if e[0] < inplace.dense_units()[-1].offset + ALIGN]
+    assert len(dense_extents) == len(inplace.dense_units())  # each FFN: one contiguous range of a shard
+    a, b = open_reader(inplace, threads=3), open_reader(copied)
+    assert isinstance(a, InPlaceReader)
+    buf_a, buf_b = AlignedBuffer(copied.max_unit_bytes), AlignedBuffer(copied.max_unit_bytes)
+    try:
+        for ua, ub in zip(inplace.units, copied.units, strict=True):
+            assert (ua.key, ua.offset, ua.length, ua.crc32) == (ub.key, ub.offset, ub.length, ub.crc32)
+            a.read(buf_a, ua.offset + 4096, ua.length - 4096, chunk=ALIGN).result()  # unaligned, many pieces
+            b.read(buf_b, ub.offset, ub.length).result()
+            assert bytes(buf_a.view[: ua.length - 4096]) == bytes(buf_b.view[4096 : ub.length])
+    finally:
+        a.close(), b.close(), buf_a.close(), buf_b.close()
+
+
+def test_in_place_flash_gives_the_in_ram_tokens(imported: Path) -> None:
+    from engine.flash.backend import FlashBackend
+    from engine.mlx_backend import MLXBackend
+    from engine.models import model_info
+
+    info = model_info(imported)
+    ram = greedy_tokens(MLXBackend(), info)
+    flash = FlashBackend(runtime_bytes=0)
+    streamed = greedy_tokens(flash, model_info(imported))  # splits in place on first use
+    assert streamed == ram and len(ram) == 12
+    assert (imported / "split" / "manifest.json").exists() and not (imported / "split" / "units.bin").exists()
+    assert flash.last_extra["bytes_per_token"] > 0
+
+
+def test_in_place_split_detects_changed_weights(imported: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from engine.flash.backend import FlashBackend
+    from engine.flash.safetensors_io import read_model_tensors
+    from engine.flash.split import SplitError, split_model
+
+    model = tmp_path / "m"
+    shutil.copytree(imported, model, ignore=shutil.ignore_patterns("split"))
+    split_model(model, progress=False)
+    ref = read_model_tensors(model)["model.layers.2.mlp.up_proj.weight"]
+    with open(ref.path, "r+b") as f:
+        f.seek(ref.offset + 100)
+        byte = f.read(1)
+        f.seek(ref.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(SplitError, match="unit layers.2.mlp"):
+        FlashBackend(runtime_bytes=0).load(ModelInfo("m", model, "llama", 0, split_path=model / "split"))

@@ -28,15 +28,15 @@ def streamed_model(model: Path, slots: int, policy: str = "lru", prefetch: bool 
     from mlx_lm.utils import load_model
 
     from engine.flash.backend import cast_pinned
+    from engine.flash.inplace import open_reader
     from engine.flash.moe import ExpertStream, attach_moe
-    from engine.flash.reader import UnitReader
     from engine.flash.split import load_manifest
 
     man = load_manifest(model / "split")
-    obj, _ = load_model(model / "split", lazy=True, strict=False)
+    obj, _ = load_model(man.weights_root, lazy=True, strict=False)
     unit = max(u.padded for u in man.units)
     stream = ExpertStream(
-        man, UnitReader(man.units_path), ExpertCache(3, slots, unit, policy), verify=True, record=True
+        man, open_reader(man), ExpertCache(3, slots, unit, policy), verify=True, record=True
     )
     attach_moe(obj, stream, prefetch_next=prefetch)
     cast_pinned(obj)

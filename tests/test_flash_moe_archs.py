@@ -69,12 +69,12 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0, prefetch: i
 
     from engine.flash.backend import cast_pinned, stream_model
     from engine.flash.budget import plan_budget
+    from engine.flash.inplace import open_reader
     from engine.flash.moe import expert_units, resident_expert_bytes
-    from engine.flash.reader import UnitReader
     from engine.flash.split import load_manifest
 
     man = load_manifest(model_dir / "split")
-    obj, _ = load_model(model_dir / "split", lazy=True, strict=False)
+    obj, _ = load_model(man.weights_root, lazy=True, strict=False)
     plan = plan_budget(man, None, 2, 256, 128)
     unit = max(u.padded for u in man.units if u.kind == "expert")
     layers = len(expert_units(man))
@@ -89,7 +89,7 @@ def streamed(model_dir: Path, slots: int, routing_bias: float = 0.0, prefetch: i
     _, experts = stream_model(
         obj,
         man,
-        UnitReader(man.units_path),
+        open_reader(man),
         plan,
         budget,
         verify=True,
@@ -177,8 +177,8 @@ def test_cache_aware_routing_is_opt_in_lossy_and_raises_the_hit_rate(
 
 def test_routing_bias_must_not_be_negative(tmp_path: Path, model_home: Path) -> None:
     from engine.flash.budget import plan_budget
+    from engine.flash.inplace import open_reader
     from engine.flash.moe import load_experts
-    from engine.flash.reader import UnitReader
     from engine.flash.split import load_manifest, split_model
 
     model_dir = make_model("olmoe", tmp_path / "olmoe")
@@ -186,11 +186,9 @@ def test_routing_bias_must_not_be_negative(tmp_path: Path, model_home: Path) -> 
     man = load_manifest(model_dir / "split")
     from mlx_lm.utils import load_model
 
-    obj, _ = load_model(model_dir / "split", lazy=True, strict=False)
+    obj, _ = load_model(man.weights_root, lazy=True, strict=False)
     with pytest.raises(ValueError, match="routing_bias must be >= 0"):
-        load_experts(
-            obj, man, UnitReader(man.units_path), plan_budget(man, None, 1, 256, 128), None, routing_bias=-1.0
-        )
+        load_experts(obj, man, open_reader(man), plan_budget(man, None, 1, 256, 128), None, routing_bias=-1.0)
 
 
 def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path) -> None:

@@ -25,7 +25,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Path:
 
 @pytest.fixture
 def tiny_split(tiny: Path, tmp_path: Path) -> Path:
-    return split_model(tiny, tmp_path / "split", progress=False)
+    return split_model(
+        tiny, tmp_path / "split", progress=False, copy=True
+    )  # the copied layout; in place: test_flash_import.py
 
 
 def test_split_round_trips_unit_bytes(tiny: Path, tiny_split: Path) -> None:

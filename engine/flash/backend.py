@@ -28,6 +28,7 @@ from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, Mod
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
 from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, plan_budget
 from .dense import LayerStream, attach
+from .inplace import open_reader, scratch_bytes
 from .moe import expert_floor, has_experts, load_experts, moe_counters, moe_extra
 from .reader import UnitReader
 from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
@@ -177,24 +178,33 @@ class FlashBackend(MLXBackend):
         if self.memory_budget and self.prefill_step_size > 128:
             self.prefill_step_size = 128  # prefill activations grow with the step; keep them small
         args = (ctx, self.prefill_step_size, float_bytes)
+        scratch = (
+            scratch_bytes(self.io_threads) if man.in_place else 0
+        )  # in place: aligned reads land there first
         try:
             plan = plan_budget(man, self.memory_budget, self.prefetch, *args, runtime=runtime,
-                               reserve=self._expert_floor(man, self.prefetch))  # fmt: skip
+                               reserve=self._expert_floor(man, self.prefetch), scratch=scratch)  # fmt: skip
         except BudgetError:
             if self.prefetch <= 1:
                 raise
             log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
             self.prefetch = 1
             plan = plan_budget(
-                man, self.memory_budget, 1, *args, runtime=runtime, reserve=self._expert_floor(man, 1)
+                man,
+                self.memory_budget,
+                1,
+                *args,
+                runtime=runtime,
+                reserve=self._expert_floor(man, 1),
+                scratch=scratch,
             )
         verify_pinned(man)
         verify_now = man.streamed_bytes <= self.verify_limit
-        reader = UnitReader(man.units_path, threads=self.io_threads, direct=self.direct_io)
+        reader = open_reader(man, threads=self.io_threads, direct=self.direct_io)
         try:
             if verify_now:
                 self._verify_units(man, reader)
-            obj, cfg = load_model(root, lazy=True, strict=False)
+            obj, cfg = load_model(man.weights_root, lazy=True, strict=False)
             stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
                                            prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
                                            expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias)  # fmt: skip

@@ -90,6 +90,7 @@ def plan_budget(
     float_bytes: int = 4,
     runtime: int = 0,
     reserve: int = 0,
+    scratch: int = 0,
 ) -> BudgetPlan:
     """What the process will hold with `budget` bytes in all; `runtime` is what it holds besides the engine,
     `reserve` the least the engine needs beyond this plan (MoE: the smallest expert cache and its staging)."""
@@ -104,7 +105,7 @@ def plan_budget(
     unit = (
         max_piece_bytes(man) if man.dense_units() else man.max_unit_bytes
     )  # dense: one projection at a time
-    buffers = n_buffers * unit
+    buffers = n_buffers * unit + scratch  # scratch: an in-place reader's aligned bounce buffers (inplace.py)
     in_flight = unit  # the piece being computed, in MLX arrays the stream reuses (dense.py)
     activations = (
         prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4

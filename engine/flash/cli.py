@@ -9,10 +9,14 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "split", help="make a model streamable by the flash backend (pinned file + aligned units)"
+        "split",
+        help="make a model streamable by the flash backend (in place: a manifest into its own shards)",
     )
     p.add_argument("model", help="model name (see `flashcode models`) or an mlx-lm model directory")
     p.add_argument("--out", default=None, help="where to write the split (default MODEL_DIR/split)")
+    p.add_argument(
+        "--copy", action="store_true", help="copy the weights into units.bin + a pinned file (twice on disk)"
+    )
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
     p.set_defaults(func=cmd_split)
 
@@ -49,7 +53,7 @@ def cmd_split(args: argparse.Namespace) -> int:
     from .split import split_model
 
     info = find_model(args.model, paths.home(args.data_dir))
-    out = split_model(info.path, Path(args.out) if args.out else None)
+    out = split_model(info.path, Path(args.out) if args.out else None, copy=args.copy)
     print(f"split written to {out}")
     return 0
 

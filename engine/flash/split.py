@@ -11,6 +11,11 @@ else); the on-disk layout:
                                    dense unit holds gate, up, down in that order (streamed in turn)
     split/config.json, tokenizer*  copied, so the split directory is self-describing
 
+That is the copied layout (`flashcode split --copy`, manifest version 1). The default, in place
+(version 2), writes no weights at all: the units are laid out in a *virtual* units.bin (the same
+offsets, tensor positions and checksums) whose byte ranges map to where the model's own safetensors
+shards hold them (`extents`), read by inplace.py; the pinned tensors are loaded from the shards too.
+
 What it does not know: how units are read (reader.py) or computed (dense.py).
 Checksums are CRC-32 per unit and of the pinned file; the manifest is written last, so a split
 without a manifest is an unfinished one.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import shutil
 import zlib
@@ -34,7 +40,10 @@ from .safetensors_io import DTYPE_SIZES, TensorRef, TensorSpec, iter_chunks, rea
 log = logging.getLogger(__name__)
 
 ALIGN = 16 << 10  # one unit = one aligned read; 16 KiB covers 4K-sector O_DIRECT and Apple SSD pages
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = (
+    1  # the copied layout; IN_PLACE_VERSION: units and pinned tensors read from the model's shards
+)
+IN_PLACE_VERSION = 2
 _DENSE = re.compile(
     r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
@@ -83,10 +92,25 @@ class Manifest:
     pinned_bytes: int
     pinned_tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape, nbytes}
     source: dict[str, Any]
+    layout: str = "copy"  # or "in_place": no units.bin / pinned file, `extents` into `files`
+    files: list[Path] = field(default_factory=list)
+    extents: list[list[int]] = field(default_factory=list)  # [virtual start, length, file index, file offset]
+    weights_dir: Path | None = None  # in place: the model directory whose shards hold the weights
+
+    @property
+    def in_place(self) -> bool:
+        return self.layout == "in_place"
 
     @property
     def units_path(self) -> Path:
+        if self.in_place:  # no units.bin: the largest shard stands for it (bandwidth measurements)
+            return max(self.files, key=lambda f: f.stat().st_size)
         return self.root / "units.bin"
+
+    @property
+    def weights_root(self) -> Path:
+        """The directory mlx-lm loads the pinned tensors from (strict=False: streamed ones are dropped)."""
+        return self.weights_dir if self.in_place and self.weights_dir else self.root
 
     @property
     def max_unit_bytes(self) -> int:
@@ -156,8 +180,10 @@ def _copy_range(ref: TensorRef, start: int, nbytes: int, out: Any, crc: int) -> 
     return crc
 
 
-def split_model(model_dir: Path, out: Path | None = None, progress: bool = True) -> Path:
-    """Write the split layout for `model_dir` into `out` (default model_dir/split); returns `out`."""
+def split_model(model_dir: Path, out: Path | None = None, progress: bool = True, copy: bool = False) -> Path:
+    """Write the split layout for `model_dir` into `out` (default model_dir/split); returns `out`.
+    In place (the default) it writes only the manifest and small files; `copy` writes units.bin and the
+    pinned file (weights twice on disk: for a split on another disk than the model)."""
     from tqdm import tqdm
 
     model_dir = Path(model_dir)
@@ -181,6 +207,16 @@ def split_model(model_dir: Path, out: Path | None = None, progress: bool = True)
     (out / "manifest.json").unlink(missing_ok=True)  # an interrupted re-split must not look complete
     total = sum(r.nbytes for r in refs.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"split {model_dir.name}", disable=not progress)
+    if not copy:
+        manifest = _split_in_place(model_dir, out, config, refs, plan, streamed, bar)
+        _copy_small_files(model_dir, out)
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        for old in ("units.bin", "model-pinned.safetensors"):  # a copied split made before: its space back
+            (out / old).unlink(missing_ok=True)
+        log.info("split %s in place: %d units, %.1f MB streamed, %.1f MB pinned", model_dir.name,
+                 len(manifest["units"]), sum(u["length"] for u in manifest["units"]) / 1e6,
+                 manifest["pinned"]["bytes"] / 1e6)  # fmt: skip
+        return out
 
     units: list[dict[str, Any]] = []
     with open(out / "units.bin", "wb") as f:
@@ -213,9 +249,7 @@ def split_model(model_dir: Path, out: Path | None = None, progress: bool = True)
                 bar.update(len(data))
     bar.close()
 
-    for p in model_dir.iterdir():  # config, tokenizer, chat template: everything but weights
-        if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model") and p.name != "flashcode.json":
-            shutil.copy2(p, out / p.name)
+    _copy_small_files(model_dir, out)
     manifest = {
         "version": MANIFEST_VERSION,
         "align": ALIGN,
@@ -231,6 +265,77 @@ def split_model(model_dir: Path, out: Path | None = None, progress: bool = True)
     return out
 
 
+def _copy_small_files(model_dir: Path, out: Path) -> None:
+    for p in model_dir.iterdir():  # config, tokenizer, chat template: everything but weights
+        if (p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model") and p.name != "flashcode.json"
+                and not p.name.endswith(".index.json")):  # fmt: skip
+            shutil.copy2(p, out / p.name)
+
+
+def _crc_range(path: Path, start: int, nbytes: int, crc: int) -> int:
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = nbytes
+        while left:
+            data = f.read(min(16 << 20, left))
+            if not data:
+                raise SplitError(
+                    f"{path} ends inside a tensor at {start + nbytes - left}: the model is damaged"
+                )
+            crc = zlib.crc32(data, crc)
+            left -= len(data)
+    return crc
+
+
+def _split_in_place(model_dir: Path, out: Path, config: dict[str, Any], refs: dict[str, TensorRef],
+                    plan: list[Any], streamed: set[str], bar: Any) -> dict[str, Any]:  # fmt: skip
+    """The manifest of an in-place split: the copied layout's units at virtual offsets, and the extents
+    that map them to the shards (adjacent ranges merged: an FFN written gate, up, down is one extent)."""
+    files = sorted({r.path for r in refs.values()})
+    index = {f: k for k, f in enumerate(files)}
+    extents: list[list[int]] = []
+    units: list[dict[str, Any]] = []
+    pos = 0
+    for key, kind, layer, expert, parts in plan:
+        start, crc, tensors, upos = pos, 0, [], 0
+        for name, ref, s, n in parts:
+            shape = ref.shape[1:] if kind == "expert" else ref.shape
+            tensors.append(
+                {"name": name, "dtype": ref.dtype, "shape": list(shape), "offset": upos, "nbytes": n}
+            )
+            crc = _crc_range(ref.path, ref.offset + s, n, crc)
+            fi, fo = index[ref.path], ref.offset + s
+            last = extents[-1] if extents else None
+            if last and last[0] + last[1] == pos + upos and last[2] == fi and last[3] + last[1] == fo:
+                last[1] += n
+            else:
+                extents.append([pos + upos, n, fi, fo])
+            upos += n
+            bar.update(n)
+        units.append({"key": key, "kind": kind, "layer": layer, "expert": expert, "offset": start,
+                      "length": upos, "crc32": crc, "tensors": tensors})  # fmt: skip
+        pos = start + -(-upos // ALIGN) * ALIGN
+    pinned = [refs[n] for n in sorted(refs) if n not in streamed]
+    crc = 0
+    for r in pinned:
+        crc = _crc_range(r.path, r.offset, r.nbytes, crc)
+        bar.update(r.nbytes)
+    bar.close()
+    return {
+        "version": IN_PLACE_VERSION,
+        "align": ALIGN,
+        "layout": "in_place",
+        "weights_dir": os.path.relpath(model_dir, out),
+        "files": [os.path.relpath(f, out) for f in files],
+        "source": {"dir": str(model_dir), "bytes": sum(r.nbytes for r in refs.values()), "tensors": len(refs)},
+        "quant": _quant_table(config, []),
+        "pinned": {"file": None, "crc32": crc, "bytes": sum(r.nbytes for r in pinned),
+                   "tensors": {r.name: {"dtype": r.dtype, "shape": list(r.shape), "nbytes": r.nbytes} for r in pinned}},
+        "units": units,
+        "extents": extents,
+    }  # fmt: skip
+
+
 # --------------------------------------------------------------------------- reading
 def load_manifest(root: Path) -> Manifest:
     root = Path(root)
@@ -244,7 +349,7 @@ def load_manifest(root: Path) -> Manifest:
         raise SplitError(
             f"the split at {root} is damaged ({exc}): run `flashcode split MODEL` again"
         ) from exc
-    if m.get("version") != MANIFEST_VERSION or m.get("align") != ALIGN:
+    if m.get("version") not in (MANIFEST_VERSION, IN_PLACE_VERSION) or m.get("align") != ALIGN:
         raise SplitError(f"the split at {root} has an unknown format: run `flashcode split MODEL` again")
     units = [
         Unit(u["key"], u["kind"], u["layer"], u["expert"], u["offset"], u["length"], u["crc32"],
@@ -255,6 +360,17 @@ def load_manifest(root: Path) -> Manifest:
     man = Manifest(
         root, config, units, m["quant"], p["file"], p["crc32"], p["bytes"], p["tensors"], m["source"]
     )
+    if m.get("layout") == "in_place":
+        man.layout, man.extents = "in_place", m["extents"]
+        man.files = [(root / f).resolve() for f in m["files"]]
+        man.weights_dir = (root / m["weights_dir"]).resolve()
+        for k, f in enumerate(man.files):
+            need = max((fo + n for _, n, fi, fo in man.extents if fi == k), default=0)
+            have = f.stat().st_size if f.exists() else -1
+            if have < need:
+                raise SplitError(f"the model's weights in {f} are missing or truncated ({have} bytes, the split "
+                                 f"needs {need}): import the model again")  # fmt: skip
+        return man
     need = max((u.offset + u.padded for u in units), default=0)
     have = man.units_path.stat().st_size if man.units_path.exists() else -1
     if have < need:
@@ -274,6 +390,16 @@ def crc_file(path: Path, chunk: int = 4 << 20) -> int:
 
 
 def verify_pinned(man: Manifest) -> None:
+    if man.in_place:
+        assert man.weights_dir is not None
+        refs = read_model_tensors(man.weights_dir)
+        crc = 0
+        for name in sorted(man.pinned_tensors):
+            crc = _crc_range(refs[name].path, refs[name].offset, refs[name].nbytes, crc)
+        if crc != man.pinned_crc32:
+            raise SplitError(f"the weights of {man.weights_dir} changed or are damaged since the split at {man.root}: "
+                             "run `flashcode split MODEL` again (or import the model again)")  # fmt: skip
+        return
     if crc_file(man.root / man.pinned_file) != man.pinned_crc32:
         raise SplitError(f"the split at {man.root} is damaged: {man.pinned_file} fails its checksum; "
                          "run `flashcode split MODEL` again")  # fmt: skip
