@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -95,6 +96,7 @@ class GenerationRequest:
     tools: tuple[dict[str, Any], ...] = ()
     constrain_tools: bool = True
     tool_choice: Literal["auto", "required"] = "auto"  # required: the reply must be a call
+    progress: bool = False  # also stream `PrefillProgress` while the prompt is read (the chat window)
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -139,6 +141,15 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """How much of the prompt the engine has read before its first token: `processed` of `total`
+    prompt tokens (tokens served from a cache count as read). Sent only when the request asks."""
+
+    processed: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Done:
     stats: GenerationStats
     finish_reason: FinishReason
@@ -146,7 +157,28 @@ class Done:
     error: str | None = None
 
 
-Event = TextDelta | ToolCall | Done
+Event = TextDelta | ToolCall | PrefillProgress | Done
+
+_listener = threading.local()
+
+
+def emit(event: Event) -> None:
+    """Hand `event` to whoever consumes the stream running on this thread, at once: for an engine
+    whose library reports from inside a call that cannot yield (mlx-lm's prefill callback). Nobody
+    listening (a `Backend.stream` iterated directly): dropped. `engine.worker` listens."""
+    sink = getattr(_listener, "sink", None)
+    if sink is not None:
+        sink(event)
+
+
+@contextmanager
+def listening(sink: Callable[[Event], None]) -> Iterator[None]:
+    """Events `emit`ted on this thread inside the `with` go to `sink` (between the stream's own)."""
+    _listener.sink = sink
+    try:
+        yield
+    finally:
+        _listener.sink = None
 
 
 # --------------------------------------------------------------------------- models

@@ -50,6 +50,7 @@ from .base import (
     Message,
     ModelInfo,
     ModelLoadError,
+    PrefillProgress,
     TextDelta,
     ToolCall,
 )
@@ -640,6 +641,8 @@ class LlamaServerBackend:
             body["seed"] = sp.seed
         if sp.stop:
             body["stop"] = list(sp.stop)
+        if request.progress:  # the server streams `prompt_progress` chunks while it reads the prompt
+            body["return_progress"] = True
         if request.messages is not None and request.tools and not request.constrain_tools:
             # unconstrained calls: the server's template renders the tools, the reply is free text and
             # the calls are read from it here (the chat endpoint would impose its tool-call grammar)
@@ -686,9 +689,9 @@ class LlamaServerBackend:
                 with _StreamCloser(resp, cancel):
                     for chunk in iter_sse(resp.iter_lines()):
                         for delta in self._deltas(chunk, turn, stops):
-                            if not stats.ttft_s:
+                            if not stats.ttft_s and isinstance(delta, TextDelta):
                                 stats.ttft_s = time.perf_counter() - t0
-                            if splitter is not None:
+                            if splitter is not None and isinstance(delta, TextDelta):
                                 text, calls = splitter.feed(delta.text)
                                 yield TextDelta(text, delta.token_ids)
                                 yield from calls
@@ -724,7 +727,14 @@ class LlamaServerBackend:
             raise ContextLimitError(int(err.body.get("n_prompt_tokens", 0)), 0, int(err.body.get("n_ctx", 0)))
         raise err
 
-    def _deltas(self, chunk: dict[str, Any], turn: _Turn, stops: StopFilter) -> Iterator[TextDelta]:
+    def _deltas(
+        self, chunk: dict[str, Any], turn: _Turn, stops: StopFilter
+    ) -> Iterator[TextDelta | PrefillProgress]:
+        if progress := chunk.get("prompt_progress"):  # {"total", "cache", "processed" (cache included)}
+            if int(progress.get("processed", 0)) < int(progress.get("total", 0)):
+                yield PrefillProgress(int(progress["processed"]), int(progress["total"]))
+            if "choices" not in chunk and not chunk.get("content") and not chunk.get("stop"):
+                return  # a native progress chunk: its "tokens": [0] is no token
         if "timings" in chunk:
             turn.timings = chunk["timings"]
         if chunk.get("usage"):

@@ -35,8 +35,10 @@ from .base import (
     Message,
     ModelInfo,
     ModelLoadError,
+    PrefillProgress,
     TextDelta,
     ToolCall,
+    emit,
 )
 from .paths import fsync_path
 from .stops import StopFilter
@@ -354,6 +356,8 @@ class MLXBackend:
         def on_prefill(done: int, total: int) -> None:
             if cancel.is_set():
                 raise _Cancelled
+            if request.progress and done < total:  # (total, total) comes with the first token
+                emit(PrefillProgress(cached + done, cached + total))
 
         stats = GenerationStats(prompt_tokens=len(prompt), cached_tokens=cached)
         stops = StopFilter(sp.stop)

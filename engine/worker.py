@@ -20,7 +20,16 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from .base import Backend, Done, EngineError, Event, GenerationRequest, GenerationStats, TextDelta
+from .base import (
+    Backend,
+    Done,
+    EngineError,
+    Event,
+    GenerationRequest,
+    GenerationStats,
+    TextDelta,
+    listening,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -187,10 +196,11 @@ class Worker:
             return
         try:
             backend = self._require(self._backend)
-            for event in backend.stream(gen.request, gen.cancel_event):
-                gen._put(event)
-                if isinstance(event, Done):
-                    return
+            with listening(gen._put):  # what a backend `emit`s mid-call (MLX's prefill progress)
+                for event in backend.stream(gen.request, gen.cancel_event):
+                    gen._put(event)
+                    if isinstance(event, Done):
+                        return
             gen._put(Done(GenerationStats(), "error", error="the engine ended the stream without a result"))
         except EngineError as exc:
             gen._put(Done(GenerationStats(), "error", error=str(exc)))

@@ -7,7 +7,8 @@ generation or an agent turn's answer. It owns:
   `SAVE_PARTIAL_SECONDS` while it grows (a crash keeps what streamed), finished with a status and
   the stats;
 - batching: token text is sent as one token frame (`tokens` in `templates/macros.html`) at most
-  every `BATCH_SECONDS`, the first at once;
+  every `BATCH_SECONDS`, the first at once; before it, the engine's prefill progress ("Reading your
+  prompt… N / M tokens", `prefill`) at most every `PROGRESS_SECONDS`;
 - server-side TTFT: from the user's message arriving to the first token frame handed to the socket
   (`server_ttft_s` in the stats), and TTFT / decode rate measured here when the engine has none;
 - the hooks: each `ReplyHook` is called once the reply is stored; one that raises is logged and
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 BATCH_SECONDS = 0.04  # token text is flushed to the socket at most every 40 ms (first token at once)
 SAVE_PARTIAL_SECONDS = 1.0  # how often a growing reply is written to SQLite (crash safety)
+PROGRESS_SECONDS = 0.2  # prefill progress ("Reading your prompt… N / M") at most 5 times a second
 STATUS_OF = {"stop": "complete", "length": "complete", "cancelled": "stopped"}  # anything else: error
 
 
@@ -81,6 +83,7 @@ class ReplyStream:
         self.pending: list[str] = []
         self.last_flush = 0.0
         self.last_save = time.monotonic()
+        self.last_progress: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.finished = False
 
@@ -93,6 +96,17 @@ class ReplyStream:
         return "".join(self.parts)
 
     # ------------------------------------------------------------------ streaming
+    def progress(self, processed: int, total: int) -> None:
+        """The engine has read `processed` of `total` prompt tokens: shown in the reply until its first
+        token, the first report at once, then at most one every PROGRESS_SECONDS."""
+        now = time.monotonic()
+        if self.first is not None or (
+            self.last_progress is not None and now - self.last_progress < PROGRESS_SECONDS
+        ):
+            return
+        self.last_progress = now
+        self.send(self.views.prefill(self.message.id, processed, total))
+
     def add(self, text: str, tokens: int = 1) -> None:
         self.latest = time.monotonic()
         if self.first is None:

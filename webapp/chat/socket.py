@@ -28,7 +28,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta
+from engine.base import Done, GenerationRequest, Message, PrefillProgress, SamplingParams, TextDelta
 
 from ..db import Database, StoredMessage
 from ..engine_host import EngineState
@@ -327,6 +327,8 @@ class Session:
             async for event in gen:
                 if isinstance(event, TextDelta):
                     stream.add(event.text, len(event.token_ids))
+                elif isinstance(event, PrefillProgress):
+                    stream.progress(event.processed, event.total)
                 elif isinstance(event, Done):
                     done = event
         finally:
@@ -354,8 +356,8 @@ class Session:
         params = SamplingParams(**{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS})
         if self.ctx.engine.is_base_model:  # completion mode: the model continues the user's text
             last = next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
-            return GenerationRequest(prompt=last, sampling=params)
-        return GenerationRequest(messages=tuple(history), sampling=params)
+            return GenerationRequest(prompt=last, sampling=params, progress=True)
+        return GenerationRequest(messages=tuple(history), sampling=params, progress=True)
 
     async def _meter(self, stream: ReplyStream) -> None:
         """While a reply is written, send the engine's live numbers (flash: disk rate, MB per token, expert

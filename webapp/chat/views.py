@@ -104,6 +104,10 @@ class ChatViews(TranscriptViews):
         """A token frame: `done` markdown blocks to add for good, `tail` the unfinished rest."""
         return str(self.ui.tokens(message_id, done, tail))
 
+    def prefill(self, message_id: int, processed: int, total: int) -> str:
+        """The reply being written says how much of the prompt the engine has read."""
+        return str(self.ui.prefill(message_id, int(processed), int(total)))
+
     def controls(self, generating: bool, can_regenerate: bool = False, text: str | None = None) -> str:
         return str(self.ui.controls(generating, can_regenerate, oob=True, text=text))
 
