@@ -101,6 +101,7 @@ class SandboxStatus:
     available: bool
     kind: SandboxKind
     reason: str  # how commands are contained, or why they cannot be
+    settled: bool = True  # False: the probe ran out of time; ask again rather than keep this answer
 
     def describe(self, policy: SandboxPolicy) -> str:
         return policy.describe() if self.available else f"NOT sandboxed: {self.reason}"
@@ -123,9 +124,21 @@ def command_env(env: dict[str, str] | None = None, project_dir: Path | None = No
     return {**kept, **COMMAND_ENV}
 
 
-@functools.cache
+PROBE_TIMEOUT_S = 60.0  # a loaded machine can take seconds to start bubblewrap: slow is not absent
+
+
 def detect() -> SandboxStatus:
-    """Which sandbox this machine has, checked by running `true` inside it once per process."""
+    """Which sandbox this machine has, checked by running `true` inside it once per process. A probe
+    that did not finish in time is no verdict (a busy machine): that command is not sandboxed and
+    asks, and the next one probes again, instead of every command of the process asking for good."""
+    status = _detect()
+    if not status.settled:
+        _detect.cache_clear()
+    return status
+
+
+@functools.cache
+def _detect() -> SandboxStatus:
     if os.environ.get("FLASHCODE_NO_SANDBOX") == "1":  # for tests of the no-sandbox path
         return SandboxStatus(False, "none", "disabled by FLASHCODE_NO_SANDBOX=1")
     system = platform.system()
@@ -145,12 +158,27 @@ def detect() -> SandboxStatus:
         return _probe("bubblewrap", argv, () if fd is None else (fd,))
 
 
+detect.cache_clear = _detect.cache_clear  # type: ignore[attr-defined]  # tests start over with it
+
+
 def _probe(kind: SandboxKind, argv: list[str], pass_fds: tuple[int, ...] = ()) -> SandboxStatus:
     try:
         done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=10, env=command_env(), pass_fds=pass_fds
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=command_env(),
+            pass_fds=pass_fds,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired:
+        return SandboxStatus(
+            False,
+            "none",
+            f"{kind} did not start within {PROBE_TIMEOUT_S:.0f} s (a busy machine?)",
+            settled=False,
+        )
+    except OSError as exc:
         return SandboxStatus(False, "none", f"{kind} could not start: {exc}")
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
