@@ -191,3 +191,141 @@ def test_in_place_split_detects_changed_weights(imported: Path, tmp_path: Path) 
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(SplitError, match="unit layers.2.mlp"):
         FlashBackend(runtime_bytes=0).load(ModelInfo("m", model, "llama", 0, split_path=model / "split"))
+
+
+# --------------------------------------------------------------------------- under a cgroup 2.5x smaller than the GGUF
+NO_CGROUP = None
+try:
+    from engine.flash.bench import cgroup_unavailable
+
+    NO_CGROUP = cgroup_unavailable()
+except ImportError as exc:  # pragma: no cover
+    NO_CGROUP = str(exc)
+
+_IMPORT = (
+    "import resource, sys; from pathlib import Path; from engine.gguf import import_gguf; "
+    "import_gguf(sys.argv[1], Path(sys.argv[2]), name='m', show_progress=False); "
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+)
+
+
+def import_capped(gguf: Path, models: Path, cap: int) -> tuple[int, int]:
+    """(process peak RSS, cgroup peak) of `import_gguf` run in a child under a memory cgroup of `cap` bytes."""
+    import subprocess
+    import sys
+
+    from engine.flash.bench import MemoryCgroup
+
+    cg = MemoryCgroup("flashcode-import", cap)
+    try:
+        p = subprocess.run([sys.executable, "-c", _IMPORT, str(gguf), str(models)], capture_output=True, text=True,
+                           timeout=1800, preexec_fn=cg.enter)  # fmt: skip
+        assert p.returncode == 0 and cg.oom_kills() == 0, (p.returncode, p.stderr[-2000:])
+        return int(p.stdout.split()[-1]), cg.peak()
+    finally:
+        cg.remove()
+
+
+def import_then_flash_under_a_cap(preset: list[str], tmp_path: Path, cap: int) -> dict[str, Any]:
+    import shutil
+    import subprocess
+    import sys
+
+    from engine.flash.bench import run_child
+
+    src = tmp_path / "synth"
+    made = subprocess.run([sys.executable, "-m", "webapp.cli", "synth", *preset, "--gguf", "--out", str(src)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    gguf = src / "model.gguf"
+    for f in src.glob("*.safetensors"):  # only the GGUF is needed from here on
+        f.unlink()
+    assert gguf.stat().st_size >= 2.5 * cap, (gguf.stat().st_size, cap)
+    try:
+        rss, peak = import_capped(gguf, tmp_path / "models", cap)
+        model = tmp_path / "models" / "m"
+        flash = run_child("flash", model, 8, cap, timeout=1200)  # splits in place under the cap, then answers
+        assert flash["status"] == "ok", flash
+        assert (model / "split" / "manifest.json").exists() and not (model / "split" / "units.bin").exists()
+        ram = run_child("ram", model, 8, None, timeout=1200)
+        assert ram["status"] == "ok", ram
+        assert flash["tokens"] == ram["tokens"] and len(ram["tokens"]) == 8
+        assert flash["cgroup_oom_kills"] == 0 and flash["cgroup_peak_bytes"] <= cap
+        return {"gguf_bytes": gguf.stat().st_size, "import_peak_rss": rss, "import_cgroup_peak": peak}
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(NO_CGROUP is not None, reason=f"{NO_CGROUP}")
+def test_dense_gguf_imports_and_answers_under_a_cap_smaller_than_the_file(tmp_path: Path) -> None:
+    cap = 400_000_000
+    got = import_then_flash_under_a_cap(["ffn-heavy", "--layers", "130"], tmp_path, cap)
+    assert got["import_peak_rss"] < cap and got["import_cgroup_peak"] <= cap, got
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(NO_CGROUP is not None, reason=f"{NO_CGROUP}")
+def test_moe_gguf_imports_and_answers_under_a_cap_smaller_than_the_file(tmp_path: Path) -> None:
+    cap = 400_000_000
+    got = import_then_flash_under_a_cap(["moe-heavy"], tmp_path, cap)
+    assert got["import_peak_rss"] < cap and got["import_cgroup_peak"] <= cap, got
+
+
+# --------------------------------------------------------------------------- --memory-budget auto
+def test_cgroup_limit_reads_v2_and_v1_and_takes_the_tightest(tmp_path: Path) -> None:
+    from engine.flash.memory import cgroup_limit
+
+    proc = tmp_path / "cgroup"
+    (tmp_path / "fs" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "fs" / "a" / "memory.max").write_text("3000000000\n")
+    (tmp_path / "fs" / "a" / "b" / "memory.max").write_text("max\n")
+    proc.write_text("0::/a/b\n")
+    assert cgroup_limit(proc, tmp_path / "fs") == 3_000_000_000
+    (tmp_path / "fs" / "memory" / "x").mkdir(parents=True)
+    (tmp_path / "fs" / "memory" / "x" / "memory.limit_in_bytes").write_text("500000000\n")
+    (tmp_path / "fs" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    proc.write_text("7:cpu,cpuacct:/x\n5:memory:/x\n")
+    assert cgroup_limit(proc, tmp_path / "fs") == 500_000_000
+    proc.write_text("5:memory:/\n")
+    assert cgroup_limit(proc, tmp_path / "fs") is None
+
+
+def test_auto_budget_is_available_memory_minus_the_margin() -> None:
+    from engine.flash.memory import _meminfo, auto_budget, auto_margin, cgroup_limit
+
+    info = _meminfo()
+    got = auto_budget(own_rss=100_000_000)
+    if cgroup_limit() is not None and cgroup_limit() < info["MemTotal"]:  # type: ignore[operator]
+        pytest.skip("this test process runs inside a memory cgroup")
+    assert got.source == "available" and "margin" in got.detail
+    want = 100_000_000 + info["MemAvailable"] - auto_margin(info["MemTotal"])
+    assert abs(got.budget - want) < 200_000_000  # MemAvailable moves between the two reads
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(NO_CGROUP is not None, reason=f"{NO_CGROUP}")
+def test_auto_budget_inside_a_cgroup_is_its_limit(imported: Path) -> None:
+    import subprocess
+    import sys
+
+    from engine.flash.bench import MemoryCgroup
+
+    code = (
+        "import json, sys; from engine.models import model_info; from engine.flash.backend import FlashBackend; "
+        "b = FlashBackend(memory_budget='auto'); b.load(model_info(__import__('pathlib').Path(sys.argv[1]))); "
+        "print(json.dumps(b.memory_report()))"
+    )
+    cg = MemoryCgroup("flashcode-auto", 700_000_000)
+    try:
+        p = subprocess.run([sys.executable, "-c", code, str(imported)], capture_output=True, text=True, timeout=600,
+                           preexec_fn=cg.enter)  # fmt: skip
+    finally:
+        cg.remove()
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout.splitlines()[-1])
+    assert 700_000_000 - 4096 < report["memory_budget"] <= 700_000_000  # the kernel keeps whole pages
+    assert "cgroup" in report["memory_budget_auto"]

@@ -29,7 +29,7 @@ from . import agent_cli, cli_bench, cli_projects, preflight
 from .doctor import doctor_report, format_report
 from .engine_host import backend_options, make_loaded_backend, resolve_backend
 from .preflight import StartupError, data_dir
-from .units import non_negative_float, parse_size, positive_int
+from .units import non_negative_float, parse_budget, parse_size, positive_int
 
 __all__ = [
     "backend_options",
@@ -164,7 +164,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-bits", type=int, choices=[4, 8], default=None, help="quantize the KV cache (mlx, flash)"
     )
     g.add_argument(
-        "--memory-budget", type=parse_size, default=None, help="flash: hard memory budget, e.g. 300MB"
+        "--memory-budget",
+        type=parse_budget,
+        default=None,
+        help="flash: hard memory budget of the whole process, e.g. 300MB, or auto (the default: available "
+        "memory minus max(1 GB, 10%% of RAM), or the memory cgroup's limit)",
     )
     g.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
     g.add_argument("--llama-url", default=None, help="llama: attach to a llama-server already running at URL")

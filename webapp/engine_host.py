@@ -103,6 +103,8 @@ def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
 def make_loaded_backend(backend: str, model: str | None, options: dict[str, Any] | None = None) -> Backend:
     """Build a backend and load a model into it (call on the thread that will own it)."""
     name = resolve_backend(backend)
+    if name == "flash" and (options or {}).get("memory_budget") is None:
+        options = {**(options or {}), "memory_budget": "auto"}  # flash's default: what the machine can spare
     b = backend_factory(name, **options_for(name, options))()
     b.load(find_model(model))
     return b

@@ -31,6 +31,11 @@ def parse_size(text: str) -> int:
     return int(value * SIZE_UNITS[unit])
 
 
+def parse_budget(text: str) -> int | str:
+    """'auto' (what the machine or its memory cgroup can spare, engine/flash/memory.py) or a size."""
+    return "auto" if text.strip().lower() == "auto" else parse_size(text)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

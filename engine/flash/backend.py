@@ -109,7 +109,7 @@ class FlashBackend(MLXBackend):
 
     def __init__(
         self,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         io_threads: int = 4,
         prefetch: int = 2,
         verify_limit: int = 2 << 30,
@@ -123,7 +123,10 @@ class FlashBackend(MLXBackend):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.memory_budget = memory_budget
+        # bytes, None (no budget: stream everything) or "auto" (memory.py: resolved at each load)
+        self.budget_setting = memory_budget
+        self.memory_budget: int | None = None if memory_budget == "auto" else memory_budget  # type: ignore[assignment]
+        self.auto_budget: dict[str, Any] | None = None
         self.io_threads = io_threads
         self.prefetch = prefetch
         self.verify_limit = verify_limit
@@ -168,6 +171,12 @@ class FlashBackend(MLXBackend):
         man = load_manifest(root)
         gc.collect()
         mx.clear_cache()
+        if self.budget_setting == "auto":
+            from .memory import auto_budget
+
+            auto = auto_budget()
+            self.memory_budget, self.auto_budget = auto.budget, auto.as_dict()
+            log.info("flash: --memory-budget auto = %.2f GB (%s)", auto.budget / 1e9, auto.detail)
         if self.memory_budget:
             reset_peak_rss()  # peak RSS is reported against the budget from here, the tokenizer's load included
         # the tokenizer first: it is part of the runtime the budget pays before the engine
@@ -304,6 +313,8 @@ class FlashBackend(MLXBackend):
                                "runtime_allowance_bytes": self.runtime.get("allowance_bytes")}  # fmt: skip
         if self.memory_budget:
             out["peak_rss_of_budget"] = round(peak / self.memory_budget, 4)
+        if self.auto_budget is not None:
+            out["memory_budget_auto"] = self.auto_budget["detail"]
         return out
 
     def close(self) -> None:
