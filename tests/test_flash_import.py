@@ -329,3 +329,37 @@ def test_auto_budget_inside_a_cgroup_is_its_limit(imported: Path) -> None:
     report = json.loads(p.stdout.splitlines()[-1])
     assert 700_000_000 - 4096 < report["memory_budget"] <= 700_000_000  # the kernel keeps whole pages
     assert "cgroup" in report["memory_budget_auto"]
+
+
+# --------------------------------------------------------------------------- partial residency
+def test_partial_residency_reads_less_as_the_budget_grows_and_nothing_when_all_fits(imported: Path) -> None:
+    from engine.flash.backend import FlashBackend
+    from engine.flash.budget import RESIDENT_CONTEXT, plan_budget
+    from engine.flash.inplace import scratch_bytes
+    from engine.flash.split import load_manifest, split_model
+    from engine.mlx_backend import MLXBackend
+    from engine.models import model_info
+
+    info = model_info(imported)
+    man = load_manifest(info.split_path or split_model(imported, progress=False))
+    ctx = int(man.config.get("max_position_embeddings", 4096))
+    base = plan_budget(man, None, 2, ctx, 128, 4, scratch=scratch_bytes(4))  # as FlashBackend plans it
+    stream_only = base.fixed + min(ctx, RESIDENT_CONTEXT) * base.per_token + 1000
+    units = man.dense_units()
+    budgets = [
+        stream_only,
+        stream_only + sum(u.length for u in units[:2]),
+        stream_only + sum(u.length for u in units),
+    ]
+    want = greedy_tokens(MLXBackend(), info)
+    per_token, resident = [], []
+    for b in budgets:
+        flash = FlashBackend(memory_budget=b, runtime_bytes=0)
+        assert greedy_tokens(flash, model_info(imported)) == want
+        per_token.append(flash.last_extra["bytes_per_token"])
+        resident.append(flash.last_extra["budget"]["resident_layers"])
+    assert resident == [[], [0, 1], [0, 1, 2, 3]]
+    assert per_token[0] > per_token[1] > per_token[2] == 0, per_token
+    assert (
+        abs(per_token[1] - per_token[0] / 2) < per_token[0] * 0.05
+    )  # half the FFNs streamed: half the bytes

@@ -26,8 +26,8 @@ from typing import Any
 
 from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
-from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, plan_budget
-from .dense import LayerStream, attach
+from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, plan_budget, plan_residency
+from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
 from .moe import expert_floor, has_experts, load_experts, moe_counters, moe_extra
 from .reader import UnitReader
@@ -99,8 +99,12 @@ def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan
         experts = load_experts(model, man, reader, plan, budget, policy, top_k, verify=verify,
                                prefetch_next=expert_prefetch, routing_bias=routing_bias)  # fmt: skip
     if man.dense_units():
-        stream = LayerStream(man, reader, depth=prefetch, verify=verify)
-        attach(model, stream, set(experts.layers) if experts is not None else set())
+        keep = set(plan.resident_layers)
+        resident = load_resident(man, reader, [u for u in man.dense_units() if u.layer in keep])
+        streamed = [u for u in man.dense_units() if u.layer not in keep]
+        if streamed:
+            stream = LayerStream(man, reader, depth=prefetch, verify=verify, units=streamed)
+        attach(model, stream, set(experts.layers) if experts is not None else set(), resident)
     return stream, experts
 
 
@@ -120,6 +124,7 @@ class FlashBackend(MLXBackend):
         routing_bias: float = 0.0,
         direct_io: bool = True,
         runtime_bytes: int | None = None,
+        residency: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -141,6 +146,7 @@ class FlashBackend(MLXBackend):
         # what the process holds besides the engine: None = measured at load (RSS after the tokenizer, plus
         # TRANSIENT_ALLOWANCE); 0 = the budget covers the engine only (tests that share a process with others)
         self.runtime_bytes = runtime_bytes
+        self.residency = residency  # under a budget: keep dense FFNs resident as far as it goes (exact)
         self.runtime: dict[str, int] = {}
         self.expert_stream: Any = None
         self.manifest: Manifest | None = None
@@ -207,6 +213,8 @@ class FlashBackend(MLXBackend):
                 reserve=self._expert_floor(man, 1),
                 scratch=scratch,
             )
+        if self.memory_budget and self.residency and not has_experts(man):
+            plan_residency(plan, man.dense_units())  # keep what the budget allows; stream only the rest
         verify_pinned(man)
         verify_now = man.streamed_bytes <= self.verify_limit
         reader = open_reader(man, threads=self.io_threads, direct=self.direct_io)

@@ -14,14 +14,16 @@ What it does not know: how the runtime is measured (backend.py) or where the byt
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..base import BudgetError
 from .dense import max_piece_bytes
-from .split import Manifest, dtype_size
+from .split import Manifest, Unit, dtype_size
 
 MIN_CONTEXT = 256  # below this the model is useless for the agent
+# Partial residency keeps this much context (tokens, or the model's, if less) before FFNs take the rest
+RESIDENT_CONTEXT = 4096
 # What the process allocates beyond the runtime measured at load and the engine's own accounting:
 # allocator slack after MLX frees buffers, library code pages first touched while generating, the
 # tokenizer's and chat template's work per request, reader threads. Measured (bench/flash_budget.py,
@@ -64,6 +66,8 @@ class BudgetPlan:
     runtime: int = 0  # the process outside the engine: RSS at load + TRANSIENT_ALLOWANCE (0: engine only)
     scores_per_token: int = 0  # attention scores (and softmax) of one prefill chunk, per token of context
     experts: int = 0  # MoE: expert banks + staging (set by moe.load_experts)
+    resident: int = 0  # dense FFN units kept in memory (plan_residency): never read again after load
+    resident_layers: list[int] = field(default_factory=list)
 
     @property
     def per_token(self) -> int:
@@ -71,7 +75,8 @@ class BudgetPlan:
 
     @property
     def fixed(self) -> int:
-        return self.runtime + self.pinned + self.buffers + self.in_flight + self.activations + self.experts
+        held = self.runtime + self.pinned + self.buffers + self.in_flight + self.activations
+        return held + self.experts + self.resident
 
     @property
     def total(self) -> int:
@@ -143,3 +148,23 @@ def plan_budget(
         )
     plan.context = min(context_length, room // plan.per_token)
     return plan
+
+
+def plan_residency(plan: BudgetPlan, units: list[Unit], context_target: int = RESIDENT_CONTEXT) -> list[Unit]:
+    """Dense FFN units to keep in memory, in layer order, from what the budget has left once the plan's
+    fixed part and `context_target` tokens of context (or the plan's context, if less) are paid for. Updates
+    `plan` (resident bytes, layers; the context then takes whatever is still left). A unit is resident at
+    its stored size (the same arrays a streamed piece makes, dense.tensor_arrays)."""
+    if plan.budget is None or not units:
+        return []
+    keep = min(plan.context, max(MIN_CONTEXT, context_target))
+    spare = plan.budget - plan.fixed - keep * plan.per_token
+    chosen, used = [], 0
+    for u in units:
+        if used + u.length > spare:
+            break  # in layer order: the streamed ones stay one run, read back to back
+        chosen.append(u)
+        used += u.length
+    plan.resident, plan.resident_layers = used, [u.layer for u in chosen]
+    plan.context = min(plan.context, (plan.budget - plan.fixed) // plan.per_token)
+    return chosen

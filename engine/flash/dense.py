@@ -104,9 +104,12 @@ def max_piece_bytes(man: Manifest) -> int:
 class LayerStream:
     """Hands out the FFN pieces in the order they are computed, keeping the next `depth` reads in flight."""
 
-    def __init__(self, man: Manifest, reader: UnitReader, depth: int = 2, verify: bool = False) -> None:
+    def __init__(self, man: Manifest, reader: UnitReader, depth: int = 2, verify: bool = False,
+                 units: list[Unit] | None = None) -> None:  # fmt: skip
         self.man = man
-        self.units = man.dense_units()
+        self.units = (
+            man.dense_units() if units is None else units
+        )  # the streamed ones (the rest are resident)
         self.pieces = [p for u in self.units for p in unit_pieces(u)]
         self.first = {}  # layer -> index of its first piece
         for k, p in enumerate(self.pieces):
@@ -197,6 +200,12 @@ class StreamedFFN:
         self.layer = layer
         self.q = {p: stream.man.quant_for(layer, p) for p in ORDER}
 
+    def pieces(self) -> list[Piece]:
+        return self.stream.pieces_of(self.layer)
+
+    def weights(self, piece: Piece) -> dict[str, Any]:
+        return self.stream.get(self.layer, piece.index)
+
     def _linear(self, x: Any, w: dict[str, Any], proj: str) -> Any:
         import mlx.core as mx
 
@@ -220,8 +229,8 @@ class StreamedFFN:
         from mlx_lm.models.activations import swiglu
 
         out: dict[str, Any] = {}
-        for piece in self.stream.pieces_of(self.layer):
-            w = self.stream.get(self.layer, piece.index)
+        for piece in self.pieces():
+            w = self.weights(piece)
             for proj in piece.projections:
                 if proj == "down_proj":
                     out[proj] = self._linear(swiglu(out.pop("gate_proj"), out.pop("up_proj")), w, proj)
@@ -234,11 +243,51 @@ class StreamedFFN:
         return out["down_proj"]
 
 
-def attach(model: Any, stream: LayerStream, moe_layers: set[int] | None = None) -> None:
-    """Point each dense block's `mlp` at a StreamedFFN (the pinned model has no FFN weights). In a MoE
-    model the layers in `moe_layers` keep their (expert-streamed) block; every other layer needs a unit."""
-    layers, moe_layers = model.layers, moe_layers or set()
-    dense = {u.layer for u in stream.units}
+class ResidentFFN(StreamedFFN):
+    """The same FFN on weights read once at load and kept (partial residency: what the budget allows).
+    The same pieces, in the same order, through the same math: the tokens do not change."""
+
+    def __init__(self, man: Manifest, unit: Unit, arrays: dict[str, Any]) -> None:
+        self.layer, self.arrays, self._pieces = unit.layer, arrays, unit_pieces(unit)
+        self.q = {p: man.quant_for(unit.layer, p) for p in ORDER}
+
+    def pieces(self) -> list[Piece]:
+        return self._pieces
+
+    def weights(self, piece: Piece) -> dict[str, Any]:
+        return {t.name: self.arrays[t.name] for t in piece.tensors}
+
+
+def load_resident(man: Manifest, reader: UnitReader, units: list[Unit]) -> dict[int, ResidentFFN]:
+    """Read `units` once (checksum checked) into MLX arrays that stay: layer -> ResidentFFN."""
+    import mlx.core as mx
+
+    from .split import check_unit
+
+    out: dict[int, ResidentFFN] = {}
+    if not units:
+        return out
+    buf = AlignedBuffer(max(u.padded for u in units))
+    try:
+        for u in units:
+            reader.read(buf, u.offset, u.length).result()
+            check_unit(man, u, buf.view)
+            arrays = tensor_arrays(u.tensors, np.frombuffer(buf.view, dtype=np.uint8, count=u.padded))
+            mx.eval(list(arrays.values()))
+            out[u.layer] = ResidentFFN(man, u, arrays)
+    finally:
+        buf.close()
+    return out
+
+
+def attach(model: Any, stream: LayerStream | None, moe_layers: set[int] | None = None,
+           resident: dict[int, ResidentFFN] | None = None) -> None:  # fmt: skip
+    """Point each dense block's `mlp` at a StreamedFFN (the pinned model has no FFN weights), or at its
+    ResidentFFN when the budget keeps it. In a MoE model the layers in `moe_layers` keep their
+    (expert-streamed) block; every other layer needs a unit."""
+    layers, moe_layers, resident = model.layers, moe_layers or set(), resident or {}
+    dense = {u.layer for u in stream.units} if stream is not None else set()
+    dense |= set(resident)
     missing = [i for i in range(len(layers)) if i not in dense and i not in moe_layers]
     if missing or len(dense) + len(moe_layers) != len(layers):
         raise ValueError(
@@ -253,4 +302,4 @@ def attach(model: Any, stream: LayerStream, moe_layers: set[int] | None = None) 
             )
         if "mlp" in layer:  # drop the placeholder MLP (lazy, never evaluated) from the parameter tree
             del layer["mlp"]
-        layer.mlp = StreamedFFN(stream, i)
+        layer.mlp = resident[i] if i in resident else StreamedFFN(stream, i)  # type: ignore[arg-type]
