@@ -146,7 +146,9 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
 def test_agent_ws_commands_run_in_the_sandbox_with_the_projects_network_switch(
     ws, project: Path, tmp_path: Path
 ) -> None:
-    outside = Path(__file__).resolve().parent.parent / "tests" / "artifacts" / f"escape-{tmp_path.name}"
+    # outside the project and outside /tmp (the sandbox gives commands a private /tmp: a path there would
+    # fail as missing, not as read-only, whichever directory the repository is checked out in)
+    outside = Path.home() / ".cache" / f"flashcode-escape-{tmp_path.name}"
     outside.parent.mkdir(parents=True, exist_ok=True)
     conv: list[str] = []
     frames, dialog = ask(ws, f"/shell pwd; touch inside.txt; touch {outside}", conv)

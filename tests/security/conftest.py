@@ -30,6 +30,17 @@ SECRET = f"FLASHCODE-SECRET-{uuid.uuid4().hex}"
 HOOK = "printf '#!/bin/sh\\ntouch {out}/pwned\\n' > {hooks}/post-commit && chmod +x {hooks}/post-commit"
 
 
+def _python() -> str:
+    """A Python for probes: this one, unless it lives under /tmp (a checkout there): sandboxed commands
+    get a private /tmp and could not run it, so the control runs would prove nothing."""
+    import shutil
+    import sys
+
+    if not sys.executable.startswith("/tmp/"):
+        return sys.executable
+    return shutil.which("python3", path="/usr/local/bin:/usr/bin") or sys.executable
+
+
 @dataclass
 class Ran:
     exit_code: int | None
@@ -54,12 +65,11 @@ class Scratch:
         return self.outside / "victim.txt"
 
     def subst(self, command: str) -> str:
-        import sys
 
         for key, value in {
             "{out}": str(self.outside),
             "{tmpout}": str(self.tmp_outside),
-            "{py}": sys.executable,
+            "{py}": _python(),
             "{shm}": f"/dev/shm/{self.tag}-pwned",
             "{vartmp}": f"/var/tmp/{self.tag}-pwned",
             "{tmpfile}": f"/tmp/{self.tag}-pwned",
