@@ -20,14 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD's hash, with `-dirty` when the work tree has uncommitted changes to tracked files."""
+    """HEAD's hash, with `-dirty` when the work tree has uncommitted changes to tracked files
+    (other than results under bench/results/)."""
     if os.environ.get("FLASHCODE_GIT_COMMIT"):
         return os.environ["FLASHCODE_GIT_COMMIT"]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         )
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, capture_output=True).returncode
+        # results written by an earlier benchmark of the same run do not make the code dirty
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", ".", ":(exclude)bench/results"],
+            cwd=ROOT,
+            capture_output=True,
+        ).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty else "")
