@@ -97,10 +97,16 @@ class GenerationRequest:
     constrain_tools: bool = True
     tool_choice: Literal["auto", "required"] = "auto"  # required: the reply must be a call
     progress: bool = False  # also stream `PrefillProgress` while the prompt is read (the chat window)
+    # the last message is the assistant's unfinished reply (cut at the token limit): the model goes on
+    # writing it — the prompt ends with its text, no end of turn, no new generation prompt; the events
+    # carry only the new text
+    continue_final: bool = False
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("GenerationRequest needs exactly one of messages= or prompt=")
+        if self.continue_final and (not self.messages or self.messages[-1].get("role") != "assistant"):
+            raise ValueError("continue_final needs messages that end with the assistant's reply")
 
 
 # --------------------------------------------------------------------------- events

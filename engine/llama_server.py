@@ -643,6 +643,13 @@ class LlamaServerBackend:
             body["stop"] = list(sp.stop)
         if request.progress:  # the server streams `prompt_progress` chunks while it reads the prompt
             body["return_progress"] = True
+        if request.continue_final and request.messages:
+            # the cut reply goes on: the template up to it, then its text, as a raw completion (the chat
+            # endpoint would prefill it too, but streams the prefilled text back as the first delta)
+            *before, last = request.messages
+            prompt = self._require().apply_template(before) + str(last.get("content") or "")
+            body.update(prompt=prompt, n_predict=sp.max_tokens, return_tokens=True)
+            return "/completion", body
         if request.messages is not None and request.tools and not request.constrain_tools:
             # unconstrained calls: the server's template renders the tools, the reply is free text and
             # the calls are read from it here (the chat endpoint would impose its tool-call grammar)

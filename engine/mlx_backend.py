@@ -310,7 +310,7 @@ class MLXBackend:
         return list(self.tokenizer.encode(text))
 
     def apply_chat_template(
-        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = (), continue_final: bool = False
     ) -> list[int]:
         self._require()
         if not getattr(self.tokenizer, "chat_template", None):
@@ -319,6 +319,14 @@ class MLXBackend:
                 "give it text to continue (completion mode in the chat window, --raw on the command line)"
             )
         extra = {"tools": list(tools)} if tools else {}
+        if continue_final:  # the assistant's cut reply goes on: the template up to it, then its text
+            *before, last = messages
+            text = self.tokenizer.apply_chat_template(
+                list(before), add_generation_prompt=True, tokenize=False, **extra
+            )
+            return list(
+                self.tokenizer.encode(text + str(last.get("content") or ""), add_special_tokens=False)
+            )
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)
         if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
             ids = ids["input_ids"]
@@ -326,7 +334,8 @@ class MLXBackend:
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            return self.apply_chat_template(request.messages, request.tools if self.supports_tools() else ())
+            tools = request.tools if self.supports_tools() else ()
+            return self.apply_chat_template(request.messages, tools, continue_final=request.continue_final)
         assert request.prompt is not None
         return self.encode_raw(request.prompt)
 

@@ -24,6 +24,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..db import Database, StoredMessage
@@ -68,10 +69,18 @@ class ReplyStream:
         route: str | None = None,
         received: float | None = None,
         started: float | None = None,
+        continuing: StoredMessage | None = None,
     ) -> None:
         self.db, self.views, self.engine, self.hooks, self.send = db, views, engine, hooks, send
         self.conversation_id, self.route = conversation_id, route
-        self.message = db.add_message(conversation_id, "assistant", "", status="streaming")
+        self.continuing = continuing
+        if continuing is None:
+            self.message = db.add_message(conversation_id, "assistant", "", status="streaming")
+            self.prefix = ""
+        else:  # Continue: the reply cut at the token limit grows in its own row (streaming again)
+            db.finish_message(continuing.id, continuing.content, "streaming", continuing.stats)
+            self.message = replace(continuing, status="streaming")
+            self.prefix = continuing.content
         self.started = started if started is not None else time.monotonic()
         self.received = received or self.started  # arrival of the user's message
         self.first_sent: float | None = None
@@ -79,7 +88,7 @@ class ReplyStream:
         self.latest = 0.0
         self.tokens = 0
         self.parts: list[str] = []
-        self.done_upto = 0  # the text before this is sent as finished markdown blocks
+        self.done_upto = stable_cut(self.prefix)  # the text before this is sent as finished markdown blocks
         self.pending: list[str] = []
         self.last_flush = 0.0
         self.last_save = time.monotonic()
@@ -93,7 +102,18 @@ class ReplyStream:
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return self.prefix + "".join(self.parts)
+
+    def opening(self) -> list[str]:
+        """The fragments that show this reply starting: a new empty reply, or the cut one reopened
+        (its finished blocks in the body, its unfinished tail where new text will join it)."""
+        if self.continuing is None:
+            return [self.views.append_message(self.message)]
+        body = replace(self.message, content=self.prefix[: self.done_upto])
+        return [
+            self.views.replace_message(body),
+            self.views.tokens(self.message.id, "", self.prefix[self.done_upto :]),
+        ]
 
     # ------------------------------------------------------------------ streaming
     def progress(self, processed: int, total: int) -> None:
@@ -168,6 +188,8 @@ class ReplyStream:
         self.finished = True
         status = STATUS_OF.get(finish_reason, "error")
         numbers: dict[str, Any] = dict(stats) | {"finish_reason": finish_reason}
+        if self.continuing is not None:  # the numbers are this part's; the footer says it was continued
+            numbers["continued"] = int(self.continuing.stats.get("continued") or 0) + 1
         if not numbers.get("ttft_s"):  # a stop answers at once, before the engine's own numbers exist
             numbers |= self.measured()
         if self.first_sent is not None:  # message in -> first token frame out, on this server
@@ -176,7 +198,7 @@ class ReplyStream:
         numbers |= {"model": model, "backend": backend}
         if error:
             numbers["error"] = error
-        self.db.finish_message(self.message.id, text or self.text, status, numbers)
+        self.db.finish_message(self.message.id, self.prefix + text if text else self.text, status, numbers)
         self._run_hooks(numbers)
         self.db.touch(self.conversation_id, model, backend)
         final = self.db.messages(self.conversation_id)[-1]
@@ -189,7 +211,7 @@ class ReplyStream:
             return
         self.close()
         self.finished = True
-        self.db.finish_message(self.message.id, self.text, "stopped")
+        self.db.finish_message(self.message.id, self.text, "stopped", self.message.stats or None)
 
     def _run_hooks(self, stats: dict[str, Any]) -> None:
         for hook in self.hooks:

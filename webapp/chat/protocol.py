@@ -48,6 +48,15 @@ class Regenerate:
 
 
 @dataclass(frozen=True)
+class Continue:
+    """Go on writing the conversation's last reply, cut at the token limit (the same message grows)."""
+
+    conversation_id: str
+    message_id: int | None = None  # the reply the button belongs to: only the last one can go on
+    type: str = "continue"
+
+
+@dataclass(frozen=True)
 class SwitchModel:
     backend: str
     model: str
@@ -75,7 +84,7 @@ class Answer:
     type: str = "answer"
 
 
-ClientMessage = Send | Stop | Regenerate | SwitchModel | Answer | SetMode
+ClientMessage = Send | Stop | Regenerate | Continue | SwitchModel | Answer | SetMode
 MODES = ("chat", "agent")
 
 
@@ -145,6 +154,10 @@ _PARSERS = {
     "send": _send,
     "stop": lambda d: Stop(),
     "regenerate": lambda d: Regenerate(conversation_id=_str(d, "conversation_id") or ""),
+    "continue": lambda d: Continue(
+        conversation_id=_str(d, "conversation_id") or "",
+        message_id=_number(d, "message_id", int, 1, 2**62),
+    ),
     "model": _model,
     "mode": lambda d: SetMode(
         mode=_mode(d) or "chat", conversation_id=_str(d, "conversation_id", required=False)

@@ -142,6 +142,8 @@ class Session:
             self._send(msg)
         elif isinstance(msg, p.Regenerate):
             self._regenerate(msg)
+        elif isinstance(msg, p.Continue):
+            self._continue(msg)
         elif isinstance(msg, p.SwitchModel):
             await self._switch_model(msg)
         elif isinstance(msg, p.SetMode):
@@ -193,6 +195,18 @@ class Session:
         db.delete_message(messages[-1].id)
         self.send(self.views.delete_message(messages[-1].id))
         self._start(msg.conversation_id)
+
+    def _continue(self, msg: p.Continue) -> None:
+        """The reply cut at the token limit goes on: same message, the prompt ends with its text."""
+        messages = self.ctx.db.messages(msg.conversation_id)
+        last = messages[-1] if messages else None
+        if last is None or last.role != "assistant" or not last.content or last.status != "complete":
+            self.error("nothing to continue: the last message is not a finished reply")
+            return
+        if msg.message_id is not None and msg.message_id != last.id:
+            self.error("only the last reply can be continued: send a message instead")
+            return
+        self._start(msg.conversation_id, continuing=last)
 
     async def _switch_model(self, msg: p.SwitchModel) -> None:
         views = self.views
@@ -256,11 +270,18 @@ class Session:
 
     # ------------------------------------------------------------------ a chat reply
     def _start(
-        self, conversation_id: str, sampling: dict[str, Any] | None = None, first: list[str] | None = None
+        self,
+        conversation_id: str,
+        sampling: dict[str, Any] | None = None,
+        first: list[str] | None = None,
+        continuing: StoredMessage | None = None,
     ) -> None:
         self.task = asyncio.create_task(
             self._generate(
-                conversation_id, self.views.sampling(conversation_id) | (sampling or {}), first or []
+                conversation_id,
+                self.views.sampling(conversation_id) | (sampling or {}),
+                first or [],
+                continuing,
             )
         )
         self.task.add_done_callback(self._generation_ended)
@@ -287,6 +308,7 @@ class Session:
         route: str | None = None,
         received: float = 0.0,
         started: float | None = None,
+        continuing: StoredMessage | None = None,
     ) -> ReplyStream:
         """A reply through the one pipeline (the chat's, or one a `TurnHandler` writes)."""
         ctx = self.ctx
@@ -300,24 +322,33 @@ class Session:
             route=route,
             received=received or None,
             started=started,
+            continuing=continuing,
         )
 
-    async def _generate(self, conversation_id: str, sampling: dict[str, Any], first: list[str]) -> None:
+    async def _generate(
+        self,
+        conversation_id: str,
+        sampling: dict[str, Any],
+        first: list[str],
+        continuing: StoredMessage | None = None,
+    ) -> None:
         views, engine = self.views, self.ctx.engine
         if self.ctx.before_reply is not None:  # e.g. resume the conversation's saved KV cache
             self.send(*first)
             first = []
             if note := await self.ctx.before_reply(conversation_id):
                 self.send(views.alert(note, "note"))
-        history = self._history(conversation_id)
-        request = self._request(history, sampling)
+        history = self._history(conversation_id)  # a reply to continue is its last message
+        request = self._request(history, sampling, continuing is not None)
         submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
-        stream = self.reply_stream(conversation_id, received=self.received, started=submitted)
+        stream = self.reply_stream(
+            conversation_id, received=self.received, started=submitted, continuing=continuing
+        )
         self.send(
             *first,
-            views.append_message(stream.message),
+            *stream.opening(),
             views.controls(generating=True),
             views.conversation_list(conversation_id),
         )
@@ -352,12 +383,18 @@ class Session:
             if m.role in ("user", "assistant", "system") and m.content and m.id > start
         ]
 
-    def _request(self, history: list[Message], sampling: dict[str, Any]) -> GenerationRequest:
+    def _request(
+        self, history: list[Message], sampling: dict[str, Any], continuing: bool = False
+    ) -> GenerationRequest:
+        """`continuing`: the history ends with the reply cut at the token limit, which goes on."""
         params = SamplingParams(**{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS})
         if self.ctx.engine.is_base_model:  # completion mode: the model continues the user's text
             last = next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
-            return GenerationRequest(prompt=last, sampling=params, progress=True)
-        return GenerationRequest(messages=tuple(history), sampling=params, progress=True)
+            so_far = history[-1]["content"] if continuing else ""
+            return GenerationRequest(prompt=last + so_far, sampling=params, progress=True)
+        return GenerationRequest(
+            messages=tuple(history), sampling=params, progress=True, continue_final=continuing
+        )
 
     async def _meter(self, stream: ReplyStream) -> None:
         """While a reply is written, send the engine's live numbers (flash: disk rate, MB per token, expert
