@@ -22,7 +22,7 @@ from engine import paths
 from engine.base import SamplingParams
 from engine.worker import Worker
 
-from . import engine_host
+from . import engine_host, tools_cli
 from .agent import events as ev
 from .agent.agent import AgentSession
 from .agent.loop import DEFAULT_AGENT_MODEL, DEFAULT_MAX_STEPS
@@ -70,6 +70,7 @@ def register(sub: Any) -> None:
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_route)
     register_agent(sub)
+    tools_cli.register(sub)  # flashcode tools
 
 
 # --------------------------------------------------------------------------- flashcode agent

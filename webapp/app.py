@@ -38,6 +38,9 @@ from engine.worker import Worker
 
 from . import security
 from .agent.agent import quote_untrusted
+from .agent.mcp import shared as mcp_servers
+from .agent.mcp_store import McpStore
+from .agent.mcp_web import McpWeb
 from .agent.slash import BUILTIN, SlashCommand, SlashCommands
 from .agent.web import AgentWeb
 from .api.openai import OpenAIAPI
@@ -121,6 +124,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         slash_handlers={c.name: stats.answer_fragment for c in STATS_COMMANDS},
         projects=projects,
     )
+    mcp = McpWeb(McpStore(db.conn), env, lambda: agent.project_for(None), projects)  # Settings › MCP servers
     contexts = SavedContexts(settings.data_dir, engine.worker, db, env)
     api = OpenAIAPI(engine.worker, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
@@ -143,6 +147,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
             yield
         finally:
             await resume.save_now()  # the live conversation's KV cache, for the next start
+            await mcp_servers().close_all()  # every MCP server the agent started
             if own_worker:
                 engine.worker.close()
             db.close()
@@ -151,6 +156,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         routes=[
             *pages.routes,
             *agent.routes,
+            *mcp.routes,
             *projects_web.routes,
             *contexts.routes,
             *stats.routes,

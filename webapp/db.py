@@ -9,6 +9,7 @@ database (WAL, foreign keys), and the conversation and message queries. Tables a
     stats_replies, stats_grades,       webapp.stats.store
     stats_bench_runs
     projects                           webapp.projects.store (conversations.project_id: this module)
+    mcp_servers                        webapp.agent.mcp_store
 
 Migrations. Each step is `(version, name, statements)`: statements run one by one, in one
 transaction with `PRAGMA user_version = version`, so a step is applied whole or not at all and
@@ -222,6 +223,37 @@ MIGRATIONS: list[Migration] = [
             value TEXT NOT NULL,                       -- JSON
             updated_at REAL NOT NULL
         )""",
+        ),
+    ),
+    # issue 20: MCP servers per project (added in Settings, or the user's switches for a .mcp.json
+    # server), and allow rules of kind 'tool' (an MCP tool, `server__tool`) in the agent's rule table
+    # (SQLite cannot change a CHECK: the table is rebuilt with its rows and ids)
+    Migration(
+        7,
+        "MCP servers and tool allow rules",
+        (
+            """CREATE TABLE mcp_servers (
+            project TEXT NOT NULL,
+            name TEXT NOT NULL,
+            config TEXT,                               -- JSON mcpServers entry; NULL: the .mcp.json one
+            enabled INTEGER NOT NULL DEFAULT 1,
+            approved TEXT,                             -- .mcp.json: fingerprint of the config approved
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            PRIMARY KEY (project, name)
+        )""",
+            """CREATE TABLE agent_allow_rules_7 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            project TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('exact', 'prefix', 'tool')),
+            pattern TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            UNIQUE (project, kind, pattern)
+        )""",
+            """INSERT INTO agent_allow_rules_7 (id, project, kind, pattern, created_at)
+            SELECT id, project, kind, pattern, created_at FROM agent_allow_rules""",
+            "DROP TABLE agent_allow_rules",
+            "ALTER TABLE agent_allow_rules_7 RENAME TO agent_allow_rules",
         ),
     ),
 ]

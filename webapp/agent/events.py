@@ -96,8 +96,8 @@ class Proposal(_Event):
     """An action waiting for approval (or already allowed by a rule: `allowed_by_rule`)."""
 
     action_id: int
-    tool: Literal["shell", "write"]
-    command: str  # the exact command, or the file path for a write
+    tool: Literal["shell", "write", "mcp"]
+    command: str  # the exact command, the file path for a write, `server__tool {arguments}` for MCP
     cwd: str
     timeout_s: float
     allowed_by_rule: bool = False

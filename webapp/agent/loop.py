@@ -43,6 +43,7 @@ from .events import (
     ToolStepDone,
 )
 from .files import FileChange, FileToolError
+from .mcp import McpTools
 from .runner import CommandRun
 from .search import SearchUnavailableError
 from .shell import check_command
@@ -102,10 +103,15 @@ class ToolLoop:
         self.limit = max_steps
         self.records: list[dict[str, Any]] = []  # one per step: tool, arguments, decision, ok, exit_code
         self.last_stats: dict[str, Any] = {}
+        self.mcp: McpTools | None = None  # the project's MCP servers' tools (mcp.py), loaded by run()
 
     # ------------------------------------------------------------------ the loop
     async def run(self, messages: list[Message]) -> AsyncIterator[AgentEvent]:
         self.messages = messages
+        self.mcp = McpTools(self.s)
+        async for ev in self.mcp.load():  # notices for servers that are not available
+            yield ev
+        self.tools = (*self.tools, *self.mcp.openai())
         async for ev in self._loop():
             yield ev
 
@@ -215,6 +221,10 @@ class ToolLoop:
         spec = BY_NAME.get(call.name)
         if call.error:
             yield ToolResult(False, f"Error: {call.error}. Call one of the tools with JSON arguments.")
+            return
+        if self.mcp is not None and call.name in self.mcp.tools:  # an MCP server's tool: mcp.py
+            async for item in self.mcp.execute(call):
+                yield item
             return
         if spec is None:
             yield ToolResult(

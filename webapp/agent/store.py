@@ -64,8 +64,10 @@ class AgentStore:
 
     def list_rules(self, project: str) -> list[Rule]:
         rows = self.conn.execute(
-            "SELECT id, kind, pattern FROM agent_allow_rules WHERE project = ? ORDER BY id", (project,)
-        ).fetchall()
+            "SELECT id, kind, pattern FROM agent_allow_rules WHERE project = ? AND kind IN ('exact', 'prefix') "
+            "ORDER BY id",
+            (project,),
+        ).fetchall()  # the shell's rules (MCP tools' rules, kind 'tool', are webapp.agent.mcp_store's)
         return [Rule(kind, pattern, int(id_)) for id_, kind, pattern in rows]
 
     def remove_rule(self, project: str, rule_id: int) -> bool:

@@ -92,7 +92,7 @@ def touches_git(path: str) -> bool:
 def proposal_warnings(tool: str, command: str, diff: str | None = None) -> tuple[str, ...]:
     """The warning lines the approval dialog shows above everything else for one proposal."""
     out = []
-    what = "command" if tool == "shell" else "file path"
+    what = {"shell": "command", "mcp": "tool call"}.get(tool, "file path")
     if names := invisible_names(command):
         out.append(
             f"the {what} contains invisible characters ({', '.join(names)}); they are shown as <U+…> markers"

@@ -225,6 +225,7 @@ class ProjectStore:
                 "DELETE FROM conversations WHERE project_id = ?",  # messages go with them (cascade)
                 "DELETE FROM agent_allow_rules WHERE project = ?",
                 "DELETE FROM agent_project_settings WHERE project = ?",
+                "DELETE FROM mcp_servers WHERE project = ?",
                 "DELETE FROM agent_actions WHERE project = ?",
                 "DELETE FROM stats_replies WHERE project_id = ?",
             ]

@@ -1,0 +1,188 @@
+"""Which MCP servers a project has: its `.mcp.json` and the servers added in Settings, checked.
+
+`.mcp.json` at the project root has the shape Claude Code and Cursor read:
+
+    {"mcpServers": {
+        "files": {"command": "npx", "args": ["-y", "some-mcp-server"], "env": {"KEY": "value"}},
+        "docs":  {"type": "http", "url": "http://127.0.0.1:8000/mcp", "headers": {"Authorization": "..."}}
+    }}
+
+A server is stdio (`command`, optional `args`, `env`; `"type": "stdio"` or no type) or streamable
+HTTP (`url`, optional `headers`; `"type": "http"` or `"streamable-http"`, or no type). SSE servers
+(`"type": "sse"`) are refused with a message; `${VAR}` is not expanded. Settings rows (the table
+`mcp_servers`, `mcp_store.py`) add servers of the same shape, and a row with no config holds the
+user's state for the `.mcp.json` server of that name: disabled, or approved (the config's
+fingerprint: a `.mcp.json` server runs only once the user approved exactly that config, since a
+cloned repository can name any command). A Settings server of the same name as a `.mcp.json` one
+replaces it.
+
+What it knows: parsing, validation, names (`server__tool`) and fingerprints. What it does not
+know: processes, the SDK, SQL, HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+CONFIG_FILE = ".mcp.json"
+MAX_CONFIG_BYTES = 256_000
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+TOOL_NAME_MAX = 64  # OpenAI-style function names: [A-Za-z0-9_-]{1,64}
+SEP = "__"
+Transport = Literal["stdio", "http"]
+Source = Literal["file", "settings"]
+
+
+class McpConfigError(ValueError):
+    """A server entry that cannot be used; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One MCP server of a project, as configured (and the user's switches for it)."""
+
+    name: str
+    transport: Transport
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    url: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    source: Source = "file"
+    enabled: bool = True
+    approved: bool = True  # .mcp.json servers: the user approved this exact config
+    error: str | None = None  # why it cannot be used (a bad entry is listed, never started)
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what would run (command, args, env, url, headers): approval is for this."""
+        body = json.dumps(
+            [self.transport, self.command, list(self.args), list(self.env), self.url, list(self.headers)]
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and self.enabled and self.approved
+
+    def describe(self) -> str:
+        """What runs, on one line: `command arg ...` or the URL (header values never shown)."""
+        if self.transport == "http":
+            return self.url
+        return " ".join([self.command, *(_shell_word(a) for a in self.args)])
+
+    def status(self) -> str:
+        if self.error:
+            return f"not usable: {self.error}"
+        if not self.enabled:
+            return "disabled"
+        if not self.approved:
+            return "not approved yet (from .mcp.json: approve it in Settings › MCP servers)"
+        return "enabled"
+
+    def to_json(self) -> dict[str, Any]:
+        """The `mcpServers` entry for this server (what Settings stores)."""
+        if self.transport == "http":
+            out: dict[str, Any] = {"type": "http", "url": self.url}
+            if self.headers:
+                out["headers"] = dict(self.headers)
+            return out
+        out = {"command": self.command}
+        if self.args:
+            out["args"] = list(self.args)
+        if self.env:
+            out["env"] = dict(self.env)
+        return out
+
+
+def _shell_word(text: str) -> str:
+    return text if re.fullmatch(r"[A-Za-z0-9_./:=@%+,-]+", text) else json.dumps(text)
+
+
+def parse_entry(name: str, entry: Any, source: Source = "file") -> ServerConfig:
+    """One `mcpServers` entry; a bad one comes back with `error` set (and is listed, not started)."""
+    try:
+        return _parse(name, entry, source)
+    except McpConfigError as exc:
+        return ServerConfig(name, "stdio", source=source, error=str(exc), enabled=False)
+
+
+def _strings(value: Any, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise McpConfigError(f"{what} must be a list of strings")
+    return tuple(value)
+
+
+def _mapping(value: Any, what: str) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise McpConfigError(f"{what} must be an object of strings")
+    return tuple(sorted(value.items()))
+
+
+def _parse(name: str, entry: Any, source: Source) -> ServerConfig:
+    if not NAME_RE.match(name):
+        raise McpConfigError("a server name is 1-40 letters, digits, '_' or '-'")
+    if not isinstance(entry, dict):
+        raise McpConfigError("the entry must be a JSON object")
+    kind = entry.get("type")
+    if kind == "sse":
+        raise McpConfigError("SSE servers are not supported: use the server's streamable HTTP URL")
+    if kind not in (None, "stdio", "http", "streamable-http", "streamableHttp"):
+        raise McpConfigError(f"unknown type {str(kind)[:40]!r} (stdio or http)")
+    if "url" in entry and kind != "stdio":
+        url = entry["url"]
+        if not isinstance(url, str) or not re.match(r"^https?://[^\s/]+", url):
+            raise McpConfigError("url must be an http:// or https:// address")
+        return ServerConfig(
+            name, "http", url=url, headers=_mapping(entry.get("headers"), "headers"), source=source, raw=entry
+        )
+    command = entry.get("command")
+    if not isinstance(command, str) or not command.strip() or "\x00" in command:
+        raise McpConfigError("a stdio server needs a command (or an http server a url)")
+    args = _strings(entry.get("args"), "args")
+    if any("\x00" in a for a in args):
+        raise McpConfigError("args cannot contain NUL bytes")
+    return ServerConfig(
+        name,
+        "stdio",
+        command=command.strip(),
+        args=args,
+        env=_mapping(entry.get("env"), "env"),
+        source=source,
+        raw=entry,
+    )
+
+
+def read_file_config(project_dir: Path) -> tuple[list[ServerConfig], str | None]:
+    """The servers of `<project>/.mcp.json` and, when the file is unreadable, why (else None)."""
+    path = Path(project_dir) / CONFIG_FILE
+    try:
+        if not path.is_file():
+            return [], None
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            return [], f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES // 1000} KB"
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeError, json.JSONDecodeError) as exc:
+        return [], f"{CONFIG_FILE} cannot be read: {exc}"
+    servers = data.get("mcpServers") if isinstance(data, dict) else None
+    if not isinstance(servers, dict):
+        return [], f'{CONFIG_FILE} has no "mcpServers" object'
+    return [parse_entry(str(name), entry, "file") for name, entry in servers.items()], None
+
+
+def tool_name(server: str, tool: str) -> str:
+    """`server__tool`, with characters outside [A-Za-z0-9_-] as `_`, at most 64 characters."""
+    clean = re.sub(r"[^A-Za-z0-9_-]", "_", tool)
+    return f"{server}{SEP}{clean}"[:TOOL_NAME_MAX]
