@@ -276,14 +276,22 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
                 "ttft_s": round(s.ttft_s, 4), "prompt_tps": round(s.prompt_tps, 2),
                 "decode_tps": round(s.decode_tps, 2),
-                "peak_rss_bytes": max(s.peak_rss_bytes, peak_rss_bytes()),
                 "finish_reason": done.finish_reason, "cached_tokens": s.cached_tokens, **s.extra,
+                "peak_rss_bytes": max(s.peak_rss_bytes, peak_rss_bytes()),  # the whole process (flash: since load)
             }  # fmt: skip
+            if s.extra.get("memory_budget"):  # flash: peak RSS against --memory-budget
+                out["peak_rss_of_budget"] = round(out["peak_rss_bytes"] / s.extra["memory_budget"], 4)
             print(json.dumps(out))
         else:
             print()
             if args.verbose:
-                print(f"[{s.completion_tokens} tokens, {s.decode_tps:.1f} tok/s, ttft {s.ttft_s * 1000:.0f} ms]",
+                budget = s.extra.get("memory_budget")
+                mem = (
+                    f", peak RSS {max(s.peak_rss_bytes, peak_rss_bytes()) / 1e6:.0f} / {budget / 1e6:.0f} MB"
+                    if budget
+                    else ""
+                )
+                print(f"[{s.completion_tokens} tokens, {s.decode_tps:.1f} tok/s, ttft {s.ttft_s * 1000:.0f} ms{mem}]",
                       file=sys.stderr)  # fmt: skip
         return 0
     finally:
