@@ -377,6 +377,7 @@ class MLXBackend:
         pending_ids: list[int] = []  # tokens whose text is held back (partial UTF-8, maybe a stop string)
         finish: str = "length"
         last = None
+        seam: bool | None = None if request.continue_final else False  # a space the detokenizer dropped?
         try:
             for resp in stream_generate(
                 self.model_obj,
@@ -395,9 +396,14 @@ class MLXBackend:
                 last = resp
                 if not stats.ttft_s:
                     stats.ttft_s = time.perf_counter() - t0
+                if seam is None:
+                    seam = self._space_at_seam(prompt, int(resp.token))
+                text = resp.text
+                if seam and text:  # a continued reply keeps the space its first word starts with
+                    text, seam = (text if text.startswith(" ") else " " + text), False
                 if resp.finish_reason == "stop":  # EOS: not part of the reply, but flush its text
                     fed_eos = [int(resp.token)]  # mlx-lm has already fed it to the cache
-                    piece = stops.feed(resp.text)
+                    piece = stops.feed(text)
                     if piece or pending_ids:
                         text_parts.append(piece)
                         yield TextDelta(piece, tuple(pending_ids))
@@ -406,7 +412,7 @@ class MLXBackend:
                     break
                 generated.append(int(resp.token))
                 pending_ids.append(int(resp.token))
-                piece = stops.feed(resp.text)
+                piece = stops.feed(text)
                 calls: list[ToolCall] = []
                 if splitter is not None:
                     piece, calls = splitter.feed(piece)
@@ -462,6 +468,14 @@ class MLXBackend:
         self.prompt_cache.reset()
         self._model_info = None
         mx.clear_cache()
+
+    def _space_at_seam(self, prompt: list[int], token: int) -> bool:
+        """Whether `token`, right after `prompt`, starts with a space. mlx-lm's streaming detokenizer
+        drops a reply's leading space; a reply that goes on (`continue_final`) needs it at the seam."""
+        context = prompt[-8:]
+        before = self.tokenizer.decode(context)
+        after = self.tokenizer.decode(context + [token])
+        return after.startswith(before) and after[len(before) :].startswith(" ")
 
     # ------------------------------------------------------------------ capabilities
     def supports_tools(self) -> bool:

@@ -95,6 +95,23 @@ def test_mlx_template_continues_the_final_message(mlx_backend) -> None:
     )
 
 
+def test_mlx_continued_reply_keeps_the_space_at_the_seam(mlx_backend) -> None:
+    """mlx-lm's streaming detokenizer drops a reply's leading space; at a seam it is part of the text."""
+    messages = (*USER, {"role": "assistant", "content": "The primary colors are red, blue and"})
+    request = GenerationRequest(
+        messages=messages, sampling=SamplingParams(temperature=0.0, max_tokens=3), continue_final=True
+    )
+    events = list(mlx_backend.stream(request, threading.Event()))
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert text.startswith(" ") and text.strip(), text  # "… and yellow", not "… andyellow"
+    fresh = list(
+        mlx_backend.stream(GenerationRequest(messages=USER, sampling=request.sampling), threading.Event())
+    )
+    assert not "".join(e.text for e in fresh if isinstance(e, TextDelta)).startswith(
+        " "
+    )  # a new reply: no space
+
+
 def test_continue_only_the_last_finished_reply(tmp_path: Path, fake: FakeBackend) -> None:
     worker = Worker(lambda: fake)
     app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
