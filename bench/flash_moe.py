@@ -159,7 +159,8 @@ def decode_profile(
     if tps:
         token_ms = 1000 / tps
         out["token_ms"] = round(token_ms, 3)
-        out["ms_per_token"]["other"] = round(token_ms - sum(out["ms_per_token"].values()), 3)
+        main = sum(v for k, v in out["ms_per_token"].items() if not k.endswith("_async"))  # compute thread's
+        out["ms_per_token"]["other"] = round(token_ms - main, 3)
     return out
 
 
@@ -413,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", default="", help='extra flash runs with other flags: "NAME:FLAGS;NAME:FLAGS"'
     )
     ap.add_argument(
-        "--pipeline", default="", choices=["", "overlap", "legacy"], help="device path (engine default)"
+        "--pipeline",
+        default="",
+        choices=["", "threaded", "overlap", "legacy"],
+        help="device path (engine default)",
     )
     ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")
     ap.add_argument("--read-chunk", type=int, default=-1,

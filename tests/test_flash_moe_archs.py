@@ -210,7 +210,9 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
     assert stream.stats.experts_read > 3 * 4
 
 
-@pytest.mark.parametrize("pipeline,prefetch", [("overlap", 0), ("overlap", 2), ("legacy", 1)])
+@pytest.mark.parametrize(
+    "pipeline,prefetch", [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1)]
+)
 def test_device_pipelines_give_the_same_answer(
     pipeline: str, prefetch: int, tmp_path: Path, model_home: Path
 ) -> None:

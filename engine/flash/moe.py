@@ -21,7 +21,7 @@ What it does not know: budgets (backend.py sizes the cache), tokenization, atten
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -85,7 +85,17 @@ class MoEStats:
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
-PROFILE_PARTS = ("wait_input", "router", "cache", "read_wait", "h2d", "bank", "compute", "prefetch")
+PROFILE_PARTS = (
+    "wait_input",
+    "router",
+    "cache",
+    "read_wait",
+    "h2d",
+    "bank",
+    "compute",
+    "prefetch",
+    "h2d_async",
+)
 
 
 @dataclass
@@ -99,7 +109,8 @@ class MoEProfile:
     previous layer's experts); router: router + top-k + reading the choice back (the layer's one host sync);
     cache: ids -> slots (unique, policy, slot table); read_wait: waiting for missed experts' reads;
     h2d: host-to-device copies of their bytes; bank: bank updates (profile: evaluated); compute: the
-    experts' matmuls (profile: evaluated); prefetch: guessing and issuing speculative reads (opt-in)."""
+    experts' matmuls (profile: evaluated); prefetch: guessing and issuing speculative reads (opt-in);
+    h2d_async: the copies made on the copy thread (`pipeline = "threaded"`), overlapped, not compute-thread time."""
 
     calls: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROFILE_PARTS, 0.0))
@@ -114,11 +125,12 @@ class MoEProfile:
 class ExpertStream:
     """Per-layer banks + the cache + parallel reads of misses. One instance serves every MoE layer.
 
-    Device path (`host_writes` False): `pipeline = "overlap"` (default) copies each missed expert to the
-    device as its read lands — one host-to-device copy of the expert's bytes, then per-tensor views into
-    its bank slot, started at once (`mx.async_eval`) so the copy runs while the other reads are still in
-    flight; `"legacy"` is the earlier path (all reads waited for, then one copy per tensor), kept to
-    measure against. Either way no host sync per miss."""
+    Device path (`host_writes` False): `pipeline = "threaded"` (default) chains each missed expert's read to
+    its host-to-device copy (one `mx.array` of the expert's bytes) on a copy thread of its own, so copies run
+    while later reads are in flight and while the compute thread waits; the compute thread then points
+    per-tensor views of it into the expert's bank slot and starts the update at once (`mx.async_eval`).
+    `"overlap"` does the same copy on the compute thread as each read lands; `"legacy"` is the earlier path
+    (all reads waited for, then one copy per tensor). Both are kept to measure against. No host sync per miss."""
 
     def __init__(self, man: Manifest, reader: UnitReader, cache: ExpertCache, max_misses: int = 16,
                  verify: bool = False, record: bool = False) -> None:  # fmt: skip
@@ -160,7 +172,8 @@ class ExpertStream:
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
         self.record = record
-        self.pipeline = "overlap"  # device path: "overlap" or "legacy" (see the class docstring)
+        self.pipeline = "threaded"  # device path: "threaded", "overlap" or "legacy" (see the class docstring)
+        self._h2d_pool: ThreadPoolExecutor | None = None  # the copy thread (made on first use)
         # one expert read spread over several preadv calls: a single miss still keeps the disk queue deep
         self.read_chunk: int | None = 512 << 10
         self.prof = MoEProfile()
@@ -262,6 +275,26 @@ class ExpertStream:
             futs[self.reader.read(part, u.offset, u.length, self.read_chunk)] = (k, s, view)  # type: ignore[arg-type]
         self.stats.experts_read += len(futs)
         self._drain(ready, {k for k, _, _ in landed})
+        if not self.host_writes and self.pipeline == "threaded":
+            if self._h2d_pool is None:
+                self._h2d_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-h2d")
+            copies = {self._h2d_pool.submit(self._copy_when_read, f, layer, view): (k, s, view)
+                      for f, (k, s, view) in futs.items()}  # fmt: skip
+            for k, s, view in landed:  # their region is reused by the guesses issued next
+                self._to_bank(i, k, s, view)
+            if guesses:
+                self.prefetch(i, guesses)
+            pending = set(copies)
+            while pending:  # each expert's bank update starts as soon as its copy is on the device side
+                t0 = time.perf_counter()
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                dt = time.perf_counter() - t0
+                self.prof.add("read_wait", dt)
+                self.stats.read_wait_s += dt
+                for c in done:
+                    k, s, view = copies[c]
+                    self._to_bank(i, k, s, view, c.result())
+            return
         if not self.host_writes and self.pipeline == "overlap":
             for k, s, view in landed:  # their region is reused by the guesses issued next
                 self._to_bank(i, k, s, view)
@@ -325,14 +358,26 @@ class ExpertStream:
             check_unit(self.man, self.units[layer][k], view)
             self.verified.add((layer, k))
 
-    def _to_bank(self, i: int, k: int, s: int, view: memoryview) -> None:
-        """Device path: one host-to-device copy of expert k's bytes, views of it into bank slot `s`, started now."""
+    def _copy_when_read(self, read: Future[float], layer: int, view: memoryview) -> Any:
+        """On the copy thread: wait for the read, then copy the expert's bytes to an MLX array."""
+        import mlx.core as mx
+
+        read.result()
+        t0 = time.perf_counter()
+        raw = mx.array(np.frombuffer(view, dtype=np.uint8, count=self.used_bytes[layer]))
+        self.prof.add("h2d_async", time.perf_counter() - t0)
+        return raw
+
+    def _to_bank(self, i: int, k: int, s: int, view: memoryview, raw: Any = None) -> None:
+        """Device path: one host-to-device copy of expert k's bytes (unless `raw` holds it already), views
+        of it into bank slot `s`, started now."""
         import mlx.core as mx
 
         layer = self.layers[i]
         self._verify(layer, k, view)
         t0 = time.perf_counter()
-        raw = mx.array(np.frombuffer(view, dtype=np.uint8, count=self.used_bytes[layer]))
+        if raw is None:
+            raw = mx.array(np.frombuffer(view, dtype=np.uint8, count=self.used_bytes[layer]))
         t1 = time.perf_counter()
         self.prof.add("h2d", t1 - t0)
         bank = self.banks[i]
@@ -374,6 +419,8 @@ class ExpertStream:
 
     def close(self) -> None:
         self._take_prefetched(-1)
+        if self._h2d_pool is not None:
+            self._h2d_pool.shutdown(wait=True)
         self.banks = []
         self.staging.close()
         if self.pf_k:
