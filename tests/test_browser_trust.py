@@ -123,6 +123,9 @@ def check_command_block(page, where: str) -> None:
     assert block.locator(".action-exit").get_attribute("data-exit-code") == "3", where
     assert "Exit code 3" in block.locator(".action-exit").inner_text(), where
     assert "Approved once" in block.locator(".action-decision").inner_text(), where
+    # the command is not redone by Regenerate, nor its summary continued as a chat reply, on any load
+    assert page.locator("#regenerate-button").is_disabled(), where
+    assert page.locator(".continue-button").count() == 0, where
 
 
 @pytest.fixture
@@ -259,7 +262,9 @@ def test_browser_generation_settings_base_model_and_projects(home: Path, browser
         assert box and box["x"] >= 0 and box["y"] >= 0
         assert box["x"] + box["width"] <= 900 and box["y"] + box["height"] <= 700
         small.screenshot(path=str(artifacts / "trust_projects_900x700.png"))
+        small.click("#projects-window [data-close]")
         menu(small, "View", "button[data-open=stats-window]")
+        small.locator("#stats-window .stats-pane").wait_for(timeout=60_000)  # loaded: its full size
         stats = small.locator("#stats-window").bounding_box()
         assert stats and stats["y"] + stats["height"] <= 700 and stats["x"] + stats["width"] <= 900
         small.screenshot(path=str(artifacts / "trust_stats_900x700.png"))

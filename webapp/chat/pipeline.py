@@ -70,9 +70,11 @@ class ReplyStream:
         received: float | None = None,
         started: float | None = None,
         continuing: StoredMessage | None = None,
+        turn: str = "chat",
     ) -> None:
         self.db, self.views, self.engine, self.hooks, self.send = db, views, engine, hooks, send
         self.conversation_id, self.route = conversation_id, route
+        self.turn = turn  # "agent": an agent turn's answer (not regenerated or continued as a chat reply)
         self.continuing = continuing
         if continuing is None:
             self.message = db.add_message(conversation_id, "assistant", "", status="streaming")
@@ -188,6 +190,8 @@ class ReplyStream:
         self.finished = True
         status = STATUS_OF.get(finish_reason, "error")
         numbers: dict[str, Any] = dict(stats) | {"finish_reason": finish_reason}
+        if self.turn != "chat":
+            numbers["turn"] = self.turn
         if self.continuing is not None:  # the numbers are this part's; the footer says it was continued
             numbers["continued"] = int(self.continuing.stats.get("continued") or 0) + 1
         if not numbers.get("ttft_s"):  # a stop answers at once, before the engine's own numbers exist

@@ -203,6 +203,9 @@ class Session:
         if last is None or last.role != "assistant" or not last.content or last.status != "complete":
             self.error("nothing to continue: the last message is not a finished reply")
             return
+        if last.stats.get("turn") == "agent":
+            self.error("an agent's answer cannot be continued: send a message instead")
+            return
         if msg.message_id is not None and msg.message_id != last.id:
             self.error("only the last reply can be continued: send a message instead")
             return
@@ -309,6 +312,7 @@ class Session:
         received: float = 0.0,
         started: float | None = None,
         continuing: StoredMessage | None = None,
+        turn: str = "chat",
     ) -> ReplyStream:
         """A reply through the one pipeline (the chat's, or one a `TurnHandler` writes)."""
         ctx = self.ctx
@@ -323,6 +327,7 @@ class Session:
             received=received or None,
             started=started,
             continuing=continuing,
+            turn=turn,
         )
 
     async def _generate(
@@ -476,7 +481,7 @@ class SocketTurn:
         self.session.cancel = stop
 
     def start_reply(self, route: str | None = None) -> ReplyStream:
-        stream = self.session.reply_stream(self.conversation_id, route, received=self.received)
+        stream = self.session.reply_stream(self.conversation_id, route, received=self.received, turn="agent")
         self.send(self.session.views.append_message(stream.message))
         return stream
 

@@ -23,6 +23,15 @@ from ..turns import ProjectLookup, ProjectRef
 from .transcript import TranscriptViews
 
 
+def can_regenerate(messages: list[StoredMessage]) -> bool:
+    """Whether Regenerate can rewrite the last reply: a chat reply, not an agent turn's answer (a
+    command, search or slash command is not redone) — as the live page has it after each turn."""
+    if not messages or messages[-1].role != "assistant" or messages[-1].stats.get("turn") == "agent":
+        return False
+    asked = next((m for m in reversed(messages) if m.role == "user"), None)
+    return asked is None or not asked.content.lstrip().startswith("/")
+
+
 class ChatViews(TranscriptViews):
     def __init__(
         self,
@@ -59,7 +68,7 @@ class ChatViews(TranscriptViews):
             "current_choice": f"{engine.backend}:{engine.model}",
             "context_used": self.context_used(conv.id if conv else None),
             **self.trust_context(conv.id if conv else None),
-            "can_regenerate": bool(messages) and messages[-1].role == "assistant",
+            "can_regenerate": can_regenerate(messages),
             "csrf_token": self.csrf_token,
             "project_id": project.id if project else "default",
             "settings_rows": self.settings_rows(),
