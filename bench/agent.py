@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=5)
     ap.add_argument("--tasks", type=int, default=None, help="run only the first N tasks (every backend)")
     ap.add_argument("--mlx-tasks", type=int, default=None, help="run MLX on the first N tasks only")
+    ap.add_argument("--only", action="append", help="run only the task(s) with this name")
     ap.add_argument(
         "--llama-threads", type=int, default=1, help="llama-server threads (1: see bench/websocket.py)"
     )
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     backends = args.backend or ["llama", "mlx"]
     modes = args.mode or ["constrained", "unconstrained"]
-    tasks = load_tasks()[: args.tasks]
+    tasks = [t for t in load_tasks() if not args.only or t["name"] in args.only][: args.tasks]
     os.environ["FLASHCODE_LLAMA_THREADS"] = str(args.llama_threads)
     doc: dict[str, Any] = {
         **provenance(),

@@ -68,6 +68,28 @@ def call_grammar(
     )
 
 
+_OPENINGS: dict[int, Any] = {}  # id(hf tokenizer) -> bool array: the token starts an improvised call
+
+
+def _improvised_openings(hf_tokenizer: Any) -> Any:
+    """Which tokens begin a call the template never opened: a code fence, a brace, a tag."""
+    import numpy as np
+
+    key = id(hf_tokenizer)
+    if key not in _OPENINGS:
+        pieces = hf_tokenizer.convert_ids_to_tokens(list(range(len(hf_tokenizer))))
+        added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}) or ())  # EOS and friends: not text
+        _OPENINGS[key] = np.array(
+            [
+                i not in added
+                and bool(t)
+                and t.lstrip("\u0120\u010a\u0109 \n\t\u2581").startswith(("```", "{", "<"))
+                for i, t in enumerate(pieces)
+            ]
+        )  # byte-level BPE writes a space as U+0120, a newline as U+010A; sentencepiece a space as U+2581
+    return _OPENINGS[key]
+
+
 def make_call(name: str, arguments: Any, raw: str = "", error: str | None = None) -> ToolCall:
     if isinstance(arguments, str):  # OpenAI sends arguments as a JSON string
         try:
@@ -105,9 +127,11 @@ def parse_call_text(
 class ToolCallConstraint:
     """An mlx-lm logits processor over the tokens of one reply.
 
-    The reply's first token is either the template's call-opening tag or the start of a plain answer
-    (`call_grammar(tools, start_token)`); after an opening tag, wherever it comes, only tokens that
-    keep the call a valid `call_schema(tools)` JSON object are allowed. Plain answer text is free.
+    The reply's first token: when the model's favourite opens a call - the template's tag, or an
+    improvised call (a code fence, a brace or a tag, as small models write them) - the reply becomes a
+    call: the tag is forced, then the grammar. Otherwise the reply is a plain answer, free text.
+    With `required` the reply is always a call. After an opening tag, wherever it comes, only tokens
+    that keep the call a valid `call_schema(tools)` JSON object are allowed.
     `complete` turns true once a call's object is closed: the backend ends the reply there.
     `mask_s` / `masked_tokens` measure what the constraint costs per constrained token."""
 
@@ -137,12 +161,16 @@ class ToolCallConstraint:
         self._bitmask = np.full((1, (self.ll.vocab_size + 31) // 32), -1, dtype=np.int32)
         self._bits = np.arange(32, dtype=np.uint32)
         self._prompt_len: int | None = None
+        self.tools = tools
         # the reply's first token: a call or an answer (only for a one-token opening tag)
+        self._gate = len(self.start) == 1
         self.matcher: Any = (
-            LLMatcher(self.ll, call_grammar(tools, self.start[0], required), log_level=0)
-            if len(self.start) == 1
+            LLMatcher(self.ll, call_grammar(tools, self.start[0], True), log_level=0)
+            if self._gate and required
             else None
         )
+        if self._gate and not required:
+            self.openings = _improvised_openings(hf_tokenizer)
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         n = int(tokens.shape[-1]) if hasattr(tokens, "shape") else len(tokens)
@@ -151,9 +179,24 @@ class ToolCallConstraint:
         elif n > self._prompt_len + len(self.generated):
             last = tokens[-1]
             self.feed(int(last.item() if hasattr(last, "item") else last))
+        if self._gate and not self.generated and self.matcher is None:
+            return self._first(logits)
         if self.matcher is None or self.complete:
             return logits
         return self.apply(logits)
+
+    def _first(self, logits: Any) -> Any:
+        """The reply's first token, unconstrained but for an improvised call: that becomes a real one."""
+        import mlx.core as mx
+        from llguidance import LLMatcher
+
+        row = logits[0] if len(logits.shape) == 2 else logits
+        top = int(mx.argmax(row).item())
+        if top == self.start[0] or (top < len(self.openings) and self.openings[top]):
+            self.matcher = LLMatcher(self.ll, call_grammar(self.tools, self.start[0], True), log_level=0)
+            return self.apply(logits)
+        self._gate = False
+        return logits
 
     def feed(self, token: int) -> None:
         """One generated token: advances the matcher; wakes it after an opening tag in the text."""

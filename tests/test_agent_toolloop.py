@@ -338,3 +338,20 @@ def test_toolloop_step_cards_render_escaped() -> None:
     limit = views.event(ev.StepLimitReached(25, 25))
     assert "/continue" in limit and "Continue" in limit
     assert "elided" in views.event(ev.ContextTrimmed(2, 0, "2 old tool output(s) elided."))
+
+
+def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, project: Path) -> None:
+    fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue_call("read_file", path="app.py")  # worked a step ago: refused
+    fake.enqueue_call("read_file", path="gone.py")
+    fake.enqueue_call("read_file", path="gone.py")  # failed a step ago: refused
+    fake.enqueue_call("run_command", command="true")
+    fake.enqueue_call("run_command", command="true")  # the command just before: refused
+    fake.enqueue("ok")
+    s = session(worker, project, Approver(ev.Decision.once()))
+    asyncio.run(collect(s, "read"))
+    results = tool_results(fake)
+    assert "step 1 already did exactly this and it worked" in results[1]
+    assert "step 3 made exactly this call and it failed" in results[3]
+    assert "step 5 already did exactly this" in results[5]
+    assert all(set(r) == {"tool", "arguments", "decision", "ok", "exit_code"} for r in s.loop.records)
