@@ -412,3 +412,16 @@ def test_network_follows_the_project_switch(
     assert not blocked.ok and "hello from the host" not in blocked.result
     assert "network off" in of(off, ev.Proposal)[0].sandbox
     assert allowed.ok and allowed.result == "hello from the host"
+
+
+def test_remote_server_with_the_network_off_is_not_contacted(
+    worker: Worker, fake: FakeBackend, project: Path, store: AgentStore
+) -> None:
+    write_config(project, far={"type": "http", "url": "http://mcp.example.invalid/mcp"})
+    approve_file_servers(store, project)
+    servers = McpServers()
+    s = make_session(worker, project, store, servers)
+    fake.enqueue("ok")
+    events = run(lambda: turn(s), servers)
+    notes = " ".join(n.text for n in of(events, ev.Notice))
+    assert "far is not available" in notes and "network access is off" in notes

@@ -1,0 +1,136 @@
+"""Settings › MCP servers (the app in-process, real SQLite, CSRF as the browser sends it) and
+`flashcode tools` (a real subprocess that starts the SDK test server in the sandbox)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.worker import Worker
+from tests.conftest import FakeBackend
+from webapp.agent.mcp_store import McpStore
+from webapp.app import create_app
+from webapp.settings import Settings
+
+BASE = "http://127.0.0.1:8000"
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = str(ROOT / "tests" / "data" / "mcp_server.py")
+
+
+def write_config(project: Path, **servers: dict) -> None:
+    (project / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    p = tmp_path / "proj"
+    p.mkdir()
+    write_config(p, demo={"command": sys.executable, "args": [SERVER]})
+    return p
+
+
+@pytest.fixture
+def client(tmp_path: Path, project: Path) -> Iterator[TestClient]:
+    worker = Worker(lambda: FakeBackend(tools=True))
+    app = create_app(
+        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
+    )
+    with TestClient(app, base_url=BASE) as c:
+        c.headers["X-CSRF-Token"] = app.state.flashcode.csrf_token
+        c.headers["origin"] = BASE
+        c.app_state = app.state.flashcode  # type: ignore[attr-defined]
+        yield c
+    worker.close()
+
+
+def test_settings_lists_approves_adds_disables_and_removes(client: TestClient, project: Path) -> None:
+    page = client.get("/")
+    assert 'hx-get="/agent/mcp"' in page.text
+    r = client.get("/agent/mcp")
+    assert r.status_code == 200 and 'id="mcp-server-demo"' in r.text
+    assert "not approved yet" in r.text and "mcp_server.py" in r.text
+    project_id = client.app_state.agent.project_for(None).id  # type: ignore[attr-defined]
+    mstore = McpStore(client.app_state.db.conn)  # type: ignore[attr-defined]
+    fingerprint = mstore.servers(project_id, project).servers[0].fingerprint
+    assert client.post("/agent/mcp/demo/approve", data={"fingerprint": "stale"}).text.count("changed") == 1
+    r = client.post("/agent/mcp/demo/approve", data={"fingerprint": fingerprint})
+    assert 'data-status="enabled"' in r.text and mstore.servers(project_id, project).servers[0].usable
+    # add one in Settings: a stdio server with arguments and environment; a bad one says why
+    r = client.post(
+        "/agent/mcp/add",
+        data={"name": "calc", "command": sys.executable, "args": f"{SERVER}\n--only=add", "env": "A=1"},
+    )
+    assert 'id="mcp-server-calc"' in r.text
+    calc = {s.name: s for s in mstore.servers(project_id, project).servers}["calc"]
+    assert calc.source == "settings" and calc.args == (SERVER, "--only=add") and calc.env == (("A", "1"),)
+    r = client.post("/agent/mcp/add", data={"name": "bad name", "command": "x"})
+    assert "was not added" in r.text
+    r = client.post("/agent/mcp/add", data={"name": "web", "url": "ftp://example"})
+    assert "was not added" in r.text and "http" in r.text
+    # disable, enable, remove; a tool rule listed and removed
+    r = client.post("/agent/mcp/calc/enable", data={"enabled": "off"})
+    assert 'id="mcp-server-calc" data-status="disabled"' in r.text
+    r = client.post("/agent/mcp/calc/enable", data={"enabled": "on"})
+    assert 'id="mcp-server-calc" data-status="enabled"' in r.text
+    rule = mstore.allow_tool(project_id, "calc__add")
+    assert "calc__add" in client.get("/agent/mcp").text
+    r = client.post(f"/agent/mcp/rules/{rule.id}/delete")
+    assert "No MCP tool is allowed" in r.text
+    r = client.post("/agent/mcp/calc/remove")
+    assert 'id="mcp-server-calc"' not in r.text and 'id="mcp-server-demo"' in r.text
+
+
+def test_settings_posts_need_the_csrf_token(client: TestClient) -> None:
+    del client.headers["X-CSRF-Token"]
+    r = client.post("/agent/mcp/add", data={"name": "x", "command": "true"})
+    assert r.status_code == 403
+
+
+def test_settings_escapes_what_mcp_json_says(client: TestClient, project: Path) -> None:
+    write_config(project, demo={"command": "<script>alert(1)</script>", "args": ["<b>x</b>"]})
+    r = client.get("/agent/mcp")
+    assert "<script>alert" not in r.text and "&lt;script&gt;" in r.text
+
+
+def run_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FLASHCODE_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "webapp.cli", "tools", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_flashcode_tools_lists_builtin_and_mcp_tools(tmp_path: Path, project: Path) -> None:
+    home = tmp_path / "home"
+    before = run_cli(home, "--project", str(project), "--json")
+    assert before.returncode == 0, before.stderr
+    out = json.loads(before.stdout)
+    names = {t["name"]: t for t in out["tools"]}
+    assert names["read_file"]["source"] == "built-in" and not names["read_file"]["needs_approval"]
+    assert names["run_command"]["needs_approval"] and names["write_file"]["needs_approval"]
+    assert not any(n.startswith("demo__") for n in names)  # not approved: never started
+    assert any("not approved yet" in n for n in out["notices"])
+    after = run_cli(home, "--project", str(project), "--json", "--approve-server", "demo")
+    assert after.returncode == 0, after.stderr
+    out = json.loads(after.stdout)
+    names = {t["name"]: t for t in out["tools"]}
+    assert names["demo__add"]["source"] == "demo" and names["demo__add"]["needs_approval"]
+    assert names["demo__add"]["description"] == "Add two integers and return the sum."
+    assert out["servers"][0]["status"] == "enabled"
+    text = run_cli(home, "--project", str(project))
+    assert "demo__echo\tdemo\tyes: every call asks\tReturn the text unchanged." in text.stdout.splitlines()
+    other = tmp_path / "other"
+    other.mkdir()
+    elsewhere = json.loads(run_cli(home, "--project", str(other), "--json").stdout)
+    assert not any(t["source"] == "demo" for t in elsewhere["tools"])  # absent in another project
