@@ -730,10 +730,12 @@ def import_gguf(
     overwrite: bool = False,
     show_progress: bool = True,
     shard_bytes: int | None = None,
+    sha256: str | None = None,
 ) -> Path:
     """Import `path` into `models_root/<name>`; returns the model directory. Tensors are converted and
     written one chunk at a time (memory does not grow with the model) into a temporary directory that
-    is renamed into place at the end: an interrupted import leaves nothing behind."""
+    is renamed into place at the end: an interrupted import leaves nothing behind. `sha256`: the file's,
+    when the caller already hashed it (recorded with its path, size and mtime: engine.placement)."""
     from tqdm import tqdm
 
     path = Path(path).expanduser().resolve()
@@ -769,7 +771,9 @@ def import_gguf(
             "name": name,
             "architecture": gf.architecture,
             "source_gguf": str(path),
-            "source_sha256": sha256_file(path),
+            "source_sha256": sha256 or sha256_file(path),
+            "source_size": path.stat().st_size,  # with the path and mtime: the same file, unread
+            "source_mtime_ns": path.stat().st_mtime_ns,
             "source_file_type": int(gf.metadata.get("general.file_type", -1)),
             "importer_version": IMPORTER_VERSION,
             "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -27,7 +27,7 @@ from engine.models import DEFAULT_MODEL
 
 from . import agent_cli, cli_bench, cli_projects, preflight
 from .doctor import doctor_report, format_report
-from .engine_host import backend_options, make_loaded_backend, resolve_backend
+from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
 from .units import non_negative_float, parse_budget, parse_size, positive_int
 
@@ -77,16 +77,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = preflight.check_data_dir(preflight.data_dir())
     preflight.check_database(root)
     project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
-    model = args.model or DEFAULT_MODEL
-    preflight.check_model(model, root)
     options = backend_options(args)
-    backend = resolve_backend(args.backend)
+    # --model FILE.gguf: imported once; --backend auto: in RAM if it fits with room to spare, flash otherwise
+    backend, model = place_model(
+        args.model or DEFAULT_MODEL, args.backend, options, lambda t: print(t, flush=True)
+    )
+    model = model or DEFAULT_MODEL
+    preflight.check_model(model, root)
     preflight.check_backend(backend, options)
     settings = Settings(
         host=args.host,
         port=args.port,
         data_dir=root,
-        backend=args.backend,
+        backend=backend,
         model=model,
         backend_options=options,
         extra_origins=tuple(args.allow_origin or ()),
@@ -248,14 +251,23 @@ def run_stream(backend: Any, request: GenerationRequest, on_text: Callable[[str]
     raise EngineError("the engine ended the stream without a result")
 
 
+def _placed_backend(args: argparse.Namespace) -> tuple[str, Any]:
+    """ask/chat: `--model FILE.gguf` imported once; `--backend auto` picks in RAM or flash (said on stderr,
+    stdout carries the reply); then the model loaded."""
+    auto = args.backend in ("auto", "", None)
+    options = backend_options(args, None if auto else resolve_backend(args.backend))
+    say = lambda t: print(t, file=sys.stderr)  # noqa: E731
+    name, model = place_model(
+        args.model, args.backend, options, say, show_progress=not getattr(args, "json", False)
+    )
+    return name, make_loaded_backend(name, model, options)
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     from engine.mlx_backend import peak_rss_bytes
 
-    from .engine_host import make_loaded_backend, resolve_backend
-
     cli_projects.enter_project(args)
-    name = resolve_backend(args.backend)
-    backend = make_loaded_backend(name, args.model, backend_options(args, name))
+    name, backend = _placed_backend(args)
     try:
         if args.raw:
             request = GenerationRequest(prompt=args.prompt, sampling=_sampling(args))
@@ -300,8 +312,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     cli_projects.enter_project(args)
-    name = resolve_backend(args.backend)
-    backend = make_loaded_backend(name, args.model, backend_options(args, name))
+    name, backend = _placed_backend(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print(
         f"flashcode chat — {backend.model.name} on {name}. /clear resets, /exit or Ctrl-D quits, "

@@ -17,9 +17,11 @@ import inspect
 import logging
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import paths
 from engine.base import Backend
 from engine.models import find_model
 from engine.registry import backend_class, backend_factory
@@ -110,6 +112,35 @@ def make_loaded_backend(backend: str, model: str | None, options: dict[str, Any]
     return b
 
 
+def place_model(
+    model: str | None,
+    backend: str,
+    options: dict[str, Any],
+    say: Callable[[str], None],
+    show_progress: bool = True,
+) -> tuple[str, str | None]:
+    """(backend, model name) for `--model` and `--backend`: a GGUF path is imported (or the import of the
+    same file reused); `--backend auto` runs the model in RAM if it fits with room to spare (against
+    `--memory-budget` when given, else what `auto` means here: engine.placement), flash otherwise, and
+    `say`s which and why in one line. An explicit backend is kept."""
+    from engine.placement import choose_engine, import_or_reuse, is_gguf_path
+
+    if is_gguf_path(model):
+        assert model is not None
+        info, imported = import_or_reuse(model, paths.models_dir(), show_progress=show_progress)
+        say(f"{'imported' if imported else 'already imported:'} {model} as {info.name}")
+        model = info.name
+    if backend not in ("auto", "", None):
+        return backend, model
+    try:
+        info = find_model(model)
+    except Exception:  # noqa: BLE001 - not installed: the load says so in its own words
+        return resolve_backend(backend), model
+    placement = choose_engine(info, default_backend(), options.get("memory_budget"))
+    say(placement.line(info.name))
+    return placement.backend, model
+
+
 def start_worker(settings: Settings) -> Worker:
     if not settings.load_model:
         return Worker()
@@ -123,12 +154,25 @@ def _read(b: Backend) -> tuple[str, str | None, int, bool]:
 
 @dataclass
 class EngineState:
+    """The one source of truth for the loaded model: every feature reads it here, every switch goes
+    through `switch` (one at a time: `lock`), and `listeners` are called after each (the chat redraws
+    every window's model menu, whoever switched: the menu or a /v1 request)."""
+
     worker: Worker
     backend: str | None = None
     model: str | None = None
     context_length: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # engine flags from the CLI, kept across switches
     is_base_model: bool = False  # the model has no chat template: completion mode only
+    listeners: list[Callable[[], None]] = field(default_factory=list)
+    _lock: asyncio.Lock | None = field(default=None, repr=False)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held across a switch (and by a /v1 request from its model check to queuing its generation)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
     def model_and_backend(self) -> tuple[str | None, str | None]:
         return self.model, self.backend
@@ -139,8 +183,20 @@ class EngineState:
         except Exception:  # noqa: BLE001 - no backend loaded (tests, or a failed switch)
             self.backend, self.model, self.context_length, self.is_base_model = None, None, 0, False
 
+    def placement(self, model: str) -> str:
+        """The engine `model` gets when none is named: in RAM if it fits with room to spare, else flash."""
+        from engine.placement import choose_engine
+
+        info = find_model(model)
+        return choose_engine(info, default_backend(), self.options.get("memory_budget")).backend
+
     async def switch(self, backend: str, model: str) -> None:
-        """Load `model` on `backend`; on failure reload what was there before, then re-raise."""
+        """Load `model` on `backend` (waits for a switch in progress)."""
+        async with self.lock:
+            await self.switch_locked(backend, model)
+
+    async def switch_locked(self, backend: str, model: str) -> None:
+        """`switch` for a caller holding `lock`. On failure reload what was there before, then re-raise."""
         previous = (self.backend, self.model)
         try:
             await asyncio.to_thread(
@@ -158,3 +214,8 @@ class EngineState:
             raise
         finally:
             await self.refresh()
+            for listener in list(self.listeners):
+                try:
+                    listener()
+                except Exception:  # noqa: BLE001 - a window that cannot be told must not fail the switch
+                    log.exception("engine listener failed")
