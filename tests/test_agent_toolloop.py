@@ -355,3 +355,40 @@ def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, pro
     assert "step 3 made exactly this call and it failed" in results[3]
     assert "step 5 already did exactly this" in results[5]
     assert all(set(r) == {"tool", "arguments", "decision", "ok", "exit_code"} for r in s.loop.records)
+
+
+def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path, project: Path) -> None:
+    import json
+    import re
+
+    from starlette.testclient import TestClient
+
+    from webapp.app import create_app
+    from webapp.settings import Settings
+
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="auto.txt", content="A")
+    fake.enqueue("Written.")
+    w = Worker(lambda: fake)
+    settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)
+    app = create_app(settings, worker=w)
+    try:
+        with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+            state = app.state.flashcode
+            r = client.post(
+                "/agent/approve-edits",
+                data={"approve_edits": "on"},
+                headers={"x-csrf-token": state.csrf_token},
+            )
+            assert r.status_code == 200 and 'id="settings-approve-edits" checked' in r.text
+            assert AgentStore(state.db.conn).edits_approved(state.projects.current().id)
+            origin = {"origin": "http://127.0.0.1:8000"}
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=origin) as sock:
+                sock.send_text(json.dumps({"type": "send", "text": "write it", "mode": "agent"}))
+                frames = ""
+                while not re.search(r'data-state="idle"', frames):
+                    frames += sock.receive_text()
+    finally:
+        w.close()
+    assert (project / "auto.txt").read_text() == "A"
+    assert "dialog-" not in frames and 'data-tool="write_file"' in frames and 'data-decision="rule"' in frames

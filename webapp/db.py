@@ -256,6 +256,12 @@ MIGRATIONS: list[Migration] = [
             "ALTER TABLE agent_allow_rules_7 RENAME TO agent_allow_rules",
         ),
     ),
+    # issue 16: Settings' "auto-approve file edits in this project" (the agent's tool loop)
+    Migration(
+        8,
+        "auto-approve file edits per project",
+        ("ALTER TABLE agent_project_settings ADD COLUMN approve_edits INTEGER NOT NULL DEFAULT 0",),
+    ),
 ]
 
 SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows

@@ -48,6 +48,23 @@ class AgentStore:
         )
         self.conn.commit()
 
+    def edits_approved(self, project: str) -> bool:
+        """Whether the agent's file edits in the project are approved without asking (off by default)."""
+        row = self.conn.execute(
+            "SELECT approve_edits FROM agent_project_settings WHERE project = ?", (project,)
+        )
+        found = row.fetchone()
+        return bool(found and found[0])
+
+    def set_edits_approved(self, project: str, on: bool) -> None:
+        self.conn.execute(
+            "INSERT INTO agent_project_settings (project, approve_edits, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (project) DO UPDATE SET approve_edits = excluded.approve_edits, "
+            "updated_at = excluded.updated_at",
+            (project, int(on), time.time()),
+        )
+        self.conn.commit()
+
     # ------------------------------------------------------------------ allow rules
     def add_rule(self, project: str, kind: RuleKind, pattern: str) -> Rule:
         rule = validate_rule(kind, pattern)

@@ -106,6 +106,7 @@ class AgentWeb:
         return [
             Route("/agent/rules", self.rules_fragment),
             Route("/agent/network", self.set_network, methods=["POST"]),
+            Route("/agent/approve-edits", self.set_approve_edits, methods=["POST"]),
             Route("/agent/rules/{rule_id:int}/delete", self.delete_rule, methods=["POST"]),
         ]
 
@@ -114,7 +115,9 @@ class AgentWeb:
         project = current.id
         rules = self.store.list_rules(project)
         shown = f"{current.name} ({current.path})" if current.name else str(current.path)
-        html = self.views.ui.allow_rules(rules, shown, detect(), self.store.network_allowed(project))
+        html = self.views.ui.allow_rules(
+            rules, shown, detect(), self.store.network_allowed(project), self.store.edits_approved(project)
+        )
         return HTMLResponse(str(html))
 
     async def rules_fragment(self, request: Request) -> HTMLResponse:
@@ -130,6 +133,12 @@ class AgentWeb:
         """POST /agent/network: the project's network switch (form field `network=on`)."""
         form = await request.form()
         self.store.set_network_allowed(self._current_key(), form.get("network") == "on")
+        return self._rules_html()
+
+    async def set_approve_edits(self, request: Request) -> HTMLResponse:
+        """POST /agent/approve-edits: "auto-approve file edits in this project" (`approve_edits=on`)."""
+        form = await request.form()
+        self.store.set_edits_approved(self._current_key(), form.get("approve_edits") == "on")
         return self._rules_html()
 
 
@@ -214,6 +223,7 @@ class AgentTurns:
         conversation_id, db = turn.conversation_id, self.web.db
         agent = self.agent_for(conversation_id)
         agent.sampling = SamplingParams(**(self.web.settings.sampling | dict(turn.sampling)))
+        agent.approve_edits = self.web.store.edits_approved(agent.project)  # Settings' switch, read each turn
         self._turn = turn
         reply: ReplyWriter | None = None
         route: str | None = None
@@ -234,6 +244,7 @@ class AgentTurns:
                     reply.add(e.text)
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
+                    reply = None  # the tool loop writes one reply per step that has words
                 elif fragment := self.web.views.event(e):
                     db.add_event(conversation_id, e.type, e.to_dict())  # the transcript keeps it
                     turn.send(fragment)
