@@ -392,3 +392,35 @@ def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path,
         w.close()
     assert (project / "auto.txt").read_text() == "A"
     assert "dialog-" not in frames and 'data-tool="write_file"' in frames and 'data-decision="rule"' in frames
+
+
+def test_toolloop_cli_json(
+    project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    from webapp import cli, engine_host
+
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="cli.txt", content="C")
+    fake.enqueue_call("run_command", command="cat cli.txt")
+    fake.enqueue("All", " done.")
+    monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    code = cli.main(
+        ["agent", "--project", str(project), "--approve", "all", "--max-steps", "4", "--json", "go"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and (project / "cli.txt").read_text() == "C"
+    assert out["answer"] == "All done." and set(out) == {"answer", "steps", "stats"}
+    assert [(s["tool"], s["decision"], s["ok"], s["exit_code"]) for s in out["steps"]] == [
+        ("write_file", "rule", True, None),
+        ("run_command", "once", True, 0),
+    ]
+    assert out["steps"][0]["arguments"] == {"path": "cli.txt", "content": "C"}
+    assert out["stats"]["steps"] == 2 and out["stats"]["model"] == "fake-model" and out["stats"]["tool_loop"]
+
+    fake.enqueue_call("write_file", path="no.txt", content="N")
+    fake.enqueue("ok")
+    cli.main(["agent", "--project", str(project), "--approve", "none", "--json", "go"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
