@@ -424,3 +424,24 @@ def test_toolloop_cli_json(
     cli.main(["agent", "--project", str(project), "--approve", "none", "--json", "go"])
     out = json.loads(capsys.readouterr().out)
     assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
+
+
+def test_toolloop_step_cards_are_redrawn_from_the_event_log() -> None:
+    import json
+
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    from webapp.agent.views import AgentViews
+    from webapp.render import find_dir
+
+    views = AgentViews(
+        Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape())
+    )
+    for e in (
+        ev.ToolStep(1, "call_1", "read_file", {"path": "a.py"}, 25, 1.0),
+        ev.ToolStepDone(1, "call_1", "read_file", True, "none", "1  x", "1  x", None, None, 0.1),
+        ev.StepLimitReached(25, 25),
+        ev.ContextTrimmed(1, 0, "1 old tool output(s) elided."),
+    ):
+        stored = json.loads(json.dumps(e.to_dict()))  # as the log keeps it
+        assert views.stored(e.type, stored) == views.event(e)
