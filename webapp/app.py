@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     )
     mcp = McpWeb(McpStore(db.conn), env, lambda: agent.project_for(None), projects)  # Settings › MCP servers
     contexts = SavedContexts(settings.data_dir, engine.worker, db, env)
-    api = OpenAIAPI(engine.worker, stats.record_api_reply)
+    api = OpenAIAPI(engine, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
     pages = ChatPages(db, engine, views)
     views.render_event = agent.views.stored  # the transcript replays the agent's logged events

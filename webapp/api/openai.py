@@ -14,10 +14,16 @@ through the user's browser).
 What is covered: chat messages (text parts only), temperature, top_p, max_tokens /
 max_completion_tokens, seed, stop, stream with `stream_options.include_usage`, usage with cached
 prompt tokens. What is not: tools / function calling, images, logprobs, n > 1 — each is refused with
-an OpenAI-shaped 400 rather than ignored. The model is the one loaded in flashcode; asking for
-another installed model says how to load it (one model is loaded at a time).
+an OpenAI-shaped 400 rather than ignored.
 
-What it is given (by `create_app`): the engine `Worker`, and `record(stats)`, called with each
+Models load on demand (as LM Studio and Ollama do; docs/openai-api.md): `GET /v1/models` lists every
+installed model, and a request naming one that is not loaded loads it — in RAM if it fits with room to
+spare, else flash (`engine.placement`), or on the engine named as `backend:model` — through the app's one
+`EngineState`, so the chat's model menu follows. One model is loaded at a time: the switch and the
+queuing of the request's generation happen under the engine's lock, so concurrent requests for two
+models take turns and each is answered by the model it named.
+
+What it is given (by `create_app`): the app's `EngineState`, and `record(stats)`, called with each
 finished reply's numbers (the stats feature stores them with source "api").
 """
 
@@ -39,8 +45,10 @@ from starlette.routing import Route
 
 from engine.base import Done, EngineError, GenerationRequest, Message, SamplingParams, TextDelta
 from engine.models import list_models
-from engine.worker import Worker
+from engine.registry import available_backends
+from engine.worker import Generation, Worker
 
+from ..engine_host import EngineState
 from ..security import authenticated
 
 log = logging.getLogger(__name__)
@@ -106,18 +114,9 @@ def check_access(request: Request) -> None:
             )
 
 
-def _loaded_worker(worker: Worker) -> Worker:
-    if worker.backend is None or worker.backend.model is None:
-        raise APIError(
-            503, "no model is loaded: pick one in flashcode's model menu", "server_error", "model_not_loaded"
-        )
-    return worker
-
-
-def loaded(worker: Worker) -> tuple[str, str]:
+def loaded(worker: Worker) -> tuple[str, str] | None:
     b = worker.backend
-    assert b is not None and b.model is not None
-    return b.name, b.model.name
+    return (b.name, b.model.name) if b is not None and b.model is not None else None
 
 
 # --------------------------------------------------------------------------- parsing
@@ -186,21 +185,26 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         raise APIError(400, f"bad sampling parameter: {exc}") from None
 
 
-def check_model(requested: Any, backend: str, model: str) -> None:
+def wanted_model(requested: Any, current: tuple[str, str] | None) -> tuple[str | None, str]:
+    """(backend or None: pick one, model) that should answer `requested`; raises for an unknown model."""
     name = str(requested or "").strip()
-    if name.lower() in ANY_MODEL or name in (model, f"{backend}:{model}"):
-        return
-    if any(m.name == name for m in list_models()):
-        raise APIError(
-            400,
-            f"model '{name}' is installed but not loaded; flashcode has '{model}' loaded on "
-            f"{backend}: switch in the web app's model menu, or ask for '{model}'",
-            param="model",
-            code="model_not_loaded",
-        )
+    if name.lower() in ANY_MODEL or (current and name in (current[1], f"{current[0]}:{current[1]}")):
+        if current is None:
+            raise APIError(
+                503, "no model is loaded: name an installed one (GET /v1/models lists them)", "server_error",
+                "model_not_loaded",
+            )  # fmt: skip
+        return current
+    installed = {m.name for m in list_models()}
+    if name in installed:
+        return None, name
+    backend, _, model = name.partition(":")
+    if model in installed and backend in available_backends():
+        return backend, model
     raise APIError(
         404,
-        f"model '{name}' does not exist: GET /v1/models lists them; '{model}' is loaded",
+        f"model '{name}' does not exist: GET /v1/models lists the installed ones"
+        + (f"; '{current[1]}' is loaded" if current else ""),
         param="model",
         code="model_not_found",
     )
@@ -233,10 +237,8 @@ async def check_context(worker: Worker, messages: tuple[Message, ...]) -> None:
 class Completion:
     """One request: run it on the worker, shape the result, record its stats."""
 
-    def __init__(
-        self, worker: Worker, req: GenerationRequest, backend: str, model: str, record: ReplyRecorder
-    ) -> None:
-        self.worker, self.req, self.record_stats = worker, req, record
+    def __init__(self, gen: Generation, backend: str, model: str, record: ReplyRecorder) -> None:
+        self.gen, self.record_stats = gen, record
         self.backend, self.model = backend, model
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -262,7 +264,7 @@ class Completion:
             log.exception("could not record API reply stats")
 
     async def whole(self) -> Response:
-        gen = self.worker.submit(self.req, loop=asyncio.get_running_loop())
+        gen = self.gen
         parts: list[str] = []
         reasoning: list[str] = []
         done: Done | None = None
@@ -308,7 +310,7 @@ class Completion:
         return sse(data)
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
-        gen = self.worker.submit(self.req, loop=asyncio.get_running_loop())
+        gen = self.gen
         done: Done | None = None
         try:
             yield self.chunk({"role": "assistant", "content": ""})
@@ -360,10 +362,14 @@ def finish_reason(done: Done) -> str:
 
 
 class OpenAIAPI:
-    """The `/v1` routes of one app, over its engine `worker`; `record` gets each reply's numbers."""
+    """The `/v1` routes of one app, over its `engine`; `record` gets each reply's numbers."""
 
-    def __init__(self, worker: Worker, record: ReplyRecorder) -> None:
-        self.worker, self.record = worker, record
+    def __init__(self, engine: EngineState, record: ReplyRecorder) -> None:
+        self.engine, self.record = engine, record
+
+    @property
+    def worker(self) -> Worker:
+        return self.engine.worker
 
     @property
     def routes(self) -> list[Route]:
@@ -372,23 +378,40 @@ class OpenAIAPI:
             Route("/v1/models", self.list_models, methods=["GET"]),
         ]
 
+    async def load(self, backend: str | None, model: str) -> tuple[str, str]:
+        """With the engine's lock held: `model` loaded (on `backend`, or where it fits) unless it is."""
+        current = loaded(self.worker)
+        if current and current[1] == model and backend in (None, current[0]):
+            return current
+        if backend is None:
+            backend = await asyncio.to_thread(self.engine.placement, model)
+        log.info("/v1: loading %s on %s for a request", model, backend)
+        try:
+            await self.engine.switch_locked(backend, model)
+        except Exception as exc:  # noqa: BLE001 - said to the client; the engine restored what it had
+            raise APIError(503, f"could not load '{model}' on {backend}: {exc}", "server_error",
+                           "model_load_failed") from None  # fmt: skip
+        now = loaded(self.worker)
+        assert now is not None
+        return now
+
     async def chat_completions(self, request: Request) -> Response:
         try:
             check_access(request)
             body = await read_body(request)
-            worker = _loaded_worker(self.worker)
-            backend, model = loaded(worker)
-            check_model(body.get("model"), backend, model)
             messages = parse_messages(body.get("messages"))
             sampling = parse_sampling(body)
-            await check_context(worker, messages)
+            async with self.engine.lock:  # no switch between the model check and the queued generation
+                want_backend, want_model = wanted_model(body.get("model"), loaded(self.worker))
+                backend, model = await self.load(want_backend, want_model)
+                await check_context(self.worker, messages)
+                req = GenerationRequest(messages=messages, sampling=sampling)
+                gen = self.worker.submit(req, loop=asyncio.get_running_loop())
         except APIError as exc:
             return exc.response()
         except EngineError as exc:  # the engine could not even template the messages
             return APIError(500, f"the engine failed: {exc}", "server_error").response()
-        call = Completion(
-            worker, GenerationRequest(messages=messages, sampling=sampling), backend, model, self.record
-        )
+        call = Completion(gen, backend, model, self.record)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -61,6 +61,14 @@ class ChatContext:
     # files attached to the next message of a project: (them quoted as untrusted data, a fragment)
     take_attachments: Callable[[str], tuple[str, str]] | None = None
 
+    def __post_init__(self) -> None:
+        self.engine.listeners.append(self.engine_changed)  # the menu or a /v1 request switched the model
+
+    def engine_changed(self) -> None:
+        """Every window names the engine that now answers."""
+        for session in list(self.sessions):
+            session.send(session.views.engine_state())
+
     async def endpoint(self, ws: WebSocket) -> None:
         await ws.accept()
         await Session(ws, self).run()
@@ -218,8 +226,7 @@ class Session:
             await self.ctx.engine.switch(msg.backend, msg.model)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
             self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
-        for session in list(self.ctx.sessions):  # every window names the engine that now answers
-            session.send(session.views.engine_state())
+        # every window was redrawn by ChatContext.engine_changed
         conv = self.ctx.db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         self.send(
             views.controls(generating=False),
