@@ -107,6 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, script, help_text in (
         ("llama", "llama.py", "llama-server adapter vs raw llama-server"),
         ("websocket", "websocket.py", "tokens delivered to a websocket client vs the backend"),
+        ("agent", "agent.py", "the agent's tool loop on small coding tasks: success rate, steps, time"),
         ("projects", "projects.py", "reopening a conversation: auto-resumed KV cache vs re-prefill (TTFT)"),
     ):
         p = bsub.add_parser(name, help=help_text)
