@@ -1,9 +1,11 @@
 """A small MCP server written with the official SDK (`mcp.server.mcpserver.MCPServer`, FastMCP in
-mcp 1.x), for the MCP tests: `python tests/data/mcp_server.py [--crash-at-start | --hang-at-start] [--only=add,echo]`.
+mcp 1.x), for the MCP tests: `python tests/data/mcp_server.py [--crash-at-start | --hang-at-start]
+[--only=add,echo]` (other arguments are ignored).
 
-Tools: add, echo, write_note (writes any path it is given: the sandbox must stop writes outside the
-project), connect (opens a TCP connection: the sandbox must stop it with the network off), crash
-(the process exits mid-call), hang (never answers).
+Tools: add, echo, getenv (a variable of the server's environment), write_note (writes any path it
+is given: the sandbox must stop writes outside the project), connect (opens a TCP connection: the
+sandbox must stop it with the network off), crash (the process exits mid-call), hang (never
+answers).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def add(a: int, b: int) -> int:
 def echo(text: str) -> str:
     """Return the text unchanged."""
     return text
+
+
+@tool
+def getenv(variable: str) -> str:
+    """Return the value of an environment variable of this server process."""
+    return os.environ.get(variable, "(not set)")
 
 
 @tool

@@ -9,7 +9,13 @@
 
 A server is stdio (`command`, optional `args`, `env`; `"type": "stdio"` or no type) or streamable
 HTTP (`url`, optional `headers`; `"type": "http"` or `"streamable-http"`, or no type). SSE servers
-(`"type": "sse"`) are refused with a message; `${VAR}` is not expanded. Settings rows (the table
+(`"type": "sse"`) are refused with a message. `${VAR}` and `${VAR:-default}` in `command`, `args`,
+`env` values, `url` and `headers` values are expanded from flashcode's own environment, as Claude
+Code does (`$VAR` is not; a default ends at the first `}`; a variable set to "" is set): a variable
+that is not set and has no default makes that server unusable, with a message naming it. The
+config keeps the expanded values (what runs, what the approval fingerprint covers) and the text as
+written (`describe()`: what the user is shown, so secrets from the environment never reach the
+transcript). Settings rows (the table
 `mcp_servers`, `mcp_store.py`) add servers of the same shape, and a row with no config holds the
 user's state for the `.mcp.json` server of that name: disabled, or approved (the config's
 fingerprint: a `.mcp.json` server runs only once the user approved exactly that config, since a
@@ -24,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +44,7 @@ TOOL_NAME_MAX = 64  # OpenAI-style function names: [A-Za-z0-9_-]{1,64}
 SEP = "__"
 Transport = Literal["stdio", "http"]
 Source = Literal["file", "settings"]
+VAR_RE = re.compile(r"\$\{([^}]+)\}")  # ${VAR} or ${VAR:-default}, as Claude Code reads them
 
 
 class McpConfigError(ValueError):
@@ -57,6 +66,7 @@ class ServerConfig:
     enabled: bool = True
     approved: bool = True  # .mcp.json servers: the user approved this exact config
     error: str | None = None  # why it cannot be used (a bad entry is listed, never started)
+    written: str = ""  # describe() as written in the config, ${VAR} unexpanded ("" when no ${...})
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -72,7 +82,10 @@ class ServerConfig:
         return self.error is None and self.enabled and self.approved
 
     def describe(self) -> str:
-        """What runs, on one line: `command arg ...` or the URL (header values never shown)."""
+        """What runs, on one line: `command arg ...` or the URL (header values never shown), as
+        written: `${VAR}` stays as it is (the expanded values may be secrets)."""
+        if self.written:
+            return self.written
         if self.transport == "http":
             return self.url
         return " ".join([self.command, *(_shell_word(a) for a in self.args)])
@@ -86,8 +99,18 @@ class ServerConfig:
             return "not approved yet (from .mcp.json: approve it in Settings › MCP servers)"
         return "enabled"
 
+    def as_written(self) -> dict[str, Any]:
+        """`to_json()` with `${VAR}` as written, not expanded (what Settings stores, so values
+        from the environment are never saved)."""
+        out = self.to_json()
+        if self.written:
+            for key in out:
+                if key != "type" and key in self.raw:
+                    out[key] = self.raw[key].strip() if key == "command" else self.raw[key]
+        return out
+
     def to_json(self) -> dict[str, Any]:
-        """The `mcpServers` entry for this server (what Settings stores)."""
+        """The `mcpServers` entry for this server, expanded."""
         if self.transport == "http":
             out: dict[str, Any] = {"type": "http", "url": self.url}
             if self.headers:
@@ -105,12 +128,75 @@ def _shell_word(text: str) -> str:
     return text if re.fullmatch(r"[A-Za-z0-9_./:=@%+,-]+", text) else json.dumps(text)
 
 
-def parse_entry(name: str, entry: Any, source: Source = "file") -> ServerConfig:
-    """One `mcpServers` entry; a bad one comes back with `error` set (and is listed, not started)."""
+def expand_vars(text: str, environ: Mapping[str, str], missing: list[str]) -> str:
+    """`${VAR}` and `${VAR:-default}` in `text` from `environ`, the way Claude Code expands
+    `.mcp.json`: the value when VAR is set (even to ""), else the default, else the text stays and
+    VAR is added to `missing`. `$VAR` without braces is left alone; nothing is expanded twice."""
+
+    def one(m: re.Match[str]) -> str:
+        var, sep, default = m.group(1).partition(":-")
+        if var in environ:
+            return environ[var]
+        if sep:
+            return default
+        missing.append(var)
+        return m.group(0)
+
+    return VAR_RE.sub(one, text)
+
+
+def _expand_entry(entry: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The entry with `${...}` expanded in command, args, env and headers values, and url; a
+    McpConfigError naming the variables that are not set and have no default."""
+    missing: list[str] = []
+    out = dict(entry)
+    for key in ("command", "url"):
+        if isinstance(entry.get(key), str):
+            out[key] = expand_vars(entry[key], environ, missing)
+    if isinstance(entry.get("args"), list):
+        out["args"] = [expand_vars(a, environ, missing) if isinstance(a, str) else a for a in entry["args"]]
+    for key in ("env", "headers"):
+        if isinstance(entry.get(key), dict):
+            out[key] = {
+                k: expand_vars(v, environ, missing) if isinstance(v, str) else v
+                for k, v in entry[key].items()
+            }
+    if missing:
+        names = [f"${{{v}}}" for v in dict.fromkeys(missing)]
+        these = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        raise McpConfigError(
+            f"{these} {'is' if len(names) == 1 else 'are'} not set in flashcode's environment and "
+            f"{'has' if len(names) == 1 else 'have'} no default (set it before starting flashcode, "
+            "or write ${NAME:-default})"
+        )
+    return out
+
+
+def parse_entry(
+    name: str,
+    entry: Any,
+    source: Source = "file",
+    environ: Mapping[str, str] | None = None,
+    expand: bool = True,
+) -> ServerConfig:
+    """One `mcpServers` entry; a bad one comes back with `error` set (and is listed, not started).
+    With `expand`, `${VAR}` / `${VAR:-default}` are expanded from `environ` (default: this
+    process's environment); without, the values stay as written (what Settings stores)."""
     try:
-        return _parse(name, entry, source)
+        if not expand or not isinstance(entry, dict) or not VAR_RE.search(json.dumps(entry, default=str)):
+            return _parse(name, entry, source)
+        cfg = _parse(name, _expand_entry(entry, os.environ if environ is None else environ), source)
+        if cfg.transport == "http":
+            written = entry["url"]
+        else:
+            written = " ".join([entry["command"].strip(), *(_shell_word(a) for a in entry.get("args") or ())])
+        return replace(cfg, written=written, raw=entry)
     except McpConfigError as exc:
-        return ServerConfig(name, "stdio", source=source, error=str(exc), enabled=False)
+        return ServerConfig(name, "stdio", source=source, error=str(exc), enabled=False, raw=_dict(entry))
+
+
+def _dict(entry: Any) -> dict[str, Any]:
+    return entry if isinstance(entry, dict) else {}
 
 
 def _strings(value: Any, what: str) -> tuple[str, ...]:
@@ -165,8 +251,11 @@ def _parse(name: str, entry: Any, source: Source) -> ServerConfig:
     )
 
 
-def read_file_config(project_dir: Path) -> tuple[list[ServerConfig], str | None]:
-    """The servers of `<project>/.mcp.json` and, when the file is unreadable, why (else None)."""
+def read_file_config(
+    project_dir: Path, environ: Mapping[str, str] | None = None
+) -> tuple[list[ServerConfig], str | None]:
+    """The servers of `<project>/.mcp.json` (`${VAR}` expanded from `environ`, default this
+    process's environment) and, when the file is unreadable, why (else None)."""
     path = Path(project_dir) / CONFIG_FILE
     try:
         if not path.is_file():
@@ -179,7 +268,7 @@ def read_file_config(project_dir: Path) -> tuple[list[ServerConfig], str | None]
     servers = data.get("mcpServers") if isinstance(data, dict) else None
     if not isinstance(servers, dict):
         return [], f'{CONFIG_FILE} has no "mcpServers" object'
-    return [parse_entry(str(name), entry, "file") for name, entry in servers.items()], None
+    return [parse_entry(str(name), entry, "file", environ) for name, entry in servers.items()], None
 
 
 def tool_name(server: str, tool: str) -> str:

@@ -72,7 +72,7 @@ class McpStore:
             "INSERT INTO mcp_servers (project, name, config, enabled, approved, created_at, updated_at) "
             "VALUES (?, ?, ?, 1, NULL, ?, ?) ON CONFLICT (project, name) DO UPDATE SET "
             "config = excluded.config, enabled = 1, updated_at = excluded.updated_at",
-            (project, name, json.dumps(cfg.to_json()), now, now),
+            (project, name, json.dumps(cfg.as_written()), now, now),
         )
         self.conn.commit()
         return cfg
