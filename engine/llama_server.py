@@ -796,7 +796,7 @@ class LlamaServerBackend:
             opened = False
             for ev in gen:
                 if isinstance(ev, Done):
-                    yield from held
+                    yield from held or ()  # None once the answer streams
                     yield ev
                     return
                 if held is not None and isinstance(ev, TextDelta):
