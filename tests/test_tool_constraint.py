@@ -79,3 +79,86 @@ def test_call_schema_names_every_tool() -> None:
     assert schema["x-guidance"]["whitespace_pattern"]
     assert sorted(o["properties"]["name"]["const"] for o in schema["anyOf"]) == sorted(BY_NAME)
     assert json.loads(json.dumps(schema)) == schema
+
+
+# --------------------------------------------------------------------------- llama-server's path
+class ScriptedLlama:
+    """`LlamaServerBackend` with its HTTP replaced: raw completions are scripted by prompt suffix."""
+
+    def __new__(cls, replies: dict[str, str]):
+        from engine.llama_server import LlamaServerBackend
+
+        class Backend(LlamaServerBackend):
+            def _require(self):
+                class Client:
+                    def apply_template(self, messages, tools=()):
+                        return "PROMPT" + ("+TOOLS" if tools else "")
+
+                return Client()
+
+            def stream(self, request, cancel, json_schema=None):
+                if request.tools:
+                    yield from super().stream(request, cancel)
+                    return
+                self.seen.append((request.prompt, json_schema))
+                from engine.base import Done, GenerationStats, TextDelta
+
+                key = "call" if request.prompt.endswith("<tool_call>\n") else "first"
+                for piece in replies[key]:
+                    yield TextDelta(piece, ())
+                yield Done(GenerationStats(), "stop", "".join(replies[key]))
+
+        b = Backend()
+        b.seen = []
+        return b
+
+
+def llama_events(replies: dict[str, object], **kw: object) -> tuple[list, object]:
+    import threading
+
+    from engine.base import GenerationRequest
+
+    b = ScriptedLlama(replies)  # type: ignore[arg-type]
+    req = GenerationRequest(messages=({"role": "user", "content": "x"},), tools=TOOLS, **kw)  # type: ignore[arg-type]
+    return list(b.stream(req, threading.Event())), b
+
+
+def test_llama_tools_answer_streams_as_text() -> None:
+    from engine.base import Done, TextDelta, ToolCall
+
+    events, b = llama_events({"first": ["Hel", "lo ", "there."]})
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hello there."
+    assert not [e for e in events if isinstance(e, ToolCall)] and isinstance(events[-1], Done)
+    assert b.seen == [("PROMPT+TOOLS", None)]
+
+
+def test_llama_tools_improvised_call_is_redone_under_the_schema() -> None:
+    from engine.base import TextDelta, ToolCall
+
+    call = '{"name": "read_file", "arguments": {"path": "a.py"}}'
+    events, b = llama_events({"first": ["``", "`json\n{"], "call": [call]})
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("read_file", {"path": "a.py"}, None)]
+    assert not [e for e in events if isinstance(e, TextDelta) and e.text]  # the fence never shows
+    assert b.seen[1][0] == "PROMPT+TOOLS<tool_call>\n" and "anyOf" in b.seen[1][1]
+
+
+def test_llama_tools_required_goes_straight_to_the_call() -> None:
+    from engine.base import ToolCall
+
+    events, b = llama_events({"call": ['{"name": "list_files", "arguments": {}}']}, tool_choice="required")
+    assert [e.name for e in events if isinstance(e, ToolCall)] == ["list_files"]
+    assert len(b.seen) == 1 and b.seen[0][1] is not None
+
+
+def test_llama_tools_unconstrained_reads_calls_between_tags() -> None:
+    from engine.base import TextDelta, ToolCall
+
+    tagged = ['<tool_call>\n{"name": "read_file", ', '"arguments": {"path": "b"}}\n</tool_call>']
+    events, _ = llama_events({"first": tagged}, constrain_tools=False)
+    assert [(e.name, e.arguments) for e in events if isinstance(e, ToolCall)] == [
+        ("read_file", {"path": "b"})
+    ]
+    events, _ = llama_events({"first": ['```json\n{"name": "x"}\n```']}, constrain_tools=False)
+    assert not [e for e in events if isinstance(e, ToolCall)]
+    assert "```json" in "".join(e.text for e in events if isinstance(e, TextDelta))
