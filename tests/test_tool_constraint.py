@@ -162,3 +162,25 @@ def test_llama_tools_unconstrained_reads_calls_between_tags() -> None:
     events, _ = llama_events({"first": ['```json\n{"name": "x"}\n```']}, constrain_tools=False)
     assert not [e for e in events if isinstance(e, ToolCall)]
     assert "```json" in "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def test_splitter_takes_calls_out_of_the_text_across_pieces() -> None:
+    from engine.tool_calls import ToolCallSplitter
+
+    s = ToolCallSplitter("<tool_call>", "</tool_call>", None, TOOLS)
+    pieces = [
+        "Let me look. <tool",
+        '_call>\n{"name": "read_file", ',
+        '"arguments": {"path": "x"}}\n</tool',
+        "_call> ok",
+    ]
+    text, calls = "", []
+    for p in pieces:
+        t, c = s.feed(p)
+        text, calls = text + t, calls + c
+    held, more = s.close()
+    assert text + held == "Let me look.  ok" and [c.arguments for c in calls + more] == [{"path": "x"}]
+    s.feed('<tool_call>\n{"name": "list_files", "arguments": {}}')  # cut off: the constrained reply ended
+    assert [c.name for c in s.close()[1]] == ["list_files"]
+    s.feed("<tool_call>\n{not json")
+    assert s.close()[1][0].error
