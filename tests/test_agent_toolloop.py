@@ -406,6 +406,7 @@ def test_toolloop_cli_json(
     fake.enqueue_call("run_command", command="cat cli.txt")
     fake.enqueue("All", " done.")
     monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    monkeypatch.setenv("FLASHCODE_HOME", str(project.parent / "home"))  # flashcode agent uses its database
     code = cli.main(
         ["agent", "--project", str(project), "--approve", "all", "--max-steps", "4", "--json", "go"]
     )

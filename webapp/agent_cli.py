@@ -5,7 +5,12 @@ app routes through the same `webapp.agent.router.route_step`.
 `flashcode agent --project DIR [--model NAME] [--backend B] [--approve ask|all|none] [--max-steps N]
 [--json] TASK`: one agent task in the terminal through the same `AgentSession` tool loop as the web
 app (approvals asked on the terminal with `ask`); `--json` prints one object: answer, steps (tool,
-arguments, decision, ok, exit_code) and stats. Part of the command line."""
+arguments, decision, ok, exit_code) and stats. It works in the data directory's database like the
+web app: the project is added to `flashcode projects` if new, and its allow rules, network switch,
+MCP servers (`.mcp.json` and Settings) and their approvals are the ones the web app has. A
+`.mcp.json` server not approved yet is asked about on the terminal with `ask` (approved for the
+project, as in Settings), approved for this run only with `all`, and not started with `none`.
+Part of the command line."""
 
 from __future__ import annotations
 
@@ -22,14 +27,17 @@ from engine import paths
 from engine.base import SamplingParams
 from engine.worker import Worker
 
-from . import engine_host, tools_cli
+from . import cli_projects, engine_host, tools_cli
 from .agent import events as ev
 from .agent.agent import AgentSession
 from .agent.loop import DEFAULT_AGENT_MODEL, DEFAULT_MAX_STEPS
+from .agent.mcp import Launch, McpServers
+from .agent.mcp_store import McpStore
 from .agent.router import route_step
 from .agent.search import DDGSProvider
 from .agent.store import AgentStore
-from .db import connect_memory
+from .agent.web import hidden_paths
+from .projects.store import ProjectRef
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -74,6 +82,15 @@ def register(sub: Any) -> None:
 
 
 # --------------------------------------------------------------------------- flashcode agent
+def ask_terminal(prompt: str) -> str:
+    """One line from stdin, the prompt on stderr (stdout is the answer, or the --json object)."""
+    print(prompt, end="", file=sys.stderr, flush=True)
+    try:
+        return input()
+    except EOFError:
+        return ""  # no terminal, nothing more typed: no
+
+
 def terminal_approval(mode: str) -> Any:
     """The approval callback for `--approve`: all (approve everything), none (deny everything), ask."""
 
@@ -82,15 +99,21 @@ def terminal_approval(mode: str) -> Any:
             return ev.Decision.once()
         if mode == "none":
             return ev.Decision.deny("the agent runs with --approve none")
-        what = "run" if p.tool == "shell" else "write"
+        what = {"shell": "run", "mcp": "call the MCP tool"}.get(p.tool, "write")
         print(
             f"\n{p.diff or ''}The agent wants to {what}: {p.command}\n  ({p.sandbox or p.rule_text})",
             file=sys.stderr,
         )
-        answer = await asyncio.to_thread(input, "Allow? [y/N] ")
-        return (
-            ev.Decision.once() if answer.strip().lower() in ("y", "yes") else ev.Decision.deny(answer.strip())
-        )
+        if p.tool == "mcp":
+            print("  Its result reaches the model as untrusted data.", file=sys.stderr)
+        always = "always_exact" in p.choices
+        prompt = "Allow? [y]es once, [a]lways in this project, [N]o: " if always else "Allow? [y/N] "
+        answer = (await asyncio.to_thread(ask_terminal, prompt)).strip()
+        if answer.lower() in ("y", "yes"):
+            return ev.Decision.once()
+        if always and answer.lower() in ("a", "always"):
+            return ev.Decision.always_exact()
+        return ev.Decision.deny(answer)
 
     return approve
 
@@ -135,6 +158,50 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
     }
 
 
+def approve_mcp_servers(
+    store: AgentStore, ref: ProjectRef, hidden: tuple[Path, ...], mode: str
+) -> set[tuple[str, str]]:
+    """The project's `.mcp.json` servers that are not approved yet, before the task: `ask` asks on
+    the terminal (yes: approved for the project, as Settings › MCP servers does), `all` approves
+    them for this run only (returned as (name, fingerprint), for `McpTools`), `none` starts none;
+    each gets a line on stderr."""
+    mstore, run_only = McpStore(store.conn), set()
+    network = store.network_allowed(ref.id)
+    for cfg in mstore.servers(ref.id, ref.path).servers:
+        if cfg.source != "file" or cfg.error or not cfg.enabled or cfg.approved:
+            continue
+        where, _ = Launch(ref.id, ref.path, cfg, network, hidden).describe_sandbox()
+        if mode == "none":
+            print(
+                f"MCP server {cfg.name} from .mcp.json is not approved, and --approve none approves "
+                f"nothing: it is not started (it would run `{cfg.describe()}`; approve it with "
+                f"`flashcode tools --project {ref.path} --approve-server {cfg.name}` or Settings › MCP "
+                "servers, or run with --approve ask)",
+                file=sys.stderr,
+            )
+        elif mode == "all":
+            run_only.add((cfg.name, cfg.fingerprint))
+            print(
+                f"MCP server {cfg.name} from .mcp.json approved for this run (--approve all): it runs "
+                f"`{cfg.describe()}` ({where})",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"\nThe project's .mcp.json names the MCP server {cfg.name}, not approved yet. It would run:\n"
+                f"  {cfg.describe()}\n  ({where})\n"
+                "A .mcp.json comes with the project's files: approve it only if you trust this command.",
+                file=sys.stderr,
+            )
+            answer = ask_terminal(f"Approve {cfg.name} for this project? [y/N] ").strip().lower()
+            if answer in ("y", "yes"):
+                mstore.approve(ref.id, cfg.name, cfg.fingerprint)
+                print(f"approved {cfg.name} for {ref.path}", file=sys.stderr)
+            else:
+                print(f"{cfg.name} is not started", file=sys.stderr)
+    return run_only
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     if args.data_dir:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
@@ -142,24 +209,46 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not project.is_dir():
         print(f"flashcode agent: --project {args.project} is not a directory", file=sys.stderr)
         return 2
-    model = args.model or DEFAULT_AGENT_MODEL
-    worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, model))
+    db, projects = cli_projects._store()  # the data dir's database: the same registry as `flashcode projects`
     try:
-        backend, loaded = worker.call(lambda b: (b.name, b.model.name if b.model else None))
-        session = AgentSession(
-            worker,
-            project,
-            request_approval=terminal_approval(args.approve),
-            store=AgentStore(connect_memory()),
-            search=DDGSProvider(),
-            max_steps=args.max_steps,
-            constrained=not args.unconstrained,
-            approve_edits=args.approve == "all",
-            sampling=SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed),
-        )
-        result = asyncio.run(run_agent_task(session, args.task, echo=not args.json))
+        ref = projects.add(project)
+        store = AgentStore(db.conn)
+        hidden = hidden_paths(projects.data_dir, ref.path)
+        run_only = approve_mcp_servers(store, ref, hidden, args.approve)
+        model = args.model or DEFAULT_AGENT_MODEL
+        worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, model))
+        try:
+            backend, loaded = worker.call(lambda b: (b.name, b.model.name if b.model else None))
+            session = AgentSession(
+                worker,
+                ref.path,
+                request_approval=terminal_approval(args.approve),
+                store=store,
+                search=DDGSProvider(),
+                project=ref.id,
+                hidden=hidden,
+                max_steps=args.max_steps,
+                constrained=not args.unconstrained,
+                approve_edits={"all": True, "none": False}.get(args.approve, store.edits_approved(ref.id)),
+                sampling=SamplingParams(
+                    temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+                ),
+            )
+            servers = McpServers()
+            session.mcp = servers  # type: ignore[attr-defined]  # stopped when the task is done
+            session.mcp_run_approved = run_only  # type: ignore[attr-defined]  # --approve all, this run
+
+            async def main() -> dict[str, Any]:
+                try:
+                    return await run_agent_task(session, args.task, echo=not args.json)
+                finally:
+                    await servers.close_all()
+
+            result = asyncio.run(main())
+        finally:
+            worker.close()
     finally:
-        worker.close()
+        db.close()
     result["stats"].update(model=loaded, backend=backend, project=str(project))
     if args.json:
         print(json.dumps(result))
@@ -180,7 +269,8 @@ def register_agent(sub: Any) -> None:
         "--approve",
         default="ask",
         choices=["ask", "all", "none"],
-        help="ask on the terminal (default), approve every edit and command (still sandboxed), or deny all",
+        help="ask on the terminal (default), approve every edit, command and MCP call (still sandboxed; "
+        ".mcp.json servers for this run), or deny all (the project's allow rules still apply)",
     )
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")

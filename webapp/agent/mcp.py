@@ -36,7 +36,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -500,7 +500,10 @@ class McpTools:
         if found.file_error:
             yield Notice(f"MCP: {found.file_error}", "warning")
         usable: list[ServerConfig] = []
+        run_only = getattr(s, "mcp_run_approved", None) or set()  # `flashcode agent --approve all`
         for cfg in found.servers:
+            if not cfg.approved and (cfg.name, cfg.fingerprint) in run_only:
+                cfg = replace(cfg, approved=True)
             if cfg.error:
                 yield Notice(f"MCP server {cfg.name} is not used: {cfg.error}", "warning")
             elif cfg.enabled and not cfg.approved:
