@@ -425,3 +425,18 @@ def test_remote_server_with_the_network_off_is_not_contacted(
     events = run(lambda: turn(s), servers)
     notes = " ".join(n.text for n in of(events, ev.Notice))
     assert "far is not available" in notes and "network access is off" in notes
+
+
+def test_a_repeated_identical_call_is_refused_without_asking(
+    worker: Worker, fake: FakeBackend, project: Path, store: AgentStore
+) -> None:
+    servers = McpServers()
+    approve_file_servers(store, project)
+    approver = Approver(ev.Decision.once(), ev.Decision.once())
+    s = make_session(worker, project, store, servers, approver)
+    fake.enqueue_call("demo__add", a=1, b=2).enqueue_call("demo__add", a=1, b=2).enqueue("3")
+    events = run(lambda: turn(s), servers)
+    done = of(events, ev.ToolStepDone)
+    assert [(d.ok, d.decision) for d in done][0] == (True, "once") and not done[1].ok
+    assert "step 1 already did exactly this and it worked" in tool_messages(fake)[1]["content"]
+    assert len(approver.asked) == 1  # a small model's loop does not ask the user again

@@ -236,19 +236,16 @@ class ToolLoop:
         if call.error:
             yield ToolResult(False, f"Error: {call.error}. Call one of the tools with JSON arguments.")
             return
-        if self.mcp is not None and call.name in self.mcp.tools:  # an MCP server's tool: mcp.py
-            async for item in self.mcp.execute(call):
-                yield item
-            return
-        if spec is None:
+        mcp = self.mcp is not None and call.name in self.mcp.tools  # an MCP server's tool: mcp.py
+        if spec is None and not mcp:
             yield ToolResult(
                 False, f"Error: there is no tool {call.name!r}; the tools are {', '.join(BY_NAME)}"
             )
             return
-        if why := check_arguments(spec, call.arguments):
+        if spec is not None and not mcp and (why := check_arguments(spec, call.arguments)):
             yield ToolResult(False, f"Error: {why}")
             return
-        if (before := self._repeats(call)) is not None:
+        if (before := self._repeats(call)) is not None:  # MCP calls too: each would ask the user again
             step, worked = before
             yield ToolResult(
                 False,
@@ -260,6 +257,10 @@ class ToolLoop:
                 "the arguments or use another tool (write_file creates a file; read_file shows a file's "
                 "exact text for edit_file).",
             )
+            return
+        if mcp:
+            async for item in self.mcp.execute(call):  # type: ignore[union-attr]
+                yield item
             return
         a = call.arguments
         try:
