@@ -35,6 +35,8 @@ def main() -> int:
     ap.add_argument("--budget", type=parse_size, default=parse_size("1.75GB"))
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--copy-also", action="store_true",
+                    help="also measure flash on a copied split (units.bin) of the same weights, beside the default in-place one")  # fmt: skip
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -69,6 +71,30 @@ def main() -> int:
     res["ram"] = run_child("ram", model, args.tokens, None, 1200)
     print("ram", {k: v for k, v in res["ram"].items() if k != "tokens"}, flush=True)
     out = summarize(res, bytes_per_token)
+    out["split_layout"] = man.layout
+    if args.copy_also:  # the same weights, split as a copy: what the in-place reader costs (or not)
+        copy_dir = Path(args.work) / f"{args.preset}-copy"
+        if not (copy_dir / "config.json").exists():
+            synth_model(args.preset, copy_dir, layers=args.layers, progress=False)
+        if not (copy_dir / "split" / "manifest.json").exists():
+            split_model(copy_dir, progress=False, copy=True)
+        cman = load_manifest(copy_dir / "split")
+        alt: dict = {"model": str(copy_dir), "page_cache_dropped": drop_page_cache()}
+        alt["bandwidth"] = measure_bandwidth(
+            cman.units_path, cman.max_unit_bytes, total=min(2 << 30, cman.units_path.stat().st_size)
+        )
+        drop_page_cache()
+        alt["flash"] = run_child(
+            "flash", copy_dir, args.tokens, None, 1200, ["--memory-cap", str(args.budget)]
+        )
+        alt["ram"] = res["ram"]  # the same weights: the in-RAM run above is the compute ceiling
+        alt = summarize(alt, bytes_per_token)
+        alt["split_layout"] = cman.layout
+        out["copy_split"] = {k: v for k, v in alt.items() if k != "ram"}
+        print(
+            "copy split",
+            {k: alt.get(k) for k in ("decode_tps", "ceiling_ratio", "engine_read_bandwidth_Bps")},
+        )
     Path(args.out).write_text(json.dumps(out, indent=2))
     keys = (
         "decode_tps",
