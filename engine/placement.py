@@ -198,3 +198,25 @@ def _rss() -> int:
         return int(psutil.Process().memory_info().rss)
     except ImportError:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(Path("/proc/self/statm").read_text().split()[1])
+
+
+def menu_placements(
+    models: list[ModelInfo],
+    in_ram: str,
+    memory_budget: int | str | None = None,
+    loaded: tuple[str, ModelInfo] | None = None,
+) -> dict[str, Placement]:
+    """The rule for each installed model as if it replaced the `loaded` one (backend, model): its bytes
+    are counted free again when it sits in this process (mlx) or, outside a cgroup, in llama-server's."""
+    budget, rss, source, detail = spare_memory(memory_budget)
+    held = 0
+    if loaded is not None and (loaded[0] == "mlx" or (loaded[0] == "llama" and source == "available")):
+        held = in_ram_bytes(loaded[1], loaded[0])
+    free = max(0, budget - rss + held)
+    out = {}
+    for info in models:
+        need = in_ram_bytes(info, in_ram)
+        backend = in_ram if fits_in(need, free) else "flash"
+        setting = size(memory_budget) if isinstance(memory_budget, int) else "auto"
+        out[info.name] = Placement(backend, need, free, budget, source, detail, rss, setting)
+    return out

@@ -53,8 +53,8 @@ def home(tmp_path: Path, model_home: Path) -> Path:
     base = home / "models" / BASE
     base.mkdir()
     for f in src.iterdir():
-        if f.name in ("chat_template.jinja", "tokenizer_config.json"):
-            continue
+        if f.is_dir() or f.name in ("chat_template.jinja", "tokenizer_config.json"):
+            continue  # a directory: the flash split made on first use (not part of the base model)
         (base / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, base / f.name)
     config = json.loads((src / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)

@@ -183,6 +183,34 @@ class EngineState:
         except Exception:  # noqa: BLE001 - no backend loaded (tests, or a failed switch)
             self.backend, self.model, self.context_length, self.is_base_model = None, None, 0, False
 
+    def menu_fits(self, infos: list[Any]) -> dict[str, Any]:
+        """For the model menu: each installed model's `engine.placement.Placement` (its bytes in RAM, whether
+        it fits with room to spare) as if it replaced the loaded one; {} when that cannot be told."""
+        from engine.placement import menu_placements
+
+        b = self.worker.backend
+        loaded = (b.name, b.model) if b is not None and b.model is not None else None
+        try:
+            return menu_placements(infos, default_backend(), self.options.get("memory_budget"), loaded)
+        except Exception:  # noqa: BLE001 - the menu still lists the models
+            log.exception("could not tell which models fit in RAM")
+            return {}
+
+    def budget_summary(self) -> str:
+        """flash's memory budget: the value given, or auto with how it was derived (the loaded flash engine's
+        own, else what auto means now)."""
+        from engine.flash.memory import auto_budget
+
+        given = self.options.get("memory_budget")
+        b = self.worker.backend
+        report = b.memory_report() if self.backend == "flash" and hasattr(b, "memory_report") else {}
+        if isinstance(given, int):
+            return f"{given / 1e9:.2f} GB (set, not auto)"
+        if report.get("memory_budget") and report.get("memory_budget_auto"):
+            return f"auto: {report['memory_budget'] / 1e9:.2f} GB = {report['memory_budget_auto']}"
+        auto = auto_budget()
+        return f"auto: {auto.budget / 1e9:.2f} GB = {auto.detail} (resolved again at each flash load)"
+
     def placement(self, model: str) -> str:
         """The engine `model` gets when none is named: in RAM if it fits with room to spare, else flash."""
         from engine.placement import choose_engine
@@ -214,8 +242,28 @@ class EngineState:
             raise
         finally:
             await self.refresh()
-            for listener in list(self.listeners):
-                try:
-                    listener()
-                except Exception:  # noqa: BLE001 - a window that cannot be told must not fail the switch
-                    log.exception("engine listener failed")
+            self.notify()
+
+    def notify(self) -> None:
+        """Tell the listeners the engine (or its settings) changed."""
+        for listener in list(self.listeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a window that cannot be told must not fail the switch
+                log.exception("engine listener failed")
+
+    def budget_setting(self) -> str:
+        """flash's --memory-budget as the user would type it: auto, or a size."""
+        given = self.options.get("memory_budget")
+        return f"{given / 1e6:.0f}MB" if isinstance(given, int) else "auto"
+
+    async def set_budget(self, budget: int | str) -> bool:
+        """flash's memory budget from now on (auto or bytes); a model on flash is loaded again under it.
+        Returns whether it was reloaded."""
+        async with self.lock:
+            self.options["memory_budget"] = budget
+            if self.backend == "flash" and self.model:
+                await self.switch_locked("flash", self.model)
+                return True
+        self.notify()
+        return False

@@ -7,6 +7,7 @@ passed `webapp.security.CsrfMiddleware` before it arrives).
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -18,6 +19,7 @@ from starlette.routing import Route
 from ..db import Conversation, Database, export_json, export_markdown
 from ..engine_host import EngineState
 from ..render import pygments_css
+from ..units import parse_budget
 from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
 
@@ -53,6 +55,8 @@ class ChatPages:
             Route("/engine-state", self.engine_state),
             Route("/c/{conversation_id:str}/generation", self.save_generation, methods=["POST"]),
             Route("/settings/generation", self.save_generation_defaults, methods=["POST"]),
+            Route("/engine/budget", self.budget_form),
+            Route("/engine/budget", self.set_budget, methods=["POST"]),
         ]
 
     def _conversation(self, request: Request) -> Conversation:
@@ -124,6 +128,30 @@ class ChatPages:
             return HTMLResponse(self.views.generation_form(None, note=f"Not saved: {exc}."))
         self.db.set_setting(DEFAULTS_KEY, values)
         return HTMLResponse(self.views.generation_form(None, note="Saved."))
+
+    # ------------------------------------------------------------------ flash's memory budget
+    async def budget_form(self, request: Request) -> HTMLResponse:
+        """GET /engine/budget: the Settings window's memory budget form."""
+        return HTMLResponse(self.views.budget_form())
+
+    async def set_budget(self, request: Request) -> HTMLResponse:
+        """POST /engine/budget (memory_budget = auto or a size): applies to the next flash load, and at once
+        to a model on flash (loaded again under it: no restart)."""
+        text = str((await request.form()).get("memory_budget") or "auto")
+        try:
+            budget = parse_budget(text)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            return HTMLResponse(self.views.budget_form(f"Not set: {exc}."))
+        if isinstance(budget, int) and budget < 64_000_000:
+            return HTMLResponse(
+                self.views.budget_form("Not set: a budget under 64 MB cannot hold the runtime.")
+            )
+        try:
+            reloaded = await self.engine.set_budget(budget)
+        except Exception as exc:  # noqa: BLE001 - said in the form; the engine restored what it had
+            return HTMLResponse(self.views.budget_form(f"Could not load {self.engine.model} under it: {exc}"))
+        note = "Set; flash loaded again under it." if reloaded else "Set: applies when a model runs from SSD."
+        return HTMLResponse(self.views.budget_form(note))
 
     # ------------------------------------------------------------------ exports and assets
     async def export_md(self, request: Request) -> PlainTextResponse:

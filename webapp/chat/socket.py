@@ -429,6 +429,7 @@ class Session:
                         "bytes_per_s": now.get("bytes_per_s", 0.0),
                         "rss_bytes": now.get("rss_bytes", 0),
                         "memory_budget": now.get("memory_budget"),
+                        "memory_budget_auto": now.get("memory_budget_auto"),
                         "hit_rate": now.get("hit_rate"),
                         "peak_rss_bytes": now.get("peak_rss_bytes"),
                         "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,

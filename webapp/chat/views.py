@@ -32,6 +32,9 @@ def can_regenerate(messages: list[StoredMessage]) -> bool:
     return asked is None or not asked.content.lstrip().startswith("/")
 
 
+ENGINE_LABELS = {"mlx": "in RAM (MLX)", "flash": "from SSD (flash)", "llama": "llama-server"}
+
+
 class ChatViews(TranscriptViews):
     def __init__(
         self,
@@ -80,11 +83,14 @@ class ChatViews(TranscriptViews):
             ("Engine", e.backend or "none"),
             ("Model", e.model or "none"),
             ("Context", f"{e.context_length} tokens"),
+            ("Memory budget (flash)", e.budget_summary()),
             ("Listening on", f"{s.host}:{s.port}"),
             ("Data", str(self.db.path.parent)),
         ]
 
-    def model_choices(self) -> list[tuple[str, str]]:
+    def model_choices(self) -> list[dict[str, Any]]:
+        """One group per model — its size in RAM and whether it fits with room to spare (the rule of
+        `flashcode serve --model`: engine.placement) — with an option per engine: in RAM, from SSD, llama."""
         infos = list_models()
         models = [m.name for m in infos]
         base = {i.name for i in infos if not i.has_chat_template}  # marked: completion mode only
@@ -93,11 +99,28 @@ class ChatViews(TranscriptViews):
         backends = available_backends()
         if self.engine.backend and self.engine.backend not in backends:
             backends.insert(0, self.engine.backend)
-        return [
-            (f"{b}:{m}", f"{m} · {b}" + (" · base model" if m in base else ""))
-            for m in models
-            for b in backends
-        ]
+        fits = self.engine.menu_fits(infos)
+        groups = []
+        for m in models:
+            p = fits.get(m)
+            fit = None if p is None else ("fits in RAM" if p.fits else "does not fit in RAM: from SSD")
+            size = (
+                None
+                if p is None
+                else (f"{p.need / 1e9:.2f} GB" if p.need >= 1e9 else f"{p.need / 1e6:.1f} MB")
+            )
+            options = [
+                (f"{b}:{m}", f"{m} · {ENGINE_LABELS.get(b, b)}" + (" · base model" if m in base else ""),
+                 p is not None and p.backend == b)
+                for b in backends
+            ]  # fmt: skip
+            groups.append(
+                {"model": m, "size": size, "fit": fit, "fits": p.fits if p else None, "options": options}
+            )
+        return groups
+
+    def budget_form(self, note: str = "") -> str:
+        return str(self.ui.budget_form(self.engine.budget_setting(), self.csrf_token, note))
 
     # ------------------------------------------------------------------ fragments (all out-of-band)
     def append_message(self, m: StoredMessage) -> str:
