@@ -198,3 +198,33 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     extra = done.stats.extra
     assert 0.0 <= extra["hit_rate"] <= 1.0 and extra["bytes_read"] > 0
     assert extra["expert_cache"]["used_bytes"] <= extra["expert_cache"]["capacity_bytes"] < 60_000_000
+
+
+def test_gpu_results_recompute_from_their_runs() -> None:
+    """bench/results/flash-moe-gpu.json is bench/flash_moe.py's output: its summary keys recompute from the
+    raw runs (median of the repeats against the same invocation's bandwidth and in-memory run), and every
+    flash run gave the in-memory tokens."""
+    import json
+
+    from bench.flash_moe import ceiling_of
+
+    result = json.loads(
+        (Path(__file__).resolve().parent.parent / "bench/results/flash-moe-gpu.json").read_text()
+    )
+    assert result["command"].startswith("bench/flash_moe.py") and result["git_commit"] and result["machine"]
+    for routing in ("skewed", "uniform"):
+        run = result["runs"][routing]
+        tps = [f["decode_tps"] for f in run["flash_runs"]]
+        assert len(tps) == result["repeats"] and run["decode_tps"] == sorted(tps)[(len(tps) - 1) // 2]
+        args = (run["bandwidth"]["bandwidth_Bps"], run["routed_bytes_per_token"], run["ram"]["decode_tps"])
+        assert result[f"ceiling_ratio_{routing}"] == round(
+            run["decode_tps"] / ceiling_of(run["flash"], *args), 3
+        )
+        assert run["ceiling_ratio_runs"] == [
+            round(f["decode_tps"] / ceiling_of(f, *args), 3) for f in run["flash_runs"]
+        ]
+        flash = [*run["flash_runs"], run["profile"], *run["compare"].values()]
+        assert all(
+            f["tokens"] == run["ram"]["tokens"] and len(f["tokens"]) == result["tokens"] for f in flash
+        )
+    assert result["same_tokens_as_ram"] is True
