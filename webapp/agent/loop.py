@@ -247,6 +247,13 @@ class ToolLoop:
             return
         if (before := self._repeats(call)) is not None:  # MCP calls too: each would ask the user again
             step, worked = before
+            if self.records[step - 1]["decision"] == "deny":
+                yield ToolResult(
+                    False,
+                    f"Error: the user denied exactly this call at step {step}; do not ask again. Do the task "
+                    "another way, or answer the user without it.",
+                )
+                return
             yield ToolResult(
                 False,
                 f"Error: step {step} already did exactly this and it worked; do not repeat it. Go on with "
