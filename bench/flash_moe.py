@@ -373,6 +373,7 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
         "io_ceiling_tps": io, "compute_ceiling_tps": compute, "ceiling_tps": ceiling,
         "ceiling_bound": "compute" if compute and compute < io else "io",
         "ceiling_ratio": _ratio(tps, ceiling), "vs_llama": _ratio(tps, res.get("llama", {}).get("decode_tps")),
+        "ttft_ratio_vs_llama": _ratio(flash.get("ttft_s"), res.get("llama", {}).get("ttft_s")),  # ours / llama's
         "same_tokens_as_ram": same,
         "cgroup_peak_bytes": flash.get("cgroup_peak_bytes"), "peak_rss_bytes": flash.get("peak_rss_bytes"),
     })  # fmt: skip
@@ -487,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))
     for key in ("decode_tps", "ttft_s", "hit_rate", "bytes_per_token", "measured_bandwidth_Bps", "io_ceiling_tps",
-                "compute_ceiling_tps", "ceiling_tps", "ceiling_ratio", "vs_llama"):  # fmt: skip
+                "compute_ceiling_tps", "ceiling_tps", "ceiling_ratio", "vs_llama", "ttft_ratio_vs_llama"):  # fmt: skip
         results[key] = head.get(key)
     for routing, run in results["runs"].items():  # the keys the checks read
         results[f"ceiling_ratio_{routing}"] = run.get("ceiling_ratio")
