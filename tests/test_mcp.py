@@ -449,10 +449,12 @@ def test_a_denied_call_repeated_is_refused_as_denied_without_asking(
     approve_file_servers(store, project)
     approver = Approver(ev.Decision.deny("no adding today"))
     s = make_session(worker, project, store, servers, approver)
-    fake.enqueue_call("demo__add", a=1, b=2).enqueue_call("demo__add", a=1, b=2).enqueue("I will not add.")
+    for _ in range(3):
+        fake.enqueue_call("demo__add", a=1, b=2)
+    fake.enqueue("I will not add.")
     events = run(lambda: turn(s), servers)
     done = of(events, ev.ToolStepDone)
     assert [(d.ok, d.decision) for d in done][0] == (False, "deny") and not done[1].ok
-    second = tool_messages(fake)[1]["content"]
-    assert "the user denied exactly this call at step 1; do not ask again" in second
+    for later in tool_messages(fake)[1:]:
+        assert "the user denied exactly this call at step 1; do not ask again" in later["content"]
     assert len(approver.asked) == 1

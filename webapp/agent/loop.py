@@ -247,11 +247,16 @@ class ToolLoop:
             return
         if (before := self._repeats(call)) is not None:  # MCP calls too: each would ask the user again
             step, worked = before
-            if self.records[step - 1]["decision"] == "deny":
+            denied = [  # the user said no to this call in this turn: say so, however often it comes back
+                i + 1
+                for i, r in enumerate(self.records)
+                if r["tool"] == call.name and r["arguments"] == call.arguments and r["decision"] == "deny"
+            ]
+            if denied:
                 yield ToolResult(
                     False,
-                    f"Error: the user denied exactly this call at step {step}; do not ask again. Do the task "
-                    "another way, or answer the user without it.",
+                    f"Error: the user denied exactly this call at step {denied[0]}; do not ask again. Do the "
+                    "task another way, or answer the user without it.",
                 )
                 return
             yield ToolResult(
