@@ -34,7 +34,7 @@ class SlashError(ValueError):
 
 
 BUILTIN: tuple[SlashCommand, ...] = (
-    SlashCommand("agent", "agent mode: each message is routed to chat, web search or a shell command"),
+    SlashCommand("agent", "agent mode: the model uses tools on the project; side effects ask first"),
     SlashCommand("raw", "raw mode: messages go straight to the model, no routing and no tools"),
     SlashCommand("search", "search the web and answer with citations", "QUERY", needs_arg=True),
     SlashCommand(

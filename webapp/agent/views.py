@@ -78,7 +78,8 @@ class AgentViews:
             case ev.ModeChanged():
                 return str(
                     ui.notice(
-                        "Agent mode: messages are routed to chat, web search or the shell."
+                        "Agent mode: the model works on the project with tools (files, commands, web search); "
+                        "anything with a side effect asks you first."
                         if e.mode == "agent"
                         else "Chat mode: messages go straight to the model, which has no tools here."
                     )

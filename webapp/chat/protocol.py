@@ -66,7 +66,7 @@ class SwitchModel:
 
 @dataclass(frozen=True)
 class SetMode:
-    """The toolbar's mode switch: chat (no tools) or agent (routed to chat, search or the shell)."""
+    """The toolbar's mode switch: chat (no tools) or agent (the model calls tools; side effects are approved)."""
 
     mode: str
     conversation_id: str | None = None  # none: the next conversation starts in this mode
