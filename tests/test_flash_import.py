@@ -334,7 +334,7 @@ def test_auto_budget_inside_a_cgroup_is_its_limit(imported: Path) -> None:
 # --------------------------------------------------------------------------- partial residency
 def test_partial_residency_reads_less_as_the_budget_grows_and_nothing_when_all_fits(imported: Path) -> None:
     from engine.flash.backend import FlashBackend
-    from engine.flash.budget import RESIDENT_CONTEXT, plan_budget
+    from engine.flash.budget import RESIDENT_CONTEXT, plan_budget, resident_unit_bytes
     from engine.flash.inplace import scratch_bytes
     from engine.flash.split import load_manifest, split_model
     from engine.mlx_backend import MLXBackend
@@ -346,11 +346,9 @@ def test_partial_residency_reads_less_as_the_budget_grows_and_nothing_when_all_f
     base = plan_budget(man, None, 2, ctx, 128, 4, scratch=scratch_bytes(4))  # as FlashBackend plans it
     stream_only = base.fixed + min(ctx, RESIDENT_CONTEXT) * base.per_token + 1000
     units = man.dense_units()
-    budgets = [
-        stream_only,
-        stream_only + sum(u.length for u in units[:2]),
-        stream_only + sum(u.length for u in units),
-    ]
+    held = [resident_unit_bytes(u, 4) for u in units]  # float32 scales and biases on the CPU
+    assert all(h > u.length for h, u in zip(held, units, strict=True))
+    budgets = [stream_only, stream_only + sum(held[:2]), stream_only + sum(held)]
     want = greedy_tokens(MLXBackend(), info)
     per_token, resident = [], []
     for b in budgets:

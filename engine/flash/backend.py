@@ -91,7 +91,8 @@ def cast_pinned(model: Any) -> None:
 
 def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan, budget: int | None, *,
                  verify: bool = False, prefetch: int = 2, policy: str = "lru", top_k: int | None = None,
-                 expert_prefetch: bool = False, routing_bias: float = 0.0) -> tuple[LayerStream | None, Any]:  # fmt: skip
+                 expert_prefetch: bool = False, routing_bias: float = 0.0,
+                 float_bytes: int = 2) -> tuple[LayerStream | None, Any]:  # fmt: skip
     """Attach the streamed layers to a pinned-only model: MoE layers read their routed experts (moe.py),
     dense layers — all of a dense model, a MoE model's `mlp_only_layers` — their FFN pieces (dense.py)."""
     stream, experts = None, None
@@ -100,7 +101,7 @@ def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan
                                prefetch_next=expert_prefetch, routing_bias=routing_bias)  # fmt: skip
     if man.dense_units():
         keep = set(plan.resident_layers)
-        resident = load_resident(man, reader, [u for u in man.dense_units() if u.layer in keep])
+        resident = load_resident(man, reader, [u for u in man.dense_units() if u.layer in keep], float_bytes)
         streamed = [u for u in man.dense_units() if u.layer not in keep]
         if streamed:
             stream = LayerStream(man, reader, depth=prefetch, verify=verify, units=streamed)
@@ -214,7 +215,8 @@ class FlashBackend(MLXBackend):
                 scratch=scratch,
             )
         if self.memory_budget and self.residency and not has_experts(man):
-            plan_residency(plan, man.dense_units())  # keep what the budget allows; stream only the rest
+            # keep what the budget allows; stream only the rest
+            plan_residency(plan, man.dense_units(), float_bytes=float_bytes)
         verify_pinned(man)
         verify_now = man.streamed_bytes <= self.verify_limit
         reader = open_reader(man, threads=self.io_threads, direct=self.direct_io)
@@ -224,7 +226,8 @@ class FlashBackend(MLXBackend):
             obj, cfg = load_model(man.weights_root, lazy=True, strict=False)
             stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
                                            prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
-                                           expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias)  # fmt: skip
+                                           expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias,
+                                           float_bytes=float_bytes)  # fmt: skip
         except SplitError:
             reader.close()
             raise

@@ -150,21 +150,35 @@ def plan_budget(
     return plan
 
 
-def plan_residency(plan: BudgetPlan, units: list[Unit], context_target: int = RESIDENT_CONTEXT) -> list[Unit]:
+def resident_unit_bytes(u: Unit, float_bytes: int = 2) -> int:
+    """A dense unit kept in memory: its stored bytes, float16/bfloat16 scales and biases as `float_bytes`
+    each (float32 on the CPU: dense.load_resident casts them once, as MLXBackend holds them)."""
+    extra = sum(
+        t.nbytes // 2 * (float_bytes - 2)
+        for t in u.tensors
+        if t.dtype in ("F16", "BF16") and t.name.endswith((".scales", ".biases"))
+    )
+    return u.length + extra
+
+
+def plan_residency(
+    plan: BudgetPlan, units: list[Unit], context_target: int = RESIDENT_CONTEXT, float_bytes: int = 2
+) -> list[Unit]:
     """Dense FFN units to keep in memory, in layer order, from what the budget has left once the plan's
     fixed part and `context_target` tokens of context (or the plan's context, if less) are paid for. Updates
     `plan` (resident bytes, layers; the context then takes whatever is still left). A unit is resident at
-    its stored size (the same arrays a streamed piece makes, dense.tensor_arrays)."""
+    `resident_unit_bytes` (the arrays a streamed piece makes, scales and biases cast to `float_bytes`)."""
     if plan.budget is None or not units:
         return []
     keep = min(plan.context, max(MIN_CONTEXT, context_target))
     spare = plan.budget - plan.fixed - keep * plan.per_token
     chosen, used = [], 0
     for u in units:
-        if used + u.length > spare:
+        size = resident_unit_bytes(u, float_bytes)
+        if used + size > spare:
             break  # in layer order: the streamed ones stay one run, read back to back
         chosen.append(u)
-        used += u.length
+        used += size
     plan.resident, plan.resident_layers = used, [u.layer for u in chosen]
     plan.context = min(plan.context, (plan.budget - plan.fixed) // plan.per_token)
     return chosen

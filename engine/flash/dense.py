@@ -257,9 +257,23 @@ class ResidentFFN(StreamedFFN):
     def weights(self, piece: Piece) -> dict[str, Any]:
         return {t.name: self.arrays[t.name] for t in piece.tensors}
 
+    def __call__(self, x: Any) -> Any:
+        """The same projections, left lazy: nothing to release between pieces, so the FFN joins the
+        token's one graph (as in MLXBackend) instead of one evaluation per projection."""
+        from mlx_lm.models.activations import swiglu
 
-def load_resident(man: Manifest, reader: UnitReader, units: list[Unit]) -> dict[int, ResidentFFN]:
-    """Read `units` once (checksum checked) into MLX arrays that stay: layer -> ResidentFFN."""
+        w = self.arrays
+        return self._linear(
+            swiglu(self._linear(x, w, "gate_proj"), self._linear(x, w, "up_proj")), w, "down_proj"
+        )
+
+
+def load_resident(
+    man: Manifest, reader: UnitReader, units: list[Unit], float_bytes: int = 2
+) -> dict[int, ResidentFFN]:
+    """Read `units` once (checksum checked) into MLX arrays that stay: layer -> ResidentFFN. With
+    `float_bytes` 4 (the CPU) float16/bfloat16 scales and biases are cast to float32 once, as MLXBackend
+    holds them: `quantized_matmul` is faster with them there, and the cast is exact."""
     import mlx.core as mx
 
     from .split import check_unit
@@ -273,6 +287,13 @@ def load_resident(man: Manifest, reader: UnitReader, units: list[Unit]) -> dict[
             reader.read(buf, u.offset, u.length).result()
             check_unit(man, u, buf.view)
             arrays = tensor_arrays(u.tensors, np.frombuffer(buf.view, dtype=np.uint8, count=u.padded))
+            if float_bytes == 4:
+                arrays = {
+                    k: v.astype(mx.float32)
+                    if k.endswith((".scales", ".biases")) and v.dtype in (mx.float16, mx.bfloat16)
+                    else v
+                    for k, v in arrays.items()
+                }
             mx.eval(list(arrays.values()))
             out[u.layer] = ResidentFFN(man, u, arrays)
     finally:
