@@ -133,6 +133,38 @@ def test_ask_with_a_gguf_path_imports_once_and_picks_flash_when_the_model_does_n
 
 
 @pytest.mark.slow
+@pytest.mark.root
+def test_ask_with_a_gguf_path_inside_a_memory_cgroup_measures_against_its_limit(tmp_path: Path) -> None:
+    """No --memory-budget: auto is the cgroup's limit (450 MB), too little room for the 84 MB model in RAM
+    with 1.25x + 256 MB to spare, so flash runs it under that limit."""
+    from engine.flash.bench import MemoryCgroup, cgroup_unavailable
+
+    if cgroup_unavailable():
+        pytest.skip(cgroup_unavailable())
+    made = subprocess.run([*FLASHCODE, "synth", "ffn-heavy", "--layers", "8", "--gguf", "--out", str(tmp_path / "s")],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    gguf = tmp_path / "ffn8.gguf"
+    (tmp_path / "s" / "model.gguf").rename(gguf)
+    shutil.rmtree(tmp_path / "s")
+    cap = 450_000_000
+    cg = MemoryCgroup("flashcode-gguf-path", cap)
+    try:
+        env = os.environ | {"FLASHCODE_HOME": str(tmp_path / "home"), "TOKENIZERS_PARALLELISM": "false"}
+        p = subprocess.run([*FLASHCODE, "ask", "--json", "--temperature", "0", "--max-tokens", "6", "--model", str(gguf), "hi"],
+                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=900, preexec_fn=cg.enter)  # fmt: skip
+        assert p.returncode == 0 and cg.oom_kills() == 0, p.stderr[-3000:]
+        assert (
+            "the memory cgroup's limit, 0.45 GB" in p.stderr
+            and "streamed from SSD (flash, --memory-budget auto)" in p.stderr
+        )
+        out = json.loads(p.stdout)
+        assert out["backend"] == "flash" and cap - 65536 < out["memory_budget"] <= cap and cg.peak() <= cap
+    finally:
+        cg.remove()
+
+
+@pytest.mark.slow
 @pytest.mark.browser
 def test_serve_with_a_gguf_path_answers_in_chromium(
     tiny_gguf: Path, home: Path, browser, artifacts: Path
