@@ -446,3 +446,33 @@ def test_toolloop_step_cards_are_redrawn_from_the_event_log() -> None:
     ):
         stored = json.loads(json.dumps(e.to_dict()))  # as the log keeps it
         assert views.stored(e.type, stored) == views.event(e)
+
+
+def test_toolloop_gauge_follows_steps_with_no_words(tmp_path: Path, project: Path) -> None:
+    """A tool-loop turn whose steps write no reply (here it stops at the step limit) still moves the
+    context gauge: each step card carries the prompt that chose the call, and the gauge follows it."""
+    import json
+    import re
+
+    from starlette.testclient import TestClient
+
+    from webapp.app import create_app
+    from webapp.settings import Settings
+
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("list_files", path=".")
+    w = Worker(lambda: fake)
+    settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)
+    app = create_app(settings, worker=w)
+    try:
+        with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+            origin = {"origin": "http://127.0.0.1:8000"}
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=origin) as sock:
+                sock.send_text(json.dumps({"type": "send", "text": "what is here?", "mode": "agent"}))
+                frames = ""
+                while not re.search(r'data-state="idle"', frames):
+                    frames += sock.receive_text()
+    finally:
+        w.close()
+    used = [int(n) for n in re.findall(r'class="gauge-text">(\d+) /', frames)]
+    assert 'data-tool="list_files"' in frames and used and used[-1] > 0, used

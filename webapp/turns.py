@@ -101,6 +101,9 @@ class Turn(Protocol):
 
     def model_changed(self) -> None: ...
 
+    def context_used(self, tokens: int) -> None:
+        """The context gauge, mid-turn: the last prompt plus its reply, as the engine counted them."""
+
 
 class TurnHandler(Protocol):
     """Answers the chat messages it `wants` (the agent: slash commands and agent-mode turns)."""

@@ -228,6 +228,7 @@ class ToolStep(_Event):
     arguments: dict[str, Any]
     max_steps: int
     started: float  # time.time()
+    context_tokens: int = 0  # the prompt that chose this call plus the call: what the context gauge shows
     type: str = "tool_step"
 
 

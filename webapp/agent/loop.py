@@ -189,7 +189,10 @@ class ToolLoop:
     async def _step(self, call: ToolCall) -> AsyncIterator[AgentEvent]:
         self.steps += 1
         step, t0 = self.steps, time.monotonic()
-        yield ToolStep(step, call.id, call.name, dict(call.arguments), self.limit, time.time())
+        used = int(self.last_stats.get("prompt_tokens") or 0) + int(
+            self.last_stats.get("completion_tokens") or 0
+        )
+        yield ToolStep(step, call.id, call.name, dict(call.arguments), self.limit, time.time(), used)
         result = ToolResult(False, "")
         try:
             async for item in self._execute(call):

@@ -267,14 +267,17 @@ class Session:
     async def _hand_over(self, conversation_id: str, text: str, sampling: dict[str, Any]) -> None:
         assert self.turns is not None
         self.send(self.views.controls(generating=True))
+        turn = SocketTurn(self, conversation_id, self.received, sampling)
         try:
-            await self.turns.run(SocketTurn(self, conversation_id, self.received, sampling), text)
+            await self.turns.run(turn, text)
         finally:
             self.cancel = None
             conv = self.ctx.db.get_conversation(conversation_id)
+            # an agent turn's prompt (its last reply's, or its last tool step's when that came later), 0 after /clear
+            used = self.views.context_used(conversation_id)
             self.send(
                 self.views.controls(generating=False, can_regenerate=False),
-                self.views.gauge_for(conversation_id),  # an agent turn's prompt, or 0 after /clear
+                self.views.gauge(max(used, turn.context) if used else turn.context),
                 self.views.mode_picker(conv.mode if conv else "chat"),
             )
 
@@ -467,6 +470,7 @@ class SocketTurn:
     ) -> None:
         self.session, self._conversation_id, self.received = session, conversation_id, received
         self._sampling = dict(sampling or {})
+        self.context = 0  # the gauge's last mid-turn reading (tool-loop steps)
 
     @property
     def conversation_id(self) -> str:
@@ -495,3 +499,7 @@ class SocketTurn:
 
     def model_changed(self) -> None:
         self.send(self.session.views.model_picker())
+
+    def context_used(self, tokens: int) -> None:
+        self.context = tokens
+        self.send(self.session.views.gauge(tokens))
