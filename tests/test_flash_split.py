@@ -200,6 +200,57 @@ def test_reader_falls_back_where_o_direct_is_refused(tmp_path: Path) -> None:
         f.unlink()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_in_place_reader_gives_the_virtual_bytes_at_any_alignment(tmp_path: Path, direct: bool) -> None:
+    """Extents of every size at every shard offset, read at odd offsets into rebased and plain buffers:
+    the straight-in reads (moved, or not, by the shard's offset within a page), the bounced heads and
+    tails and the small ranges all land where the virtual layout puts them."""
+    import random
+    from types import SimpleNamespace
+
+    from engine.flash.inplace import InPlaceReader
+
+    rng = random.Random(7)
+    data = [rng.randbytes(rng.randint(2 << 20, 3 << 20)) for _ in range(2)]
+    files = []
+    for k, d in enumerate(data):
+        files.append(tmp_path / f"shard{k}")
+        files[-1].write_bytes(d)
+    extents, virtual, pos = [], bytearray(), 0
+    for _ in range(12):  # units: ranges of 1 B .. 1 MB from either shard, one after another
+        start = pos
+        for _ in range(rng.randint(1, 4)):
+            n = rng.choice([rng.randint(1, 5000), rng.randint(1, 80_000), rng.randint(1, 1 << 20)])
+            fi = rng.randrange(2)
+            fo = rng.choice([0, 4096, 8, rng.randrange(0, len(data[fi]) - n)])
+            extents.append([pos, n, fi, fo])
+            virtual += data[fi][fo : fo + n]
+            pos += n
+        pad = -(pos - start) % ALIGN
+        virtual += bytes(pad)
+        pos += pad
+    reader = InPlaceReader(files, extents, threads=3, direct=direct)
+    buf, plain = AlignedBuffer(pos), AlignedBuffer(pos + ALIGN)
+    # as moe.py's staging slots: a view into a larger buffer, never rebased
+    ns = SimpleNamespace(size=plain.size - ALIGN, view=plain.view[ALIGN:])
+    try:
+        for _ in range(40):
+            step = rng.choice([512, ALIGN])
+            offset = rng.randrange(0, pos) // step * step
+            length = rng.randint(1, pos - offset)
+            chunk = rng.choice([None, ALIGN, 512 << 10])
+            reader.read(buf, offset, length, chunk).result()
+            reader.read(ns, offset, length, chunk).result()
+            for v, n, _, _ in extents:  # padding between units is not read
+                lo, hi = max(v, offset), min(v + n, offset + length)
+                if lo < hi:
+                    assert bytes(buf.view[lo - offset : hi - offset]) == bytes(virtual[lo:hi])
+                    assert bytes(ns.view[lo - offset : hi - offset]) == bytes(virtual[lo:hi])
+    finally:
+        ns.view.release()
+        reader.close(), buf.close(), plain.close()
+
+
 def test_synth_gguf_export_holds_the_same_weights(tiny: Path, tmp_path: Path) -> None:
     import mlx.core as mx
 

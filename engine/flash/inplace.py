@@ -4,9 +4,11 @@ What it knows: an in-place split (split.py, `layout: "in_place"`) lays its units
 units.bin — the same offsets, lengths, tensor positions and checksums a copied split would have — and
 maps every virtual byte range to where it lies in the shards (`extents`: virtual start, length, file,
 file offset). `InPlaceReader` is a `UnitReader` for that address space: a read of a virtual range is
-split into the physical ranges under it, each read with direct I/O (aligned, through a small per-thread
-scratch buffer, `chunk` bytes at most) and copied to its virtual place. The engine (dense.py, moe.py)
-cannot tell the two layouts apart; the model needs its own size on disk, not twice.
+cut as `UnitReader` cuts one (a few large parts, all in flight at once) and each part's physical ranges
+are read with direct I/O straight into the destination (the aligned bulk of a range in one preadv, moved
+the few bytes its shard offset is off by; only unaligned heads and tails, and small ranges, go through a
+small per-thread bounce buffer). The engine (dense.py, moe.py) cannot tell the two layouts apart; the
+model needs its own size on disk, not twice, and reads it as fast (bench/flash_reader.py).
 
 What it does not know: what the bytes mean, or which unit comes next.
 """
@@ -14,6 +16,7 @@ What it does not know: what the bytes mean, or which unit comes next.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import os
 import threading
 import time
@@ -21,10 +24,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .reader import AlignedBuffer, ReadStats, open_direct
+from .reader import DIO, AlignedBuffer, ReadStats, open_direct
 from .split import ALIGN
 
-SCRATCH_CHUNK = 1 << 20  # the most one physical read takes; per I/O thread this much (+ alignment) is held
+READ_CHUNK = 4 << 20  # as UnitReader: one preadv takes at least this much, or a thread's share of the read
+SCRATCH_CHUNK = 16 * DIO  # a thread's bounce buffer: heads and tails of ranges, and small ranges whole
+MIN_DIRECT = 4 * DIO  # a range read straight into the destination: at least this many aligned bytes of it
 
 
 def scratch_bytes(threads: int, chunk: int = SCRATCH_CHUNK) -> int:
@@ -32,11 +37,22 @@ def scratch_bytes(threads: int, chunk: int = SCRATCH_CHUNK) -> int:
     return 2 * threads * (chunk + 2 * ALIGN)
 
 
+def _address(view: memoryview) -> int:
+    """Where a writable buffer's first byte is (the ctypes object holding the export is dropped at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 class InPlaceReader:
-    """`UnitReader`'s interface (read / stats / direct / close) over the extents of an in-place split."""
+    """`UnitReader`'s interface (read / stats / direct / close) over the extents of an in-place split.
+
+    A read is cut as `UnitReader` cuts one (`threads` parts of at least `chunk` bytes, all in flight at once)
+    and each part's physical ranges are read by one thread, straight into the destination: the aligned bulk of
+    a range with one large preadv, then moved by the few bytes (< 4 KiB) its shard offset and its place in the
+    destination differ by (a memmove that releases the GIL); only the unaligned head and tail of a range, and
+    ranges too small to be worth it, go through the thread's small bounce buffer."""
 
     def __init__(self, files: list[Path], extents: list[list[int]], threads: int = 4,
-                 chunk: int = SCRATCH_CHUNK, direct: bool = True) -> None:  # fmt: skip
+                 chunk: int = READ_CHUNK, direct: bool = True, scratch: int = SCRATCH_CHUNK) -> None:  # fmt: skip
         self.path = files[0]
         opened = [open_direct(f, direct) for f in files]
         self.fds = [fd for fd, _ in opened]
@@ -44,6 +60,7 @@ class InPlaceReader:
         self.extents = sorted((int(v), int(n), int(fi), int(fo)) for v, n, fi, fo in extents)
         self.starts = [e[0] for e in self.extents]
         self.threads, self.chunk = threads, max(ALIGN, chunk // ALIGN * ALIGN)
+        self.scratch = max(2 * DIO, scratch // DIO * DIO)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flash-read")
         self._spec: ThreadPoolExecutor | None = None
         self.stats = ReadStats()
@@ -54,27 +71,57 @@ class InPlaceReader:
     def _buffer(self) -> AlignedBuffer:
         buf = getattr(self._local, "buf", None)
         if buf is None:
-            buf = self._local.buf = AlignedBuffer(self.chunk + 2 * ALIGN)
+            buf = self._local.buf = AlignedBuffer(self.scratch)
             with self._lock:
                 self._scratch.append(buf)
         return buf
 
-    def _copy(self, dest: memoryview, fi: int, fpos: int, n: int) -> int:
-        """Read file `fi` [fpos, fpos + n) (aligned around it) and copy it into `dest`; returns bytes read."""
-        scratch = self._buffer()
-        start = fpos // ALIGN * ALIGN
-        shift = fpos - start
-        want = -(-(shift + n) // ALIGN) * ALIGN
+    def _pread(self, fi: int, view: memoryview, pos: int, need: int) -> int:
+        """preadv into `view` from file `fi` at `pos` until at least `need` bytes are in; returns the bytes read."""
         got = 0
-        while got < shift + n:
-            k = os.preadv(self.fds[fi], [scratch.view[got:want]], start + got)
+        while got < need:
+            k = os.preadv(self.fds[fi], [view[got:]], pos + got)
             if k == 0:
-                raise OSError(f"file {fi} of the split ends at {start + got}, inside a unit")
+                raise OSError(f"file {fi} of the split ends at {pos + got}, inside a unit")
             got += k
-        dest[:n] = scratch.view[shift : shift + n]
-        return want
+        return got
 
-    def pieces(self, offset: int, length: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    def _bounce(self, dest: memoryview, at: int, fi: int, fpos: int, n: int) -> int:
+        """File `fi` [fpos, fpos + n) -> dest[at : at + n] through the bounce buffer (aligned reads around it)."""
+        scratch = self._buffer().view
+        done = read = 0
+        while done < n:
+            start = (fpos + done) // DIO * DIO
+            shift = fpos + done - start
+            m = min(n - done, self.scratch - shift)
+            read += self._pread(fi, scratch[: -(-(shift + m) // DIO) * DIO], start, shift + m)
+            dest[at + done : at + done + m] = scratch[shift : shift + m]
+            done += m
+        return read
+
+    def _range(self, dest: memoryview, base: int, at: int, fi: int, fpos: int, n: int) -> int:
+        """File `fi` [fpos, fpos + n) -> dest[at : at + n] (`base`: dest's address); returns bytes read."""
+        if not self.direct:  # the page cache: no alignment to keep
+            return self._pread(fi, dest[at : at + n], fpos, n)
+        f0 = -(-fpos // DIO) * DIO  # the first aligned shard offset in the range ...
+        t0 = at + (f0 - fpos)  # ... belongs here in dest
+        p = t0 + (-(base + t0) % DIO)  # the first aligned address at or after it: read the bulk there
+        bulk = min(fpos + n - f0, at + n - p) // DIO * DIO
+        if bulk < MIN_DIRECT:
+            return self._bounce(dest, at, fi, fpos, n)
+        read = self._pread(fi, dest[p : p + bulk], f0, bulk)
+        if p != t0:  # then move it the few bytes back to where it belongs
+            ctypes.memmove(base + t0, base + p, bulk)
+        if f0 > fpos:  # head: before the bulk (never written by it)
+            read += self._bounce(dest, at, fi, fpos, f0 - fpos)
+        if t0 + bulk < at + n:  # tail: after the moved bulk (the bulk read may have spilled into it)
+            read += self._bounce(dest, t0 + bulk, fi, f0 + bulk, at + n - t0 - bulk)
+        return read
+
+    def _part(self, dest: memoryview, base: int, ranges: list[tuple[int, int, int, int]]) -> int:
+        return sum(self._range(dest, base, at, fi, fo, n) for fi, fo, n, at in ranges)
+
+    def ranges(self, offset: int, length: int) -> list[tuple[int, int, int, int]]:
         """(file, file offset, bytes, offset in the read) for the virtual range [offset, offset + length)."""
         out = []
         end = offset + length
@@ -82,30 +129,42 @@ class InPlaceReader:
         while k < len(self.extents) and self.extents[k][0] < end:
             v, n, fi, fo = self.extents[k]
             lo, hi = max(v, offset), min(v + n, end)
-            for s in range(lo, hi, chunk):
-                e = min(hi, s + chunk)
-                out.append((fi, fo + (s - v), e - s, s - offset))
+            if lo < hi:
+                out.append((fi, fo + (lo - v), hi - lo, lo - offset))
             k += 1
         return out
 
     def read(self, buf: Any, offset: int, length: int, chunk: int | None = None,
              speculative: bool = False) -> Future[float]:  # fmt: skip
-        """As `UnitReader.read`: bytes [offset, offset + length) of the virtual units.bin into `buf`."""
+        """As `UnitReader.read`: bytes [offset, offset + length) of the virtual units.bin into `buf`, in
+        `threads` parts of at least `chunk` bytes (a part: the physical ranges under its virtual bytes). An
+        `AlignedBuffer` is rebased first so that its largest range can be read straight in."""
         length = -(-length // ALIGN) * ALIGN
         if length > buf.size:
             raise ValueError(f"read of {length} bytes does not fit a {buf.size}-byte buffer")
-        step = self.chunk if chunk is None else max(ALIGN, min(self.chunk, chunk // ALIGN * ALIGN))
+        chunk = self.chunk if chunk is None else max(ALIGN, chunk // ALIGN * ALIGN)
+        step = max(chunk, -(-length // self.threads // ALIGN) * ALIGN)
         pool = self.pool
         if speculative:
             if self._spec is None:
                 self._spec = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="flash-guess")
             pool = self._spec
         t0 = time.perf_counter()
+        ranges = self.ranges(offset, length)
+        if ranges and self.direct and isinstance(buf, AlignedBuffer):
+            _, fo, _, at = max(ranges, key=lambda r: r[2])
+            buf.rebase((fo - at) % DIO)
         view = buf.view
-        parts = [
-            pool.submit(self._copy, view[at : at + n], fi, fo, n)
-            for fi, fo, n, at in self.pieces(offset, length, step)
-        ]
+        base = _address(view)
+        first = -base % DIO  # parts are cut where the destination is on a page: no head or tail there
+        parts_of: dict[int, list[tuple[int, int, int, int]]] = {}
+        for fi, fo, n, at in ranges:
+            while n:
+                k = max(0, (at - first) // step)
+                m = min(n, first + (k + 1) * step - at)
+                parts_of.setdefault(k, []).append((fi, fo, m, at))
+                fo, n, at = fo + m, n - m, at + m
+        parts = [pool.submit(self._part, view, base, rs) for rs in parts_of.values()]
         done: Future[float] = Future()
         left = [len(parts)]
         if not parts:

@@ -45,13 +45,28 @@ def open_direct(path: Path, direct: bool = True) -> tuple[int, bool]:
     return fd, False
 
 
+DIO = 4096  # direct I/O's granularity: file offsets, lengths and memory addresses (sectors are <= 4 KiB)
+
+
 class AlignedBuffer:
-    """Page-aligned anonymous memory (what O_DIRECT needs), allocated once and reused."""
+    """Page-aligned anonymous memory (what O_DIRECT needs), allocated once and reused.
+
+    `view` (`size` bytes) starts on a page unless a reader `rebase`s it: an in-place split's units lie in
+    their shards at offsets that are off a page by the same few bytes (the safetensors header's length), so
+    `InPlaceReader` starts the view that far into the page and reads straight into it (inplace.py). Take
+    `view` after the read has finished; it is one page longer than `size` for that."""
 
     def __init__(self, size: int) -> None:
         self.size = max(ALIGN, -(-size // ALIGN) * ALIGN)
-        self._map = mmap.mmap(-1, self.size)
-        self.view = memoryview(self._map)
+        self._map = mmap.mmap(-1, self.size + DIO)
+        self.shift = 0
+        self.view = memoryview(self._map)[: self.size]
+
+    def rebase(self, shift: int) -> None:
+        """Start `view` `shift` (0 <= shift < DIO) bytes into the first page."""
+        if shift != self.shift:
+            self.view = memoryview(self._map)[shift : shift + self.size]
+            self.shift = shift
 
     def close(self) -> None:
         self.view.release()
@@ -121,6 +136,8 @@ class UnitReader:
             if self._spec is None:
                 self._spec = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="flash-guess")
             pool = self._spec
+        if isinstance(buf, AlignedBuffer):
+            buf.rebase(0)  # units.bin's units start on a page: so does the data
         t0 = time.perf_counter()
         parts = [
             pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s)
