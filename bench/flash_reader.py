@@ -3,11 +3,12 @@
 One synthetic model, split twice: in place (the default: units read from the model's own safetensors shard
 through `InPlaceReader`) and as a copy (`flashcode split --copy`: units.bin through `UnitReader`). Each run
 drops the page cache, opens a fresh reader and reads every dense unit the way the dense stream does
-(dense.py: one projection per read, `depth` reads in flight, `threads` I/O threads); in-place and copy runs
-alternate (their order swaps every repeat) so that a noisy, shared disk weighs on both alike. Before the timed
+(dense.py: one projection per read, `depth` reads in flight, `threads` I/O threads), once alone and once
+beside a thread that keeps the GIL busy (as the engine's compute thread does: `*_gil_busy`); in-place and
+copy runs alternate (their order swaps every repeat) so that a noisy, shared disk weighs on both alike. Before the timed
 runs every unit is read once both ways and checked against its CRC-32 (the in-place reads give the copy's
 bytes). The JSON starts with `provenance()` and keeps every run (bytes, seconds); the summary keys are the
-medians of the runs' bandwidths and their ratio.
+medians of the runs' bandwidths and their ratio, per condition.
 
     .venv/bin/python bench/flash_reader.py --work /tmp/flash-reader --out bench/results/flash-reader.json
 
@@ -21,8 +22,10 @@ import json
 import shutil
 import statistics
 import sys
+import threading
 import time
 import zlib
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +39,27 @@ def reads_of(man: Any) -> list[tuple[int, int]]:
     return [(u.offset + p.read_start, p.read_length) for u in man.dense_units() for p in unit_pieces(u)]
 
 
-def one_pass(man: Any, threads: int, depth: int) -> dict[str, Any]:
-    """Every dense read once, `depth` in flight, through a fresh reader; the bytes and the wall time."""
+def _busy(stop: threading.Event) -> None:
+    """Python work that holds the GIL between switch intervals, as the engine's compute thread does."""
+    x = 0
+    while not stop.is_set():
+        for i in range(10_000):
+            x ^= i
+
+
+def one_pass(man: Any, threads: int, depth: int, gil_busy: bool = False) -> dict[str, Any]:
+    """Every dense read once, `depth` in flight, through a fresh reader; the bytes and the wall time.
+    `gil_busy`: a thread keeps the GIL busy meanwhile (a reader that needs it often waits for it)."""
     from engine.flash.inplace import open_reader
     from engine.flash.reader import AlignedBuffer
 
     reads = reads_of(man)
     reader = open_reader(man, threads=threads)
     bufs = [AlignedBuffer(max(n for _, n in reads)) for _ in range(depth)]
+    stop = threading.Event()
+    busy = threading.Thread(target=_busy, args=(stop,), daemon=True)
+    if gil_busy:
+        busy.start()
     try:
         pending: list[Any] = []
         t0 = time.perf_counter()
@@ -57,6 +73,9 @@ def one_pass(man: Any, threads: int, depth: int) -> dict[str, Any]:
         return {"bytes": sum(n for _, n in reads), "seconds": round(dt, 4), "reads": len(reads),
                 "direct": reader.direct, "disk_bytes": reader.stats.bytes}  # fmt: skip
     finally:
+        stop.set()
+        if gil_busy:
+            busy.join()
         reader.close()
         for b in bufs:
             b.close()
@@ -122,10 +141,10 @@ def main() -> int:
     try:
         for rep in range(args.repeats):
             order = [("in_place", inplace), ("copy", copied)]
-            for layout, man in order if rep % 2 == 0 else order[::-1]:
+            for (layout, man), gil_busy in product(order if rep % 2 == 0 else order[::-1], (False, True)):
                 dropped = drop_page_cache()
-                run = {"layout": layout, "repeat": rep, "page_cache_dropped": dropped,
-                       **one_pass(man, args.threads, args.depth)}  # fmt: skip
+                run = {"layout": layout, "repeat": rep, "gil_busy": gil_busy, "page_cache_dropped": dropped,
+                       **one_pass(man, args.threads, args.depth, gil_busy)}  # fmt: skip
                 run["bandwidth_Bps"] = round(run["bytes"] / run["seconds"])
                 runs.append(run)
                 print(json.dumps(run), flush=True)
@@ -133,14 +152,17 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     res["runs"] = runs
-    bw = {
-        k: statistics.median(r["bandwidth_Bps"] for r in runs if r["layout"] == k)
-        for k in ("in_place", "copy")
-    }
-    res["inplace_bandwidth_Bps"] = bw["in_place"]
-    res["copy_bandwidth_Bps"] = bw["copy"]
-    res["inplace_vs_copy"] = round(bw["in_place"] / bw["copy"], 3)
-    print({k: res[k] for k in ("inplace_bandwidth_Bps", "copy_bandwidth_Bps", "inplace_vs_copy")}, flush=True)
+    for busy, sfx in ((False, ""), (True, "_gil_busy")):
+        bw = {
+            k: statistics.median(
+                r["bandwidth_Bps"] for r in runs if r["layout"] == k and r["gil_busy"] == busy
+            )
+            for k in ("in_place", "copy")
+        }
+        res[f"inplace_bandwidth_Bps{sfx}"] = bw["in_place"]
+        res[f"copy_bandwidth_Bps{sfx}"] = bw["copy"]
+        res[f"inplace_vs_copy{sfx}"] = round(bw["in_place"] / bw["copy"], 3)
+    print({k: v for k, v in res.items() if k.startswith(("inplace_", "copy_"))}, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
