@@ -99,8 +99,12 @@ class InPlaceReader:
             done += m
         return read
 
-    def _range(self, dest: memoryview, base: int, at: int, fi: int, fpos: int, n: int) -> int:
-        """File `fi` [fpos, fpos + n) -> dest[at : at + n] (`base`: dest's address); returns bytes read."""
+    def _range(
+        self, dest: memoryview, base: int, at: int, fi: int, fpos: int, n: int, lo: int, hi: int
+    ) -> int:
+        """File `fi` [fpos, fpos + n) -> dest[at : at + n] (`base`: dest's address); returns bytes read.
+        [lo, hi) (around the range, may start before dest): bytes no other range of the read lands in, where
+        the bulk read may spill to take in the head or tail too."""
         if not self.direct:  # the page cache: no alignment to keep
             return self._pread(fi, dest[at : at + n], fpos, n)
         f0 = -(-fpos // DIO) * DIO  # the first aligned shard offset in the range ...
@@ -109,17 +113,25 @@ class InPlaceReader:
         bulk = min(fpos + n - f0, at + n - p) // DIO * DIO
         if bulk < MIN_DIRECT:
             return self._bounce(dest, at, fi, fpos, n)
-        read = self._pread(fi, dest[p : p + bulk], f0, bulk)
+        start, end = f0, f0 + bulk  # the shard bytes read straight in
+        if p == t0:  # in place (a rebased buffer's largest range): spill into the free bytes around it
+            if f0 > fpos and t0 - DIO >= lo:
+                start -= DIO
+            if end < fpos + n and t0 + bulk + DIO <= hi:
+                end += DIO
+        addr = base + p - (f0 - start)
+        read = self._pread(fi, memoryview((ctypes.c_char * (end - start)).from_address(addr)).cast("B"), start,
+                           min(end, fpos + n) - start)  # fmt: skip
         if p != t0:  # then move it the few bytes back to where it belongs
             ctypes.memmove(base + t0, base + p, bulk)
-        if f0 > fpos:  # head: before the bulk (never written by it)
+        if start > fpos:  # head: before the bulk (never written by it)
             read += self._bounce(dest, at, fi, fpos, f0 - fpos)
-        if t0 + bulk < at + n:  # tail: after the moved bulk (the bulk read may have spilled into it)
+        if end < fpos + n:  # tail: after the moved bulk (the bulk read may have spilled into it)
             read += self._bounce(dest, t0 + bulk, fi, f0 + bulk, at + n - t0 - bulk)
         return read
 
-    def _part(self, dest: memoryview, base: int, ranges: list[tuple[int, int, int, int]]) -> int:
-        return sum(self._range(dest, base, at, fi, fo, n) for fi, fo, n, at in ranges)
+    def _part(self, dest: memoryview, base: int, ranges: list[tuple[int, int, int, int, int, int]]) -> int:
+        return sum(self._range(dest, base, at, fi, fo, n, lo, hi) for fi, fo, n, at, lo, hi in ranges)
 
     def ranges(self, offset: int, length: int) -> list[tuple[int, int, int, int]]:
         """(file, file offset, bytes, offset in the read) for the virtual range [offset, offset + length)."""
@@ -157,13 +169,23 @@ class InPlaceReader:
         view = buf.view
         base = _address(view)
         first = -base % DIO  # parts are cut where the destination is on a page: no head or tail there
-        parts_of: dict[int, list[tuple[int, int, int, int]]] = {}
+        cut: list[tuple[int, int, int, int, int]] = []  # (part, file, file offset, bytes, offset in the read)
         for fi, fo, n, at in ranges:
             while n:
                 k = max(0, (at - first) // step)
                 m = min(n, first + (k + 1) * step - at)
-                parts_of.setdefault(k, []).append((fi, fo, m, at))
+                cut.append((k, fi, fo, m, at))
                 fo, n, at = fo + m, n - m, at + m
+        cut.sort(key=lambda c: c[4])
+        # the bytes free around each range: up to its neighbours, or the buffer's ends (an AlignedBuffer's
+        # slack page too: the memory before a rebased view's start and after its end)
+        lows = [-buf.shift if isinstance(buf, AlignedBuffer) else 0] + [c[4] + c[3] for c in cut[:-1]]
+        highs = [c[4] for c in cut[1:]] + [
+            buf.size + DIO - buf.shift if isinstance(buf, AlignedBuffer) else length
+        ]
+        parts_of: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
+        for (k, fi, fo, m, at), lo, hi in zip(cut, lows, highs, strict=False):  # cut may be empty
+            parts_of.setdefault(k, []).append((fi, fo, m, at, lo, hi))
         parts = [pool.submit(self._part, view, base, rs) for rs in parts_of.values()]
         done: Future[float] = Future()
         left = [len(parts)]
