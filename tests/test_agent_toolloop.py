@@ -476,3 +476,7 @@ def test_toolloop_gauge_follows_steps_with_no_words(tmp_path: Path, project: Pat
         w.close()
     used = [int(n) for n in re.findall(r'class="gauge-text">(\d+) /', frames)]
     assert 'data-tool="list_files"' in frames and used and used[-1] > 0, used
+    # the toolbar counts the steps while the turn runs and hides the counter when it ends
+    assert re.search(r'id="step-counter"[^>]*>Step 1/25<', frames)
+    last = frames.rsplit('id="step-counter"', 1)[1]
+    assert " hidden" in last.split(">", 1)[0]

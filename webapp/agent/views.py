@@ -22,12 +22,17 @@ class AgentViews:
     def __init__(self, env: Environment) -> None:
         env.filters.setdefault("invisible_parts", invisible_parts)  # before the template compiles
         self.ui: Any = env.get_template("agent/fragments.html").module
+        self.toolbar: Any = env.get_template("transcript.html").module
 
     def approval_dialog(self, proposal: ev.Proposal, dialog_id: str) -> str:
         return str(self.ui.approval_dialog(proposal, dialog_id))
 
     def dialog_closed(self, dialog_id: str) -> str:
         return str(self.ui.dialog_closed(dialog_id))
+
+    def step_counter(self, step: int = 0, max_steps: int = 0) -> str:
+        """The chat toolbar's "Step N/M" while a tool-loop turn runs (0: hidden)."""
+        return str(self.toolbar.step_counter(step, max_steps, oob=True))
 
     def notice(self, text: str, level: str = "info") -> str:
         return str(self.ui.notice(text, level))

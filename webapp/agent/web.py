@@ -246,8 +246,10 @@ class AgentTurns:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
                     reply = None  # the tool loop writes one reply per step that has words
                 elif fragment := self.web.views.event(e):
-                    if isinstance(e, ev.ToolStep) and e.context_tokens:
-                        turn.context_used(e.context_tokens)  # steps with no words write no reply to count
+                    if isinstance(e, ev.ToolStep):
+                        turn.send(self.web.views.step_counter(e.step, e.max_steps))
+                        if e.context_tokens:
+                            turn.context_used(e.context_tokens)  # steps with no words write no reply to count
                     db.add_event(conversation_id, e.type, e.to_dict())  # the transcript keeps it
                     turn.send(fragment)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the socket lives on
@@ -255,6 +257,7 @@ class AgentTurns:
             turn.error(f"the agent failed: {type(exc).__name__}: {exc}")
         finally:
             turn.on_stop(None)
+            turn.send(self.web.views.step_counter())
             self._turn = None
             self._synced[conversation_id] = len(db.messages(conversation_id))
             if reply is not None:
