@@ -1,0 +1,121 @@
+"""Every file under bench/results/ is written by its script: it carries where it came from (`command`,
+`git_commit`, `machine`) and the raw runs its summary keys are computed from, and those keys recompute
+from the runs. A results file edited by hand, or one no script can write, fails here.
+
+Each file is listed with the key that holds its raw runs; a new results file must be added to `RAW`
+(and, where its summary is simple, to the recomputations below).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+# file -> the key that holds its raw, per-run numbers
+RAW = {
+    "flash-budget.json": "models",
+    "flash-dense.json": "flash",
+    "flash-dense-gpu.json": "flash",
+    "flash-moe.json": "runs",
+    "flash-moe-gpu.json": "runs",
+    "flash-moe-gpu-explore.json": "runs",
+    "flash-reader.json": "runs",
+    "flash-reader-gpu.json": "runs",
+    "flash-residency.json": "residency",
+    "llama.json": "runs",
+    "mlx.json": "backend",
+    "resume.json": "sizes",
+    "routing.json": "predictions",
+    "sandbox.json": "raw_runs",
+    "websocket.json": "backends",
+    "projects.json": "backends",
+    "agent.json": "raw_runs",
+    "agent-constraint.json": "raw_runs",
+}
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / name).read_text())
+
+
+FILES = sorted(p.name for p in RESULTS.glob("*.json"))
+
+
+def test_every_results_file_is_known() -> None:
+    unknown = [f for f in FILES if f not in RAW]
+    assert not unknown, f"add these to RAW with the key of their raw runs: {unknown}"
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_results_file_says_where_it_came_from_and_keeps_its_raw_runs(name: str) -> None:
+    result = load(name)
+    assert isinstance(result.get("command"), str) and result["command"], "no command"
+    assert isinstance(result.get("git_commit"), str) and len(result["git_commit"]) >= 7, "no git_commit"
+    machine = result.get("machine")
+    assert isinstance(machine, dict) and machine.get("machine") and machine.get("cpus"), "no machine"
+    assert result.get(RAW[name]), f"no raw runs under {RAW[name]!r}"
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def test_sandbox_summary_recomputes() -> None:
+    result = load("sandbox.json")
+    for command, rows in result["raw_runs"].items():
+        assert len(rows) == result["runs_per_command"]
+        s = result["summary"][command]
+        assert s["sandboxed_ms"] == pytest.approx(_median(rows, "sandboxed_ms"), abs=0.01)
+        assert s["plain_ms"] == pytest.approx(_median(rows, "plain_ms"), abs=0.01)
+    added = statistics.median(s["added_ms"] for s in result["summary"].values())
+    assert result["added_ms_per_command"] == pytest.approx(added, abs=0.01)
+
+
+def test_llama_decode_ratio_recomputes() -> None:
+    result = load("llama.json")
+    adapter, raw = result["runs"]["adapter"], result["runs"]["raw"]
+    assert len(adapter) == len(raw) == result["reps"]
+    ratio = round(_median(adapter, "client_tps"), 2) / round(_median(raw, "client_tps"), 2)
+    assert result["decode_ratio"] == pytest.approx(ratio, abs=1e-4)
+
+
+def test_routing_accuracy_recomputes() -> None:
+    result = load("routing.json")
+    preds = result["predictions"]
+    assert len(preds) == result["n"]
+    correct = sum(p["route"] == p["expected"] for p in preds)
+    assert correct == result["correct"] and result["accuracy"] == pytest.approx(
+        correct / len(preds), abs=1e-3
+    )
+
+
+def test_resume_speedups_recompute() -> None:
+    result = load("resume.json")
+    for key, row in result["sizes"].items():
+        if row.get("reprefill_s") is None:  # shape-only rows: sizes and resume times, nothing to recompute
+            continue
+        assert row["speedup"] == pytest.approx(row["reprefill_s"] / row["resume_s"], rel=0.01)
+        assert any(p["resume_s"] == row["resume_s"] for p in row["precisions"].values())
+        label = {"1024": "1k", "4096": "4k"}.get(key, "8k" if int(key) >= 7000 else key)
+        assert result[f"resume_speedup_{label}"] == row["speedup"]
+
+
+@pytest.mark.parametrize("name", ["flash-reader.json", "flash-reader-gpu.json"])
+def test_flash_reader_summary_recomputes(name: str) -> None:
+    result = load(name)
+    for busy, sfx in ((False, ""), (True, "_gil_busy")):
+        bw = {}
+        for layout in ("in_place", "copy"):
+            rows = [r for r in result["runs"] if r["layout"] == layout and r["gil_busy"] == busy]
+            assert len(rows) == result["repeats"]
+            assert all(r["bandwidth_Bps"] == pytest.approx(r["bytes"] / r["seconds"], rel=1e-6) for r in rows)
+            bw[layout] = _median(rows, "bandwidth_Bps")
+        assert result[f"inplace_bandwidth_Bps{sfx}"] == bw["in_place"]
+        assert result[f"copy_bandwidth_Bps{sfx}"] == bw["copy"]
+        assert result[f"inplace_vs_copy{sfx}"] == pytest.approx(bw["in_place"] / bw["copy"], abs=1e-3)
