@@ -21,7 +21,7 @@ run: setup sandbox
 	$(BIN)/flashcode serve --host $(HOST) --port $(PORT)
 
 test: setup llama chromium sandbox lint
-	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest $(PYTEST_ARGS)
+	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 # the quick inner loop: no browser, no llama-server, no slow model tests
 check: setup

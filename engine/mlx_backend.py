@@ -51,6 +51,17 @@ class _Cancelled(Exception):
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident set. Linux: VmHWM, the high-water mark of this process's own memory
+    map. (`ru_maxrss` is not: Linux carries it across fork and exec, so a child started by a 1.5 GB
+    parent reports 1.5 GB before it has touched a page.) Elsewhere: `ru_maxrss`."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

@@ -203,9 +203,9 @@ except ImportError as exc:  # pragma: no cover
     NO_CGROUP = str(exc)
 
 _IMPORT = (
-    "import resource, sys; from pathlib import Path; from engine.gguf import import_gguf; "
-    "import_gguf(sys.argv[1], Path(sys.argv[2]), name='m', show_progress=False); "
-    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    "import sys; from pathlib import Path; from engine.gguf import import_gguf; "
+    "from engine.mlx_backend import peak_rss_bytes; "
+    "import_gguf(sys.argv[1], Path(sys.argv[2]), name='m', show_progress=False); print(peak_rss_bytes())"
 )
 
 

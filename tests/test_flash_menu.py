@@ -83,7 +83,7 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
                     and 'name="memory_budget" value="2' in r.text
                 )
                 assert worker.backend.memory_budget == 2_000_000_000 and engine.backend == "flash"
-                until(ws, r"<dd>0\.40 GB \(set, not auto\)</dd>")
+                until(ws, r"<dd>2\.00 GB \(set, not auto\)</dd>")
                 r = c.post("/engine/budget", data={"memory_budget": "lots", "csrf_token": token})
                 assert "Not set: not a size" in html.unescape(r.text)
                 r = c.post("/engine/budget", data={"memory_budget": "auto", "csrf_token": token})

@@ -56,15 +56,7 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_since_reset() -> int:
-    """VmHWM where /proc has it (restarted by `reset_peak_rss`), else the process's lifetime ru_maxrss."""
-    if sys.platform.startswith("linux"):
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+    """The peak resident set since `reset_peak_rss` (VmHWM on Linux; elsewhere the process's lifetime peak)."""
     return peak_rss_bytes()
 
 
