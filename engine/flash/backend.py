@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
