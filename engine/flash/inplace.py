@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .reader import DIO, AlignedBuffer, ReadStats, open_direct
+from .reader import DIO, AlignedBuffer, ReadStats, join_reads, open_direct
 from .split import ALIGN
 
 READ_CHUNK = 4 << 20  # as UnitReader: one preadv takes at least this much, or a thread's share of the read
@@ -187,33 +187,7 @@ class InPlaceReader:
         for (k, fi, fo, m, at), lo, hi in zip(cut, lows, highs, strict=False):  # cut may be empty
             parts_of.setdefault(k, []).append((fi, fo, m, at, lo, hi))
         parts = [pool.submit(self._part, view, base, rs) for rs in parts_of.values()]
-        done: Future[float] = Future()
-        left = [len(parts)]
-        if not parts:
-            done.set_result(0.0)
-            return done
-
-        def finished(f: Future[int]) -> None:
-            with self._lock:
-                left[0] -= 1
-                last = left[0] == 0
-                if last:
-                    dt = time.perf_counter() - t0
-                    self.stats.bytes += sum(p.result() for p in parts if p.exception() is None)
-                    self.stats.reads += 1
-                    self.stats.read_s += dt
-                    self.stats.max_latency_s = max(self.stats.max_latency_s, dt)
-            if not last or done.done():
-                return
-            errors = [p.exception() for p in parts if p.exception() is not None]
-            if errors:
-                done.set_exception(errors[0])
-            else:
-                done.set_result(dt)
-
-        for p in parts:
-            p.add_done_callback(finished)
-        return done
+        return join_reads(parts, t0, self._lock, self.stats)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

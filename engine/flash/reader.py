@@ -143,36 +143,49 @@ class UnitReader:
             pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s)
             for s in range(0, length, step)
         ]
-        done: Future[float] = Future()
-        left = [len(parts)]
-
-        def finished(f: Future[int]) -> None:
-            with self._lock:
-                left[0] -= 1
-                last = left[0] == 0
-                if last:
-                    dt = time.perf_counter() - t0
-                    self.stats.bytes += length
-                    self.stats.reads += 1
-                    self.stats.read_s += dt
-                    self.stats.max_latency_s = max(self.stats.max_latency_s, dt)
-            if not last or done.done():
-                return
-            errors = [p.exception() for p in parts if p.exception() is not None]
-            if errors:
-                done.set_exception(errors[0])
-            else:
-                done.set_result(dt)
-
-        for p in parts:
-            p.add_done_callback(finished)
-        return done
+        return join_reads(parts, t0, self._lock, self.stats, length)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         if self._spec is not None:
             self._spec.shutdown(wait=True)
         os.close(self.fd)
+
+
+def join_reads(
+    parts: list[Future[int]], t0: float, lock: threading.Lock, stats: ReadStats, nbytes: int | None = None
+) -> Future[float]:
+    """One future for a read cut into `parts` (each a pread's byte count): its result is the read's wall
+    time from `t0`, or the first part's error. When the last part ends, `stats` (under `lock`) counts one
+    read of `nbytes` (None: the bytes the parts read)."""
+    done: Future[float] = Future()
+    if not parts:
+        done.set_result(0.0)
+        return done
+    left = [len(parts)]
+
+    def finished(f: Future[int]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+            if last:
+                dt = time.perf_counter() - t0
+                ok = sum(p.result() for p in parts if p.exception() is None)
+                stats.bytes += ok if nbytes is None else nbytes
+                stats.reads += 1
+                stats.read_s += dt
+                stats.max_latency_s = max(stats.max_latency_s, dt)
+        if not last or done.done():
+            return
+        errors = [p.exception() for p in parts if p.exception() is not None]
+        if errors:
+            done.set_exception(errors[0])
+        else:
+            done.set_result(dt)
+
+    for p in parts:
+        p.add_done_callback(finished)
+    return done
 
 
 def measure_bandwidth(
