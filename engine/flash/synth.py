@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,33 @@ def default_tokenizer_dir() -> Path:
     return find_model(None).path
 
 
+def write_model_dir(
+    out: Path,
+    specs: list[TensorSpec],
+    stream: Iterator[tuple[Any, Iterable[np.ndarray]]],
+    desc: str,
+    progress: bool,
+    tokenizer_dir: Path | None,
+) -> None:
+    """Write `model.safetensors` at `out` from `stream` (each tensor's chunks, in `specs`' order; written
+    under a temporary name, renamed when complete) and copy the tokenizer files beside it."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc=desc, disable=not progress)
+    with open(out / "model.safetensors.tmp", "wb") as f:
+        write_header(f, specs)
+        for _, chunks in stream:
+            for c in chunks:
+                f.write(np.ascontiguousarray(c).tobytes())
+                bar.update(c.nbytes)
+    bar.close()
+    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
+    tok = tokenizer_dir or default_tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (tok / name).exists():
+            shutil.copy2(tok / name, out / name)
+
+
 def synth_model(
     preset: str,
     out: Path,
@@ -171,33 +198,12 @@ def synth_model(
     tokenizer_dir: Path | None = None,
 ) -> Path:
     """Write the preset as an mlx-lm model directory at `out`; returns `out`."""
-    from tqdm import tqdm
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     p = PRESETS[preset] if layers is None else replace(PRESETS[preset], layers=layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = tensor_specs(p)
-    bar = tqdm(
-        total=sum(s.nbytes for s in specs),
-        unit="B",
-        unit_scale=True,
-        desc=f"synth {preset}",
-        disable=not progress,
-    )
-    with open(out / "model.safetensors.tmp", "wb") as f:
-        write_header(f, specs)
-        for _, chunks in _tensor_stream(p, seed):
-            for c in chunks:
-                f.write(c.tobytes())
-                bar.update(c.nbytes)
-    bar.close()
-    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
-    tok = tokenizer_dir or default_tokenizer_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (tok / name).exists():
-            shutil.copy2(tok / name, out / name)
+    write_model_dir(out, tensor_specs(p), _tensor_stream(p, seed), f"synth {preset}", progress, tokenizer_dir)
     cfg = config_for(p)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "flashcode.json").write_text(

@@ -20,7 +20,6 @@ What it does not know: dense presets (synth.py), splitting (split.py).
 from __future__ import annotations
 
 import json
-import shutil
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -29,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .safetensors_io import TensorSpec, write_header
-from .synth import VOCAB, default_tokenizer_dir
+from .safetensors_io import TensorSpec
+from .synth import VOCAB, write_model_dir
 from .synth import gguf_name as dense_gguf_name
 
 GROUP, BITS = 64, 4
@@ -202,31 +201,12 @@ def synth_moe(
     tokenizer_dir: Path | None = None,
 ) -> Path:
     """Write the MoE preset as an mlx-lm model directory at `out`; returns `out`."""
-    from tqdm import tqdm
-
     p = preset_for(preset, layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = tensor_specs(p)
-    bar = tqdm(
-        total=sum(s.nbytes for s in specs),
-        unit="B",
-        unit_scale=True,
-        desc=f"synth {preset}",
-        disable=not progress,
+    write_model_dir(
+        out, tensor_specs(p), _tensor_stream(p, seed, skew), f"synth {preset}", progress, tokenizer_dir
     )
-    with open(out / "model.safetensors.tmp", "wb") as f:
-        write_header(f, specs)
-        for _, chunks in _tensor_stream(p, seed, skew):
-            for c in chunks:
-                f.write(np.ascontiguousarray(c).tobytes())
-                bar.update(c.nbytes)
-    bar.close()
-    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
-    tok = tokenizer_dir or default_tokenizer_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (tok / name).exists():
-            shutil.copy2(tok / name, out / name)
     (out / "config.json").write_text(json.dumps(config_for(p, skew), indent=2))
     (out / "flashcode.json").write_text(
         json.dumps(
