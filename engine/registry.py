@@ -26,10 +26,25 @@ def available_backends() -> list[str]:
     return out
 
 
-def backend_class(name: str) -> Any:
+# `--hosts HOSTFILE`: the MLX backend with the model split over the hostfile's machines
+PIPELINE = "engine.pipeline:PipelineBackend"
+
+
+def _target(name: str, options: dict[str, Any] | None = None) -> str:
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    module_name, attr = BACKENDS[name].split(":")
+    if (options or {}).get("hostfile"):
+        if name != "mlx":
+            raise BackendUnavailableError(
+                f"--hosts runs the MLX backend with its layers split over the hostfile's machines; the {name} "
+                "backend does not run over several machines here yet (docs/distributed.md)"
+            )
+        return PIPELINE
+    return BACKENDS[name]
+
+
+def backend_class(name: str, options: dict[str, Any] | None = None) -> Any:
+    module_name, attr = _target(name, options).split(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except ImportError as exc:
@@ -37,9 +52,7 @@ def backend_class(name: str) -> Any:
 
 
 def backend_factory(name: str, **options: Any) -> Callable[[], Backend]:
-    if name not in BACKENDS:
-        raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    module_name, attr = BACKENDS[name].split(":")
+    module_name, attr = _target(name, options).split(":")
 
     def make() -> Backend:
         try:

@@ -174,6 +174,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "memory minus max(1 GB, 10%% of RAM), or the memory cgroup's limit)",
     )
     g.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
+    g.add_argument(
+        "--hosts",
+        metavar="HOSTFILE",
+        default=None,
+        help="mlx: split the model's layers over the machines of an MLX hostfile (pipeline parallel over "
+        "mlx.distributed's ring backend; the first host is this one): docs/distributed.md",
+    )
     g.add_argument("--llama-url", default=None, help="llama: attach to a llama-server already running at URL")
     g.add_argument("--llama-binary", default=None, help="llama: path of the llama-server binary to run")
     g.add_argument("--llama-threads", type=int, default=None, help="llama: CPU threads (-t)")

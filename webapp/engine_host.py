@@ -62,7 +62,9 @@ def options_for(backend: str, options: dict[str, Any] | None) -> dict[str, Any]:
     """The subset of engine options this backend's constructor takes (flags for another engine
     are kept in settings, so they apply again when the user switches back)."""
     accepted: set[str] = set()
-    for klass in backend_class(backend).__mro__:  # a subclass passing **kwargs up takes its parent's too
+    for klass in backend_class(
+        backend, options
+    ).__mro__:  # a subclass passing **kwargs up takes its parent's too
         if "__init__" not in vars(klass):
             continue
         params = inspect.signature(klass.__init__).parameters
@@ -79,12 +81,14 @@ _ENGINE_OPTIONS = {
     "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v", "parallel": "parallel",
     "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "expert_policy": "expert_policy",
     "expert_prefetch": "expert_prefetch", "top_k_experts": "top_k", "routing_bias": "routing_bias",
+    "hosts": "hostfile",
 }  # fmt: skip
 _BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_url": {"llama"},
                "llama_binary": {"llama"}, "llama_threads": {"llama"}, "flash_attn": {"llama"},
                "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
                "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}, "expert_policy": {"flash"},
-               "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"}}  # fmt: skip
+               "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"},
+               "hosts": {"mlx"}}  # fmt: skip
 
 
 def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
@@ -130,6 +134,9 @@ def place_model(
         info, imported = import_or_reuse(model, paths.models_dir(), show_progress=show_progress)
         say(f"{'imported' if imported else 'already imported:'} {model} as {info.name}")
         model = info.name
+    if options.get("hostfile") and backend in ("auto", "", None):
+        say(f"in RAM (MLX), its layers split over the hosts of {options['hostfile']} (--hosts)")
+        return "mlx", model
     if backend not in ("auto", "", None):
         return backend, model
     try:

@@ -186,7 +186,17 @@ def reinstall_hint(d: Path, root: Path) -> str:
 
 # --------------------------------------------------------------------------- the backend
 def check_backend(name: str, options: dict[str, Any]) -> None:
-    """The llama backend needs llama-server (unless it attaches to a running one)."""
+    """The llama backend needs llama-server (unless it attaches to a running one); --hosts needs a hostfile
+    that names this machine first and the MLX backend."""
+    if options.get("hostfile"):
+        from engine.pipeline import load_hostfile
+        from engine.registry import backend_class
+
+        try:
+            load_hostfile(options["hostfile"])
+            backend_class(name, options)
+        except EngineError as exc:
+            raise StartupError(str(exc)) from exc
     if name != "llama" or options.get("url"):
         return
     from engine.llama_server import find_llama_server  # imports httpx: only for the llama backend

@@ -1,0 +1,150 @@
+"""One rank of a pipeline (`engine.pipeline`), started by `mlx.launch` on each host of the hostfile.
+
+Every rank loads its own layers and runs the same `MLXBackend.stream` on each request. Rank 0 connects
+back to the server (127.0.0.1, with the launch's token), takes its requests and its Stop, hands the
+requests to the other ranks through `mx.distributed`, and streams the events back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .base import Done, GenerationStats, ModelInfo
+from .mlx_backend import MLXBackend, cast_for_device, peak_rss_bytes
+from .pipeline import TOKEN_ENV, event_to_json, pipeline_model, request_from_json
+
+
+def broadcast_json(group: Any, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (others pass None): its JSON bytes summed over the group."""
+    import mlx.core as mx
+    import numpy as np
+
+    data = json.dumps(obj).encode() if group.rank() == 0 else b""
+    n = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=group, stream=mx.cpu)
+    n = int(n.item())
+    buf = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if data else np.zeros(n, dtype=np.int32)
+    got = mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu)
+    return json.loads(np.array(got).astype(np.uint8).tobytes())
+
+
+class SharedStop:
+    """A `cancel` every rank agrees on: each check is one all-sum of the ranks' own flags (rank 0's is
+    the server's Stop). The ranks run the same code, so they check at the same points."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.local = threading.Event()
+        self.agreed = False
+
+    def is_set(self) -> bool:
+        import mlx.core as mx
+
+        if not self.agreed:
+            flag = mx.array([1 if self.local.is_set() else 0], dtype=mx.int32)
+            self.agreed = int(mx.distributed.all_sum(flag, group=self.group, stream=mx.cpu).item()) > 0
+        return self.agreed
+
+
+class RankBackend(MLXBackend):
+    """The MLX backend holding one rank's layers (loaded lazily: the others are never read)."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.layers = (0, 0)
+
+    def load(self, model: ModelInfo) -> None:
+        import mlx.core as mx
+        from mlx_lm import load as mlx_load
+
+        obj, tok, cfg = mlx_load(str(model.path), return_config=True, lazy=True)
+        self.layers = pipeline_model(obj, self.group)
+        cast_for_device(obj)
+        mx.eval(obj.parameters())
+        self.model_obj, self.tokenizer, self.config = obj, tok, cfg
+        self._model_info = model
+        self.prompt_cache.reset()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import mlx.core as mx
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the model directory (the same path on every host)")
+    ap.add_argument("--connect", required=True, help="rank 0: the server's HOST:PORT")
+    args = ap.parse_args(argv)
+    group = mx.distributed.init(backend="ring", strict=True)
+    rank = group.rank()
+    path = Path(args.model)
+    t0 = time.perf_counter()
+    backend = RankBackend(group)
+    backend.load(ModelInfo(name=path.name, path=path, architecture="", size_bytes=0))
+    load_s = time.perf_counter() - t0
+    mine = [rank, backend.layers[0], backend.layers[1], peak_rss_bytes() >> 20, int(load_s * 1000)]
+    table = mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), group=group, stream=mx.cpu)
+    ranks = [
+        {"rank": r, "layers": [a, b], "load_rss_mb": m, "load_s": ms / 1000}
+        for r, a, b, m, ms in table.tolist()
+    ]
+
+    requests: queue.Queue[dict[str, Any]] = queue.Queue()
+    stop = SharedStop(group)
+    conn = None
+    if rank == 0:
+        host, port = args.connect.rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)))
+        hello = {"token": os.environ.get(TOKEN_ENV, ""), "ranks": ranks}
+        conn.sendall(json.dumps(hello).encode() + b"\n")
+
+        def listen() -> None:
+            for line in conn.makefile("rb"):
+                msg = json.loads(line)
+                if msg.get("op") == "cancel":
+                    stop.local.set()
+                else:
+                    requests.put(msg)
+            requests.put({"op": "quit"})  # the server went away
+
+        threading.Thread(target=listen, daemon=True).start()
+
+    def send(obj: dict[str, Any]) -> None:
+        if conn is not None:
+            conn.sendall(json.dumps(obj).encode() + b"\n")
+
+    while True:
+        msg = broadcast_json(group, requests.get() if rank == 0 else None)
+        if msg.get("op") != "generate":
+            break
+        stop.local.clear()
+        stop.agreed = False
+        try:
+            for ev in backend.stream(request_from_json(msg["request"]), stop):  # type: ignore[arg-type]
+                if isinstance(ev, Done):
+                    mine = [rank, peak_rss_bytes() >> 20]
+                    got = mx.distributed.all_gather(
+                        mx.array([mine], dtype=mx.int32), group=group, stream=mx.cpu
+                    )
+                    ev.stats.extra["rank_stats"] = [{"rank": r, "peak_rss_mb": m} for r, m in got.tolist()]
+                send(event_to_json(ev))
+        except Exception as exc:  # noqa: BLE001 - the same on every rank (same code, same input): reported
+            lost = isinstance(exc, RuntimeError) and "[ring]" in str(exc)  # a host dropped: this job is over
+            why = f"a host of the pipeline dropped ({exc})" if lost else f"{type(exc).__name__}: {exc}"
+            send(event_to_json(Done(GenerationStats(), "error", "", why)) | {"fatal": lost})
+            if lost:
+                return 1
+    if conn is not None:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

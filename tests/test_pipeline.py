@@ -1,0 +1,183 @@
+"""A model split over several processes (issue 19, MLX in RAM): `--hosts HOSTFILE` launches the ranks with
+`mlx.launch` (ring backend over loopback here), each holds its own layers, and the replies are the same
+greedy tokens as one process. Stop, a rank killed mid-reply, the hostfile's errors, and the CLI.
+
+Real parts: the default model, MLX's ring backend between two local processes, mlx.launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
+from engine.pipeline import load_hostfile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- the hostfile
+def write(tmp_path: Path, data: Any) -> Path:
+    p = tmp_path / "hosts.json"
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+def test_a_hostfile_in_mlx_form_or_as_a_list_of_addresses(tmp_path: Path) -> None:
+    mlx_form = {
+        "backend": "ring",
+        "hosts": [{"ssh": "me", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}],
+    }
+    hosts = load_hostfile(write(tmp_path, mlx_form))
+    assert [(h.ssh, h.ip) for h in hosts] == [("me", "127.0.0.1"), ("b", "10.0.0.2")]
+    assert [h.ip for h in load_hostfile(write(tmp_path, ["127.0.0.1", "127.0.0.1"]))] == ["127.0.0.1"] * 2
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "cannot read the hostfile"),
+        ("{not json", "is not JSON"),
+        ({"nodes": []}, 'needs a "hosts" list'),
+        (["127.0.0.1"], "a pipeline needs at least 2"),
+        ([{"ssh": "a"}, "127.0.0.1"], "has no IP address"),
+        (["127.0.0.1", "not-an-ip"], "is not an IP address"),
+        (["192.0.2.7", "127.0.0.1"], "must be this machine"),
+    ],
+)
+def test_a_bad_hostfile_is_one_clear_sentence(tmp_path: Path, content: Any, says: str) -> None:
+    path = tmp_path / "missing.json" if content is None else write(tmp_path, content)
+    with pytest.raises(EngineError, match=says):
+        load_hostfile(path)
+
+
+def test_hosts_is_for_the_mlx_backend(tmp_path: Path) -> None:
+    hosts = write(tmp_path, ["127.0.0.1", "127.0.0.1"])
+    for argv in (["--backend", "llama"], ["--backend", "flash"]):
+        p = subprocess.run([sys.executable, "-m", "webapp.cli", "ask", *argv, "--hosts", str(hosts), "hi"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+        assert p.returncode != 0 and "--hosts applies to the mlx backend" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+
+
+# --------------------------------------------------------------------------- two processes over loopback
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def run(
+    backend: Any, text: str, sampling: SamplingParams = GREEDY, cancel_after: int = 0
+) -> tuple[list[int], Done]:
+    cancel = threading.Event()
+    ids: list[int] = []
+    done = None
+    req = GenerationRequest(messages=({"role": "user", "content": text},), sampling=sampling)
+    for ev in backend.stream(req, cancel):
+        if isinstance(ev, TextDelta):
+            ids += ev.token_ids
+            if cancel_after and len(ids) >= cancel_after:
+                cancel.set()
+        elif isinstance(ev, Done):
+            done = ev
+    assert done is not None
+    return ids, done
+
+
+@pytest.fixture(scope="module")
+def pipeline(default_model, tmp_path_factory: pytest.TempPathFactory):
+    from engine.pipeline import PipelineBackend
+
+    hosts = tmp_path_factory.mktemp("hosts") / "hosts.json"
+    hosts.write_text(json.dumps(["127.0.0.1", "127.0.0.1"]))
+    b = PipelineBackend(hosts, load_timeout=300)
+    b.load(default_model)
+    yield b
+    b.close()
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_greedy_tokens_as_one(pipeline, default_model) -> None:
+    from engine.mlx_backend import MLXBackend
+
+    split, done = run(pipeline, "Write a haiku about the sea.")
+    again, done2 = run(pipeline, "Write a haiku about the sea.")  # the ranks' prompt caches agree
+    ram = MLXBackend()
+    ram.load(default_model)
+    try:
+        single, _ = run(ram, "Write a haiku about the sea.")
+    finally:
+        ram.close()
+    assert split == single == again and len(split) == 24 and done.finish_reason == "length"
+    assert done2.stats.cached_tokens > 0
+    hosts = done.stats.extra["hosts"]
+    layers = int(json.loads((default_model.path / "config.json").read_text())["num_hidden_layers"])
+    assert [h["rank"] for h in hosts] == [0, 1] and all(h["host"] == "127.0.0.1" for h in hosts)
+    # each rank holds its own layers, together all of them, once
+    assert sorted(tuple(h["layers"]) for h in hosts) == [(0, layers // 2), (layers // 2, layers)]
+    assert all(h["peak_rss_mb"] > 50 for h in hosts)
+
+
+@pytest.mark.slow
+def test_stop_reaches_every_rank_and_the_next_reply_is_exact(pipeline) -> None:
+    ids, done = run(
+        pipeline, "Write a long story about a robot.", SamplingParams(temperature=0, max_tokens=200), 4
+    )
+    assert done.finish_reason == "cancelled" and 4 <= len(ids) < 200
+    again, done = run(pipeline, "Write a haiku about the sea.")
+    assert done.finish_reason == "length" and len(again) == 24  # the ranks are still in step
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_reply_is_a_clear_error_and_the_next_turn_launches_again(pipeline) -> None:
+    import psutil
+
+    def rank_pid(rank: int) -> int:
+        for c in psutil.Process(pipeline._proc.pid).children(recursive=True):
+            try:
+                if "engine.pipeline_rank" in " ".join(c.cmdline()) and c.environ().get("MLX_RANK") == str(
+                    rank
+                ):
+                    return c.pid
+            except psutil.Error:
+                continue
+        raise AssertionError(f"no rank {rank}")
+
+    req = GenerationRequest(
+        messages=({"role": "user", "content": "Write a long story about a robot."},),
+        sampling=SamplingParams(temperature=0, max_tokens=200),
+    )
+    kept, done, killed = "", None, False
+    for ev in pipeline.stream(req, threading.Event()):
+        if isinstance(ev, TextDelta):
+            kept += ev.text
+            if len(kept) > 10 and not killed:
+                os.kill(rank_pid(1), signal.SIGKILL)
+                killed = True
+        elif isinstance(ev, Done):
+            done = ev
+    assert done is not None and done.finish_reason == "error", done
+    assert "a host of the pipeline dropped" in (done.error or "") and "next turn" in (done.error or "")
+    assert done.text == kept and len(kept) > 10  # nothing streamed is lost
+    ids, done = run(pipeline, "Write a haiku about the sea.")
+    assert done.finish_reason == "length" and len(ids) == 24, done.error
+
+
+@pytest.mark.slow
+def test_ask_with_hosts_on_the_command_line(tmp_path: Path) -> None:
+    hosts = write(tmp_path, ["127.0.0.1", "127.0.0.1"])
+    p = subprocess.run(
+        [sys.executable, "-m", "webapp.cli", "ask", "--hosts", str(hosts), "--json", "--max-tokens", "8",
+         "--temperature", "0", "Say hello."],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["completion_tokens"] == 8 and len(out["hosts"]) == 2, out
+    assert "split over the hosts of" in p.stderr
