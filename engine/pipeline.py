@@ -231,6 +231,12 @@ class PipelineBackend(MLXBackend):
     """The MLX backend with the model split over the hosts of a hostfile. This process holds the
     tokenizer only (chat templates, token counts); the ranks hold the layers."""
 
+    # not over several hosts yet (each rank would save, restore or score only its own layers): without
+    # these the app leaves saved contexts and the agent's router off for this engine
+    save_prompt_cache = None  # type: ignore[assignment]
+    load_prompt_cache = None  # type: ignore[assignment]
+    score_continuations = None  # type: ignore[assignment]
+
     def __init__(self, hostfile: str | Path, load_timeout: float = 600.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.hostfile = Path(hostfile)
@@ -379,6 +385,11 @@ class PipelineBackend(MLXBackend):
             "".join(text),
             f"{why}; the reply so far is kept and the next turn starts the pipeline again",
         )
+
+    def reset_cache(self) -> None:
+        """Every rank forgets its prompt cache: the next prompt is prefilled in full."""
+        if self._conn is not None:
+            self._send({"op": "reset"})
 
     def ranks_with(self, stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_rank = {int(s["rank"]): s for s in stats}

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     while True:
         msg = broadcast_json(group, requests.get() if rank == 0 else None)
+        if msg.get("op") == "reset":  # forget the prompt cache on every rank (the next prompt is prefilled)
+            backend.prompt_cache.reset()
+            continue
         if msg.get("op") != "generate":
             break
         stop.local.clear()

@@ -37,6 +37,7 @@ RAW = {
     "projects.json": "backends",
     "agent.json": "raw_runs",
     "agent-constraint.json": "raw_runs",
+    "distributed.json": "configs",
 }
 
 
