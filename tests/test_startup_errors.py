@@ -53,6 +53,17 @@ def test_serve_empty_data_dir_offers_setup(tmp_path: Path) -> None:
     )
 
 
+def test_a_refused_start_leaves_no_folder_behind(tmp_path: Path) -> None:
+    home = tmp_path / "new" / "home"
+    assert one_sentence(flashcode("serve", "--data-dir", str(home))).startswith("no model is installed in ")
+    assert not (tmp_path / "new").exists()  # it made them, it found no model: it took them away again
+    kept = tmp_path / "mine"
+    (kept / "notes").mkdir(parents=True)
+    (kept / "notes" / "a.txt").write_text("x")
+    one_sentence(flashcode("serve", "--data-dir", str(kept)))
+    assert (kept / "notes" / "a.txt").read_text() == "x"  # a folder that was there is never touched
+
+
 def test_serve_verbose_adds_the_traceback(tmp_path: Path) -> None:
     for argv in (["serve", "-v"], ["-v", "serve"]):
         proc = flashcode(*argv, "--data-dir", str(tmp_path))

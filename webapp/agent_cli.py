@@ -254,7 +254,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print()
-    return 0 if result["stats"]["finish_reason"] not in ("error",) else 1
+    st = result["stats"]
+    if st["finish_reason"] == "error":
+        return 1
+    if not result["answer"].strip() and not st["step_limit_reached"]:
+        # the model ended the task with no words (a small model that gave up): not a success
+        print(f"flashcode: the agent ended after {st['steps']} step(s) without an answer", file=sys.stderr)
+        return 1
+    return 0
 
 
 def register_agent(sub: Any) -> None:

@@ -24,6 +24,7 @@ from engine import paths
 from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
 from engine.flash import cli as flash_cli
 from engine.models import DEFAULT_MODEL
+from engine.placement import is_gguf_path
 
 from . import agent_cli, cli_bench, cli_projects, preflight
 from .doctor import doctor_report, format_report
@@ -74,8 +75,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .settings import Settings
 
-    root = preflight.check_data_dir(preflight.data_dir())
-    preflight.check_database(root)
+    given = preflight.data_dir()
+    made = given  # the first folder of it that does not exist yet (None: it all exists)
+    while not made.parent.exists():
+        made = made.parent
+    made = None if given.exists() else made
+    root = preflight.check_data_dir(given)
+    try:
+        preflight.check_database(root)
+        if not is_gguf_path(args.model):  # (a GGUF is imported below)
+            preflight.check_model(args.model or DEFAULT_MODEL, root)
+    except StartupError:
+        if made is not None:  # a refused start leaves nothing behind: only the empty folders it made go
+            preflight.remove_empty_tree(made)
+        raise
     project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
     options = backend_options(args)
     # --model FILE.gguf: imported once; --backend auto: in RAM if it fits with room to spare, flash otherwise

@@ -259,5 +259,12 @@ def format_report(report: dict[str, Any]) -> str:
         )
         line = f"{status:<8} {name:<{width}}  {c['detail']}"
         lines.append(line + (f"  -> {c['fix']}" if c["fix"] else ""))
-    lines += ["", "all set" if report["ok"] else "flashcode cannot serve yet: fix the MISSING lines above"]
+    optional = [name for name, c in report["checks"].items() if not c["ok"] and not c["required"]]
+    if not report["ok"]:
+        verdict = "flashcode cannot serve yet: fix the MISSING lines above"
+    elif optional:
+        verdict = f"ready to serve; optional parts missing: {', '.join(optional)} (their fixes are above)"
+    else:
+        verdict = "all set"
+    lines += ["", verdict]
     return "\n".join(lines)

@@ -44,6 +44,15 @@ def data_dir() -> Path:
     return Path(root).expanduser().resolve()
 
 
+def remove_empty_tree(root: Path) -> None:
+    """Remove `root` and the folders under it if they hold no file at all (what a refused start made)."""
+    if not root.is_dir() or any(p.is_file() or p.is_symlink() for p in root.rglob("*")):
+        return
+    for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        d.rmdir()
+    root.rmdir()
+
+
 def check_data_dir(root: Path) -> Path:
     """Exists (or can be made), is a directory, and this user may read, write and enter it."""
     if root.exists() and not root.is_dir():
