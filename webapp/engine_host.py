@@ -17,14 +17,15 @@ import inspect
 import logging
 import platform
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine import paths
-from engine.base import Backend
+from engine.base import Backend, BackendUnavailableError
 from engine.models import find_model
-from engine.registry import backend_class, backend_factory
+from engine.registry import available_backends, backend_class, backend_factory
 from engine.worker import Worker
 
 from .settings import Settings
@@ -190,6 +191,16 @@ class EngineState:
         except Exception:  # noqa: BLE001 - no backend loaded (tests, or a failed switch)
             self.backend, self.model, self.context_length, self.is_base_model = None, None, 0, False
 
+    def menu_backends(self) -> list[str]:
+        """The engines the model menu offers: those importable here, without llama-server when it is not
+        installed (nor attached to with --llama-url), and always the one running."""
+        backends = available_backends()
+        if "llama" in backends and not self.options.get("url") and not _llama_installed(self.options.get("binary")):
+            backends.remove("llama")
+        if self.backend and self.backend not in backends:
+            backends.insert(0, self.backend)
+        return backends
+
     def menu_fits(self, infos: list[Any]) -> dict[str, Any]:
         """For the model menu: each installed model's `engine.placement.Placement` (its bytes in RAM, whether
         it fits with room to spare) as if it replaced the loaded one; {} when that cannot be told."""
@@ -274,3 +285,22 @@ class EngineState:
                 return True
         self.notify()
         return False
+
+
+_LLAMA_SEEN: dict[str | None, tuple[float, bool]] = {}
+
+
+def _llama_installed(binary: str | None) -> bool:
+    """Whether llama-server can be found (looked up at most every 10 s: `make llama` may install it later)."""
+    seen = _LLAMA_SEEN.get(binary)
+    if seen is not None and time.monotonic() - seen[0] < 10:
+        return seen[1]
+    from engine.llama_server import find_llama_server
+
+    try:
+        find_llama_server(binary)
+        ok = True
+    except BackendUnavailableError:
+        ok = False
+    _LLAMA_SEEN[binary] = (time.monotonic(), ok)
+    return ok

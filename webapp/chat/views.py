@@ -14,7 +14,6 @@ from jinja2 import Environment
 from jinja2_fragments import render_block
 
 from engine.models import list_models
-from engine.registry import available_backends
 
 from ..db import Database, StoredMessage
 from ..engine_host import EngineState
@@ -96,9 +95,7 @@ class ChatViews(TranscriptViews):
         base = {i.name for i in infos if not i.has_chat_template}  # marked: completion mode only
         if self.engine.model and self.engine.model not in models:
             models.insert(0, self.engine.model)
-        backends = available_backends()
-        if self.engine.backend and self.engine.backend not in backends:
-            backends.insert(0, self.engine.backend)
+        backends = self.engine.menu_backends()
         fits = self.engine.menu_fits(infos)
         groups = []
         for m in models:
