@@ -195,7 +195,11 @@ class EngineState:
         """The engines the model menu offers: those importable here, without llama-server when it is not
         installed (nor attached to with --llama-url), and always the one running."""
         backends = available_backends()
-        if "llama" in backends and not self.options.get("url") and not _llama_installed(self.options.get("binary")):
+        if (
+            "llama" in backends
+            and not self.options.get("url")
+            and not _llama_installed(self.options.get("binary"))
+        ):
             backends.remove("llama")
         if self.backend and self.backend not in backends:
             backends.insert(0, self.backend)
