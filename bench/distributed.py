@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[name] |= {
                 "ttft_ratio_vs_single": round(med(name, "ttft_s") / med("single", "ttft_s"), 4),
                 "decode_ratio_vs_single": round(med(name, "decode_tps") / med("single", "decode_tps"), 4),
-                "peak_rss_mb_per_rank": [h["peak_rss_mb"] for h in c["runs"][-1]["hosts"]],
+                "peak_rss_mb_per_rank": [h.get("peak_rss_mb") for h in c["runs"][-1]["hosts"]],
                 "layers_per_rank": [h["layers"] for h in c["runs"][-1]["hosts"]],
             }
     out = {

@@ -23,17 +23,37 @@ from .mlx_backend import MLXBackend, cast_for_device, peak_rss_bytes
 from .pipeline import TOKEN_ENV, event_to_json, pipeline_model, request_from_json
 
 
+def _stream() -> Any:
+    """The stream mlx-lm generates on: the ranks' own collectives (requests, Stop, stats) are queued there
+    too, behind the model's send/recv/all-gather, so every rank runs them all in the same order. (On
+    another stream they ran beside the next token's forward pass and read each other's bytes.)"""
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
+
+
 def broadcast_json(group: Any, obj: Any) -> Any:
     """Rank 0's `obj` on every rank (others pass None): its JSON bytes summed over the group."""
     import mlx.core as mx
     import numpy as np
 
     data = json.dumps(obj).encode() if group.rank() == 0 else b""
-    n = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=group, stream=mx.cpu)
+    n = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=group, stream=_stream())
     n = int(n.item())
     buf = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if data else np.zeros(n, dtype=np.int32)
-    got = mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu)
+    got = mx.distributed.all_sum(mx.array(buf), group=group, stream=_stream())
     return json.loads(np.array(got).astype(np.uint8).tobytes())
+
+
+def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (the same length on each), row r from rank r: a sum of one-row matrices
+    (an all-sum, which the ring backend does for any size; its all-gather of a few bytes did not)."""
+    import mlx.core as mx
+    import numpy as np
+
+    rows = np.zeros((group.size(), len(values)), dtype=np.int32)
+    rows[group.rank()] = values
+    return mx.distributed.all_sum(mx.array(rows), group=group, stream=_stream()).tolist()
 
 
 class SharedStop:
@@ -50,7 +70,7 @@ class SharedStop:
 
         if not self.agreed:
             flag = mx.array([1 if self.local.is_set() else 0], dtype=mx.int32)
-            self.agreed = int(mx.distributed.all_sum(flag, group=self.group, stream=mx.cpu).item()) > 0
+            self.agreed = int(mx.distributed.all_sum(flag, group=self.group, stream=_stream()).item()) > 0
         return self.agreed
 
 
@@ -90,10 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     backend.load(ModelInfo(name=path.name, path=path, architecture="", size_bytes=0))
     load_s = time.perf_counter() - t0
     mine = [rank, backend.layers[0], backend.layers[1], peak_rss_bytes() >> 20, int(load_s * 1000)]
-    table = mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), group=group, stream=mx.cpu)
     ranks = [
         {"rank": r, "layers": [a, b], "load_rss_mb": m, "load_s": ms / 1000}
-        for r, a, b, m, ms in table.tolist()
+        for r, a, b, m, ms in gather_ints(group, mine)
     ]
 
     requests: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -132,11 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for ev in backend.stream(request_from_json(msg["request"]), stop):  # type: ignore[arg-type]
                 if isinstance(ev, Done):
-                    mine = [rank, peak_rss_bytes() >> 20]
-                    got = mx.distributed.all_gather(
-                        mx.array([mine], dtype=mx.int32), group=group, stream=mx.cpu
-                    )
-                    ev.stats.extra["rank_stats"] = [{"rank": r, "peak_rss_mb": m} for r, m in got.tolist()]
+                    got = gather_ints(group, [rank, peak_rss_bytes() >> 20])
+                    ev.stats.extra["rank_stats"] = [{"rank": r, "peak_rss_mb": m} for r, m in got]
                 send(event_to_json(ev))
         except Exception as exc:  # noqa: BLE001 - the same on every rank (same code, same input): reported
             lost = isinstance(exc, RuntimeError) and "[ring]" in str(exc)  # a host dropped: this job is over

@@ -125,6 +125,30 @@ def test_two_processes_give_the_same_greedy_tokens_as_one(pipeline, default_mode
 
 
 @pytest.mark.slow
+def test_three_processes_are_exact_too_and_every_rank_reports(default_model, tmp_path: Path) -> None:
+    """Three ranks: the ranks' own collectives (Stop, stats) stay in order with the model's (they once ran
+    on another stream, beside the next token's forward pass, and read each other's bytes)."""
+    from engine.mlx_backend import MLXBackend
+    from engine.pipeline import PipelineBackend
+
+    b = PipelineBackend(write(tmp_path, ["127.0.0.1"] * 3), load_timeout=300)
+    b.load(default_model)
+    try:
+        split, done = run(b, "Write a haiku about the sea.")
+    finally:
+        b.close()
+    ram = MLXBackend()
+    ram.load(default_model)
+    try:
+        single, _ = run(ram, "Write a haiku about the sea.")
+    finally:
+        ram.close()
+    assert split == single
+    hosts = done.stats.extra["hosts"]
+    assert [h["rank"] for h in hosts] == [0, 1, 2] and all(50 < h["peak_rss_mb"] < 5000 for h in hosts), hosts
+
+
+@pytest.mark.slow
 def test_stop_reaches_every_rank_and_the_next_reply_is_exact(pipeline) -> None:
     ids, done = run(
         pipeline, "Write a long story about a robot.", SamplingParams(temperature=0, max_tokens=200), 4
