@@ -205,3 +205,18 @@ def test_ask_with_hosts_on_the_command_line(tmp_path: Path) -> None:
     out = json.loads(p.stdout)
     assert out["completion_tokens"] == 8 and len(out["hosts"]) == 2, out
     assert "split over the hosts of" in p.stderr
+
+
+def test_the_reply_footer_lists_each_host_with_its_layers_and_memory() -> None:
+    from types import SimpleNamespace
+
+    from webapp.render import make_environment
+
+    footer = make_environment().get_template("macros.html").module.stats_footer
+    hosts = [
+        {"rank": 0, "host": "192.168.1.10", "layers": [15, 30], "peak_rss_mb": 276},
+        {"rank": 1, "host": "192.168.1.11", "layers": [0, 15], "load_rss_mb": 211},
+    ]
+    m = SimpleNamespace(id=7, status="complete", stats={"completion_tokens": 3, "extra": {"hosts": hosts}})
+    html = str(footer(m))
+    assert 'data-stat="hosts"' in html and "192.168.1.10 L15–29 276 MB · 192.168.1.11 L0–14 211 MB" in html
