@@ -513,9 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     _data_dir(args)
     status = _run(args)
-    if argv is None and args.command == "serve" and "mlx.core" in sys.modules:
-        # MLX can abort in interpreter teardown ("terminate called without an active exception") once
-        # the engine thread that used it has ended: a real `serve` process leaves without teardown.
+    if argv is None and "mlx.core" in sys.modules:
+        # MLX can abort in interpreter teardown ("terminate called without an active exception", exit
+        # 134) once the engine thread that used it has ended — seen after `serve` and after `agent`: a
+        # real process that loaded MLX leaves without teardown (each command has closed what it opened).
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
