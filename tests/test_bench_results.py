@@ -120,3 +120,16 @@ def test_flash_reader_summary_recomputes(name: str) -> None:
         assert result[f"inplace_bandwidth_Bps{sfx}"] == bw["in_place"]
         assert result[f"copy_bandwidth_Bps{sfx}"] == bw["copy"]
         assert result[f"inplace_vs_copy{sfx}"] == pytest.approx(bw["in_place"] / bw["copy"], abs=1e-3)
+
+
+def test_distributed_summary_recomputes() -> None:
+    r = load("distributed.json")
+    ref = r["configs"]["single"]["runs"][0]["token_ids"]
+    runs = [run for c in r["configs"].values() for run in c["runs"]]
+    assert r["same_tokens_as_single"] == all(run["token_ids"] == ref for run in runs)
+    for name, c in r["configs"].items():
+        s = r["summary"][name]
+        assert s["decode_tps_median"] == statistics.median(run["decode_tps"] for run in c["runs"])
+        assert s["ttft_s_median"] == statistics.median(run["ttft_s"] for run in c["runs"])
+        if name != "single":
+            assert r["hosts"][name] == len(c["runs"][-1]["hosts"]) == len(s["layers_per_rank"])
