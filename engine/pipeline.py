@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +226,15 @@ def event_from_json(d: dict[str, Any]) -> Event:
     raise EngineError(f"unknown event from the pipeline: {kind!r}")
 
 
+def same_draws(request: GenerationRequest) -> GenerationRequest:
+    """The request with a seed when it samples: every rank draws the same tokens (each process's random
+    state differs, and a rank that fed its layers another token than rank 0 would write nonsense)."""
+    sp = request.sampling
+    if sp.temperature == 0 or sp.seed is not None:
+        return request
+    return replace(request, sampling=replace(sp, seed=secrets.randbits(31)))
+
+
 # --------------------------------------------------------------------------- the server's side
 class PipelineBackend(MLXBackend):
     """The MLX backend with the model split over the hosts of a hostfile. This process holds the
@@ -339,7 +348,7 @@ class PipelineBackend(MLXBackend):
                 if self._conn is None or self._proc is None or self._proc.poll() is not None:
                     self._stop_ranks()
                     self._launch()
-                self._send({"op": "generate", "request": request_to_json(request)})
+                self._send({"op": "generate", "request": request_to_json(same_draws(request))})
                 stop_sent = False
                 while True:
                     if cancel.is_set() and not stop_sent:

@@ -59,6 +59,16 @@ def test_a_bad_hostfile_is_one_clear_sentence(tmp_path: Path, content: Any, says
         load_hostfile(path)
 
 
+def test_a_sampled_request_gets_one_seed_for_every_rank() -> None:
+    from engine.pipeline import same_draws
+
+    warm = GenerationRequest(prompt="x", sampling=SamplingParams(temperature=0.7))
+    assert same_draws(warm).sampling.seed is not None and same_draws(warm).sampling.temperature == 0.7
+    greedy = GenerationRequest(prompt="x", sampling=SamplingParams(temperature=0))
+    seeded = GenerationRequest(prompt="x", sampling=SamplingParams(temperature=0.7, seed=3))
+    assert same_draws(greedy) is greedy and same_draws(seeded) is seeded
+
+
 def test_hosts_is_for_the_mlx_backend(tmp_path: Path) -> None:
     hosts = write(tmp_path, ["127.0.0.1", "127.0.0.1"])
     for argv in (["--backend", "llama"], ["--backend", "flash"]):
@@ -108,13 +118,17 @@ def test_two_processes_give_the_same_greedy_tokens_as_one(pipeline, default_mode
 
     split, done = run(pipeline, "Write a haiku about the sea.")
     again, done2 = run(pipeline, "Write a haiku about the sea.")  # the ranks' prompt caches agree
+    warm = SamplingParams(temperature=0.8, seed=7, max_tokens=24)
+    sampled, _ = run(pipeline, "Name three colours.", warm)  # every rank draws the same tokens
     ram = MLXBackend()
     ram.load(default_model)
     try:
         single, _ = run(ram, "Write a haiku about the sea.")
+        sampled_single, _ = run(ram, "Name three colours.", warm)
     finally:
         ram.close()
     assert split == single == again and len(split) == 24 and done.finish_reason == "length"
+    assert sampled == sampled_single
     assert done2.stats.cached_tokens > 0
     hosts = done.stats.extra["hosts"]
     layers = int(json.loads((default_model.path / "config.json").read_text())["num_hidden_layers"])
