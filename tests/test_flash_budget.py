@@ -63,7 +63,8 @@ def test_flash_backend_counts_its_own_process_in_the_budget(tiny_split: Path) ->
     msg = str(err.value)
     held = float(re.match(r"this process holds ([\d.]+) MB", msg).group(1))  # type: ignore[union-attr]
     short, least = map(float, SHORTFALL.search(msg).groups())  # type: ignore[union-attr]
-    assert held * 1e6 > budget and abs(least - short - budget / 1e6) < 0.11
+    # least is rounded up to 0.1 MB, short to the nearest 0.1 MB: together they are off by up to 0.15
+    assert held * 1e6 > budget and abs(least - short - budget / 1e6) < 0.151
     b = FlashBackend(memory_budget=int(least * 1e6) + 20_000_000)  # what it asked for, and room for RSS drift
     b.load(info)
     try:
