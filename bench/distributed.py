@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.provenance import provenance  # noqa: E402
-from engine.base import Done, GenerationRequest, SamplingParams, TextDelta  # noqa: E402
+from engine.base import GenerationRequest, SamplingParams, collect  # noqa: E402
 from engine.models import find_model  # noqa: E402
 
 PROMPT = "Explain in a few sentences how a lighthouse works and why ships need one."
@@ -38,15 +38,8 @@ def one(backend: Any, tokens: int) -> dict[str, Any]:
         messages=({"role": "user", "content": PROMPT},),
         sampling=SamplingParams(temperature=0, max_tokens=tokens),
     )
-    ids: list[int] = []
-    done = None
     t0 = time.perf_counter()
-    for ev in backend.stream(req, threading.Event()):
-        if isinstance(ev, TextDelta):
-            ids += ev.token_ids
-        elif isinstance(ev, Done):
-            done = ev
-    assert done is not None and done.error is None, done
+    ids, done = collect(backend.stream(req, threading.Event()))
     s = done.stats
     return {
         "ttft_s": round(s.ttft_s, 4),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -164,6 +164,21 @@ class Done:
 
 
 Event = TextDelta | ToolCall | PrefillProgress | Done
+
+
+def collect(events: Iterable[Event]) -> tuple[list[int], Done]:
+    """A stream run to its end: the token ids of its text, and its Done (an error Done raises)."""
+    ids: list[int] = []
+    done = None
+    for ev in events:
+        if isinstance(ev, TextDelta):
+            ids += ev.token_ids
+        elif isinstance(ev, Done):
+            done = ev
+    if done is None or done.error is not None:
+        raise EngineError(f"the stream ended without a result: {done.error if done else 'no Done'}")
+    return ids, done
+
 
 _listener = threading.local()
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .base import Done, GenerationRequest, SamplingParams, TextDelta
+from .base import GenerationRequest, SamplingParams, collect
 from .mlx_backend import MLXBackend, peak_rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,13 +146,8 @@ def run_mlx_lm(backend: MLXBackend, prompt_ids: list[int], tokens: int) -> dict[
 def run_backend(backend: MLXBackend, tokens: int) -> dict[str, Any]:
     backend.prompt_cache.reset()  # prefill the whole prompt, as mlx-lm does: no warm cache
     req = GenerationRequest(messages=MESSAGES, sampling=SamplingParams(temperature=0, max_tokens=tokens))
-    load, ids, done = _load1(), [], None
-    for ev in backend.stream(req, threading.Event()):
-        if isinstance(ev, TextDelta):
-            ids += ev.token_ids
-        elif isinstance(ev, Done):
-            done = ev
-    assert done is not None and done.error is None, done
+    load = _load1()
+    ids, done = collect(backend.stream(req, threading.Event()))
     s = done.stats
     return {
         "prefill_tps": s.prompt_tps,
