@@ -67,6 +67,10 @@ def test_mlx_reply_shows_prefill_progress_then_the_reply(mlx_app) -> None:
             if f'id="msg-{reply.id}-tail" hx-swap-oob="innerHTML"' in f and "prefill-progress" not in f
         )
         assert first_progress < first_token  # progress, then the reply replaces it
+        status = [(i, "Reading your prompt…" in f) for i, f in enumerate(frames) if 'id="status"' in f]
+        reading = [i for i, r in status if r]
+        assert reading and first_progress <= reading[0] < first_token  # the status bar says so too
+        assert any(i >= first_token and not r for i, r in status)  # then back to "Writing…"
         final = next(f for f in reversed(frames) if f'id="msg-{reply.id}" data-status="complete"' in f)
         assert "Reading your prompt" not in final
 
@@ -86,6 +90,9 @@ class Views:
 
     def tokens(self, message_id: int, done: str, tail: str) -> str:
         return f"tokens:{done}{tail}"
+
+    def controls(self, generating: bool, text: str | None = None) -> str:
+        return f"status:{text or 'Writing…'}"
 
 
 class Clock:
@@ -113,12 +120,13 @@ def test_progress_is_throttled_and_stops_at_the_first_token(tmp_path: Path, monk
     for i in range(50):  # one report every 1/64 s (exact in binary) for 0.78 s
         stream.progress(i * 10, 1000)
         clock.now += 1 / 64
-    assert sent == ["0/1000", "130/1000", "260/1000", "390/1000"]  # the first at once, then <= 5 a second
+    # the first at once (and the status bar says so), then <= 5 a second
+    assert sent == ["0/1000", "status:Reading your prompt…", "130/1000", "260/1000", "390/1000"]
     stream.add("Hi")
     stream.progress(990, 1000)
     clock.now += 1
     stream.progress(995, 1000)
-    assert sent[4:] == ["tokens:Hi"]  # once the reply writes, no more progress
+    assert sent[5:] == ["tokens:Hi", "status:Writing…"]  # once the reply writes, no more progress
     db.close()
 
 

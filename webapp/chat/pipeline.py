@@ -126,8 +126,11 @@ class ReplyStream:
             self.last_progress is not None and now - self.last_progress < PROGRESS_SECONDS
         ):
             return
+        first = self.last_progress is None
         self.last_progress = now
         self.send(self.views.prefill(self.message.id, processed, total))
+        if first:  # the status bar says what the reply says: the prompt is being read, nothing written yet
+            self.send(self.views.controls(generating=True, text="Reading your prompt…"))
 
     def add(self, text: str, tokens: int = 1) -> None:
         self.latest = time.monotonic()
@@ -154,6 +157,8 @@ class ReplyStream:
         self.send(self.views.tokens(self.message.id, done, text[cut:]))
         if self.first_sent is None:
             self.first_sent = self.last_flush
+            if self.last_progress is not None:  # back from "Reading your prompt…"
+                self.send(self.views.controls(generating=True))
         if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
             self.last_save = self.last_flush
             self.db.save_partial(self.message.id, self.text)
