@@ -83,13 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = preflight.check_data_dir(given)
     try:
         preflight.check_database(root)
+        project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
         if not is_gguf_path(args.model):  # (a GGUF is imported below)
             preflight.check_model(args.model or DEFAULT_MODEL, root)
     except StartupError:
         if made is not None:  # a refused start leaves nothing behind: only the empty folders it made go
             preflight.remove_empty_tree(made)
         raise
-    project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
     options = backend_options(args)
     # --model FILE.gguf: imported once; --backend auto: in RAM if it fits with room to spare, flash otherwise
     backend, model = place_model(
