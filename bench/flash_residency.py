@@ -8,8 +8,10 @@ engine, so the three differ only in what they keep resident): `min` (nothing res
 streamed), `half` (half the FFN units resident) and `all` (every unit resident). Per budget: decode
 tok/s and bytes read per token, each run's token ids (they must equal the in-RAM run's). Summary:
 `residency_efficiency` at each larger budget = (tok/s gain over `min`, as a fraction of `min`'s tok/s)
-/ (bytes-per-token reduction, as a fraction of `min`'s bytes per token): 1.0 means speed grows exactly
-as reads shrink (I/O-bound), ~0 means reads were not what bound it (compute-bound CPU).
+/ (bytes-per-token reduction, as a fraction of `min`'s bytes per token). Where reads alone bind (tok/s
+proportional to 1 / bytes per token) it is 1 / (1 - reduction), so >= 1; ~0 means reads were not what
+bound it (a compute-bound CPU). The issue's goal is >= 0.8 where I/O binds (the GPU machine, run with
+--out bench/results/flash-residency-gpu.json --skip-import; `device` names the card).
 
 Import: `import_peak_rss_bytes` = the peak RSS of `import_gguf` (a child process, ru_maxrss) on the
 qwen3moe synthetic GGUF (`flashcode synth qwen3-30b-a3b --layers 8 --gguf`, ~3.25 GB), with its size.
@@ -141,7 +143,9 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    res: dict[str, Any] = {**provenance(), "prompt": PROMPT, "tokens": args.tokens}
+    from bench.flash_moe import device_name
+
+    res: dict[str, Any] = {**provenance(), "device": device_name(), "prompt": PROMPT, "tokens": args.tokens}
     res["residency"] = res_part = residency(work, args.layers, args.tokens, args.runs)
     res["residency_efficiency"] = res_part["residency_efficiency"]
     if not args.skip_import:
