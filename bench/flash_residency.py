@@ -80,7 +80,12 @@ def residency(work: Path, layers: int, tokens: int, runs: int) -> dict[str, Any]
     man = load_manifest(split_model(model, progress=False))
     info = model_info(model)
     ctx = int(man.config.get("max_position_embeddings", 4096))
-    base = plan_budget(man, None, 2, ctx, 128, 4, scratch=scratch_bytes(4))
+    import mlx.core as mx
+
+    from engine.mlx_backend import compute_dtype
+
+    float_bytes = 4 if compute_dtype() == mx.float32 else 2  # as FlashBackend plans it on this device
+    base = plan_budget(man, None, 2, ctx, 128, float_bytes, scratch=scratch_bytes(4))
     floor = base.fixed + min(ctx, RESIDENT_CONTEXT) * base.per_token + 1_000_000
     units = man.dense_units()
     budgets = {"min": floor, "half": floor + sum(u.length for u in units[: len(units) // 2]),
