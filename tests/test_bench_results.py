@@ -28,6 +28,7 @@ RAW = {
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",
     "flash-residency.json": "residency",
+    "flash-residency-gpu.json": "residency",
     "llama.json": "runs",
     "mlx.json": "backend",
     "resume.json": "sizes",
@@ -133,3 +134,22 @@ def test_distributed_summary_recomputes() -> None:
         assert s["ttft_s_median"] == statistics.median(run["ttft_s"] for run in c["runs"])
         if name != "single":
             assert r["hosts"][name] == len(c["runs"][-1]["hosts"]) == len(s["layers_per_rank"])
+
+
+@pytest.mark.parametrize("name", ["flash-residency.json", "flash-residency-gpu.json"])
+def test_residency_efficiency_recomputes_from_the_runs(name: str) -> None:
+    """Each budget's numbers are its fastest run's; the efficiency recomputes from them; every run's
+    tokens equal the in-RAM run's."""
+    d = load(name)
+    budgets = d["residency"]["budgets"]
+    ram = d["residency"]["ram"]["tokens"]
+    for b in budgets.values():
+        best = max(b["runs"], key=lambda r: r["decode_tps"])
+        assert b["decode_tps"] == best["decode_tps"] and b["bytes_per_token"] == best["bytes_per_token"]
+        assert b["same_tokens_as_ram"] == all(r["tokens"] == ram for r in b["runs"])
+    lo = budgets["min"]
+    for name_, eff in d["residency_efficiency"].items():
+        hi = budgets[name_]
+        gain = (hi["decode_tps"] - lo["decode_tps"]) / lo["decode_tps"]
+        cut = (lo["bytes_per_token"] - hi["bytes_per_token"]) / lo["bytes_per_token"]
+        assert eff == round(gain / cut, 3)
