@@ -136,6 +136,15 @@ def pipeline_model(model: Any, group: Any) -> tuple[int, int]:
     )
 
 
+def layer_span(n_layers: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank`'s layers [start, end) of `n_layers` over `size` ranks, as mlx-lm's `pipeline()` splits
+    them: evenly, the low ranks taking the extra layers, rank 0 the last layers."""
+    base, extra = divmod(n_layers, size)
+    split = [base + (1 if r < extra else 0) for r in range(size)]
+    start = sum(split[rank + 1 :])
+    return start, start + split[rank]
+
+
 def _pipeline_llama(model: Any, group: Any) -> tuple[int, int]:
     """mlx-lm's `PipelineMixin` split for Llama (full attention only), which mlx-lm's llama.py lacks:
     rank r holds the layers after those of ranks r+1…, the last rank the first layers."""
@@ -143,13 +152,11 @@ def _pipeline_llama(model: Any, group: Any) -> tuple[int, int]:
     from mlx_lm.models.base import create_attention_mask
 
     inner = model.model
-    rank, size, n = group.rank(), group.size(), len(inner.layers)
-    base, extra = divmod(n, size)
-    split = [base + (1 if r < extra else 0) for r in range(size)]
-    start = sum(split[rank + 1 :])
-    end = start + split[rank]
+    rank, size = group.rank(), group.size()
+    start, end = layer_span(len(inner.layers), rank, size)
     local = inner.layers[start:end]
     inner.layers = [None] * start + local  # keep the layer numbers for loading the weights
+    inner.start_idx, inner.end_idx = start, end  # as mlx-lm's PipelineMixin: the flash engine numbers by them
 
     def forward(inputs: Any, cache: Any = None, input_embeddings: Any = None) -> Any:
         h = input_embeddings if input_embeddings is not None else inner.embed_tokens(inputs)
@@ -246,8 +253,21 @@ class PipelineBackend(MLXBackend):
     load_prompt_cache = None  # type: ignore[assignment]
     score_continuations = None  # type: ignore[assignment]
 
-    def __init__(self, hostfile: str | Path, load_timeout: float = 600.0, **kw: Any) -> None:
+    def __init__(
+        self,
+        hostfile: str | Path,
+        engine: str = "mlx",
+        memory_budget: int | str | None = None,
+        load_timeout: float = 600.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
+        if engine not in ("mlx", "flash"):
+            raise BackendUnavailableError(
+                f"--hosts runs the mlx or flash engine over several machines, not {engine} (docs/distributed.md)"
+            )
+        self.name = engine  # each rank runs this engine on its own layers
+        self.memory_budget = memory_budget  # flash: each host's own budget (auto: what that host can spare)
         self.hostfile = Path(hostfile)
         self.hosts = load_hostfile(self.hostfile)
         self.load_timeout = load_timeout
@@ -269,6 +289,11 @@ class PipelineBackend(MLXBackend):
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load {model.name} from {model.path}: {exc}") from exc
         self._model_info = model
+        if self.name == "flash" and model.split_path is None and not (model.path / "manifest.json").exists():
+            from .flash.split import split_model
+
+            log.info("model %s has no split layout yet: splitting it before the ranks start", model.name)
+            split_model(model.path, progress=False)  # here, once, not by every rank at the same time
         self._launch()
 
     def _launch(self) -> None:
@@ -290,8 +315,10 @@ class PipelineBackend(MLXBackend):
             "--starting-port", str(_free_port_base(len(self.hosts))), "--python", sys.executable,
             "--cwd", str(ROOT), "--env", f"{TOKEN_ENV}={token}", "--",
             "-m", "engine.pipeline_rank", "--model", str(self._model_info.path),
-            "--connect", f"127.0.0.1:{listener.getsockname()[1]}",
+            "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--engine", self.name,
         ]  # fmt: skip
+        if self.name == "flash" and self.memory_budget is not None:
+            argv += ["--memory-budget", str(self.memory_budget)]
         self._log = open(tmp / "ranks.log", "w+b")  # noqa: SIM115 - read back on failure
         self._proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
@@ -366,7 +393,12 @@ class PipelineBackend(MLXBackend):
                     if not isinstance(ev, Done):
                         yield ev
                         continue
-                    ev.stats.extra["hosts"] = self.ranks_with(ev.stats.extra.pop("rank_stats", []))
+                    hosts = ev.stats.extra["hosts"] = self.ranks_with(ev.stats.extra.pop("rank_stats", []))
+                    if self.name == "flash" and hosts:  # the reply's reads are every host's, not rank 0's
+                        ev.stats.extra["bytes_read"] = sum(int(h.get("bytes_read") or 0) for h in hosts)
+                        ev.stats.extra["bytes_per_token"] = sum(
+                            int(h.get("bytes_per_token") or 0) for h in hosts
+                        )
                     if fatal:  # the ranks are gone: the next turn launches them again
                         self._stop_ranks()
                         ev = self._dropped(t0, text, ev.error or "a host of the pipeline dropped")

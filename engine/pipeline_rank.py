@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .base import Done, GenerationStats, ModelInfo
+from .base import Done, EngineError, GenerationStats, ModelInfo
 from .mlx_backend import MLXBackend, cast_for_device, peak_rss_bytes
-from .pipeline import TOKEN_ENV, event_to_json, pipeline_model, request_from_json
+from .pipeline import TOKEN_ENV, event_to_json, layer_span, pipeline_model, request_from_json
 
 
 def _stream() -> Any:
@@ -95,19 +95,71 @@ class RankBackend(MLXBackend):
         self.prompt_cache.reset()
 
 
+def flash_rank(group: Any, memory_budget: int | str | None) -> Any:
+    """The flash engine holding one rank's layers: it streams only their FFNs or experts from this
+    host's disk, under this host's budget (`auto`: what this host can spare)."""
+    from .flash.backend import FlashBackend
+
+    class RankFlashBackend(FlashBackend):
+        def _layer_span(self, man: Any) -> tuple[int, int]:
+            self.layers = layer_span(int(man.config["num_hidden_layers"]), group.rank(), group.size())
+            return self.layers
+
+        def _own_layers(self, model: Any) -> None:
+            got = pipeline_model(model, group)
+            if got != self.layers:
+                raise EngineError(
+                    f"rank {group.rank()}: the model split as {got}, the flash split as {self.layers}"
+                )
+
+    return RankFlashBackend(memory_budget=memory_budget)
+
+
+def rank_stats(group: Any, backend: Any, done: Done) -> list[dict[str, Any]]:
+    """Every rank's peak memory and (flash) its disk reads for this reply, from one all-sum."""
+    x = done.stats.extra
+    read_kb = int(x.get("bytes_read") or 0) >> 10
+    rate_kb = int(x.get("read_bandwidth_Bps") or 0) >> 10
+    budget_mb = int(x.get("memory_budget") or 0) >> 20
+    mine = [
+        group.rank(),
+        peak_rss_bytes() >> 20,
+        read_kb,
+        int(x.get("bytes_per_token") or 0) >> 10,
+        rate_kb,
+        budget_mb,
+    ]
+    out = []
+    for r, mb, kb, per_token_kb, rate, budget in gather_ints(group, mine):
+        row: dict[str, Any] = {"rank": r, "peak_rss_mb": mb}
+        if backend.name == "flash":
+            row |= {"bytes_read": kb << 10, "bytes_per_token": per_token_kb << 10, "read_Bps": rate << 10,
+                    "memory_budget_mb": budget or None}  # fmt: skip
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the model directory (the same path on every host)")
     ap.add_argument("--connect", required=True, help="rank 0: the server's HOST:PORT")
+    ap.add_argument("--engine", choices=["mlx", "flash"], default="mlx")
+    ap.add_argument("--memory-budget", default=None, help="flash: this host's budget in bytes, or auto")
     args = ap.parse_args(argv)
     group = mx.distributed.init(backend="ring", strict=True)
     rank = group.rank()
     path = Path(args.model)
     t0 = time.perf_counter()
-    backend = RankBackend(group)
-    backend.load(ModelInfo(name=path.name, path=path, architecture="", size_bytes=0))
+    if args.engine == "flash":
+        budget = args.memory_budget
+        backend = flash_rank(group, int(budget) if budget and budget.isdigit() else budget)
+    else:
+        backend = RankBackend(group)
+    from .models import model_info
+
+    backend.load(model_info(path))  # with its split, when it has one (flash)
     load_s = time.perf_counter() - t0
     mine = [rank, backend.layers[0], backend.layers[1], peak_rss_bytes() >> 20, int(load_s * 1000)]
     ranks = [
@@ -151,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for ev in backend.stream(request_from_json(msg["request"]), stop):  # type: ignore[arg-type]
                 if isinstance(ev, Done):
-                    got = gather_ints(group, [rank, peak_rss_bytes() >> 20])
-                    ev.stats.extra["rank_stats"] = [{"rank": r, "peak_rss_mb": m} for r, m in got]
+                    ev.stats.extra["rank_stats"] = rank_stats(group, backend, ev)
                 send(event_to_json(ev))
         except Exception as exc:  # noqa: BLE001 - the same on every rank (same code, same input): reported
             lost = isinstance(exc, RuntimeError) and "[ring]" in str(exc)  # a host dropped: this job is over

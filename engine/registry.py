@@ -28,16 +28,17 @@ def available_backends() -> list[str]:
 
 # `--hosts HOSTFILE`: the MLX backend with the model split over the hostfile's machines
 PIPELINE = "engine.pipeline:PipelineBackend"
+PIPELINE_ENGINES = ("mlx", "flash")  # what each rank can run on its own layers
 
 
 def _target(name: str, options: dict[str, Any] | None = None) -> str:
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     if (options or {}).get("hostfile"):
-        if name != "mlx":
+        if name not in PIPELINE_ENGINES:
             raise BackendUnavailableError(
-                f"--hosts runs the MLX backend with its layers split over the hostfile's machines; the {name} "
-                "backend does not run over several machines here yet (docs/distributed.md)"
+                f"--hosts runs the mlx or flash backend with its layers split over the hostfile's machines; the "
+                f"{name} backend does not run over several machines here yet (docs/distributed.md)"
             )
         return PIPELINE
     return BACKENDS[name]
@@ -59,6 +60,8 @@ def backend_factory(name: str, **options: Any) -> Callable[[], Backend]:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
+        if (options or {}).get("hostfile"):
+            return getattr(module, attr)(engine=name, **options)
         return getattr(module, attr)(**options)
 
     return make

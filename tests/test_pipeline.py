@@ -69,13 +69,17 @@ def test_a_sampled_request_gets_one_seed_for_every_rank() -> None:
     assert same_draws(greedy) is greedy and same_draws(seeded) is seeded
 
 
-def test_hosts_is_for_the_mlx_backend(tmp_path: Path) -> None:
+def test_hosts_is_for_the_mlx_and_flash_backends(tmp_path: Path) -> None:
+    from engine.registry import backend_factory
+
     hosts = write(tmp_path, ["127.0.0.1", "127.0.0.1"])
-    for argv in (["--backend", "llama"], ["--backend", "flash"]):
-        p = subprocess.run([sys.executable, "-m", "webapp.cli", "ask", *argv, "--hosts", str(hosts), "hi"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
-        assert p.returncode != 0 and "--hosts applies to the mlx backend" in p.stderr, p.stderr
-        assert "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "webapp.cli", "ask", "--backend", "llama", "--hosts", str(hosts), "hi"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert p.returncode != 0 and "--hosts applies to the flash/mlx backend" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    for name in ("mlx", "flash"):  # each rank runs this engine on its own layers
+        b = backend_factory(name, hostfile=str(hosts), memory_budget=None)()
+        assert type(b).__name__ == "PipelineBackend" and b.name == name
 
 
 # --------------------------------------------------------------------------- two processes over loopback
@@ -234,3 +238,60 @@ def test_the_reply_footer_lists_each_host_with_its_layers_and_memory() -> None:
     m = SimpleNamespace(id=7, status="complete", stats={"completion_tokens": 3, "extra": {"hosts": hosts}})
     html = str(footer(m))
     assert 'data-stat="hosts"' in html and "192.168.1.10 L15–29 276 MB · 192.168.1.11 L0–14 211 MB" in html
+    flash = [h | {"bytes_per_token": 12_500_000, "read_Bps": 900_000_000} for h in hosts]
+    m.stats["extra"]["hosts"] = flash
+    html = str(footer(m))
+    assert "192.168.1.10 L15–29 276 MB 12.5 MB/tok @ 900 MB/s · 192.168.1.11 L0–14 211 MB 12.5 MB/tok" in html
+    assert "what it read from its disk per token" in html
+
+
+# --------------------------------------------------------------------------- flash per host
+@pytest.mark.slow
+@pytest.mark.parametrize(("preset", "budget"), [("moe-tiny", 800_000_000), ("tiny", None)])
+def test_flash_per_host_streams_only_its_own_layers_with_the_same_tokens(
+    preset: str, budget: int | None, tmp_path_factory: pytest.TempPathFactory, model_home: Path
+) -> None:
+    """Each rank runs the flash engine on its own layers: it reads only their experts (MoE, under its own
+    budget) or FFNs (dense, all streamed) from its disk, and the reply is token for token one process's,
+    in RAM and under flash."""
+    from engine.flash.backend import FlashBackend
+    from engine.flash.split import split_model
+    from engine.flash.synth import synth_model
+    from engine.flash.synth_moe import synth_moe
+    from engine.mlx_backend import MLXBackend
+    from engine.models import model_info
+    from engine.pipeline import PipelineBackend
+
+    out = tmp_path_factory.mktemp("pflash") / preset
+    if preset == "moe-tiny":
+        synth_moe(preset, out, skew=2.0, progress=False)
+    else:
+        synth_model(preset, out, progress=False)
+    split_model(out, progress=False)
+    info = model_info(out)
+    layers = int(json.loads((out / "config.json").read_text())["num_hidden_layers"])
+    ask = SamplingParams(temperature=0, max_tokens=12)
+    runs = {}
+    for name, b in (("ram", MLXBackend()), ("flash", FlashBackend(memory_budget=budget))):
+        b.load(info)
+        try:
+            runs[name] = run(b, "Once upon a time", ask)
+        finally:
+            b.close()
+    hosts = tmp_path_factory.mktemp("hosts") / "hosts.json"
+    hosts.write_text(json.dumps(["127.0.0.1", "127.0.0.1"]))
+    b = PipelineBackend(hosts, engine="flash", memory_budget=budget, load_timeout=300)
+    b.load(info)
+    try:
+        split, done = run(b, "Once upon a time", ask)
+    finally:
+        b.close()
+    assert split == runs["flash"][0] == runs["ram"][0] and len(split) == 12, done.error
+    per_host = done.stats.extra["hosts"]
+    assert sorted(tuple(h["layers"]) for h in per_host) == [(0, layers // 2), (layers // 2, layers)]
+    assert all(h["bytes_read"] > 0 and h["bytes_per_token"] > 0 for h in per_host), per_host
+    assert done.stats.extra["bytes_read"] == sum(h["bytes_read"] for h in per_host)
+    if budget is not None:  # each host planned its own budget; the expert reads split, none twice
+        assert all(h["memory_budget_mb"] == budget >> 20 for h in per_host), per_host
+        single = runs["flash"][1].stats.extra["bytes_read"]
+        assert abs(done.stats.extra["bytes_read"] - single) <= 1024 * len(per_host), (single, per_host)

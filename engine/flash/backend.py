@@ -166,7 +166,10 @@ class FlashBackend(MLXBackend):
 
         self.close()
         root = self._split_dir(model)
-        man = load_manifest(root)
+        full = man = load_manifest(root)
+        span = self._layer_span(man)
+        if span is not None:  # a pipeline rank: only its own layers stream, under its own budget
+            man = man.shard(*span)
         gc.collect()
         mx.clear_cache()
         if self.budget_setting == "auto":
@@ -208,13 +211,14 @@ class FlashBackend(MLXBackend):
         if self.memory_budget and self.residency and not has_experts(man):
             # keep what the budget allows; stream only the rest
             plan_residency(plan, man.dense_units(), float_bytes=float_bytes)
-        verify_pinned(man)
+        verify_pinned(full)
         verify_now = man.streamed_bytes <= self.verify_limit
         reader = open_reader(man, threads=self.io_threads, direct=self.direct_io)
         try:
             if verify_now:
                 self._verify_units(man, reader)
             obj, cfg = load_model(man.weights_root, lazy=True, strict=False)
+            self._own_layers(obj)
             stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
                                            prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
                                            expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias,
@@ -244,6 +248,13 @@ class FlashBackend(MLXBackend):
         log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s, runtime %.1f MB",
                  model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct,
                  self.runtime.get("rss_bytes", 0) / 1e6)  # fmt: skip
+
+    def _layer_span(self, man: Manifest) -> tuple[int, int] | None:
+        """The layers [start, end) this process holds: None for all (a pipeline rank overrides both)."""
+        return None
+
+    def _own_layers(self, model: Any) -> None:
+        """Drop the layers other processes hold from the lazily loaded `model` (before anything is read)."""
 
     def _expert_floor(self, man: Manifest, n_buffers: int) -> int:
         return expert_floor(man, self.top_k, self.expert_prefetch, n_buffers) if has_experts(man) else 0

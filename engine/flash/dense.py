@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .reader import AlignedBuffer, UnitReader
-from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor
+from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor, first_layer
 
 _NP = {
     "U32": np.uint32,
@@ -307,16 +307,17 @@ def attach(model: Any, stream: LayerStream | None, moe_layers: set[int] | None =
     ResidentFFN when the budget keeps it. In a MoE model the layers in `moe_layers` keep their
     (expert-streamed) block; every other layer needs a unit."""
     layers, moe_layers, resident = model.layers, moe_layers or set(), resident or {}
+    first = first_layer(model)  # a pipeline rank's layers keep their numbers in the model
     dense = {u.layer for u in stream.units} if stream is not None else set()
     dense |= set(resident)
-    missing = [i for i in range(len(layers)) if i not in dense and i not in moe_layers]
+    missing = [i for i in range(first, first + len(layers)) if i not in dense and i not in moe_layers]
     if missing or len(dense) + len(moe_layers) != len(layers):
         raise ValueError(
             f"the split has FFN units for {len(dense)} layers and experts for {len(moe_layers)}, "
             f"but the model has {len(layers)} layers (no FFN for layers {missing[:8]})"
         )
     for i in sorted(dense):
-        layer = layers[i]
+        layer = layers[i - first]
         if not hasattr(layer, "mlp"):
             raise ValueError(
                 f"layer {i} of {type(model).__name__} has no `mlp`: not a dense llama-family block"

@@ -31,7 +31,7 @@ import numpy as np
 from .experts import ExpertCache
 from .reader import AlignedBuffer, UnitReader
 from .safetensors_io import DTYPE_SIZES
-from .split import Manifest, Unit, UnitTensor, check_unit
+from .split import Manifest, Unit, UnitTensor, check_unit, first_layer
 
 _NP = {
     "U32": np.uint32,
@@ -556,7 +556,12 @@ def _block_name(layer: Any) -> str | None:
 
 def moe_blocks(model: Any) -> list[tuple[int, Any]]:
     """(layer number, MoE block) for every block (`mlp` or `block_sparse_moe`) holding a SwitchGLU `switch_mlp`."""
-    return [(i, getattr(layer, name)) for i, layer in enumerate(model.layers) if (name := _block_name(layer))]
+    first = first_layer(model)  # a pipeline rank's layers keep their numbers
+    return [
+        (i, getattr(layer, name))
+        for i, layer in enumerate(model.layers, first)
+        if (name := _block_name(layer))
+    ]
 
 
 def block_top_k(block: Any) -> int | None:
@@ -588,7 +593,9 @@ def attach_moe(
     for index, (i, block) in enumerate(blocks):
         if "switch_mlp" in block:
             del block["switch_mlp"]
-        block.switch_mlp = StreamedSwitchGLU(stream, index, _block_name(model.layers[i]) or "mlp")
+        block.switch_mlp = StreamedSwitchGLU(
+            stream, index, _block_name(model.layers[i - first_layer(model)]) or "mlp"
+        )
         if top_k is not None:  # opt-in, lossy: fewer active experts per token
             set_block_top_k(block, top_k)
         if routing_bias:  # opt-in, lossy: cache-aware routing (the router module stays in the parameter tree)

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ MANIFEST_VERSION = (
     1  # the copied layout; IN_PLACE_VERSION: units and pinned tensors read from the model's shards
 )
 IN_PLACE_VERSION = 2
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _DENSE = re.compile(
     r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
@@ -125,6 +126,27 @@ class Manifest:
 
     def quant_for(self, layer: int, proj: str) -> dict[str, Any]:
         return self.quant.get(f"model.layers.{layer}.mlp.{proj}") or self.quant["default"]
+
+    def shard(self, start: int, end: int) -> Manifest:
+        """The manifest of a pipeline rank that holds layers [start, end) (engine/pipeline.py): only their
+        units stream, and only their pinned tensors and the shared ones (embedding, final norm, head) count
+        in its budget. The pinned checksum stays the whole model's: verify with the full manifest."""
+
+        def mine(name: str) -> bool:
+            m = _LAYER.match(name)
+            return m is None or start <= int(m[1]) < end
+
+        return replace(
+            self,
+            config={**self.config, "num_hidden_layers": end - start},
+            units=[u for u in self.units if start <= u.layer < end],
+            pinned_tensors={n: t for n, t in self.pinned_tensors.items() if mine(n)},
+        )
+
+
+def first_layer(model: Any) -> int:
+    """The number of `model.layers[0]`: 0, or a pipeline rank's first layer (mlx-lm's `start_idx`)."""
+    return int(getattr(getattr(model, "model", None), "start_idx", 0) or 0)
 
 
 # --------------------------------------------------------------------------- writing
