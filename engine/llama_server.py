@@ -493,8 +493,17 @@ class LlamaServerBackend:
         slot_save_path: str | Path | None = None,
         startup_timeout: float = 120.0,
         extra_args: Sequence[str] = (),
+        hostfile: str | Path | None = None,
     ) -> None:
         self.attach_url = url.rstrip("/") if url else None
+        # --hosts: llama.cpp's RPC, the model's layers over the hostfile's machines (engine/llama_rpc.py)
+        self.hostfile = Path(hostfile) if hostfile else None
+        if self.hostfile is not None and self.attach_url:
+            raise BackendUnavailableError(
+                "--hosts starts llama-server itself with its RPC workers; it cannot attach to one already "
+                "running: drop --llama-url, or drop --hosts and start that server with --rpc yourself"
+            )
+        self.cluster: Any = None
         self.binary = binary
         self._context_override = context_length
         self.settings = dict(
@@ -565,15 +574,32 @@ class LlamaServerBackend:
         slot_dir = self.slot_save_path or (paths.home() / "llama-slots")
         slot_dir.mkdir(parents=True, exist_ok=True)
         self.slot_save_path = slot_dir
+        settings = dict(self.settings)
+        binary = find_llama_server(self.binary)
+        if self.hostfile is not None:  # the workers first: llama-server connects to them as it loads
+            from .hostfile import load_hostfile
+            from .llama_rpc import RpcCluster
+
+            self.cluster = RpcCluster(
+                load_hostfile(self.hostfile), binary, settings.get("threads"), paths.logs_dir()
+            )
+            rpc = self.cluster.start(Path(self._model_info.gguf_path), settings.pop("n_gpu_layers", None))
+            settings["extra_args"] = (*settings["extra_args"], *rpc)
+            settings["n_gpu_layers"] = None
         opts = ServerOptions(
             model_path=Path(self._model_info.gguf_path),
             ctx_size=self._context_override,
             slot_save_path=slot_dir,
-            **self.settings,
+            **settings,
         )  # type: ignore[arg-type]
         opts.validate()
-        self.process = LlamaServerProcess(find_llama_server(self.binary), opts)
-        self.process.start(self.startup_timeout)
+        self.process = LlamaServerProcess(binary, opts)
+        try:
+            self.process.start(self.startup_timeout)
+        except BaseException:
+            if self.cluster is not None:
+                self.cluster.stop()
+            raise
         self.client = LlamaClient(self.process.url)
         self._props = self.client.props()
         self._expect_cached = 0
@@ -582,8 +608,8 @@ class LlamaServerBackend:
         """Before each request: restart a server of ours that died (the previous reply said so)."""
         if self.attach_url or self._model_info is None:
             return
-        if self.process is None or not self.process.alive():
-            log.warning("llama-server is not running; restarting it")
+        if self.process is None or not self.process.alive() or (self.cluster and not self.cluster.alive()):
+            log.warning("llama-server or an RPC worker of ours is not running; restarting them")
             self.close_process()
             self._start()
 
@@ -594,6 +620,9 @@ class LlamaServerBackend:
         if self.process is not None:
             self.process.stop()
             self.process = None
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
     def close(self) -> None:
         self.close_process()
@@ -850,6 +879,11 @@ class LlamaServerBackend:
                 code = None
             if code is not None:
                 log_path = self.process.log_path if self.process else None
+                if self.cluster is not None and not self.cluster.alive():
+                    return (
+                        f"an RPC worker of the model's hosts dropped and llama-server stopped (exit code {code}); "
+                        "the reply so far is kept and the next message starts them again"
+                    )
                 return (
                     f"llama-server stopped during the reply (exit code {code}); the next message restarts it. "
                     f"Log: {log_path}"
@@ -870,6 +904,8 @@ class LlamaServerBackend:
         stats.total_s = time.perf_counter() - t0
         if self.process is not None:
             stats.peak_memory_bytes = self.process.peak_rss_bytes()
+        if self.cluster is not None:  # --hosts: each host's layers and (ours) memory
+            stats.extra["hosts"] = self.cluster.stats(stats.peak_memory_bytes)
         from .mlx_backend import peak_rss_bytes as own_peak  # stdlib-only helper (no MLX import)
 
         stats.peak_rss_bytes = own_peak()

@@ -20,7 +20,6 @@ the addresses in the hostfile, and belong on a trusted network only (docs/distri
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from .base import (
     TextDelta,
     ToolCall,
 )
+from .hostfile import hostfile_backend, load_hostfile, mlx_hostfile
 from .mlx_backend import MLXBackend
 
 log = logging.getLogger(__name__)
@@ -59,64 +59,6 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN_ENV = "FLASHCODE_PIPELINE_TOKEN"
 RING_PORT = 5670  # the first port of the ring backend's links (one per rank and address)
-
-
-# --------------------------------------------------------------------------- the hostfile
-@dataclass(frozen=True)
-class Host:
-    ssh: str  # how mlx.launch reaches it (a local address runs locally, no ssh)
-    ip: str  # the address the ring backend's links use
-
-
-def load_hostfile(path: str | Path) -> list[Host]:
-    """The hosts of an MLX hostfile (`mlx.distributed_config`'s JSON: {"hosts": [{"ssh", "ips"}]}), or a
-    JSON list of addresses. The first host is rank 0 and must be this machine. Clear errors otherwise."""
-    p = Path(path).expanduser()
-    try:
-        data = json.loads(p.read_text())
-    except OSError as exc:
-        raise EngineError(f"cannot read the hostfile {p}: {exc.strerror or exc}") from exc
-    except ValueError as exc:
-        raise EngineError(f"the hostfile {p} is not JSON ({exc}): see docs/distributed.md") from exc
-    entries = data.get("hosts") if isinstance(data, dict) else data
-    if not isinstance(entries, list):
-        raise EngineError(f'the hostfile {p} needs a "hosts" list: see docs/distributed.md')
-    hosts = []
-    for i, e in enumerate(entries):
-        if isinstance(e, str):
-            e = {"ssh": e, "ips": [e]}
-        ips = e.get("ips") if isinstance(e, dict) else None
-        if not ips or not isinstance(ips, list):
-            raise EngineError(f"host {i + 1} of {p} has no IP address (the ring backend needs one)")
-        try:
-            ipaddress.ip_address(ips[0])
-        except ValueError as exc:
-            raise EngineError(f"host {i + 1} of {p}: {ips[0]!r} is not an IP address") from exc
-        hosts.append(Host(ssh=str(e.get("ssh") or ips[0]), ip=str(ips[0])))
-    if len(hosts) < 2:
-        raise EngineError(f"the hostfile {p} names {len(hosts)} host(s): a pipeline needs at least 2")
-    if not is_local(hosts[0].ip):
-        raise EngineError(
-            f"the first host of {p} ({hosts[0].ip}) must be this machine: rank 0 streams to this server"
-        )
-    return hosts
-
-
-def is_local(ip: str) -> bool:
-    """Whether `ip` is an address of this machine."""
-    addr = ipaddress.ip_address(ip)
-    if addr.is_loopback:
-        return True
-    try:
-        import psutil
-
-        return any(a.address == ip for addrs in psutil.net_if_addrs().values() for a in addrs)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return False
-
-
-def mlx_hostfile(hosts: list[Host]) -> dict[str, Any]:
-    return {"backend": "ring", "envs": [], "hosts": [{"ssh": h.ssh, "ips": [h.ip]} for h in hosts]}
 
 
 # --------------------------------------------------------------------------- the model, split by layer
@@ -270,6 +212,7 @@ class PipelineBackend(MLXBackend):
         self.memory_budget = memory_budget  # flash: each host's own budget (auto: what that host can spare)
         self.hostfile = Path(hostfile)
         self.hosts = load_hostfile(self.hostfile)
+        self.dist_backend = hostfile_backend(self.hostfile)  # ring, or JACCL / NCCL where the hostfile says
         self.load_timeout = load_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: socket.socket | None = None
@@ -306,16 +249,20 @@ class PipelineBackend(MLXBackend):
             launcher = Path(found)
         self._tmp = tempfile.TemporaryDirectory(prefix="flashcode-pipeline-")
         tmp = Path(self._tmp.name)
-        (tmp / "hosts.json").write_text(json.dumps(mlx_hostfile(self.hosts)))
+        (tmp / "hosts.json").write_text(
+            json.dumps(mlx_hostfile(self.hosts, self.hostfile, self.dist_backend))
+        )
         listener = socket.create_server(("127.0.0.1", 0))
         listener.settimeout(1.0)
         token = secrets.token_hex(16)
         argv = [
-            str(launcher), "--backend", "ring", "--hostfile", str(tmp / "hosts.json"),
-            "--starting-port", str(_free_port_base(len(self.hosts))), "--python", sys.executable,
+            str(launcher), "--backend", self.dist_backend, "--hostfile", str(tmp / "hosts.json"),
+            "--starting-port", str(_free_port_base(len(self.hosts))), "--nccl-port", str(_free_port_base(1)),
+            "--python", sys.executable,
             "--cwd", str(ROOT), "--env", f"{TOKEN_ENV}={token}", "--",
             "-m", "engine.pipeline_rank", "--model", str(self._model_info.path),
             "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--engine", self.name,
+            "--dist-backend", self.dist_backend,
         ]  # fmt: skip
         if self.name == "flash" and self.memory_budget is not None:
             argv += ["--memory-budget", str(self.memory_budget)]

@@ -146,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="the model directory (the same path on every host)")
     ap.add_argument("--connect", required=True, help="rank 0: the server's HOST:PORT")
     ap.add_argument("--engine", choices=["mlx", "flash"], default="mlx")
+    ap.add_argument("--dist-backend", default="ring", help="mx.distributed's backend (ring, jaccl, nccl)")
     ap.add_argument("--memory-budget", default=None, help="flash: this host's budget in bytes, or auto")
     args = ap.parse_args(argv)
-    group = mx.distributed.init(backend="ring", strict=True)
+    dist = "jaccl" if args.dist_backend.startswith("jaccl") else args.dist_backend
+    group = mx.distributed.init(backend=dist, strict=True)
     rank = group.rank()
     path = Path(args.model)
     t0 = time.perf_counter()
@@ -206,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                     ev.stats.extra["rank_stats"] = rank_stats(group, backend, ev)
                 send(event_to_json(ev))
         except Exception as exc:  # noqa: BLE001 - the same on every rank (same code, same input): reported
-            lost = isinstance(exc, RuntimeError) and "[ring]" in str(exc)  # a host dropped: this job is over
+            lost = isinstance(exc, RuntimeError) and f"[{backend}]" in str(
+                exc
+            )  # a host dropped: the job is over
             why = f"a host of the pipeline dropped ({exc})" if lost else f"{type(exc).__name__}: {exc}"
             send(event_to_json(Done(GenerationStats(), "error", "", why)) | {"fatal": lost})
             if lost:

@@ -35,6 +35,8 @@ def _target(name: str, options: dict[str, Any] | None = None) -> str:
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     if (options or {}).get("hostfile"):
+        if name == "llama":  # llama.cpp's own RPC backend (engine/llama_rpc.py)
+            return BACKENDS[name]
         if name not in PIPELINE_ENGINES:
             raise BackendUnavailableError(
                 f"--hosts runs the mlx or flash backend with its layers split over the hostfile's machines; the "
@@ -60,7 +62,7 @@ def backend_factory(name: str, **options: Any) -> Callable[[], Backend]:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
-        if (options or {}).get("hostfile"):
+        if (options or {}).get("hostfile") and name in PIPELINE_ENGINES:
             return getattr(module, attr)(engine=name, **options)
         return getattr(module, attr)(**options)
 

@@ -69,17 +69,20 @@ def test_a_sampled_request_gets_one_seed_for_every_rank() -> None:
     assert same_draws(greedy) is greedy and same_draws(seeded) is seeded
 
 
-def test_hosts_is_for_the_mlx_and_flash_backends(tmp_path: Path) -> None:
+def test_hosts_runs_each_engine_its_own_way(tmp_path: Path) -> None:
     from engine.registry import backend_factory
 
     hosts = write(tmp_path, ["127.0.0.1", "127.0.0.1"])
-    p = subprocess.run([sys.executable, "-m", "webapp.cli", "ask", "--backend", "llama", "--hosts", str(hosts), "hi"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
-    assert p.returncode != 0 and "--hosts applies to the flash/mlx backend" in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr
-    for name in ("mlx", "flash"):  # each rank runs this engine on its own layers
+    for name in ("mlx", "flash"):  # mlx.distributed: each rank runs this engine on its own layers
         b = backend_factory(name, hostfile=str(hosts), memory_budget=None)()
         assert type(b).__name__ == "PipelineBackend" and b.name == name
+    b = backend_factory("llama", hostfile=str(hosts))()  # llama.cpp's RPC (tests/test_llama_rpc.py)
+    assert type(b).__name__ == "LlamaServerBackend" and b.hostfile == hosts
+    argv = ["ask", "--backend", "llama", "--llama-url", "http://127.0.0.1:9", "--hosts", str(hosts), "hi"]
+    p = subprocess.run([sys.executable, "-m", "webapp.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)  # fmt: skip
+    assert p.returncode != 0 and "cannot attach to one already running" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
 
 
 # --------------------------------------------------------------------------- two processes over loopback
@@ -295,3 +298,19 @@ def test_flash_per_host_streams_only_its_own_layers_with_the_same_tokens(
         assert all(h["memory_budget_mb"] == budget >> 20 for h in per_host), per_host
         single = runs["flash"][1].stats.extra["bytes_read"]
         assert abs(done.stats.extra["bytes_read"] - single) <= 1024 * len(per_host), (single, per_host)
+
+
+def test_the_hostfile_picks_mx_distributed_backend_and_mlx_launch_gets_its_own_file(tmp_path: Path) -> None:
+    """Ring unless the hostfile names JACCL (Thunderbolt RDMA between Macs) or NCCL (CUDA); a hostfile in
+    MLX's form reaches mlx.launch whole (its "rdma" devices kept)."""
+    from engine.hostfile import hostfile_backend, mlx_hostfile
+
+    assert hostfile_backend(write(tmp_path, ["127.0.0.1", "127.0.0.1"])) == "ring"
+    rdma = {"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["127.0.0.1"], "rdma": [None, "rdma_en3"]},
+                                          {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None]}]}  # fmt: skip
+    path = write(tmp_path, rdma)
+    assert hostfile_backend(path) == "jaccl"
+    made = mlx_hostfile(load_hostfile(path), path, "jaccl")
+    assert made["hosts"][1]["rdma"] == ["rdma_en3", None] and made["backend"] == "jaccl"
+    with pytest.raises(EngineError, match="names backend 'mpi'"):
+        load_hostfile(write(tmp_path, {**rdma, "backend": "mpi"}))

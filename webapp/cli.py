@@ -150,6 +150,36 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_rpc_worker(args: argparse.Namespace) -> int:
+    """Run llama.cpp's rpc-server on a worker of `--backend llama --hosts` (it serves what it is sent)."""
+    from engine.base import BackendUnavailableError
+    from engine.hostfile import Host, is_local
+    from engine.llama_rpc import find_rpc_server
+    from engine.llama_server import find_llama_server
+
+    try:
+        local = is_local(args.host)
+    except ValueError:
+        raise SystemExit(f"flashcode: --host {args.host!r} is not an IP address") from None
+    if not local:
+        raise SystemExit(f"flashcode: {args.host} is not an address of this machine: give one of its own")
+    try:
+        binary = find_rpc_server(find_llama_server(args.llama_binary))
+    except BackendUnavailableError as exc:
+        raise SystemExit(f"flashcode: {exc}") from None
+    host = Host(ssh=args.host, ip=args.host, port=args.port)
+    print(
+        f"serving this machine to llama-server at {host.endpoint}: llama.cpp RPC is NOT authenticated or "
+        "encrypted and runs what it is sent; keep this port on a network you trust (docs/distributed.md)",
+        file=sys.stderr,
+    )
+    argv = [str(binary), "-H", args.host, "-p", str(args.port)] + (
+        ["-t", str(args.threads)] if args.threads else []
+    )
+    os.execv(argv[0], argv)
+    return 0  # not reached
+
+
 # --------------------------------------------------------------------------- models
 def cmd_import(args: argparse.Namespace) -> int:
     from engine.gguf import import_gguf
@@ -494,6 +524,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(p)
     cli_projects.add_project_arg(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "rpc-worker",
+        help="run llama.cpp's rpc-server here for `--backend llama --hosts` on another machine (trusted network only)",
+    )
+    p.add_argument(
+        "--host", required=True, help="this machine's address the main server reaches (not 0.0.0.0)"
+    )
+    p.add_argument("--port", type=int, default=50052, help="the port (default 50052, as in the hostfile)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: rpc-server's)")
+    p.add_argument("--llama-binary", default=None, help="the llama-server whose rpc-server to run")
+    p.set_defaults(func=cmd_rpc_worker)
 
     for register in SUBCOMMANDS:
         register(sub)

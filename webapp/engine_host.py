@@ -89,7 +89,7 @@ _BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_u
                "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
                "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}, "expert_policy": {"flash"},
                "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"},
-               "hosts": {"mlx", "flash"}}  # fmt: skip
+               "hosts": {"mlx", "flash", "llama"}}  # fmt: skip
 
 
 def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
@@ -135,9 +135,13 @@ def place_model(
         info, imported = import_or_reuse(model, paths.models_dir(), show_progress=show_progress)
         say(f"{'imported' if imported else 'already imported:'} {model} as {info.name}")
         model = info.name
-    if options.get("hostfile") and backend in ("auto", "", None, "mlx", "flash"):
+    if options.get("hostfile") and backend in ("auto", "", None, "mlx", "flash", "llama"):
         backend = "mlx" if backend in ("auto", "", None) else backend
-        how = "in RAM (MLX)" if backend == "mlx" else "flash (each host streams its own layers from its disk)"
+        how = {
+            "mlx": "in RAM (MLX)",
+            "flash": "flash (each host streams its own layers from its disk)",
+            "llama": "llama-server over llama.cpp's RPC (unauthenticated: a trusted network only)",
+        }[backend]
         say(f"{how}, its layers split over the hosts of {options['hostfile']} (--hosts)")
         return backend, model
     if backend not in ("auto", "", None):

