@@ -266,6 +266,11 @@ class PipelineBackend(MLXBackend):
         ]  # fmt: skip
         if self.name == "flash" and self.memory_budget is not None:
             argv += ["--memory-budget", str(self.memory_budget)]
+        if self.dist_backend == "nccl":  # ranks on one host take its GPUs in turn
+            argv += [
+                "--gpus",
+                ",".join(str(sum(h.ip == me.ip for h in self.hosts[:r])) for r, me in enumerate(self.hosts)),
+            ]
         self._log = open(tmp / "ranks.log", "w+b")  # noqa: SIM115 - read back on failure
         self._proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True

@@ -140,15 +140,18 @@ def rank_stats(group: Any, backend: Any, done: Done) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import mlx.core as mx
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the model directory (the same path on every host)")
     ap.add_argument("--connect", required=True, help="rank 0: the server's HOST:PORT")
     ap.add_argument("--engine", choices=["mlx", "flash"], default="mlx")
     ap.add_argument("--dist-backend", default="ring", help="mx.distributed's backend (ring, jaccl, nccl)")
     ap.add_argument("--memory-budget", default=None, help="flash: this host's budget in bytes, or auto")
+    ap.add_argument("--gpus", default=None, help="nccl: each rank's GPU on its host (ranks sharing a host)")
     args = ap.parse_args(argv)
+    if args.gpus and "MLX_RANK" in os.environ:  # before MLX starts CUDA: mlx.launch gives every rank GPU 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus.split(",")[int(os.environ["MLX_RANK"])]
+    import mlx.core as mx
+
     dist = "jaccl" if args.dist_backend.startswith("jaccl") else args.dist_backend
     group = mx.distributed.init(backend=dist, strict=True)
     rank = group.rank()
