@@ -211,9 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     ev.stats.extra["rank_stats"] = rank_stats(group, backend, ev)
                 send(event_to_json(ev))
         except Exception as exc:  # noqa: BLE001 - the same on every rank (same code, same input): reported
-            lost = isinstance(exc, RuntimeError) and f"[{backend}]" in str(
-                exc
-            )  # a host dropped: the job is over
+            # a host dropped (the backend's own words, e.g. "[ring] connection to a peer was lost"): the job is over
+            lost = isinstance(exc, RuntimeError) and f"[{dist}]" in str(exc)
             why = f"a host of the pipeline dropped ({exc})" if lost else f"{type(exc).__name__}: {exc}"
             send(event_to_json(Done(GenerationStats(), "error", "", why)) | {"fatal": lost})
             if lost:
