@@ -39,6 +39,7 @@ RAW = {
     "agent.json": "raw_runs",
     "agent-constraint.json": "raw_runs",
     "distributed.json": "configs",
+    "distributed-flash.json": "configs",
 }
 
 
@@ -123,8 +124,9 @@ def test_flash_reader_summary_recomputes(name: str) -> None:
         assert result[f"inplace_vs_copy{sfx}"] == pytest.approx(bw["in_place"] / bw["copy"], abs=1e-3)
 
 
-def test_distributed_summary_recomputes() -> None:
-    r = load("distributed.json")
+@pytest.mark.parametrize("name", ["distributed.json", "distributed-flash.json"])
+def test_distributed_summary_recomputes(name: str) -> None:
+    r = load(name)
     ref = r["configs"]["single"]["runs"][0]["token_ids"]
     runs = [run for c in r["configs"].values() for run in c["runs"]]
     assert r["same_tokens_as_single"] == all(run["token_ids"] == ref for run in runs)
@@ -134,6 +136,14 @@ def test_distributed_summary_recomputes() -> None:
         assert s["ttft_s_median"] == statistics.median(run["ttft_s"] for run in c["runs"])
         if name != "single":
             assert r["hosts"][name] == len(c["runs"][-1]["hosts"]) == len(s["layers_per_rank"])
+        if r.get("engine") == "flash":  # the pipeline's bytes per token are its hosts' together
+            assert s["bytes_per_token_median"] == statistics.median(
+                run["bytes_per_token"] for run in c["runs"]
+            )
+            for run in c["runs"]:
+                assert name == "single" or run["bytes_per_token"] == sum(
+                    h["bytes_per_token"] for h in run["hosts"]
+                )
 
 
 @pytest.mark.parametrize("name", ["flash-residency.json", "flash-residency-gpu.json"])
