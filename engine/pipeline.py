@@ -211,6 +211,9 @@ class PipelineBackend(MLXBackend):
         self.name = engine  # each rank runs this engine on its own layers
         self.memory_budget = memory_budget  # flash: each host's own budget (auto: what that host can spare)
         self.hostfile = Path(hostfile)
+        self._live: dict[str, Any] = {}
+        if engine == "flash":  # the flash meter, per host (the in-RAM engine has none)
+            self.live_stats = self._live_stats
         self.hosts = load_hostfile(self.hostfile)
         self.dist_backend = hostfile_backend(self.hostfile)  # ring, or JACCL / NCCL where the hostfile says
         self.load_timeout = load_timeout
@@ -300,6 +303,10 @@ class PipelineBackend(MLXBackend):
                     continue
                 conn.settimeout(None)
                 self.ranks = list(hello.get("ranks") or [])
+                # the meter's baseline: what each rank read while loading (a reply's MB/token counts from here)
+                self._live = {}
+                self._take_live([[int(r["rank"]), int(r.get("load_read_kb") or 0), int(r.get("load_rss_mb") or 0)]
+                                 for r in self.ranks])  # fmt: skip
                 self.model_obj = "pipeline"  # the layers live in the ranks
                 return
         except BaseException:
@@ -338,6 +345,9 @@ class PipelineBackend(MLXBackend):
                         continue
                     started = True
                     msg = json.loads(line)
+                    if msg.get("t") == "live":  # the ranks' counters, for the live meter
+                        self._take_live(msg["rows"])
+                        continue
                     fatal = bool(msg.pop("fatal", False))
                     ev = event_from_json(msg)
                     if isinstance(ev, TextDelta):
@@ -383,6 +393,37 @@ class PipelineBackend(MLXBackend):
         """Every rank forgets its prompt cache: the next prompt is prefilled in full."""
         if self._conn is not None:
             self._send({"op": "reset"})
+
+    def _take_live(self, rows: list[list[int]]) -> None:
+        now = time.monotonic()
+        last, self._live = self._live, {"t": now, "rows": {int(r[0]): r for r in rows}}
+        dt = now - last.get("t", now)
+        rates = {}
+        for rank, r in self._live["rows"].items():
+            before = last.get("rows", {}).get(rank)
+            rates[rank] = max(0, (r[1] - before[1]) << 10) / dt if before is not None and dt > 0 else 0.0
+        self._live["rates"] = rates
+
+    def _live_stats(self) -> dict[str, Any]:
+        """For the flash meter: every host's disk rate and memory, from the counters the ranks send with
+        their per-token all-sum (engine/pipeline_rank.py's SharedStop)."""
+        rows, rates = self._live.get("rows", {}), self._live.get("rates", {})
+        layers = {int(r["rank"]): r.get("layers") for r in self.ranks}
+        hosts = [
+            {"host": self.hosts[rank].ip if rank < len(self.hosts) else "?", "layers": layers.get(rank),
+             "bytes_per_s": rates.get(rank, 0.0), "rss_bytes": r[2] << 20}
+            for rank, r in sorted(rows.items())
+        ]  # fmt: skip
+        budget = self.memory_budget if isinstance(self.memory_budget, int) else None
+        return {
+            "bytes_read": sum(r[1] << 10 for r in rows.values()),
+            "bytes_per_s": sum(h["bytes_per_s"] for h in hosts),
+            "rss_bytes": max(
+                (h["rss_bytes"] for h in hosts), default=0
+            ),  # the fullest host, against its budget
+            "memory_budget": budget,
+            "hosts": hosts,
+        }
 
     def ranks_with(self, stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_rank = {int(s["rank"]): s for s in stats}

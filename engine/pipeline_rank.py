@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +59,34 @@ def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
 
 class SharedStop:
     """A `cancel` every rank agrees on: each check is one all-sum of the ranks' own flags (rank 0's is
-    the server's Stop). The ranks run the same code, so they check at the same points."""
+    the server's Stop). The ranks run the same code, so they check at the same points. The same all-sum
+    carries each rank's live counters (`counters()`: KB read from disk, MB resident), which rank 0 hands
+    to `on_rows` (the server's live meter), so the meter costs no collective of its own."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(
+        self,
+        group: Any,
+        counters: Callable[[], list[int]] | None = None,
+        on_rows: Callable[[list[list[int]]], None] | None = None,
+    ) -> None:
         self.group = group
         self.local = threading.Event()
         self.agreed = False
+        self.counters = counters or (lambda: [0, 0])
+        self.on_rows = on_rows
 
     def is_set(self) -> bool:
         import mlx.core as mx
+        import numpy as np
 
         if not self.agreed:
-            flag = mx.array([1 if self.local.is_set() else 0], dtype=mx.int32)
-            self.agreed = int(mx.distributed.all_sum(flag, group=self.group, stream=_stream()).item()) > 0
+            mine = [1 if self.local.is_set() else 0, *self.counters()]
+            rows = np.zeros((self.group.size(), len(mine)), dtype=np.int32)
+            rows[self.group.rank()] = mine
+            got = mx.distributed.all_sum(mx.array(rows), group=self.group, stream=_stream()).tolist()
+            self.agreed = any(row[0] for row in got)
+            if self.on_rows is not None:
+                self.on_rows([[r, *row[1:]] for r, row in enumerate(got)])
         return self.agreed
 
 
@@ -166,15 +182,32 @@ def main(argv: list[str] | None = None) -> int:
 
     backend.load(model_info(path))  # with its split, when it has one (flash)
     load_s = time.perf_counter() - t0
-    mine = [rank, backend.layers[0], backend.layers[1], peak_rss_bytes() >> 20, int(load_s * 1000)]
+    reader = getattr(backend, "reader", None)  # flash: what the load read (the meter counts from here)
+    read_kb = min((reader.stats.bytes >> 10) if reader is not None else 0, 2**31 - 1)
+    mine = [rank, backend.layers[0], backend.layers[1], peak_rss_bytes() >> 20, int(load_s * 1000), read_kb]
     ranks = [
-        {"rank": r, "layers": [a, b], "load_rss_mb": m, "load_s": ms / 1000}
-        for r, a, b, m, ms in gather_ints(group, mine)
+        {"rank": r, "layers": [a, b], "load_rss_mb": m, "load_s": ms / 1000, "load_read_kb": kb}
+        for r, a, b, m, ms, kb in gather_ints(group, mine)
     ]
 
+    import psutil
+
     requests: queue.Queue[dict[str, Any]] = queue.Queue()
-    stop = SharedStop(group)
     conn = None
+    live_sent = [0.0]
+
+    def counters() -> list[int]:
+        reader = getattr(backend, "reader", None)
+        read_kb = (reader.stats.bytes >> 10) if reader is not None else 0
+        return [min(read_kb, 2**31 - 1), psutil.Process().memory_info().rss >> 20]
+
+    def on_rows(rows: list[list[int]]) -> None:  # rank 0: to the server's meter, at most twice a second
+        now = time.monotonic()
+        if conn is not None and now - live_sent[0] >= 0.5:
+            live_sent[0] = now
+            send({"t": "live", "rows": rows})
+
+    stop = SharedStop(group, counters, on_rows if rank == 0 else None)
     if rank == 0:
         host, port = args.connect.rsplit(":", 1)
         conn = socket.create_connection((host, int(port)))

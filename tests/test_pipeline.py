@@ -287,9 +287,12 @@ def test_flash_per_host_streams_only_its_own_layers_with_the_same_tokens(
     b.load(info)
     try:
         split, done = run(b, "Once upon a time", ask)
+        live = b.live_stats()  # the flash meter: every host's counters, sent with the per-token all-sum
     finally:
         b.close()
     assert split == runs["flash"][0] == runs["ram"][0] and len(split) == 12, done.error
+    assert [h["layers"] for h in live["hosts"]] == [[layers // 2, layers], [0, layers // 2]], live
+    assert all(h["rss_bytes"] > 50 << 20 for h in live["hosts"]) and live["bytes_read"] > 0, live
     per_host = done.stats.extra["hosts"]
     assert sorted(tuple(h["layers"]) for h in per_host) == [(0, layers // 2), (layers // 2, layers)]
     assert all(h["bytes_read"] > 0 and h["bytes_per_token"] > 0 for h in per_host), per_host
@@ -314,3 +317,16 @@ def test_the_hostfile_picks_mx_distributed_backend_and_mlx_launch_gets_its_own_f
     assert made["hosts"][1]["rdma"] == ["rdma_en3", None] and made["backend"] == "jaccl"
     with pytest.raises(EngineError, match="names backend 'mpi'"):
         load_hostfile(write(tmp_path, {**rdma, "backend": "mpi"}))
+
+
+def test_the_flash_meter_shows_each_hosts_disk_rate_and_memory() -> None:
+    from webapp.render import make_environment
+
+    meter = make_environment().get_template("macros.html").module.engine_meter
+    hosts = [{"host": "192.168.1.10", "layers": [6, 12], "bytes_per_s": 850e6, "rss_bytes": 5.5e9},
+             {"host": "192.168.1.11", "layers": [0, 6], "bytes_per_s": 0.0, "rss_bytes": 5.25e9}]  # fmt: skip
+    m = {"bytes_per_s": 850e6, "rss_bytes": 5.5e9, "memory_budget": 6e9, "hit_rate": None, "peak_rss_bytes": None,
+         "mb_per_token": 12.0, "memory_budget_auto": None, "hosts": hosts}  # fmt: skip
+    html = str(meter(m))
+    assert 'data-meter="hosts"' in html
+    assert "192.168.1.10 L6–11 850 MB/s 5.50 GB · 192.168.1.11 L0–5 0 MB/s 5.25 GB" in html

@@ -436,6 +436,7 @@ class Session:
                         "hit_rate": now.get("hit_rate"),
                         "peak_rss_bytes": now.get("peak_rss_bytes"),
                         "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,
+                        "hosts": now.get("hosts"),
                     }
                 )
             )
