@@ -126,24 +126,15 @@ class RpcWorker:
         return self.proc is not None and self.proc.poll() is None
 
     def peak_rss_bytes(self) -> int:
-        try:
-            for line in Path(f"/proc/{self.proc.pid if self.proc else 0}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            pass
-        return 0
+        from .llama_server import process_peak_rss
+
+        return process_peak_rss(self.proc.pid if self.proc else None)
 
     def stop(self) -> None:
+        from .llama_server import stop_process
+
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 def _listening(host: Host) -> bool:

@@ -295,25 +295,35 @@ class LlamaServerProcess:
 
     def peak_rss_bytes(self) -> int:
         """The server's peak resident set (VmHWM), 0 where /proc is not available."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            pass
-        return 0
+        return process_peak_rss(self.pid)
 
     def stop(self, grace: float = 5.0) -> None:
         proc, self.proc = self.proc, None
         _LIVE.discard(self)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, grace)
+
+
+def process_peak_rss(pid: int | None) -> int:
+    """A child's peak resident set (VmHWM), 0 where /proc is not available."""
+    try:
+        for line in Path(f"/proc/{pid or 0}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, grace: float = 5.0) -> None:
+    """Terminate a child of ours, then kill it after `grace` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 # --------------------------------------------------------------------------- HTTP client
