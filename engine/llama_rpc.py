@@ -14,6 +14,7 @@ hostfile names for them.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import shutil
 import socket
@@ -107,8 +108,12 @@ class RpcWorker:
         out: Any = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"rpc-server-{self.host.port}.log", "ab")  # noqa: SIM115 - the child holds it
-        self.proc = _Spawner.popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_set_pdeathsig)
+            out = open(self.log_dir / f"rpc-server-{self.host.port}.log", "ab")  # noqa: SIM115 - closed below
+        try:
+            self.proc = _Spawner.popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_set_pdeathsig)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child has its own copy: a restart must not leak one per start
         deadline = time.monotonic() + timeout
         while not _listening(self.host):
             if self.proc.poll() is not None:
@@ -157,7 +162,7 @@ class RpcCluster:
             RpcWorker(self.binary, h, threads, log_dir) for h in hosts[1:] if is_local(h.ip)
         ]  # this machine's
         self.plan: LayerPlan | None = None
-        if any(not ip_loopback(h.ip) for h in hosts[1:]):
+        if any(not ipaddress.ip_address(h.ip).is_loopback for h in hosts[1:]):
             log.warning(
                 "llama.cpp RPC is not authenticated or encrypted and its servers run what they are sent: "
                 "use --hosts only on a network you trust (docs/distributed.md)"
@@ -197,9 +202,3 @@ class RpcCluster:
                 row["peak_rss_mb"] = rss >> 20
             out.append(row)
         return out
-
-
-def ip_loopback(ip: str) -> bool:
-    import ipaddress
-
-    return ipaddress.ip_address(ip).is_loopback

@@ -76,14 +76,8 @@ class SharedStop:
         self.on_rows = on_rows
 
     def is_set(self) -> bool:
-        import mlx.core as mx
-        import numpy as np
-
         if not self.agreed:
-            mine = [1 if self.local.is_set() else 0, *self.counters()]
-            rows = np.zeros((self.group.size(), len(mine)), dtype=np.int32)
-            rows[self.group.rank()] = mine
-            got = mx.distributed.all_sum(mx.array(rows), group=self.group, stream=_stream()).tolist()
+            got = gather_ints(self.group, [1 if self.local.is_set() else 0, *self.counters()])
             self.agreed = any(row[0] for row in got)
             if self.on_rows is not None:
                 self.on_rows([[r, *row[1:]] for r, row in enumerate(got)])
@@ -129,6 +123,12 @@ def flash_rank(group: Any, memory_budget: int | str | None) -> Any:
                 )
 
     return RankFlashBackend(memory_budget=memory_budget)
+
+
+def read_kb(backend: Any) -> int:
+    """KB the backend (flash) has read from disk so far, as an int32 all-sum carries it."""
+    reader = getattr(backend, "reader", None)
+    return min((reader.stats.bytes >> 10) if reader is not None else 0, 2**31 - 1)
 
 
 def rank_stats(group: Any, backend: Any, done: Done) -> list[dict[str, Any]]:
@@ -182,9 +182,15 @@ def main(argv: list[str] | None = None) -> int:
 
     backend.load(model_info(path))  # with its split, when it has one (flash)
     load_s = time.perf_counter() - t0
-    reader = getattr(backend, "reader", None)  # flash: what the load read (the meter counts from here)
-    read_kb = min((reader.stats.bytes >> 10) if reader is not None else 0, 2**31 - 1)
-    mine = [rank, backend.layers[0], backend.layers[1], peak_rss_bytes() >> 20, int(load_s * 1000), read_kb]
+    # flash: what the load read (the meter counts from here)
+    mine = [
+        rank,
+        backend.layers[0],
+        backend.layers[1],
+        peak_rss_bytes() >> 20,
+        int(load_s * 1000),
+        read_kb(backend),
+    ]
     ranks = [
         {"rank": r, "layers": [a, b], "load_rss_mb": m, "load_s": ms / 1000, "load_read_kb": kb}
         for r, a, b, m, ms, kb in gather_ints(group, mine)
@@ -197,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     live_sent = [0.0]
 
     def counters() -> list[int]:
-        reader = getattr(backend, "reader", None)
-        read_kb = (reader.stats.bytes >> 10) if reader is not None else 0
-        return [min(read_kb, 2**31 - 1), psutil.Process().memory_info().rss >> 20]
+        return [read_kb(backend), psutil.Process().memory_info().rss >> 20]
 
     def on_rows(rows: list[list[int]]) -> None:  # rank 0: to the server's meter, at most twice a second
         now = time.monotonic()
