@@ -93,6 +93,35 @@ def test_moe_streamed_matches_mlx_lm(
     assert stream.stats.experts_read > 0
 
 
+def test_moe_grouped_prefill_is_bit_exact_and_computes_each_pair_once(tiny_moe: Path, reference: Any) -> None:
+    """A chunk needing more experts than the bank (4 slots): on the CPU each group computes only its own
+    (token, k) pairs, and the logits are the in-RAM model's to the bit, as with a bank holding them all."""
+    import mlx.core as mx
+
+    from engine.flash import moe
+
+    ref = reference[0]
+    calls: list[int] = []
+    glu = moe.StreamedSwitchGLU._glu
+
+    def counting(self: Any, x: Any, idx: Any, shape: tuple[int, ...]) -> Any:
+        calls.append(idx.size)
+        return glu(self, x, idx, shape)
+
+    moe.StreamedSwitchGLU._glu = counting  # type: ignore[method-assign]
+    try:
+        streamed, stream = streamed_model(tiny_moe, 4)
+        out = streamed(mx.array(PROMPT))
+    finally:
+        moe.StreamedSwitchGLU._glu = glu  # type: ignore[method-assign]
+    assert mx.array_equal(out, ref(mx.array(PROMPT))).item()
+    whole, _ = streamed_model(tiny_moe, 64)
+    assert mx.array_equal(out, whole(mx.array(PROMPT))).item()
+    pairs = mx.array(PROMPT).size * moe.top_k_of(streamed)
+    assert len(calls) > 3  # grouped: more than one group in some layer
+    assert sum(calls) == 3 * pairs  # every (token, k) pair of each of the 3 MoE layers computed once
+
+
 def test_moe_prefill_reads_each_distinct_expert_once(tiny_moe: Path) -> None:
     import mlx.core as mx
 

@@ -512,6 +512,8 @@ class StreamedSwitchGLU:
                 mx.async_eval(y)
             prof.add("compute", time.perf_counter() - t0)
             return y
+        if st.host_writes:  # CPU: each group computes only its own (token, k) pairs
+            return self._grouped_pairs(x, chosen, ids, slots)
         out = None  # a prefill chunk needing more experts than the bank: groups of `slots`, each read once
         for g in range(0, len(ids), slots):
             group = ids[g : g + slots]
@@ -526,6 +528,36 @@ class StreamedSwitchGLU:
             st.stats.host_syncs += 1
             prof.add("compute", time.perf_counter() - t0)
         return out
+
+    def _grouped_pairs(self, x: Any, chosen: np.ndarray, ids: np.ndarray, slots: int) -> Any:
+        """A prefill chunk needing more experts than the bank, on the CPU: groups of `slots` experts, each
+        read once, and each group computes only the (token, k) pairs routed to it — not every pair masked,
+        which did the chunk's whole expert compute once per group. The CPU's `gather_qmm` computes each pair
+        on its own (one row against one expert), so a pair's output is the same bits in any company; the
+        pairs' outputs are put back in the model's order at the end."""
+        import mlx.core as mx
+
+        st, prof = self.stream, self.stream.prof
+        k = chosen.shape[-1]
+        flat = chosen.reshape(-1)
+        rows_x = x.reshape(-1, x.shape[-1])
+        parts, order = [], []
+        for g in range(0, len(ids), slots):
+            group = ids[g : g + slots]
+            st.ensure(self.index, group)
+            t0 = time.perf_counter()
+            pos = np.flatnonzero(np.isin(flat, group))
+            idx = st.slot_of[self.index][flat[pos]].reshape(-1, 1)
+            y = self._glu(rows_x[mx.array(pos // k)], mx.array(idx), idx.shape)  # (pairs, 1, out)
+            mx.eval(y)  # before the bank's slots are reused by the next group
+            parts.append(y)
+            order.append(pos)
+            st.stats.host_syncs += 1
+            prof.add("compute", time.perf_counter() - t0)
+        inv = np.empty(len(flat), dtype=np.int64)
+        inv[np.concatenate(order)] = np.arange(len(flat))
+        y = mx.concatenate(parts, axis=0)[mx.array(inv)]
+        return y.reshape(*chosen.shape, y.shape[-1])
 
 
 class CacheAwareRouter:
