@@ -55,6 +55,28 @@ def test_layer_swap_matches_quantized_matmul(bits: int, group_size: int) -> None
         assert fast.dtype == mx.float32 and fast.shape == plain.shape
 
 
+def test_large_layer_few_rows_split_over_cpu_streams_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2048x1280 layer fed fewer rows than min_rows: its output features cut over the CPU streams (one
+    per core), the very bits of quantized_matmul on the whole matrix."""
+    import mlx.core as mx
+
+    layer = _quantized_linear(2048, 1280, 4, 64, bias=True)
+    wrapper = type("M", (), {"named_modules": lambda self: [("q", layer)]})()
+    cpu_fast.patch_model(wrapper, force=True)
+    assert len(cpu_fast.cpu_streams()) == min(cpu_fast.CPU_PARTS, os.cpu_count() or 1)
+    calls: list[object] = []
+    qmm = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(k.get("stream")) or qmm(*a, **k))
+    for shape in [(1, 1, 2048), (1, 3, 2048), (2, 1, 2048)]:
+        x = mx.random.normal(shape)
+        with cpu_fast.plain_path():
+            plain = layer(x)
+        calls.clear()
+        fast = layer(x)
+        assert len(calls) == len(cpu_fast.cpu_streams()), shape  # one part per stream
+        assert mx.array_equal(fast, plain).item(), shape
+
+
 def test_patch_model_leaves_other_layers_and_obeys_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     import mlx.nn as nn
 

@@ -269,6 +269,24 @@ def test_projects_folder_browser_stays_under_home(client, tmp_path: Path, monkey
     (tmp_path / ".hidden").mkdir()
     html = client.get("/projects/browse", params={"dir": "/etc"}).text
     assert f'data-dir="{tmp_path}"' in html and "visible" in html and ".hidden" not in html
+    assert "Show hidden folders (1)" in html
+    shown = client.get("/projects/browse", params={"dir": str(tmp_path), "hidden": "1"}).text
+    assert (
+        'data-pick-folder="{}"'.format(tmp_path / ".hidden") in shown and "Hide hidden folders (1)" in shown
+    )
+    # the choice to show them rides along into the folders it lists
+    assert '{&#34;hidden&#34;: &#34;1&#34;, "dir": "' + str(tmp_path / "visible") in shown
+
+
+def test_projects_folder_browser_at_a_home_of_hidden_folders_says_so(client, tmp_path: Path) -> None:
+    """A home holding only dot-folders (a fresh account) says so and offers to show them."""
+    web = next(r.endpoint.__self__ for r in client.app.routes if getattr(r, "path", "") == "/projects/browse")
+    web.home = tmp_path / "fresh"
+    (web.home / ".config").mkdir(parents=True)
+    (web.home / ".cache").mkdir()
+    html = client.get("/projects/browse").text
+    assert "No folders here, only 2 hidden." in html and "Show hidden folders (2)" in html
+    assert ">.config<" in client.get("/projects/browse", params={"hidden": "1"}).text
 
 
 def test_projects_files_window_lists_respecting_gitignore_and_views_escaped(client, two) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .. import cpu_fast
 from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
 from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, plan_budget, plan_residency
@@ -233,6 +234,9 @@ class FlashBackend(MLXBackend):
             reader.close()
             raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
         cast_pinned(obj)
+        cpu_fast.patch_model(
+            obj
+        )  # CPU: large pinned matrices spread over the cores (float16 scales: no dequantize)
         mx.eval(obj.parameters())
         if self.memory_budget:  # freed unit arrays are recycled, not hoarded by MLX's buffer cache
             mx.set_cache_limit(plan.in_flight + plan.activations)

@@ -20,6 +20,7 @@ What it does not know: budgets (backend.py sizes the cache), tokenization, atten
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cpu_fast import cpu_streams
 from .experts import ExpertCache
 from .reader import AlignedBuffer, UnitReader
 from .safetensors_io import DTYPE_SIZES
@@ -42,6 +44,9 @@ _NP = {
     "I32": np.int32,
 }
 PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+_NO_STREAM = contextlib.nullcontext()
 
 
 def expert_units(man: Manifest) -> dict[int, list[Unit]]:
@@ -168,6 +173,10 @@ class ExpertStream:
             if self.host_writes
             else []
         )
+        # CPU: MLX runs a stream's ops on one thread, so the experts' (token, k) pairs are split over the
+        # CPU streams, one per core (exact: each pair's output is computed on its own, the same bits on any
+        # stream and in any company)
+        self.cpu_streams = cpu_streams() if self.host_writes else [None]
         self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
@@ -440,30 +449,49 @@ class StreamedSwitchGLU:
         }
         self.next_gates: list[Any] = []  # the next MoE blocks' routers, when next-layer prefetch is on
 
-    def _proj(self, x: Any, idx: Any, p: str, sort: bool) -> Any:
+    def _proj(self, x: Any, idx: Any, p: str, sort: bool, stream: Any = None) -> Any:
         import mlx.core as mx
 
         b, q = self.stream.banks[self.index], self.q[p]
         return mx.gather_qmm(x, b[f"{p}.weight"], b[f"{p}.scales"], b.get(f"{p}.biases"), rhs_indices=idx,
                              transpose=True, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                             sorted_indices=sort)  # fmt: skip
+                             sorted_indices=sort, stream=stream)  # fmt: skip
 
-    def _glu(self, x: Any, idx: Any, indices_shape: tuple[int, ...]) -> Any:
+    def _glu(self, x: Any, idx: Any, indices_shape: tuple[int, ...], stream: Any = None) -> Any:
         """SwitchGLU.__call__ with bank indices (mirrors mlx-lm so results match bit for bit)."""
         import mlx.core as mx
         from mlx_lm.models.activations import swiglu
         from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
-        x = mx.expand_dims(x, (-2, -3))
-        do_sort = idx.size >= 64
-        inv = None
-        if do_sort:
-            x, idx, inv = _gather_sort(x, idx)
-        up, gate = self._proj(x, idx, "up_proj", do_sort), self._proj(x, idx, "gate_proj", do_sort)
-        y = self._proj(swiglu(gate, up), idx, "down_proj", do_sort)
-        if do_sort:
-            y = _scatter_unsort(y, inv, indices_shape)
-        return y.squeeze(-2)
+        with mx.stream(stream) if stream is not None else _NO_STREAM:
+            x = mx.expand_dims(x, (-2, -3))
+            do_sort = idx.size >= 64
+            inv = None
+            if do_sort:
+                x, idx, inv = _gather_sort(x, idx)
+            up, gate = self._proj(x, idx, "up_proj", do_sort), self._proj(x, idx, "gate_proj", do_sort)
+            y = self._proj(swiglu(gate, up), idx, "down_proj", do_sort)
+            if do_sort:
+                y = _scatter_unsort(y, inv, indices_shape)
+            return y.squeeze(-2)
+
+    def _pairs(self, x_rows: Any, rows: np.ndarray, slots: np.ndarray) -> Any:
+        """CPU: the outputs of the (row, slot) pairs, (pairs, 1, out), split over the CPU streams."""
+        import mlx.core as mx
+
+        streams = self.stream.cpu_streams
+        n = len(rows)
+        parts = min(len(streams), n)
+        if parts <= 1:
+            idx = slots.reshape(-1, 1)
+            return self._glu(x_rows[mx.array(rows)], mx.array(idx), idx.shape)
+        cuts = np.linspace(0, n, parts + 1).astype(int)
+        outs = []
+        for j in range(parts):
+            a, b = cuts[j], cuts[j + 1]
+            idx = slots[a:b].reshape(-1, 1)
+            outs.append(self._glu(x_rows[mx.array(rows[a:b])], mx.array(idx), idx.shape, streams[j]))
+        return mx.concatenate(outs, axis=0)
 
     def _guess_ops(self, x: Any, k: int) -> list[Any]:
         """Lazy top-k guesses of the next layers' experts: their routers on this layer's input (last token)."""
@@ -505,7 +533,14 @@ class StreamedSwitchGLU:
         if len(ids) <= slots:
             st.ensure(self.index, ids, guesses)
             t0 = time.perf_counter()
-            y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
+            if st.host_writes:  # CPU: every (token, k) pair, split over the CPU streams
+                flat = chosen.reshape(-1)
+                y = self._pairs(
+                    x.reshape(-1, x.shape[-1]), np.arange(len(flat)) // k, st.slot_of[self.index][flat]
+                )
+                y = y.reshape(*chosen.shape, y.shape[-1])
+            else:
+                y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
             if st.profile:
                 mx.eval(y)
             elif not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
@@ -547,8 +582,7 @@ class StreamedSwitchGLU:
             st.ensure(self.index, group)
             t0 = time.perf_counter()
             pos = np.flatnonzero(np.isin(flat, group))
-            idx = st.slot_of[self.index][flat[pos]].reshape(-1, 1)
-            y = self._glu(rows_x[mx.array(pos // k)], mx.array(idx), idx.shape)  # (pairs, 1, out)
+            y = self._pairs(rows_x, pos // k, st.slot_of[self.index][flat[pos]])  # (pairs, 1, out)
             mx.eval(y)  # before the bank's slots are reused by the next group
             parts.append(y)
             order.append(pos)

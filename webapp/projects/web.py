@@ -102,21 +102,25 @@ class ProjectsWeb:
             return self.home
         return folder if folder.is_dir() and os.access(folder, os.R_OK | os.X_OK) else self.home
 
-    def _browser(self, raw: str) -> str:
+    def _browser(self, raw: str, show_hidden: bool = False) -> str:
         folder = self._browse_dir(raw)
         try:
-            subdirs = sorted(
-                (e.name for e in os.scandir(folder) if not e.name.startswith(".") and e.is_dir()),
-                key=str.lower,
-            )[:MAX_BROWSE]
+            names = [e.name for e in os.scandir(folder) if e.is_dir()]
         except OSError:
-            subdirs = []
+            names = []
+        hidden = sum(n.startswith(".") for n in names)
+        shown = names if show_hidden else [n for n in names if not n.startswith(".")]
+        subdirs = sorted(shown, key=str.lower)[:MAX_BROWSE]
         parent = folder.parent if folder != self.home else None
-        return str(self.ui.folder_browser(folder, parent, [(n, folder / n) for n in subdirs]))
+        return str(
+            self.ui.folder_browser(folder, parent, [(n, folder / n) for n in subdirs], hidden, show_hidden)
+        )
 
     async def browse(self, request: Request) -> HTMLResponse:
-        """GET /projects/browse?dir=PATH: the folders of PATH (under the home) for the dialog."""
-        return HTMLResponse(self._browser(request.query_params.get("dir", "")))
+        """GET /projects/browse?dir=PATH[&hidden=1]: the folders of PATH (under the home) for the dialog;
+        folders whose name starts with a dot are counted, and listed only with hidden=1."""
+        q = request.query_params
+        return HTMLResponse(self._browser(q.get("dir", ""), q.get("hidden") == "1"))
 
     async def open_project(self, request: Request) -> Response:
         """POST /projects/open: `project_id` (recent), or `path` (+ `name` for a new one). The page
