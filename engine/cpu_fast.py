@@ -23,7 +23,7 @@ What it knows:
 What it does not know: models, threads (the worker owns MLX), Metal or CUDA (GPUs keep MLX's kernels:
 `patch_model` does nothing off the CPU device).
 
-Off switch: `FLASHCODE_CPU_FAST=0` turns both levers off (read at import and at `patch_model`);
+Off switch: `FLASHCODE_CPU_FAST=0` turns every lever off (read at import and at `patch_model`);
 `FLASHCODE_BLAS_THREADS` sets OpenBLAS's threads (default 1: see docs/cpu.md);
 `FLASHCODE_DEQUANT_ROWS` sets `min_rows`.
 """
