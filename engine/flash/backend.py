@@ -234,9 +234,8 @@ class FlashBackend(MLXBackend):
             reader.close()
             raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
         cast_pinned(obj)
-        cpu_fast.patch_model(
-            obj
-        )  # CPU: large pinned matrices spread over the cores (float16 scales: no dequantize)
+        # CPU: large pinned matrices spread over the cores (float16 scales: no dequantized copies)
+        cpu_fast.patch_model(obj)
         mx.eval(obj.parameters())
         if self.memory_budget:  # freed unit arrays are recycled, not hoarded by MLX's buffer cache
             mx.set_cache_limit(plan.in_flight + plan.activations)
