@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -232,23 +233,24 @@ class _Switch:
     on = True  # flipped by `plain_path()` (tests, benchmarks) without unpatching models
 
 
-_STREAMS: list[Any] = []
+_LOCAL = threading.local()  # MLX streams belong to the thread that made them: one set per thread
 
 
 def cpu_streams() -> list[Any]:
     """The CPU streams work may be spread over: `None` (the caller's stream) and up to `CPU_PARTS - 1` side
     streams, one per further core. MLX runs each stream's ops on one thread of its own, so a matmul cut into
     parts, one per stream, uses that many cores. Exact: each output element is computed as it would be whole
-    (tests compare bits). Made on first use, on the thread that owns the model; `[None]` with one core, off
-    the CPU device, or with FLASHCODE_CPU_FAST=0."""
+    (tests compare bits). Made on first use by each thread that computes (MLX refuses a stream another thread
+    made); `[None]` with one core, off the CPU device, or with FLASHCODE_CPU_FAST=0."""
     import mlx.core as mx
 
     if not enabled() or mx.default_device() != mx.cpu:
         return [None]
-    if not _STREAMS:
-        _STREAMS.append(None)
-        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(min(CPU_PARTS, os.cpu_count() or 1) - 1))
-    return _STREAMS
+    streams = getattr(_LOCAL, "streams", None)
+    if streams is None:
+        side = [mx.new_stream(mx.cpu) for _ in range(min(CPU_PARTS, os.cpu_count() or 1) - 1)]
+        streams = _LOCAL.streams = [None, *side]
+    return streams
 
 
 @contextmanager

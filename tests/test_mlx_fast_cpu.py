@@ -75,6 +75,14 @@ def test_large_layer_few_rows_split_over_cpu_streams_is_bit_exact(monkeypatch: p
         fast = layer(x)
         assert len(calls) == len(cpu_fast.cpu_streams()), shape  # one part per stream
         assert mx.array_equal(fast, plain).item(), shape
+    # MLX streams belong to the thread that made them: another thread (a new engine worker) gets its own
+    x, out = mx.random.normal((1, 1, 2048)), []
+    mx.eval(x)
+    t = threading.Thread(target=lambda: out.append(mx.array_equal(layer(x), qmm(x, layer.weight, layer.scales,
+        layer.biases, transpose=True, group_size=64, bits=4) + layer.bias).item()))  # fmt: skip
+    t.start()
+    t.join()
+    assert out == [True]
 
 
 def test_patch_model_leaves_other_layers_and_obeys_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:

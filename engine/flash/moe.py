@@ -173,10 +173,6 @@ class ExpertStream:
             if self.host_writes
             else []
         )
-        # CPU: MLX runs a stream's ops on one thread, so the experts' (token, k) pairs are split over the
-        # CPU streams, one per core (exact: each pair's output is computed on its own, the same bits on any
-        # stream and in any company)
-        self.cpu_streams = cpu_streams() if self.host_writes else [None]
         self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
@@ -479,7 +475,9 @@ class StreamedSwitchGLU:
         """CPU: the outputs of the (row, slot) pairs, (pairs, 1, out), split over the CPU streams."""
         import mlx.core as mx
 
-        streams = self.stream.cpu_streams
+        # MLX runs a stream's ops on one thread: the pairs are split over the CPU streams, one per core (exact:
+        # each pair's output is computed on its own, the same bits on any stream and in any company)
+        streams = cpu_streams()
         n = len(rows)
         parts = min(len(streams), n)
         if parts <= 1:
