@@ -30,6 +30,7 @@ Off switch: `FLASHCODE_CPU_FAST=0` turns every lever off (read at import and at 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib.util
@@ -250,7 +251,23 @@ def cpu_streams() -> list[Any]:
     if streams is None:
         side = [mx.new_stream(mx.cpu) for _ in range(min(CPU_PARTS, os.cpu_count() or 1) - 1)]
         streams = _LOCAL.streams = [None, *side]
+        if side and threading.current_thread() is threading.main_thread():
+            atexit.register(synchronize)  # a worker thread's streams are synchronized as its replies end
     return streams
+
+
+def synchronize() -> None:
+    """Wait until this thread's side streams are idle. Call it when a reply ends: mlx-lm evaluates the next
+    step before it yields a token, so work is still in flight there after the last one, and a process that
+    exits with work in flight on a side stream corrupts its heap ("malloc_consolidate(): unaligned fastbin
+    chunk detected", about 1 exit in 20 in a test). Only the calling thread's streams (MLX refuses another
+    thread's); a no-op where this thread made none."""
+    streams = getattr(_LOCAL, "streams", None)
+    if streams and len(streams) > 1:
+        import mlx.core as mx
+
+        for st in streams[1:]:
+            mx.synchronize(st)
 
 
 @contextmanager

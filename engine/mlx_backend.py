@@ -358,6 +358,12 @@ class MLXBackend:
         return min(max_tokens, ctx - n_prompt)
 
     def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
+        try:
+            yield from self._generate(request, cancel)
+        finally:  # mlx-lm leaves the next step in flight: let it land before anyone can exit (cpu_fast)
+            cpu_fast.synchronize()
+
+    def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
         import mlx.core as mx
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
@@ -475,6 +481,7 @@ class MLXBackend:
     def close(self) -> None:
         import mlx.core as mx
 
+        cpu_fast.synchronize()
         self.model_obj = self.tokenizer = None
         self.prompt_cache.reset()
         self._model_info = None
