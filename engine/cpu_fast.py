@@ -256,6 +256,11 @@ def cpu_streams() -> list[Any]:
     return streams
 
 
+def cuts(n: int, parts: int) -> list[int]:
+    """`parts + 1` boundaries that cut `n` items into `parts` runs as even as integers allow."""
+    return [n * j // parts for j in range(parts + 1)]
+
+
 def synchronize() -> None:
     """Wait until this thread's side streams are idle. Call it when a reply ends: mlx-lm evaluates the next
     step before it yields a token, so work is still in flight there after the last one, and a process that
@@ -301,9 +306,9 @@ def quantized_matmul(
     many = _Switch.on and mode == "affine" and n >= (rows or min_rows()) and scales.dtype == x.dtype
     big = _Switch.on and w.shape[0] * w.shape[1] * 32 // bits >= SPLIT_MIN_PARAMS
     streams = cpu_streams() if big else [None]
-    cuts = [w.shape[0] * j // len(streams) for j in range(len(streams) + 1)]
+    bounds = cuts(w.shape[0], len(streams))
     parts = []
-    for a, b, st in zip(cuts, cuts[1:], streams, strict=False):  # a large matrix: its output features split
+    for a, b, st in zip(bounds, bounds[1:], streams, strict=False):  # a large matrix: output features split
         if len(streams) > 1:
             wp, sp, bp = w[a:b], scales[a:b], biases[a:b] if biases is not None else None
         else:

@@ -23,7 +23,7 @@ import pytest
 
 from engine.base import BudgetError, Done, GenerationRequest, ModelInfo, SamplingParams
 from engine.flash.bench import cgroup_unavailable, run_child
-from engine.flash.budget import MIN_CONTEXT, plan_budget
+from engine.flash.budget import MIN_CONTEXT, moe_pair_floats, plan_budget
 from engine.flash.split import load_manifest, split_model
 
 NO_CGROUP = cgroup_unavailable()
@@ -51,6 +51,21 @@ def test_plan_refuses_a_budget_below_the_runtime_with_the_shortfall(tiny_split: 
     assert abs(short - (need - 150_000_000) / 1e6) < 0.051 and least * 1e6 >= need > (least - 0.1) * 1e6
     plan = plan_budget(man, int(least * 1e6), 2, 8192, 128, runtime=runtime)  # the named budget is enough
     assert plan.context >= MIN_CONTEXT and plan.total <= int(least * 1e6) and plan.runtime == runtime
+
+
+def test_plan_counts_a_moe_prefill_chunks_expert_pairs(tiny_split: Path) -> None:
+    """A MoE layer holds a prefill chunk's top-k (token, expert) pairs: their inputs, gate, up and product,
+    and their outputs three times over (moe.py `_grouped_pairs`); the plan counts them, a dense one not."""
+    man = load_manifest(tiny_split)
+    dense = plan_budget(man, None, 2, 8192, 128)
+    cfg = dict(man.config)
+    moe = {**cfg, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 96}
+    assert moe_pair_floats(cfg) == 0 and moe_pair_floats(moe) == 8 * (4 * int(cfg["hidden_size"]) + 3 * 96)
+    man.config = moe
+    plan = plan_budget(man, None, 2, 8192, 128)
+    assert plan.activations - dense.activations == 128 * moe_pair_floats(moe) * 4 > 0
+    qwen3 = {"hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+    assert round(128 * moe_pair_floats(qwen3) * 4 / 1e6) == 43  # the figure docs/flash.md gives
 
 
 def test_flash_backend_counts_its_own_process_in_the_budget(tiny_split: Path) -> None:

@@ -86,6 +86,19 @@ class BudgetPlan:
         return {**asdict(self), "fixed": self.fixed, "total": self.total}
 
 
+def moe_pair_floats(cfg: dict[str, Any]) -> int:
+    """Per prompt token of a prefill chunk, the floats a MoE layer holds for its top-k (token, expert) pairs
+    (0 for a dense model): each pair's gathered input, gate, up and their product, and its output three
+    times over (the groups' outputs, their concatenation, the same put back in the model's order;
+    moe.py `_grouped_pairs`). 128 tokens of Qwen3-30B-A3B: 43 MB."""
+    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        return 0
+    k = int(cfg.get("num_experts_per_tok") or 8)
+    hidden = int(cfg["hidden_size"])
+    expert_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or hidden * 4)
+    return k * (4 * hidden + 3 * expert_inter)
+
+
 def plan_budget(
     man: Manifest,
     budget: int | None,
@@ -115,6 +128,7 @@ def plan_budget(
     activations = (
         prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
     )
+    activations += prefill_step * moe_pair_floats(cfg) * float_bytes
     kv_per_token = layers * 2 * kv_heads * head_dim * float_bytes
     scores_per_token = 2 * heads * prefill_step * float_bytes
     plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length,

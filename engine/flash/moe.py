@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cpu_fast import cpu_streams
+from ..cpu_fast import cpu_streams, cuts
 from .experts import ExpertCache
 from .reader import AlignedBuffer, UnitReader
 from .safetensors_io import DTYPE_SIZES
@@ -483,10 +483,10 @@ class StreamedSwitchGLU:
         if parts <= 1:
             idx = slots.reshape(-1, 1)
             return self._glu(x_rows[mx.array(rows)], mx.array(idx), idx.shape)
-        cuts = np.linspace(0, n, parts + 1).astype(int)
+        bounds = cuts(n, parts)
         outs = []
         for j in range(parts):
-            a, b = cuts[j], cuts[j + 1]
+            a, b = bounds[j], bounds[j + 1]
             idx = slots[a:b].reshape(-1, 1)
             outs.append(self._glu(x_rows[mx.array(rows[a:b])], mx.array(idx), idx.shape, streams[j]))
         return mx.concatenate(outs, axis=0)
