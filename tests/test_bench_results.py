@@ -163,3 +163,28 @@ def test_residency_efficiency_recomputes_from_the_runs(name: str) -> None:
         gain = (hi["decode_tps"] - lo["decode_tps"]) / lo["decode_tps"]
         cut = (lo["bytes_per_token"] - hi["bytes_per_token"]) / lo["bytes_per_token"]
         assert eff == round(gain / cut, 3)
+
+
+def test_dense_gpu_summary_recomputes() -> None:
+    """The dense GPU headline: the ceiling is the best measured bandwidth (or the in-memory run), the
+    headline run is the median of the first depth's runs, and each depth's ratios recompute."""
+    d = load("flash-dense-gpu.json")
+    io = d["measured_bandwidth_Bps"] / d["bytes_per_token"]
+    ceiling = min(io, d["compute_ceiling_tps"]) if d["compute_ceiling_tps"] else io
+    assert d["ceiling_tps"] == pytest.approx(ceiling, rel=1e-9)
+    assert d["ceiling_ratio"] == round(d["flash"]["decode_tps"] / ceiling, 3)
+    assert d["same_tokens_as_ram"] == (d["flash"]["tokens"] == d["ram"]["tokens"])
+    if "flash_runs" not in d:  # a single run (written before --repeats)
+        return
+    assert d["measured_bandwidth_Bps"] == max(b["bandwidth_Bps"] for b in d["bandwidth_by_depth"].values())
+    runs = d["flash_runs"][str(d["depths"][0])]
+    assert len(runs) == d["repeats"]
+    ranked = sorted(runs, key=lambda r: r["decode_tps"])
+    assert d["flash"] == ranked[(len(ranked) - 1) // 2]
+    for depth, s in d["by_depth"].items():
+        rows = d["flash_runs"][depth]
+        assert s["decode_tps"] == [r["decode_tps"] for r in rows]
+        assert s["ceiling_ratio"] == [round(r["decode_tps"] / ceiling, 3) for r in rows]
+        mid = sorted(rows, key=lambda r: r["decode_tps"])[(len(rows) - 1) // 2]
+        assert s["median_ceiling_ratio"] == round(mid["decode_tps"] / ceiling, 3)
+        assert s["same_tokens_as_ram"] == all(r["tokens"] == d["ram"]["tokens"] for r in rows)
