@@ -166,7 +166,7 @@ def test_residency_efficiency_recomputes_from_the_runs(name: str) -> None:
 
 
 def test_dense_gpu_summary_recomputes() -> None:
-    """The dense GPU headline: the ceiling is the best measured bandwidth (or the in-memory run), the
+    """The dense GPU headline: the ceiling is the best disk probe (or the in-memory run), the
     headline run is the median of the first depth's runs, and each depth's ratios recompute."""
     d = load("flash-dense-gpu.json")
     io = d["measured_bandwidth_Bps"] / d["bytes_per_token"]
@@ -176,7 +176,7 @@ def test_dense_gpu_summary_recomputes() -> None:
     assert d["same_tokens_as_ram"] == (d["flash"]["tokens"] == d["ram"]["tokens"])
     if "flash_runs" not in d:  # a single run (written before --repeats)
         return
-    assert d["measured_bandwidth_Bps"] == max(b["bandwidth_Bps"] for b in d["bandwidth_by_depth"].values())
+    assert d["measured_bandwidth_Bps"] == max(b["bandwidth_Bps"] for b in d["bandwidth_probes"])
     runs = d["flash_runs"][str(d["depths"][0])]
     assert len(runs) == d["repeats"]
     ranked = sorted(runs, key=lambda r: r["decode_tps"])
