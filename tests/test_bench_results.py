@@ -22,6 +22,7 @@ RAW = {
     "flash-budget.json": "models",
     "flash-dense.json": "flash",
     "flash-dense-gpu.json": "flash",
+    "flash-dense-gpu-oneprobe.json": "flash_runs",
     "flash-moe.json": "runs",
     "flash-moe-gpu.json": "runs",
     "flash-moe-gpu-explore.json": "runs",
