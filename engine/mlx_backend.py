@@ -13,6 +13,7 @@ dequantize-then-BLAS path for prefill (`engine.cpu_fast`; FLASHCODE_CPU_FAST=0 t
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import resource
@@ -262,6 +263,10 @@ class MLXBackend:
     """Backend protocol over mlx-lm, model held in RAM."""
 
     name = "mlx"
+    # True: each token is handed out before the next step is built (engine.decode), for a model whose
+    # graph building computes (flash: streamed weights are read, MoE routers read back); False: mlx-lm's
+    # loop, which builds step n+1 while token n is handled
+    yield_first = False
 
     def __init__(
         self,
@@ -283,6 +288,7 @@ class MLXBackend:
         self.tokenizer: Any = None
         self.config: dict[str, Any] = {}
         self.prompt_cache = PromptCacheState()
+        self.last_passes = 0  # forward passes of the last reply (its prompt's counts as one)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -368,6 +374,8 @@ class MLXBackend:
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
+        from .decode import stream_generate_yield_first
+
         self._require()
         t0 = time.perf_counter()
         prompt = self.prompt_tokens(request)
@@ -395,8 +403,14 @@ class MLXBackend:
         finish: str = "length"
         last = None
         seam: bool | None = None if request.continue_final else False  # a space the detokenizer dropped?
+        passes: list[int] = []
+        generate: Any = (
+            functools.partial(stream_generate_yield_first, passes=passes)
+            if self.yield_first
+            else stream_generate
+        )
         try:
-            for resp in stream_generate(
+            for resp in generate(
                 self.model_obj,
                 self.tokenizer,
                 mx.array(prompt[cached:]),
@@ -470,6 +484,8 @@ class MLXBackend:
             )
         self.prompt_cache.record(prompt + generated + fed_eos)
         stats.completion_tokens = len(generated)
+        # forward passes run (the prompt's counts as one); mlx-lm's loop built one step past the last token
+        self.last_passes = passes[0] if passes else len(generated) + len(fed_eos) + 1
         stats.total_s = time.perf_counter() - t0
         if last is not None:
             stats.prompt_tps = float(last.prompt_tps)

@@ -96,8 +96,9 @@ def test_flash_greedy_tokens_and_logits_match_mlx(flash, mlx_backend) -> None:
         assert ids == ref_ids, f"tokens differ for {prompt!r}"
         assert done.text == ref_done.text
         assert len(ids) == 64 or ref_done.finish_reason == "stop"
-        assert len(logits) == len(ref_logits) >= len(ids)
-        worst = max(worst, max(float(mx.abs(a - b).max()) for a, b in zip(ref_logits, logits, strict=True)))
+        # flash hands each token out before it builds the next step (engine.decode): one forward fewer
+        assert len(logits) == len(ref_logits) - 1 >= len(ids)
+        worst = max(worst, max(float(mx.abs(a - b).max()) for a, b in zip(ref_logits, logits, strict=False)))
         extra = done.stats.extra
         if flash.kind == "streamed":
             assert extra["bytes_read"] >= done.stats.completion_tokens * flash.manifest.streamed_bytes

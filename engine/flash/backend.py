@@ -103,6 +103,7 @@ def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan
 
 class FlashBackend(MLXBackend):
     name = "flash"
+    yield_first = True  # building a step reads its weights (and a MoE layer's router choice): engine.decode
 
     def __init__(
         self,
@@ -292,10 +293,10 @@ class FlashBackend(MLXBackend):
                 s = ev.stats
                 read = self.reader.stats.bytes - b0
                 read_s = self.reader.stats.read_s - r0
-                tokens = max(1, s.completion_tokens)
+                passes = max(1, self.last_passes)  # the prompt's pass and one per later token
                 s.extra.update({
                     "bytes_read": read,
-                    "bytes_per_token": read / (tokens + 1),  # prefill counts as one pass
+                    "bytes_per_token": read / passes,
                     "read_bandwidth_Bps": read / read_s if read_s else 0.0,
                     "bytes_per_s": read / s.total_s if s.total_s else 0.0,
                     "direct_io": self.reader.direct,
@@ -304,7 +305,7 @@ class FlashBackend(MLXBackend):
                     **self.memory_report(),
                 })  # fmt: skip
                 if self.expert_stream and m0 is not None:
-                    s.extra.update(moe_extra(self.expert_stream, m0, tokens + 1))
+                    s.extra.update(moe_extra(self.expert_stream, m0, passes))
                 s.peak_rss_bytes = s.extra["peak_rss_bytes"]
             yield ev
 
