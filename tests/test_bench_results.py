@@ -23,6 +23,7 @@ RAW = {
     "flash-dense.json": "flash",
     "flash-dense-gpu.json": "flash",
     "flash-dense-gpu-oneprobe.json": "flash_runs",
+    "flash-dense-gpu-depth.json": "flash_runs",
     "flash-moe.json": "runs",
     "flash-moe-gpu.json": "runs",
     "flash-moe-gpu-explore.json": "runs",
@@ -166,10 +167,11 @@ def test_residency_efficiency_recomputes_from_the_runs(name: str) -> None:
         assert eff == round(gain / cut, 3)
 
 
-def test_dense_gpu_summary_recomputes() -> None:
+@pytest.mark.parametrize("name", ["flash-dense-gpu.json", "flash-dense-gpu-depth.json"])
+def test_dense_gpu_summary_recomputes(name: str) -> None:
     """The dense GPU headline: the ceiling is the best disk probe (or the in-memory run), the
     headline run is the median of the first depth's runs, and each depth's ratios recompute."""
-    d = load("flash-dense-gpu.json")
+    d = load(name)
     io = d["measured_bandwidth_Bps"] / d["bytes_per_token"]
     ceiling = min(io, d["compute_ceiling_tps"]) if d["compute_ceiling_tps"] else io
     assert d["ceiling_tps"] == pytest.approx(ceiling, rel=1e-9)
