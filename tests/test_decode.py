@@ -133,3 +133,42 @@ def test_flash_hands_each_token_out_before_computing_the_next(tiny_moe: Path) ->
         assert extra["bytes_per_token"] == extra["bytes_read"] / 6
     finally:
         backend.close()
+
+
+def test_a_follow_up_turn_on_flash_reuses_the_cache_and_answers_as_a_cold_start(
+    default_model: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Yield-first never feeds a reply's last token (nothing asked for the step after it): the warm
+    cache holds one token less than mlx-lm's loop left, and the next turn must prefill from there.
+    The follow-up's tokens equal a cold start's, with the cache reused."""
+    import dataclasses
+
+    from engine.flash.backend import FlashBackend
+    from engine.flash.split import split_model
+    from engine.mlx_backend import cache_offset
+
+    split = split_model(default_model.path, tmp_path_factory.mktemp("flash") / "split", progress=False)
+    b = FlashBackend(memory_budget=300_000_000, runtime_bytes=0, residency=False)  # every FFN streamed
+    b.load(dataclasses.replace(default_model, split_path=split))
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        first = [{"role": "user", "content": "Name a fruit."}]
+        ids1, done1 = run(b, GenerationRequest(messages=first, sampling=greedy))
+        held = cache_offset(b.prompt_cache.cache)
+        prompt = b.prompt_tokens(GenerationRequest(messages=first))
+        assert b.prompt_cache.tokens == (prompt + ids1)[:held]
+        # every sampled token but the last was fed (on EOS the last one sampled is the EOS itself)
+        assert held == len(prompt) + len(ids1) - (0 if done1.finish_reason == "stop" else 1)
+        follow = [
+            *first,
+            {"role": "assistant", "content": done1.text},
+            {"role": "user", "content": "And a colour?"},
+        ]
+        warm, done_warm = run(b, GenerationRequest(messages=follow, sampling=greedy))
+        assert done_warm.stats.cached_tokens > 0
+        b.prompt_cache.reset()
+        cold, done_cold = run(b, GenerationRequest(messages=follow, sampling=greedy))
+        assert done_cold.stats.cached_tokens == 0
+        assert warm == cold and done_warm.text == done_cold.text and warm
+    finally:
+        b.close()
