@@ -138,6 +138,11 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     request = fake.history[-1]
     sent = request.messages[-1]["content"] if request.messages else str(request.prompt)
     assert '<untrusted source="file app.py (' in sent and "return f'hello {name}'" in sent
+    # attachments go with one message: the page clears them when the server's reply to the send lands,
+    # which can be after the engine has the request
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and page.locator("#attachments .attachment").count():
+        time.sleep(0.1)
     assert page.locator("#attachments .attachment").count() == 0
 
     # Beta: its own directory, no Alpha rule, its own conversations and contexts
