@@ -27,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from engine.flash.bench import PROMPT, cgroup_unavailable, drop_page_cache, run_child, summarize
+    from engine.flash.bench import (
+        PROMPT,
+        cgroup_unavailable,
+        drop_page_cache,
+        median_run,
+        run_child,
+        summarize,
+    )
     from engine.flash.reader import measure_bandwidth
     from engine.flash.split import load_manifest, split_model
     from engine.flash.synth import synth_model
@@ -143,14 +150,10 @@ def main() -> int:
     return 0
 
 
-def median_run(runs: list[dict]) -> dict:
-    """The median run by decode tok/s (the lower middle one of an even count): a real run, not a blend."""
-    ranked = sorted(runs, key=lambda r: r.get("decode_tps") or 0.0)
-    return ranked[(len(ranked) - 1) // 2]
-
-
 def depth_summary(runs: list[dict], ceiling_tps: float, ram_tokens: list[int] | None) -> dict:
     """One depth's runs against the invocation's ceiling: every run's ratio and the median's."""
+    from engine.flash.bench import median_run
+
     ratios = [round((r.get("decode_tps") or 0.0) / ceiling_tps, 3) for r in runs]
     return {
         "decode_tps": [r.get("decode_tps") for r in runs],

@@ -44,6 +44,7 @@ from engine.flash.bench import (  # noqa: E402
     _ratio,
     _size,
     drop_page_cache,
+    median_run,
     run_child,
     run_llama,
 )
@@ -293,9 +294,7 @@ def bench_one(
         res["flash_runs"].append(f)
         log(f"  flash {r + 1}/{repeats}: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, hit {f.get('decode_hit_rate')}, "
             f"read wait {f.get('read_wait_s_total')} s")  # fmt: skip
-    tps_runs = [f.get("decode_tps") or 0.0 for f in res["flash_runs"]]
-    median = sorted(tps_runs)[(len(tps_runs) - 1) // 2]  # the lower middle for an even count
-    res["flash"] = res["flash_runs"][tps_runs.index(median)]
+    res["flash"] = median_run(res["flash_runs"])
     if profile:  # one more run, each part evaluated on the spot: slower, but it says where the time goes
         drop_page_cache()
         f = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next,

@@ -13,7 +13,7 @@ prompt and samples the first token (run with `max_tokens=0`, its sampler wrapped
 each later step repeats the ops of mlx-lm's `_step` (the model on the last token, the logits
 processors over every token so far, the KV cache's quantization, log-softmax, the sampler) on the
 same stream. Its responses are `GenerationResponse`s with `stream_generate`'s fields and timings
-(`prompt_tps` up to the first token, `generation_tps` after it); `passes` gets the forward passes run.
+(`prompt_tps` up to the first token, `generation_tps` after it).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def stream_generate_yield_first(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
-    passes: list[int] | None = None,
     **prefill: Any,
 ) -> Iterator[Any]:
     """`mlx_lm.stream_generate(model, tokenizer, prompt, ...)` for an `mx.array` prompt and a
@@ -66,8 +65,6 @@ def stream_generate_yield_first(
 
     detokenizer = tokenizer.detokenizer
     eos = tokenizer.eos_token_ids
-    count = passes if passes is not None else []
-    count[:] = [0]
     with wired_limit(model, [generation_stream]):
         tic = time.perf_counter()
         # the prompt and the first token, by mlx-lm itself: it stops before building a second step
@@ -77,7 +74,6 @@ def stream_generate_yield_first(
             pass
         y, logprobs = kept[-1]
         tokens = prompt if logits_processors else None  # generate_step's history: the whole prompt
-        count[0] = 1
         prompt_tps = 0.0
         n = 0
         while True:
@@ -106,7 +102,6 @@ def stream_generate_yield_first(
                 logprobs = logits - mx.logsumexp(logits, keepdims=True)
                 y = sampler(logprobs)
             mx.async_eval(y, logprobs)
-            count[0] += 1
             n += 1
             if n % 256 == 0:
                 mx.clear_cache()

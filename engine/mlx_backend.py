@@ -13,7 +13,6 @@ dequantize-then-BLAS path for prefill (`engine.cpu_fast`; FLASHCODE_CPU_FAST=0 t
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import resource
@@ -403,12 +402,7 @@ class MLXBackend:
         finish: str = "length"
         last = None
         seam: bool | None = None if request.continue_final else False  # a space the detokenizer dropped?
-        passes: list[int] = []
-        generate: Any = (
-            functools.partial(stream_generate_yield_first, passes=passes)
-            if self.yield_first
-            else stream_generate
-        )
+        generate = stream_generate_yield_first if self.yield_first else stream_generate
         try:
             for resp in generate(
                 self.model_obj,
@@ -484,8 +478,9 @@ class MLXBackend:
             )
         self.prompt_cache.record(prompt + generated + fed_eos)
         stats.completion_tokens = len(generated)
-        # forward passes run (the prompt's counts as one); mlx-lm's loop built one step past the last token
-        self.last_passes = passes[0] if passes else len(generated) + len(fed_eos) + 1
+        # forward passes run (the prompt's counts as one): one per token sampled (the reply's and an EOS);
+        # mlx-lm's loop built one step past the last
+        self.last_passes = len(generated) + len(fed_eos) + (0 if self.yield_first else 1)
         stats.total_s = time.perf_counter() - t0
         if last is not None:
             stats.prompt_tps = float(last.prompt_tps)

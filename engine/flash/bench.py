@@ -354,6 +354,12 @@ def run_bench(model: Path, memory_cap: int, tokens: int = 8, timeout: float = 18
     return summarize(res, bytes_per_token)
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median run by decode tok/s (the lower middle one of an even count): a real run, not a blend."""
+    ranked = sorted(runs, key=lambda r: r.get("decode_tps") or 0.0)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def summarize(res: dict[str, Any], bytes_per_token: int) -> dict[str, Any]:
     flash, ram = res["flash"], res.get("ram", {})
     tps = flash.get("decode_tps") or 0.0
