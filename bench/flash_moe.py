@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pipeline",
         default="",
-        choices=["", "threaded", "overlap", "legacy"],
+        choices=["", "direct", "threaded", "overlap", "legacy"],
         help="device path (engine default)",
     )
     ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")

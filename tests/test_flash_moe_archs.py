@@ -211,16 +211,20 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
 
 
 @pytest.mark.parametrize(
-    "pipeline,prefetch", [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1)]
+    "pipeline,prefetch",
+    [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2)],
 )
 def test_device_pipelines_give_the_same_answer(
     pipeline: str, prefetch: int, tmp_path: Path, model_home: Path
 ) -> None:
-    """The device paths — each expert copied as its read lands (overlap) or after all (legacy), with the exact
-    multi-layer guess-ahead read in the router's own sync — give mlx-lm's tokens and logits, profiled or not."""
+    """The device paths — each expert copied as its read lands (overlap), after all (legacy), on a copy thread
+    (threaded) or byte for byte into its bank slot from its staging (direct: CUDA's copies on the GPU, memmove
+    here), with the exact multi-layer guess-ahead read in the router's own sync — give mlx-lm's tokens and
+    logits, profiled or not."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    from engine.flash.devcopy import HostCopier
     from engine.flash.split import split_model
 
     model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
@@ -231,7 +235,12 @@ def test_device_pipelines_give_the_same_answer(
     syncs: set[int] = set()
     for profile in (False, True):
         model, stream = streamed(model_dir, slots=3, prefetch=prefetch)
-        stream.host_writes, stream.pipeline, stream.profile = False, pipeline, profile
+        if pipeline == "direct":
+            stream.use_copier(HostCopier())
+            assert stream.pipeline == "direct" and not stream.host_writes
+        else:
+            stream.host_writes, stream.pipeline = False, pipeline
+        stream.profile = profile
         toks, logits = greedy(model)
         assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
         assert stream.stats.experts_read > 3 * 4

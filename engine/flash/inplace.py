@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .reader import DIO, AlignedBuffer, ReadStats, join_reads, open_direct
+from .reader import DIO, AlignedBuffer, ReadStats, buffer_address, join_reads, open_direct
 from .split import ALIGN
 
 READ_CHUNK = 4 << 20  # as UnitReader: one preadv takes at least this much, or a thread's share of the read
@@ -35,11 +35,6 @@ MIN_DIRECT = 4 * DIO  # a range read straight into the destination: at least thi
 def scratch_bytes(threads: int, chunk: int = SCRATCH_CHUNK) -> int:
     """Memory the reader's scratch buffers take (for the budget): one per thread, per pool."""
     return 2 * threads * (chunk + 2 * ALIGN)
-
-
-def _address(view: memoryview) -> int:
-    """Where a writable buffer's first byte is (the ctypes object holding the export is dropped at once)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class InPlaceReader:
@@ -167,7 +162,7 @@ class InPlaceReader:
             _, fo, _, at = max(ranges, key=lambda r: r[2])
             buf.rebase((fo - at) % DIO)
         view = buf.view
-        base = _address(view)
+        base = buffer_address(view)
         first = -base % DIO  # parts are cut where the destination is on a page: no head or tail there
         cut: list[tuple[int, int, int, int, int]] = []  # (part, file, file offset, bytes, offset in the read)
         for fi, fo, n, at in ranges:

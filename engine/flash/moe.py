@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from ..cpu_fast import cpu_streams, cuts
+from .devcopy import BankCopier, address_of, open_device_copier
 from .experts import ExpertCache
-from .reader import AlignedBuffer, UnitReader
+from .reader import AlignedBuffer, UnitReader, buffer_address
 from .safetensors_io import DTYPE_SIZES
 from .split import Manifest, Unit, UnitTensor, check_unit, first_layer
 
@@ -138,7 +139,7 @@ class ExpertStream:
     (all reads waited for, then one copy per tensor). Both are kept to measure against. No host sync per miss."""
 
     def __init__(self, man: Manifest, reader: UnitReader, cache: ExpertCache, max_misses: int = 16,
-                 verify: bool = False, record: bool = False) -> None:  # fmt: skip
+                 verify: bool = False, record: bool = False, copier: BankCopier | None = None) -> None:  # fmt: skip
         import mlx.core as mx
 
         self.man, self.reader, self.cache = man, reader, cache
@@ -155,15 +156,9 @@ class ExpertStream:
         self.template: dict[int, list[UnitTensor]] = {li: self.units[li][0].tensors for li in self.layers}
         self.used_bytes = {li: max(t.offset + t.nbytes for t in ts) for li, ts in self.template.items()}
         self.banks: list[dict[str, Any]] = []
-        for li in self.layers:
-            bank = {
-                t.name: mx.zeros((cache.slots, *t.shape), dtype=_mx_dtype(bank_dtype(t.dtype)))
-                for t in self.template[li]
-            }
-            mx.eval(list(bank.values()))
-            self.banks.append(bank)
-        # CPU: misses are written into the banks' memory directly (numpy views); GPU: as MLX slice updates
-        # that join the layer's graph (every extra sync there serialises Python with the device).
+        self._make_banks(same_dtype=False)
+        # CPU: misses are written into the banks' memory directly (numpy views); CUDA: copied into it from
+        # pinned staging (`direct`, devcopy.py); elsewhere as MLX slice updates joined to the layer's graph
         self.host_writes = mx.default_device() == mx.cpu
         # CPU: writable numpy views of the banks (MLX arrays, evaluated once, never replaced on the CPU).
         # Safe: a layer's bank is written only after its router readback, which has evaluated every
@@ -186,6 +181,45 @@ class ExpertStream:
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
+        self.copier: BankCopier | None = None
+        self.slot_addr: list[
+            dict[str, tuple[int, int]]
+        ] = []  # per layer index: tensor -> (address, slot bytes)
+        if copier is None and not self.host_writes:
+            copier = open_device_copier()
+        if copier is not None:
+            self.use_copier(copier)
+
+    def _make_banks(self, same_dtype: bool) -> None:
+        """One bank per MoE layer: `slots` experts per tensor, in the dtype on disk (`same_dtype`: what a
+        byte copy needs) or in `bank_dtype`'s."""
+        import mlx.core as mx
+
+        self.banks = []
+        for li in self.layers:
+            bank = {
+                t.name: mx.zeros((self.cache.slots, *t.shape),
+                                 dtype=_mx_dtype(t.dtype if same_dtype else bank_dtype(t.dtype)))
+                for t in self.template[li]
+            }  # fmt: skip
+            mx.eval(list(bank.values()))
+            self.banks.append(bank)
+
+    def use_copier(self, copier: BankCopier) -> None:
+        """The `direct` device path: a missed expert's bytes go from its (pinned) staging straight into its bank
+        slot, tensor by tensor (`copier`, devcopy.py), as its read lands; no MLX op, no new array, no page
+        migration. Before any expert is loaded: the banks are made again, in the dtypes on disk."""
+        if self.cache.used_bytes:
+            raise RuntimeError("use_copier must come before the first expert is loaded")
+        self._make_banks(same_dtype=True)
+        self.copier, self.host_writes, self.pipeline = copier, False, "direct"
+        self.slot_addr = [
+            {name: (address_of(arr), arr.nbytes // arr.shape[0]) for name, arr in bank.items()}
+            for bank in self.banks
+        ]
+        copier.register(buffer_address(self.staging.view), self.staging.size)
+        if self.pf_k:
+            copier.register(buffer_address(self.pf_staging.view), self.pf_staging.size)
 
     @property
     def bank_bytes(self) -> int:
@@ -217,6 +251,8 @@ class ExpertStream:
         self.pf_k, self.pf_depth = k, max(1, depth)
         self.pf_staging = AlignedBuffer(self.pf_depth * k * self.unit_bytes)
         self.pf = {}
+        if self.copier is not None:
+            self.copier.register(buffer_address(self.pf_staging.view), self.pf_staging.size)
 
     def prefetch(self, i: int, guesses: list[np.ndarray]) -> None:
         """Layer index `i` has consumed its own prefetches: read the guesses for layers i+1 .. i+len(guesses)."""
@@ -280,6 +316,9 @@ class ExpertStream:
             futs[self.reader.read(part, u.offset, u.length, self.read_chunk)] = (k, s, view)  # type: ignore[arg-type]
         self.stats.experts_read += len(futs)
         self._drain(ready, {k for k, _, _ in landed})
+        if self.copier is not None and self.pipeline == "direct":
+            self._load_direct(i, futs, landed, guesses)
+            return
         if not self.host_writes and self.pipeline == "threaded":
             if self._h2d_pool is None:
                 self._h2d_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-h2d")
@@ -342,6 +381,51 @@ class ExpertStream:
             self._legacy_to_bank(i, todo)
         if guesses:
             self.prefetch(i, guesses)
+
+    def _load_direct(
+        self,
+        i: int,
+        futs: dict[Any, tuple[int, int, memoryview]],
+        landed: list[tuple[int, int, memoryview]],
+        guesses: list[np.ndarray] | None,
+    ) -> None:
+        """`direct`: each expert is copied into its bank slot as its read lands, while the others are in flight;
+        the layer returns once every copy is done (its compute is queued next, and its staging is reused)."""
+        copier = self.copier
+        assert copier is not None
+        for k, s, view in landed:
+            self._copy_to_bank(i, k, s, view)
+        if landed and guesses and self.pf_k:  # the guesses issued next reuse the landed experts' region
+            self._wait_copies()
+        if guesses:
+            self.prefetch(i, guesses)
+        pending = set(futs)
+        while pending:
+            t0 = time.perf_counter()
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            dt = time.perf_counter() - t0
+            self.prof.add("read_wait", dt)
+            self.stats.read_wait_s += dt
+            for f in done:
+                f.result()
+                self._copy_to_bank(i, *futs[f])
+        self._wait_copies()
+
+    def _copy_to_bank(self, i: int, k: int, s: int, view: memoryview) -> None:
+        """Queue the copies of expert k's tensors from its staging `view` into bank slot `s`."""
+        layer = self.layers[i]
+        self._verify(layer, k, view)
+        t0 = time.perf_counter()
+        src, addr, copy = buffer_address(view), self.slot_addr[i], self.copier.copy  # type: ignore[union-attr]
+        for t in self.template[layer]:
+            base, stride = addr[t.name]
+            copy(base + s * stride, src + t.offset, t.nbytes)
+        self.prof.add("h2d", time.perf_counter() - t0)
+
+    def _wait_copies(self) -> None:
+        t0 = time.perf_counter()
+        self.copier.wait()  # type: ignore[union-attr]
+        self.prof.add("bank", time.perf_counter() - t0)
 
     def _drain(self, ready: dict[int, tuple[memoryview, Any]], used: set[int] | None = None) -> None:
         """Wait for a layer's guessed reads (used or not) before their region is reused; a used one must have
@@ -426,6 +510,9 @@ class ExpertStream:
         self._take_prefetched(-1)
         if self._h2d_pool is not None:
             self._h2d_pool.shutdown(wait=True)
+        if self.copier is not None:
+            self.copier.close()  # waits for its copies, unpins the staging
+            self.copier = None
         self.banks = []
         self.staging.close()
         if self.pf_k:

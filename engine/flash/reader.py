@@ -8,6 +8,7 @@ fault. What it does not know: what the bytes mean (dense.py) or which unit comes
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -43,6 +44,11 @@ def open_direct(path: Path, direct: bool = True) -> tuple[int, bool]:
         fcntl.fcntl(fd, 48, 1)  # F_NOCACHE
         return fd, True
     return fd, False
+
+
+def buffer_address(view: memoryview) -> int:
+    """Where a writable buffer's first byte is (the ctypes object holding the export is dropped at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 DIO = 4096  # direct I/O's granularity: file offsets, lengths and memory addresses (sectors are <= 4 KiB)
