@@ -95,6 +95,7 @@ PROFILE_PARTS = (
     "wait_input",
     "router",
     "cache",
+    "issue",
     "read_wait",
     "h2d",
     "bank",
@@ -113,10 +114,12 @@ class MoEProfile:
 
     wait_input: profile only, the device finishing what precedes the router (this layer's attention, the
     previous layer's experts); router: router + top-k + reading the choice back (the layer's one host sync);
-    cache: ids -> slots (unique, policy, slot table); read_wait: waiting for missed experts' reads;
-    h2d: host-to-device copies of their bytes; bank: bank updates (profile: evaluated); compute: the
-    experts' matmuls (profile: evaluated); prefetch: guessing and issuing speculative reads (opt-in);
-    h2d_async: the copies made on the copy thread (`pipeline = "threaded"`), overlapped, not compute-thread time."""
+    cache: ids -> slots (unique, policy, slot table); issue: starting the missed experts' reads; read_wait:
+    waiting for them (`direct`: and for their copies to be queued); h2d: host-to-device copies of their bytes
+    (`direct`: queued on the compute thread); bank: bank updates (profile: evaluated; `direct`: waiting for
+    the copies to finish); compute: the experts' matmuls (profile: evaluated); prefetch: guessing and issuing
+    speculative reads (opt-in); h2d_async: the copies made off the compute thread (`threaded`: on the copy
+    thread; `direct`: queued by the reader thread whose read landed), overlapped, not compute-thread time."""
 
     calls: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROFILE_PARTS, 0.0))
@@ -303,6 +306,7 @@ class ExpertStream:
     ) -> None:
         layer = self.layers[i]
         ub, ready = self.unit_bytes, ready or {}
+        t0 = time.perf_counter()
         futs: dict[Any, tuple[int, int, memoryview]] = {}  # read -> (expert, slot, staging view)
         landed: list[tuple[int, int, memoryview]] = []  # guessed right: read ahead already
         for j, (k, s) in enumerate(misses):  # all reads in flight at once: the pool spreads them
@@ -315,6 +319,7 @@ class ExpertStream:
             part = SimpleNamespace(size=ub, view=view)
             futs[self.reader.read(part, u.offset, u.length, self.read_chunk)] = (k, s, view)  # type: ignore[arg-type]
         self.stats.experts_read += len(futs)
+        self.prof.add("issue", time.perf_counter() - t0)
         self._drain(ready, {k for k, _, _ in landed})
         if self.copier is not None and self.pipeline == "direct":
             self._load_direct(i, futs, landed, guesses)
@@ -399,20 +404,41 @@ class ExpertStream:
             self._wait_copies()
         if guesses:
             self.prefetch(i, guesses)
-        pending = set(futs)
-        while pending:
-            t0 = time.perf_counter()
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            dt = time.perf_counter() - t0
-            self.prof.add("read_wait", dt)
-            self.stats.read_wait_s += dt
-            for f in done:
-                f.result()
-                self._copy_to_bank(i, *futs[f])
+        copied = [self._copy_on_landing(f, i, *where) for f, where in futs.items()]
+        t0 = time.perf_counter()
+        for c in copied:
+            c.result()
+        dt = time.perf_counter() - t0
+        self.prof.add("read_wait", dt)
+        self.stats.read_wait_s += dt
         self._wait_copies()
 
-    def _copy_to_bank(self, i: int, k: int, s: int, view: memoryview) -> None:
-        """Queue the copies of expert k's tensors from its staging `view` into bank slot `s`."""
+    def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
+        """`direct`: expert k's copies are queued by the reader thread that finishes its read (the driver call
+        releases the GIL), so the compute thread only waits; the future is done once they are queued."""
+        queued: Future[None] = Future()
+        # the staging view is handed over once: a done future keeps its callbacks (and the reader's futures
+        # form reference cycles), and a view still held at close() would keep the staging from being unmapped
+        held = [view]
+
+        def landed(f: Future[float]) -> None:
+            mine = held.pop()
+            try:
+                f.result()
+                self._copy_to_bank(i, k, s, mine, timed=False)
+            except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
+                queued.set_exception(exc)
+            else:
+                queued.set_result(None)
+            finally:
+                del mine
+
+        read.add_done_callback(landed)
+        return queued
+
+    def _copy_to_bank(self, i: int, k: int, s: int, view: memoryview, timed: bool = True) -> None:
+        """Queue the copies of expert k's tensors from its staging `view` into bank slot `s` (`timed`: on the
+        compute thread, counted as `h2d`)."""
         layer = self.layers[i]
         self._verify(layer, k, view)
         t0 = time.perf_counter()
@@ -420,7 +446,7 @@ class ExpertStream:
         for t in self.template[layer]:
             base, stride = addr[t.name]
             copy(base + s * stride, src + t.offset, t.nbytes)
-        self.prof.add("h2d", time.perf_counter() - t0)
+        self.prof.add("h2d" if timed else "h2d_async", time.perf_counter() - t0)
 
     def _wait_copies(self) -> None:
         t0 = time.perf_counter()
