@@ -26,6 +26,7 @@ RAW = {
     "flash-dense-gpu-depth.json": "flash_runs",
     "flash-moe.json": "runs",
     "flash-moe-gpu.json": "runs",
+    "flash-moe-gpu-direct-first.json": "runs",
     "flash-moe-gpu-explore.json": "runs",
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",

@@ -232,7 +232,8 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     assert extra["expert_cache"]["used_bytes"] <= extra["expert_cache"]["capacity_bytes"] < 60_000_000
 
 
-def test_gpu_results_recompute_from_their_runs() -> None:
+@pytest.mark.parametrize("name", ["flash-moe-gpu.json", "flash-moe-gpu-direct-first.json"])
+def test_gpu_results_recompute_from_their_runs(name: str) -> None:
     """bench/results/flash-moe-gpu.json is bench/flash_moe.py's output: its summary keys recompute from the
     raw runs (median of the repeats against the same invocation's best disk probe and in-memory run), and
     every flash run gave the in-memory tokens."""
@@ -241,7 +242,7 @@ def test_gpu_results_recompute_from_their_runs() -> None:
     from bench.flash_moe import ceiling_of
 
     result = json.loads(
-        (Path(__file__).resolve().parent.parent / "bench/results/flash-moe-gpu.json").read_text()
+        (Path(__file__).resolve().parent.parent / "bench/results" / name).read_text()
     )
     assert result["command"].startswith("bench/flash_moe.py") and result["git_commit"] and result["machine"]
     for routing in ("skewed", "uniform"):

@@ -4,7 +4,7 @@ What it knows: mlx-lm's `SwitchGLU` contract (`switch_mlp(x, indices)` -> per-(t
 weighted and summed by the model's own MoE block), and how to give the very same answer from
 per-expert units: the router and top-k run on the device in the model's own block; one host sync
 per layer reads the chosen ids; the expert cache (experts.py) says which are resident; the misses
-are read in parallel (direct I/O, one preadv per expert) into a staging buffer and copied into a
+are read in parallel (direct I/O, a few preadv calls per expert) into a staging buffer and copied into a
 fixed-shape per-layer *bank* (`slots` experts per tensor, updated in place slot by slot); an
 id-to-slot remap turns the router's ids into bank indices for `mx.gather_qmm`. No per-token
 stacking. A prefill chunk reads each distinct expert once (in groups of at most `slots` when the
@@ -134,12 +134,15 @@ class MoEProfile:
 class ExpertStream:
     """Per-layer banks + the cache + parallel reads of misses. One instance serves every MoE layer.
 
-    Device path (`host_writes` False): `pipeline = "threaded"` (default) chains each missed expert's read to
-    its host-to-device copy (one `mx.array` of the expert's bytes) on a copy thread of its own, so copies run
-    while later reads are in flight and while the compute thread waits; the compute thread then points
-    per-tensor views of it into the expert's bank slot and starts the update at once (`mx.async_eval`).
-    `"overlap"` does the same copy on the compute thread as each read lands; `"legacy"` is the earlier path
-    (all reads waited for, then one copy per tensor). Both are kept to measure against. No host sync per miss."""
+    Device path (`host_writes` False): on CUDA `pipeline = "direct"` (default there, `use_copier`): the staging
+    is page-locked and each missed expert's tensors are copied straight into its bank slot's memory (devcopy.py)
+    as its read lands; the layer waits for the copies, not for any MLX op. Elsewhere `"threaded"` (default)
+    chains each missed expert's read to its host-to-device copy (one `mx.array` of the expert's bytes) on a
+    copy thread of its own, so copies run while later reads are in flight and while the compute thread waits;
+    the compute thread then points per-tensor views of it into the expert's bank slot and starts the update at
+    once (`mx.async_eval`). `"overlap"` does the same copy on the compute thread as each read lands; `"legacy"`
+    is the earlier path (all reads waited for, then one copy per tensor). Both are kept to measure against.
+    No host sync per miss."""
 
     def __init__(self, man: Manifest, reader: UnitReader, cache: ExpertCache, max_misses: int = 16,
                  verify: bool = False, record: bool = False, copier: BankCopier | None = None) -> None:  # fmt: skip
@@ -175,7 +178,9 @@ class ExpertStream:
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
         self.record = record
-        self.pipeline = "threaded"  # device path: "threaded", "overlap" or "legacy" (see the class docstring)
+        self.pipeline = (
+            "threaded"  # device path: "direct", "threaded", "overlap" or "legacy" (class docstring)
+        )
         self._h2d_pool: ThreadPoolExecutor | None = None  # the copy thread (made on first use)
         # one expert read spread over several preadv calls: a single miss still keeps the disk queue deep
         self.read_chunk: int | None = 512 << 10
