@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     import numpy as np
 
+    from bench.flash_moe import device_name
     from engine.flash.devcopy import HostCopier, address_of, open_device_copier
     from engine.flash.reader import buffer_address
     from engine.provenance import provenance
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {
         **provenance(),
-        "device": str(mx.default_device()),
+        "device": device_name(),
         "copier": copier.name,
         "pinned": pinned,
         "expert_bytes": n,
