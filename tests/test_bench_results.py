@@ -20,6 +20,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 # file -> the key that holds its raw, per-run numbers
 RAW = {
     "flash-budget.json": "models",
+    "flash-copy-gpu.json": "runs",
     "flash-dense.json": "flash",
     "flash-dense-gpu.json": "flash",
     "flash-dense-gpu-oneprobe.json": "flash_runs",
@@ -192,3 +193,15 @@ def test_dense_gpu_summary_recomputes(name: str) -> None:
         mid = sorted(rows, key=lambda r: r["decode_tps"])[(len(rows) - 1) // 2]
         assert s["median_ceiling_ratio"] == round(mid["decode_tps"] / ceiling, 3)
         assert s["same_tokens_as_ram"] == all(r["tokens"] == d["ram"]["tokens"] for r in rows)
+
+
+def test_expert_copy_summary_recomputes() -> None:
+    """One expert into its bank slot (bench/flash_copy.py): each path's median is its copies' median, the
+    speed-up recomputes from them, and every path left the expert's bytes in every slot."""
+    d = load("flash-copy-gpu.json")
+    for name, run in d["runs"].items():
+        assert len(run["ms"]) == d["repeats"] and run["bank_holds_expert"] is True
+        assert d[f"{name}_median_ms"] == statistics.median(run["ms"])
+    assert d["speedup_direct_pinned"] == round(
+        d["mx_array_update_median_ms"] / d["direct_pinned_median_ms"], 2
+    )

@@ -241,9 +241,7 @@ def test_gpu_results_recompute_from_their_runs(name: str) -> None:
 
     from bench.flash_moe import ceiling_of
 
-    result = json.loads(
-        (Path(__file__).resolve().parent.parent / "bench/results" / name).read_text()
-    )
+    result = json.loads((Path(__file__).resolve().parent.parent / "bench/results" / name).read_text())
     assert result["command"].startswith("bench/flash_moe.py") and result["git_commit"] and result["machine"]
     for routing in ("skewed", "uniform"):
         run = result["runs"][routing]
