@@ -161,26 +161,26 @@ class ExpertStream:
         self.staging = AlignedBuffer(self.max_misses * self.unit_bytes)
         self.template: dict[int, list[UnitTensor]] = {li: self.units[li][0].tensors for li in self.layers}
         self.used_bytes = {li: max(t.offset + t.nbytes for t in ts) for li, ts in self.template.items()}
-        self.banks: list[dict[str, Any]] = []
-        self._make_banks(same_dtype=False)
         # CPU: misses are written into the banks' memory directly (numpy views); CUDA: copied into it from
         # pinned staging (`direct`, devcopy.py); elsewhere as MLX slice updates joined to the layer's graph
         self.host_writes = mx.default_device() == mx.cpu
+        if copier is None and not self.host_writes:
+            copier = open_device_copier()
+        self.banks: list[dict[str, Any]] = []
+        self._make_banks(same_dtype=copier is not None)
         # CPU: writable numpy views of the banks (MLX arrays, evaluated once, never replaced on the CPU).
         # Safe: a layer's bank is written only after its router readback, which has evaluated every
         # earlier use of it (the previous token's), and grouped prefill evaluates each group first.
         self.bank_np = (
             [{k: np.array(v, copy=False) for k, v in b.items()} for b in self.banks]
-            if self.host_writes
+            if self.host_writes and copier is None
             else []
         )
         self.slot_of = np.zeros((len(self.layers), self.n_experts), dtype=np.uint32)
         self.verified: set[tuple[int, int]] | None = set() if verify else None
         self.stats = MoEStats()
         self.record = record
-        self.pipeline = (
-            "threaded"  # device path: "direct", "threaded", "overlap" or "legacy" (class docstring)
-        )
+        self.pipeline = "threaded"  # device path: direct, threaded, overlap or legacy (class docstring)
         self._h2d_pool: ThreadPoolExecutor | None = None  # the copy thread (made on first use)
         # one expert read spread over several preadv calls: a single miss still keeps the disk queue deep
         self.read_chunk: int | None = 512 << 10
@@ -190,11 +190,7 @@ class ExpertStream:
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
         self.copier: BankCopier | None = None
-        self.slot_addr: list[
-            dict[str, tuple[int, int]]
-        ] = []  # per layer index: tensor -> (address, slot bytes)
-        if copier is None and not self.host_writes:
-            copier = open_device_copier()
+        self.slot_addr: list[dict[str, tuple[int, int]]] = []  # per layer: tensor -> (address, slot bytes)
         if copier is not None:
             self.use_copier(copier)
 
@@ -216,11 +212,17 @@ class ExpertStream:
     def use_copier(self, copier: BankCopier) -> None:
         """The `direct` device path: a missed expert's bytes go from its (pinned) staging straight into its bank
         slot, tensor by tensor (`copier`, devcopy.py), as its read lands; no MLX op, no new array, no page
-        migration. Before any expert is loaded: the banks are made again, in the dtypes on disk."""
+        migration. Before any expert is loaded: banks not in the dtypes on disk are made again in them."""
         if self.cache.used_bytes:
             raise RuntimeError("use_copier must come before the first expert is loaded")
-        self._make_banks(same_dtype=True)
-        self.copier, self.host_writes, self.pipeline = copier, False, "direct"
+        on_disk = {li: {t.name: _mx_dtype(t.dtype) for t in ts} for li, ts in self.template.items()}
+        if any(
+            a.dtype != on_disk[li][n]
+            for li, b in zip(self.layers, self.banks, strict=True)
+            for n, a in b.items()
+        ):
+            self._make_banks(same_dtype=True)  # the CPU's float32 scales (tests of the device path)
+        self.copier, self.host_writes, self.pipeline, self.bank_np = copier, False, "direct", []
         self.slot_addr = [
             {name: (address_of(arr), arr.nbytes // arr.shape[0]) for name, arr in bank.items()}
             for bank in self.banks
