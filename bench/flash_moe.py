@@ -15,7 +15,8 @@ the page cache dropped before each capped run:
 I/O ceiling = bandwidth / ((1 - hit rate) x expert bytes a token routes to); ceiling = min(I/O,
 compute); `ceiling_ratio` = flash decode tok/s / ceiling. Runs as root (cgroups).
 
-`--repeats N` runs flash N times (a fresh process each; every run's numbers and token ids are kept;
+`--warmup N` runs flash N times first, kept apart (`warmup_runs`) and out of the summary: on a fresh GPU
+machine the first run also compiles MLX's CUDA kernels. `--repeats N` runs flash N times (a fresh process each; every run's numbers and token ids are kept;
 the summary takes the median tok/s); `--profile` adds one profiled flash run per routing: per decode
 token and per MoE layer, where the time goes (router + readback, cache, read wait, host-to-device copy,
 bank update, expert compute, the rest of the token), each part evaluated on the spot (engine/flash/moe.py
@@ -295,6 +296,7 @@ def bench_one(
     repeats: int = 1,
     profile: bool = False,
     compare: tuple[tuple[str, tuple[str, ...]], ...] = (),
+    warmup: int = 0,
     probe_threads: tuple[int, ...] = (8,),
     probe_chunks: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
@@ -314,6 +316,13 @@ def bench_one(
         + ", ".join(f"{b['bandwidth_Bps'] / 1e9:.2f} ({b['threads']} threads, chunk {b['chunk'] or 'whole'})"
                     for b in res["bandwidth_probes"])
         + f"; {k} expert reads in flight")  # fmt: skip
+    for r in range(warmup):  # not in the summary: a fresh GPU machine compiles MLX's kernels in its first run
+        drop_page_cache()
+        f = run_flash(model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=child_flags)
+        res.setdefault("warmup_runs", []).append(f)
+        log(
+            f"  warm-up {r + 1}/{warmup}: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, TTFT {f.get('ttft_s')}"
+        )
     res["flash_runs"] = []
     for r in range(repeats):
         drop_page_cache()
@@ -434,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-next", type=int, nargs="?", const=1, default=0,
                     help="opt-in, exact: read the guessed experts of the next N layers ahead (default 1 when given)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="flash runs per routing (fresh processes)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="flash runs before the repeats, kept under warmup_runs, not summarized (a fresh GPU "
+                         "machine compiles MLX's CUDA kernels in its first run)")  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="add a profiled flash run per routing (time per part)"
     )
@@ -513,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         results["runs"][routing] = bench_one(model, args.memory_cap, args.tokens, args.policy, args.top_k,
                                              set(args.skip), args.timeout, args.compute_ceiling, args.prefetch_next,
                                              tuple(float(b) for b in args.routing_bias.split(",") if b), child_flags,
-                                             args.repeats, args.profile, compare,
+                                             args.repeats, args.profile, compare, args.warmup,
                                              tuple(int(t) for t in args.probe_threads.split(",")),
                                              tuple(int(c) for c in args.probe_chunks.split(",")))  # fmt: skip
         if not args.keep:

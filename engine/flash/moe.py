@@ -164,10 +164,10 @@ class ExpertStream:
         # CPU: misses are written into the banks' memory directly (numpy views); CUDA: copied into it from
         # pinned staging (`direct`, devcopy.py); elsewhere as MLX slice updates joined to the layer's graph
         self.host_writes = mx.default_device() == mx.cpu
-        if copier is None and not self.host_writes:
-            copier = open_device_copier()
         self.banks: list[dict[str, Any]] = []
-        self._make_banks(same_dtype=copier is not None)
+        self._make_banks(same_dtype=copier is not None)  # on a GPU bank_dtype keeps the dtypes on disk
+        if copier is None and not self.host_writes:  # after MLX has set the device up (the banks are on it)
+            copier = open_device_copier()
         # CPU: writable numpy views of the banks (MLX arrays, evaluated once, never replaced on the CPU).
         # Safe: a layer's bank is written only after its router readback, which has evaluated every
         # earlier use of it (the previous token's), and grouped prefill evaluates each group first.
