@@ -15,9 +15,10 @@ the page cache dropped before each capped run:
 I/O ceiling = bandwidth / ((1 - hit rate) x expert bytes a token routes to); ceiling = min(I/O,
 compute); `ceiling_ratio` = flash decode tok/s / ceiling. Runs as root (cgroups).
 
-`--warmup N` runs flash N times first, kept apart (`warmup_runs`) and out of the summary: on a fresh GPU
-machine the first run also compiles MLX's CUDA kernels. `--repeats N` runs flash N times (a fresh process each; every run's numbers and token ids are kept;
-the summary takes the median tok/s); `--profile` adds one profiled flash run per routing: per decode
+`--warmup N` runs flash N times first, kept apart (`warmup_runs`, their tokens checked too) and out of
+the summary: on a fresh GPU machine the first run also compiles MLX's CUDA kernels. `--repeats N` runs
+flash N times (a fresh process each; every run's numbers and token ids are kept; the summary takes the
+median tok/s); `--profile` adds one profiled flash run per routing: per decode
 token and per MoE layer, where the time goes (router + readback, cache, read wait, host-to-device copy,
 bank update, expert compute, the rest of the token), each part evaluated on the spot (engine/flash/moe.py
 `MoEProfile`); `--compare "NAME:FLAGS;..."` adds flash runs with other engine flags (e.g. the previous
@@ -396,7 +397,8 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
     compute = ram.get("decode_tps") or None
     ceiling = min(io, compute) if compute else io
     runs = res.get("flash_runs") or [flash]
-    every = [flash, *runs, *([res["profile"]] if "profile" in res else []), *res.get("compare", {}).values()]
+    every = [flash, *runs, *res.get("warmup_runs", []), *([res["profile"]] if "profile" in res else []),
+             *res.get("compare", {}).values()]  # fmt: skip
     same = all(f.get("tokens") == ram.get("tokens") for f in every) if ram.get("tokens") else None
     res.update({
         "decode_tps_runs": [f.get("decode_tps") for f in runs],
