@@ -36,3 +36,13 @@ def test_a_device_copier_only_on_a_cuda_gpu() -> None:
     assert (copier is not None) == cuda
     if copier is not None:
         copier.close()
+
+
+def test_an_array_whose_bytes_mlx_would_copy_has_no_address() -> None:
+    """A strided slice: MLX's byte view of it is a copy, so a write there would never reach it."""
+    import mlx.core as mx
+
+    from engine.flash.devcopy import address_of
+
+    with pytest.raises(RuntimeError, match="copied"):
+        address_of(mx.zeros((4, 8), dtype=mx.float32)[:, ::2])

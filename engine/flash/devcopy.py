@@ -42,16 +42,17 @@ class BankCopier(Protocol):
 
 def address_of(arr: Any) -> int:
     """The address of an MLX array's first byte (evaluated here). Row-contiguous arrays only: MLX's byte
-    view of one shares its buffer, so a write through this address is a write into `arr`."""
+    view of one shares its buffer, so a write through this address is a write into `arr` (checked against
+    the array's own numpy view; numpy has no bfloat16, so a same-size view stands in for one)."""
     import mlx.core as mx
 
-    mx.eval(arr)
     raw = arr.view(mx.uint8)
-    mx.eval(raw)
-    view = np.array(raw, copy=False)
-    if view.flags.owndata:  # a copy: writes there would never reach `arr`
-        raise RuntimeError("MLX copied the array instead of exposing its memory")
-    return int(view.ctypes.data)
+    own = arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr
+    mx.eval(arr, raw, own)
+    address = int(np.array(raw, copy=False).ctypes.data)
+    if address != int(np.array(own, copy=False).ctypes.data):  # a copy: writes there would never reach `arr`
+        raise RuntimeError("MLX copied the array's bytes instead of sharing its memory")
+    return address
 
 
 class HostCopier:
