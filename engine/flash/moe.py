@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -342,11 +343,7 @@ class ExpertStream:
                 self.prefetch(i, guesses)
             pending = set(copies)
             while pending:  # each expert's bank update starts as soon as its copy is on the device side
-                t0 = time.perf_counter()
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                dt = time.perf_counter() - t0
-                self.prof.add("read_wait", dt)
-                self.stats.read_wait_s += dt
+                done, pending = self._first_done(pending)
                 for c in done:
                     k, s, view = copies[c]
                     self._to_bank(i, k, s, view, c.result())
@@ -358,21 +355,12 @@ class ExpertStream:
                 self.prefetch(i, guesses)
             pending = set(futs)
             while pending:  # each expert goes to the device as its read lands, while the rest are in flight
-                t0 = time.perf_counter()
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                dt = time.perf_counter() - t0
-                self.prof.add("read_wait", dt)
-                self.stats.read_wait_s += dt
+                done, pending = self._first_done(pending)
                 for f in done:
                     f.result()
                     self._to_bank(i, *futs[f])
             return
-        t0 = time.perf_counter()
-        for f in futs:
-            f.result()
-        dt = time.perf_counter() - t0
-        self.prof.add("read_wait", dt)
-        self.stats.read_wait_s += dt
+        self._wait_all(futs)
         todo = landed + list(futs.values())
         if self.verified is not None:
             for k, _, view in todo:
@@ -403,21 +391,13 @@ class ExpertStream:
     ) -> None:
         """`direct`: each expert is copied into its bank slot as its read lands, while the others are in flight;
         the layer returns once every copy is done (its compute is queued next, and its staging is reused)."""
-        copier = self.copier
-        assert copier is not None
         for k, s, view in landed:
             self._copy_to_bank(i, k, s, view)
         if landed and guesses and self.pf_k:  # the guesses issued next reuse the landed experts' region
             self._wait_copies()
         if guesses:
             self.prefetch(i, guesses)
-        copied = [self._copy_on_landing(f, i, *where) for f, where in futs.items()]
-        t0 = time.perf_counter()
-        for c in copied:
-            c.result()
-        dt = time.perf_counter() - t0
-        self.prof.add("read_wait", dt)
-        self.stats.read_wait_s += dt
+        self._wait_all([self._copy_on_landing(f, i, *where) for f, where in futs.items()])
         self._wait_copies()
 
     def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
@@ -460,6 +440,26 @@ class ExpertStream:
         self.copier.wait()  # type: ignore[union-attr]
         self.prof.add("bank", time.perf_counter() - t0)
 
+    def _waited(self, t0: float) -> None:
+        """Count the compute thread's wait since `t0` as read wait."""
+        dt = time.perf_counter() - t0
+        self.prof.add("read_wait", dt)
+        self.stats.read_wait_s += dt
+
+    def _wait_all(self, futs: Iterable[Future[Any]]) -> None:
+        """Wait for every future (the first error raises), counted as read wait."""
+        t0 = time.perf_counter()
+        for f in futs:
+            f.result()
+        self._waited(t0)
+
+    def _first_done(self, pending: set[Future[Any]]) -> tuple[set[Future[Any]], set[Future[Any]]]:
+        """(done, still pending) once at least one has finished, the wait counted as read wait."""
+        t0 = time.perf_counter()
+        done, left = wait(pending, return_when=FIRST_COMPLETED)
+        self._waited(t0)
+        return done, left
+
     def _drain(self, ready: dict[int, tuple[memoryview, Any]], used: set[int] | None = None) -> None:
         """Wait for a layer's guessed reads (used or not) before their region is reused; a used one must have
         succeeded."""
@@ -471,9 +471,7 @@ class ExpertStream:
                 fut.result()
             else:
                 fut.exception()
-        dt = time.perf_counter() - t0
-        self.prof.add("read_wait", dt)
-        self.stats.read_wait_s += dt
+        self._waited(t0)
 
     def _verify(self, layer: int, k: int, view: memoryview) -> None:
         if self.verified is not None and (layer, k) not in self.verified:
