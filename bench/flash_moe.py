@@ -93,6 +93,7 @@ def child_main(args: argparse.Namespace) -> None:
     es.profile = args.profile
     if args.pipeline:
         es.pipeline = args.pipeline
+    es.defer = not args.no_defer
     if args.read_chunk >= 0:
         es.read_chunk = args.read_chunk or None  # 0: the reader's own chunk (one preadv per expert)
     req = GenerationRequest(
@@ -141,6 +142,7 @@ def child_main(args: argparse.Namespace) -> None:
         "read_wait_s_total": round(es.stats.read_wait_s, 3),  # the compute thread blocked on expert reads
         "prefetched": es.stats.prefetched,
         "prefetch_used": es.stats.prefetch_used,
+        "deferred_layers": es.stats.deferred,
         "pipeline": es.pipeline if not es.host_writes else "host_writes",
         "profiled": args.profile,
         "profile": decode_profile(first["profile"], es.prof.snapshot(), decode_tokens, s.decode_tps),
@@ -460,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["", "direct", "threaded", "overlap", "legacy"],
         help="device path (engine default)",
     )
+    ap.add_argument("--no-defer", action="store_true",
+                    help="direct path: a layer waits for its misses itself (default: at the next readback)")  # fmt: skip
     ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")
     ap.add_argument("--probe-threads", default="4,8,16",
                     help="the disk limit is the best direct-read probe over these reader thread counts ...")  # fmt: skip
@@ -508,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--memory-cap is required")
     child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []),
                    *(["--pipeline", args.pipeline] if args.pipeline else []),
+                   *(["--no-defer"] if args.no_defer else []),
                    *(["--io-threads", str(args.io_threads)] if args.io_threads else []),
                    *(["--read-chunk", str(args.read_chunk)] if args.read_chunk >= 0 else []))  # fmt: skip
     compare = tuple((name.strip(), tuple(flags.split())) for name, _, flags in

@@ -212,15 +212,17 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
 
 @pytest.mark.parametrize(
     "pipeline,prefetch",
-    [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2)],
-)
+    [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2),
+     ("direct-wait", 0), ("direct-wait", 2)],
+)  # fmt: skip
 def test_device_pipelines_give_the_same_answer(
     pipeline: str, prefetch: int, tmp_path: Path, model_home: Path
 ) -> None:
     """The device paths — each expert copied as its read lands (overlap), after all (legacy), on a copy thread
     (threaded) or byte for byte into its bank slot from its staging (direct: CUDA's copies on the GPU, memmove
     here), with the exact multi-layer guess-ahead read in the router's own sync — give mlx-lm's tokens and
-    logits, profiled or not."""
+    logits, profiled or not. `direct` defers a layer's wait for its misses to the next readback and its copies
+    land only when waited for (as on a CUDA stream); `direct-wait` waits in the layer."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
@@ -235,8 +237,9 @@ def test_device_pipelines_give_the_same_answer(
     syncs: set[int] = set()
     for profile in (False, True):
         model, stream = streamed(model_dir, slots=3, prefetch=prefetch)
-        if pipeline == "direct":
-            stream.use_copier(HostCopier())
+        if pipeline.startswith("direct"):
+            stream.use_copier(HostCopier(queued=True))
+            stream.defer = pipeline == "direct"
             assert stream.pipeline == "direct" and not stream.host_writes
         else:
             stream.host_writes, stream.pipeline = False, pipeline
@@ -244,6 +247,7 @@ def test_device_pipelines_give_the_same_answer(
         toks, logits = greedy(model)
         assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
         assert stream.stats.experts_read > 3 * 4
+        assert (stream.stats.deferred > 0) == (pipeline == "direct" and not profile)
         # only grouped prefill adds syncs, never the guesses
         syncs.add(stream.stats.host_syncs - stream.stats.calls)
         if prefetch:
@@ -255,3 +259,31 @@ def test_device_pipelines_give_the_same_answer(
     plain, plain_stream = streamed(model_dir, slots=3)
     greedy(plain)
     assert syncs == {plain_stream.stats.host_syncs - plain_stream.stats.calls}
+
+
+def test_a_deferred_layer_evaluated_before_its_copies_land_gives_another_answer(
+    tmp_path: Path, model_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control for the test above: with copies that land only when waited for, a deferred layer whose
+    compute is evaluated at once (before `settle`) reads stale bank slots, and the answer changes. So the
+    deferred path's agreement with mlx-lm there comes from waiting in the right place."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.devcopy import HostCopier
+    from engine.flash.moe import ExpertStream
+    from engine.flash.split import split_model
+
+    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
+    split_model(model_dir, progress=False)
+    ref, _ = load_model(model_dir)
+    ref.set_dtype(mx.float32)
+    _, logits_ref = greedy(ref)
+    model, stream = streamed(model_dir, slots=3)
+    stream.use_copier(HostCopier(queued=True))
+    monkeypatch.setattr(ExpertStream, "deferred", property(lambda self: False))  # "nothing pending"
+    monkeypatch.setattr(mx, "async_eval", mx.eval)  # ... so the layer is evaluated before the next readback
+    _, logits = greedy(model)
+    assert stream.stats.experts_read > 3 * 4
+    assert mx.abs(logits - logits_ref).max().item() > 1e-2
+    stream.close()

@@ -56,9 +56,16 @@ def address_of(arr: Any) -> int:
 
 
 class HostCopier:
-    """Copies with memmove: for a bank in host memory (the CPU; tests of the device path)."""
+    """Copies with memmove: for a bank in host memory (the CPU; tests of the device path). `queued`: like a
+    device stream nobody has waited for, a copy lands only at the next `wait` (a caller that reads a slot
+    before waiting reads the old bytes)."""
 
     name = "host"
+
+    def __init__(self, queued: bool = False) -> None:
+        self.queued = queued
+        self._todo: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
 
     def register(self, address: int, size: int) -> None:
         pass
@@ -67,13 +74,20 @@ class HostCopier:
         pass
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
-        ctypes.memmove(dst, src, nbytes)
+        if not self.queued:
+            ctypes.memmove(dst, src, nbytes)
+            return
+        with self._lock:
+            self._todo.append((dst, src, nbytes))
 
     def wait(self) -> None:
-        pass
+        with self._lock:
+            todo, self._todo = self._todo, []
+        for dst, src, nbytes in todo:
+            ctypes.memmove(dst, src, nbytes)
 
     def close(self) -> None:
-        pass
+        self.wait()
 
 
 class CudaError(RuntimeError):

@@ -21,6 +21,7 @@ What it does not know: budgets (backend.py sizes the cache), tokenization, atten
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -49,6 +50,7 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 _NO_STREAM = contextlib.nullcontext()
+log = logging.getLogger(__name__)
 
 
 def expert_units(man: Manifest) -> dict[int, list[Unit]]:
@@ -89,6 +91,7 @@ class MoEStats:
     read_wait_s: float = 0.0  # time the compute thread waited on reads
     prefetched: int = 0  # experts read ahead on a guess (opt-in)
     prefetch_used: int = 0  # of which the router then picked
+    deferred: int = 0  # layers whose wait for their misses moved to the next readback (`direct`)
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
@@ -190,6 +193,12 @@ class ExpertStream:
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
+        # `direct`, decode: a layer with misses returns its (lazy) output without waiting for them; the wait moves
+        # to just before the next eval (`settle`, the next MoE layer's router readback; the last MoE layer waits
+        # itself), so the Python work of building the rest of this layer and the next one runs beside the reads
+        self.defer = True
+        self._pending: list[Future[None]] = []  # the copies a deferred layer's compute needs
+        self._deferred = False
         self.copier: BankCopier | None = None
         self.slot_addr: list[dict[str, tuple[int, int]]] = []  # per layer: tensor -> (address, slot bytes)
         if copier is not None:
@@ -236,9 +245,14 @@ class ExpertStream:
     def bank_bytes(self) -> int:
         return sum(a.nbytes for b in self.banks for a in b.values())
 
-    def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None) -> None:
+    def ensure(
+        self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None, defer: bool = False
+    ) -> None:
         """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
-        `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued)."""
+        `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued).
+        `defer` (`direct` path): return once the last reads are issued; `settle` waits for them and their copies,
+        and must run before anything that evaluates this layer's compute."""
+        self.settle()
         t0 = time.perf_counter()
         res = self.cache.access(i, ids.tolist())
         misses = [(k, s) for k, s, hit in res if not hit]
@@ -252,7 +266,22 @@ class ExpertStream:
             return
         n, mm = len(misses), self.max_misses
         for j in range(0, n, mm):  # the guesses go out with the last group (they reuse this layer's region)
-            self._load(i, misses[j : j + mm], ready, guesses if j + mm >= n else None)
+            last = j + mm >= n
+            self._load(i, misses[j : j + mm], ready, guesses if last else None, defer and last)
+
+    @property
+    def deferred(self) -> bool:
+        """A layer's reads or copies are pending: its compute must not be evaluated before `settle`."""
+        return self._deferred
+
+    def settle(self) -> None:
+        """Wait for a deferred layer's reads and bank copies (`ensure(defer=True)`), counted as read wait and
+        bank; nothing to do when none is pending. After it, the banks hold every expert any queued compute uses."""
+        if self._deferred:
+            self._deferred = False
+            pending, self._pending = self._pending, []
+            self._wait_all(pending)
+            self._wait_copies()
 
     # ------------------------------------------------------------------ opt-in next-layer prefetch
     def enable_prefetch(self, k: int, depth: int = 1) -> None:
@@ -311,6 +340,7 @@ class ExpertStream:
         misses: list[tuple[int, int]],
         ready: dict[int, tuple[memoryview, Any]] | None = None,
         guesses: list[np.ndarray] | None = None,
+        defer: bool = False,
     ) -> None:
         layer = self.layers[i]
         ub, ready = self.unit_bytes, ready or {}
@@ -330,7 +360,7 @@ class ExpertStream:
         self.prof.add("issue", time.perf_counter() - t0)
         self._drain(ready, {k for k, _, _ in landed})
         if self.copier is not None and self.pipeline == "direct":
-            self._load_direct(i, futs, landed, guesses)
+            self._load_direct(i, futs, landed, guesses, defer)
             return
         if not self.host_writes and self.pipeline == "threaded":
             if self._h2d_pool is None:
@@ -388,17 +418,24 @@ class ExpertStream:
         futs: dict[Any, tuple[int, int, memoryview]],
         landed: list[tuple[int, int, memoryview]],
         guesses: list[np.ndarray] | None,
+        defer: bool = False,
     ) -> None:
         """`direct`: each expert is copied into its bank slot as its read lands, while the others are in flight;
-        the layer returns once every copy is done (its compute is queued next, and its staging is reused)."""
+        the layer returns once every copy is done (its compute is queued next, and its staging is reused), or at
+        once with `defer` (they are left to `settle`)."""
         for k, s, view in landed:
             self._copy_to_bank(i, k, s, view)
         if landed and guesses and self.pf_k:  # the guesses issued next reuse the landed experts' region
             self._wait_copies()
         if guesses:
             self.prefetch(i, guesses)
-        self._wait_all([self._copy_on_landing(f, i, *where) for f, where in futs.items()])
-        self._wait_copies()
+        self._pending = [self._copy_on_landing(f, i, *where) for f, where in futs.items()]
+        # `settle` waits for these reads and for every queued copy (the landed ones too)
+        self._deferred = True
+        if not defer:
+            self.settle()
+        else:
+            self.stats.deferred += 1
 
     def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
         """`direct`: expert k's copies are queued by the reader thread that finishes its read (the driver call
@@ -538,6 +575,10 @@ class ExpertStream:
         # GPU: no sync here; the updates (`mx.array` copied the bytes already) ride in the layer's graph
 
     def close(self) -> None:
+        try:
+            self.settle()
+        except Exception:  # noqa: BLE001 - a failed read of a reply that is over; closing goes on
+            log.warning("a deferred expert read failed before close", exc_info=True)
         self._take_prefetched(-1)
         if self._h2d_pool is not None:
             self._h2d_pool.shutdown(wait=True)
@@ -626,6 +667,7 @@ class StreamedSwitchGLU:
 
         st = self.stream
         prof = st.prof
+        st.settle()  # an earlier layer's deferred copies land before anything is evaluated
         t0 = time.perf_counter()
         if st.profile:
             mx.eval(x)  # the device finishes what precedes the router
@@ -647,7 +689,11 @@ class StreamedSwitchGLU:
             st.stats.trace.append((self.index, ids.tolist()))
         slots = st.cache.slots
         if len(ids) <= slots:
-            st.ensure(self.index, ids, guesses)
+            # `direct`: a layer's wait for its misses can move to the next layer's readback; not the last MoE
+            # layer's (what follows it evaluates outside this module), nor when profiling (each part is evaluated)
+            last = self.index == len(st.layers) - 1
+            defer = st.defer and st.pipeline == "direct" and not st.profile and not last
+            st.ensure(self.index, ids, guesses, defer)
             t0 = time.perf_counter()
             if st.host_writes:  # CPU: every (token, k) pair, split over the CPU streams
                 flat = chosen.reshape(-1)
@@ -659,7 +705,9 @@ class StreamedSwitchGLU:
                 y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
             if st.profile:
                 mx.eval(y)
-            elif not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
+            elif not st.host_writes and not st.deferred:
+                # GPU: start this layer now, while Python builds the next one's graph (a deferred layer starts
+                # at the next readback, after `settle`)
                 mx.async_eval(y)
             prof.add("compute", time.perf_counter() - t0)
             return y
