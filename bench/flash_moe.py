@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         help="device path (engine default)",
     )
     ap.add_argument("--no-defer", action="store_true",
-                    help="direct path: a layer waits for its misses itself (default: at the next readback)")  # fmt: skip
+                    help="direct path: wait for a layer's misses before building its graph (default: build while reading)")  # fmt: skip
     ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")
     ap.add_argument("--probe-threads", default="4,8,16",
                     help="the disk limit is the best direct-read probe over these reader thread counts ...")  # fmt: skip

@@ -91,7 +91,7 @@ class MoEStats:
     read_wait_s: float = 0.0  # time the compute thread waited on reads
     prefetched: int = 0  # experts read ahead on a guess (opt-in)
     prefetch_used: int = 0  # of which the router then picked
-    deferred: int = 0  # layers whose wait for their misses moved to the next readback (`direct`)
+    deferred: int = 0  # layers whose graph was built while their misses were read (`direct`)
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
@@ -193,9 +193,9 @@ class ExpertStream:
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
-        # `direct`, decode: a layer with misses returns its (lazy) output without waiting for them; the wait moves
-        # to just before the next eval (`settle`, the next MoE layer's router readback; the last MoE layer waits
-        # itself), so the Python work of building the rest of this layer and the next one runs beside the reads
+        # `direct`, decode: a layer's compute graph is built while its misses are read and copied; `settle` waits
+        # for them just before the graph is evaluated (measured: the graph's Python work leaves the critical path;
+        # deferring the wait further, to the next layer's readback, put the expert compute on it instead)
         self.defer = True
         self._pending: list[Future[None]] = []  # the copies a deferred layer's compute needs
         self._deferred = False
@@ -251,7 +251,7 @@ class ExpertStream:
         """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
         `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued).
         `defer` (`direct` path): return once the last reads are issued; `settle` waits for them and their copies,
-        and must run before anything that evaluates this layer's compute."""
+        and must run before anything evaluates this layer's compute (a layer's compute graph is built meanwhile)."""
         self.settle()
         t0 = time.perf_counter()
         res = self.cache.access(i, ids.tolist())
@@ -667,7 +667,7 @@ class StreamedSwitchGLU:
 
         st = self.stream
         prof = st.prof
-        st.settle()  # an earlier layer's deferred copies land before anything is evaluated
+        st.settle()  # nothing is pending here; kept so that no read can outlive the layer that issued it
         t0 = time.perf_counter()
         if st.profile:
             mx.eval(x)  # the device finishes what precedes the router
@@ -689,10 +689,8 @@ class StreamedSwitchGLU:
             st.stats.trace.append((self.index, ids.tolist()))
         slots = st.cache.slots
         if len(ids) <= slots:
-            # `direct`: a layer's wait for its misses can move to the next layer's readback; not the last MoE
-            # layer's (what follows it evaluates outside this module), nor when profiling (each part is evaluated)
-            last = self.index == len(st.layers) - 1
-            defer = st.defer and st.pipeline == "direct" and not st.profile and not last
+            # `direct`: the reads are in flight while the compute graph is built (lazy: it reads no bank yet)
+            defer = st.defer and st.pipeline == "direct"
             st.ensure(self.index, ids, guesses, defer)
             t0 = time.perf_counter()
             if st.host_writes:  # CPU: every (token, k) pair, split over the CPU streams
@@ -703,11 +701,13 @@ class StreamedSwitchGLU:
                 y = y.reshape(*chosen.shape, y.shape[-1])
             else:
                 y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
+            if st.deferred:
+                prof.add("compute", time.perf_counter() - t0)
+                st.settle()  # the bank holds this layer's experts from here on
+                t0 = time.perf_counter()
             if st.profile:
                 mx.eval(y)
-            elif not st.host_writes and not st.deferred:
-                # GPU: start this layer now, while Python builds the next one's graph (a deferred layer starts
-                # at the next readback, after `settle`)
+            elif not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
                 mx.async_eval(y)
             prof.add("compute", time.perf_counter() - t0)
             return y
