@@ -91,7 +91,7 @@ class MoEStats:
     read_wait_s: float = 0.0  # time the compute thread waited on reads
     prefetched: int = 0  # experts read ahead on a guess (opt-in)
     prefetch_used: int = 0  # of which the router then picked
-    deferred: int = 0  # layers whose graph was built while their misses were read (`direct`)
+    overlap_builds: int = 0  # layers whose graph was built while their misses were read (`direct`, opt-in)
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
@@ -193,10 +193,11 @@ class ExpertStream:
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
-        # `direct`, decode: a layer's compute graph is built while its misses are read and copied; `settle` waits
-        # for them just before the graph is evaluated (measured: the graph's Python work leaves the critical path;
-        # deferring the wait further, to the next layer's readback, put the expert compute on it instead)
-        self.defer = True
+        # `direct`, opt-in (not yet measured on a GPU): a layer's compute graph is built while its misses are read
+        # and copied, and `settle` waits for them just before the graph is evaluated. Deferring the wait further,
+        # to the next layer's readback, was measured and lost (docs/flash-moe.md): it put the expert compute on
+        # the readback's critical path
+        self.overlap_build = False
         self._pending: list[Future[None]] = []  # the copies a deferred layer's compute needs
         self._deferred = False
         self.copier: BankCopier | None = None
@@ -435,7 +436,7 @@ class ExpertStream:
         if not defer:
             self.settle()
         else:
-            self.stats.deferred += 1
+            self.stats.overlap_builds += 1
 
     def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
         """`direct`: expert k's copies are queued by the reader thread that finishes its read (the driver call
@@ -689,8 +690,8 @@ class StreamedSwitchGLU:
             st.stats.trace.append((self.index, ids.tolist()))
         slots = st.cache.slots
         if len(ids) <= slots:
-            # `direct`: the reads are in flight while the compute graph is built (lazy: it reads no bank yet)
-            defer = st.defer and st.pipeline == "direct"
+            # `direct` + `overlap_build`: the reads are in flight while the graph is built (lazy: it reads no bank)
+            defer = st.overlap_build and st.pipeline == "direct"
             st.ensure(self.index, ids, guesses, defer)
             t0 = time.perf_counter()
             if st.host_writes:  # CPU: every (token, k) pair, split over the CPU streams
