@@ -51,6 +51,8 @@ class Generation:
         self._tokens = 0
         self._first_sent = False
         self.done = threading.Event()
+        # the engine's own Done, kept even after a cancel answered first (its numbers: prompt, memory, extras)
+        self.engine_done: Done | None = None
 
     def cancel(self) -> None:
         """Stop now: the consumer gets `Done("cancelled")` at once, with the text so far. The engine
@@ -65,6 +67,8 @@ class Generation:
     def _put(self, event: Event) -> None:
         """Called on the worker thread."""
         with self._lock:
+            if isinstance(event, Done):
+                self.engine_done = event
             if self._closed:
                 return
             if isinstance(event, TextDelta):

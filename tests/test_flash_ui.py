@@ -68,3 +68,27 @@ def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -
         r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer
     )  # the finished reply keeps the number
     assert re.search(r'data-stat="memory"[^>]*>Peak \d+\.\d\d / \d+\.\d\d GB', footer)  # and its peak RSS
+
+
+@pytest.mark.slow
+def test_a_stopped_flash_reply_keeps_the_engine_numbers(flash_client: TestClient) -> None:
+    """Stop answers at once, before the engine's own numbers exist; once the engine has stopped, the reply's
+    footer gets them (disk per token, peak memory against the budget, the prompt's size) and keeps them."""
+    with connect(flash_client) as ws:
+        send(ws, type="send", text="Count from one to two hundred, in words.", conversation_id="",
+             max_tokens=400, temperature=0)  # fmt: skip
+        # a token frame (not the prompt's progress): the reply is being written
+        first = until(ws, r'id="msg-\d+-tail" hx-swap-oob="innerHTML">(?!<p class="prefill)', limit=2000)
+        send(ws, type="stop")
+        frames = until(ws, r'data-state="idle"', limit=2000)
+        assert "status-stopped" in "".join(frames)
+        later = until(ws, r'data-stat="flash"', limit=2000)
+    footer = later[-1]
+    assert 'data-status="stopped"' in footer
+    assert re.search(r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer)
+    assert re.search(r'data-stat="memory"[^>]*>Peak \d+\.\d\d / \d+\.\d\d GB', footer)
+    cid = re.search(r'id="conversation-id" value="([0-9a-f]+)"', "".join(first + frames))[1]
+    reply = flash_client.get(f"/c/{cid}/export.json").json()["messages"][-1]
+    stats = reply.get("stats") or {}
+    assert reply["status"] == "stopped" and stats.get("prompt_tokens", 0) > 10
+    assert stats["extra"]["bytes_per_token"] > 0 and stats["extra"]["memory_budget"] > 0

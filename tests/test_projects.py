@@ -200,9 +200,9 @@ def _chat(client: TestClient, text: str) -> str:
     with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
         sock.send_text(json.dumps({"type": "send", "text": text}))
         frames = ""
-        for _ in range(200):
-            frames += sock.receive_text()
-            if 'data-status="complete"' in frames or "msg-stats" in frames:
+        for _ in range(200):  # until the reply is done: the controls go idle (the user's message is
+            frames += sock.receive_text()  # "complete" from its first frame, before the engine has it)
+            if 'data-state="idle"' in frames:
                 break
     m = re.search(r'id="conversation-id" value="(\w+)"', frames)
     assert m, frames[-500:]

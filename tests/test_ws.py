@@ -7,6 +7,8 @@ and escaping. No model, no browser: runs in a couple of seconds.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -17,6 +19,7 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from engine.base import GenerationStats
 from engine.worker import Worker
 from tests.conftest import FakeBackend
 from webapp.app import create_app
@@ -34,6 +37,19 @@ def client(tmp_path: Path, fake: FakeBackend) -> Iterator[TestClient]:
     with TestClient(app, base_url=BASE) as c:
         yield c
     worker.close()
+
+
+@contextlib.contextmanager
+def served(backend: FakeBackend, tmp_path: Path) -> Iterator[TestClient]:
+    """The app on a worker that owns `backend`, behind a test client."""
+    worker = Worker(lambda: backend)
+    try:
+        with TestClient(
+            create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+        ) as c:
+            yield c
+    finally:
+        worker.close()
 
 
 def connect(client: TestClient, origin: str = ORIGIN):
@@ -93,10 +109,7 @@ def test_ws_second_message_sends_history(client: TestClient, fake: FakeBackend) 
 def test_ws_stop_cancels_quickly(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.05)
     slow.enqueue(*[f" t{i}" for i in range(400)])
-    worker = Worker(lambda: slow)
-    with TestClient(
-        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
-    ) as c:
+    with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="long please")
             until(ws, r"t2")
@@ -109,7 +122,6 @@ def test_ws_stop_cancels_quickly(tmp_path: Path) -> None:
         assert elapsed < 0.2, f"stop took {elapsed * 1000:.0f} ms"
         body = c.get("/").text
         assert cid is None or cid in body
-    worker.close()
 
 
 def test_ws_regenerate_replaces_last_reply(client: TestClient, fake: FakeBackend) -> None:
@@ -197,26 +209,19 @@ def test_ws_oversized_and_binary_frames(client: TestClient) -> None:
 def test_ws_busy_while_generating(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.02)
     slow.enqueue(*["x"] * 30)
-    worker = Worker(lambda: slow)
-    with TestClient(
-        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
-    ) as c:
+    with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="a")
             until(ws, r'data-state="generating"')
             send(ws, type="send", text="b")
             assert "press Stop first" in "".join(until(ws, r"press Stop first"))
             until(ws, r'data-state="idle"')
-    worker.close()
 
 
 def test_ws_batches_fast_tokens(tmp_path: Path) -> None:
     fast = FakeBackend(delay=0.002)
     fast.enqueue(*[f"{i} " for i in range(300)])
-    worker = Worker(lambda: fast)
-    with TestClient(
-        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
-    ) as c:
+    with served(fast, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="go")
             frames = until(ws, r'data-state="idle"')
@@ -224,7 +229,6 @@ def test_ws_batches_fast_tokens(tmp_path: Path) -> None:
     assert 1 < len(batches) < 100, f"{len(batches)} batches for 300 tokens"
     text = re.sub(r"<[^>]+>", "", batches[-1])  # one paragraph: the last frame's tail holds it all
     assert text.strip() == "".join(f"{i} " for i in range(300)).strip()
-    worker.close()
 
 
 @pytest.mark.parametrize("origin", ["http://evil.example", "http://127.0.0.1:9999", "null", ""])
@@ -255,14 +259,47 @@ def test_ws_reply_hooks_get_the_stats(client: TestClient) -> None:
 def test_ws_stopped_reply_still_fills_the_context_gauge(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.05)
     slow.enqueue(*[f" t{i}" for i in range(100)])
-    worker = Worker(lambda: slow)
-    with TestClient(
-        create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
-    ) as c:
+    with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="one two three")
             until(ws, r"t1")
             send(ws, type="stop")
             frames = until(ws, r'id="context-gauge"')
         assert re.search(r'gauge-text">\d+ / 2048', frames[-1])
-    worker.close()
+
+
+def test_ws_stopped_reply_gets_the_engine_numbers_when_it_stops(tmp_path: Path) -> None:
+    """Stop answers with the text so far at once; the engine's own Done comes after (at its next token) and
+    its numbers (prompt size, memory, engine extras) then fill the stopped reply's footer and its stored
+    stats. The text and its token count stay the stop's."""
+
+    class Measuring(FakeBackend):
+        def _stats(self, prompt: int, n: int, start: float) -> GenerationStats:
+            return dataclasses.replace(
+                super()._stats(prompt, n, start),
+                peak_rss_bytes=900_000_000,
+                extra={"bytes_per_token": 12_300_000, "hit_rate": 0.5, "memory_budget": 2e9,
+                       "peak_rss_bytes": 900_000_000},
+            )  # fmt: skip
+
+    slow = Measuring(delay=0.05)
+    slow.enqueue(*[f" t{i}" for i in range(100)])
+    with served(slow, tmp_path) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="one two three")
+            first = until(ws, r"t1")
+            send(ws, type="stop")
+            frames = until(ws, r'data-state="idle"')
+            stopped = re.search(r'id="msg-(\d+)" data-status="stopped"', "".join(frames))
+            assert stopped and "MB/token" not in "".join(frames)  # the stop's own answer: no engine numbers
+            later = until(ws, r'data-stat="flash"')
+        assert f'id="msg-{stopped[1]}"' in later[-1]
+        assert re.search(r"12\.3 MB/token · 50% hits", later[-1])
+        assert re.search(r"Peak 0\.90 / 2\.00 GB", later[-1])
+        cid = conversation_id(first + frames)
+        reply = c.get(f"/c/{cid}/export.json").json()["messages"][-1]
+    assert reply["status"] == "stopped" and reply["content"].startswith(" t0 t1")
+    stats = reply["stats"]
+    assert stats["extra"]["bytes_per_token"] == 12_300_000 and stats["prompt_tokens"] > 0
+    assert stats["completion_tokens"] == len(reply["content"].split())  # the stop's count, not the engine's
+    assert stats["peak_rss_bytes"] == 900_000_000

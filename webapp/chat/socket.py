@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.base import Done, GenerationRequest, Message, PrefillProgress, SamplingParams, TextDelta
+from engine.worker import Generation
 
 from ..db import Database, StoredMessage
 from ..engine_host import EngineState
@@ -42,6 +44,15 @@ log = logging.getLogger(__name__)
 METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
 SAMPLING_FIELDS = ("temperature", "top_p", "max_tokens", "seed", "stop")
 TITLE_CHARS = 60
+# what a stopped reply takes from the engine's own Done once it comes (the rest stays the stop's)
+ENGINE_NUMBERS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "prompt_tps",
+    "peak_memory_bytes",
+    "peak_rss_bytes",
+    "extra",
+)
 
 
 @dataclass
@@ -383,7 +394,7 @@ class Session:
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
                 stream.abandon()
-        self._finish(stream, done, history)
+        self._finish(stream, done, history, gen)
 
     def _history(self, conversation_id: str) -> list[Message]:
         """The model's context: a chat-mode system prompt (no tools; the conversation's own system prompt
@@ -441,26 +452,38 @@ class Session:
                 )
             )
 
-    def _finish(self, stream: ReplyStream, done: Done, history: list[Message]) -> None:
+    def _finish(self, stream: ReplyStream, done: Done, history: list[Message], gen: Generation) -> None:
         views = self.views
         then = [views.controls(generating=False, can_regenerate=True)]
         if done.stats.prompt_tokens:
             then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
         final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
-        if not done.stats.prompt_tokens and final.status == "stopped":
-            # a stop answers before the engine counted the prompt: count it now
-            asyncio.get_running_loop().create_task(self._count_prompt(final, history))
+        if final.status == "stopped":  # a stop answers before the engine's own numbers exist
+            asyncio.get_running_loop().create_task(self._complete_stopped(final, history, gen))
         if done.error:
             self.error(done.error)
 
-    async def _count_prompt(self, reply: StoredMessage, history: list[Message]) -> None:
+    async def _complete_stopped(self, reply: StoredMessage, history: list[Message], gen: Generation) -> None:
+        """A stopped reply gets the engine's own numbers once its generation has ended (a job queued after it
+        has run): prompt and cache counts, memory, the engine's extras (flash: disk, hit rate, budget). The
+        text, its token count and the rates measured here stay the stop's. The prompt is counted here if
+        the engine stopped before it had."""
         try:
-            n = await self.ctx.engine.worker.acall(lambda b: len(b.apply_chat_template(history)))
-        except Exception:  # noqa: BLE001 - the gauge is a nicety
+            counted = await self.ctx.engine.worker.acall(lambda b: len(b.apply_chat_template(history)))
+        except Exception:  # noqa: BLE001 - the footer is a nicety; the reply is stored already
+            counted = 0
+        own = gen.engine_done.stats.to_dict() if gen.engine_done is not None else {}
+        stats = dict(reply.stats)
+        stats.update({k: own[k] for k in ENGINE_NUMBERS if own.get(k)})
+        if not stats.get("prompt_tokens") and counted:
+            stats["prompt_tokens"] = counted
+        if stats == reply.stats:
             return
-        stats = reply.stats | {"prompt_tokens": n}
         self.ctx.db.finish_message(reply.id, reply.content, reply.status, stats)
-        self.send(self.views.gauge(n + int(stats.get("completion_tokens") or 0)))
+        frames = [self.views.replace_message(dataclasses.replace(reply, stats=stats))]
+        if stats.get("prompt_tokens"):
+            frames.append(self.views.gauge(stats["prompt_tokens"] + int(stats.get("completion_tokens") or 0)))
+        self.send(*frames)
 
 
 class SocketTurn:
