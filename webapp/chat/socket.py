@@ -468,18 +468,18 @@ class Session:
         has run): prompt and cache counts, memory, the engine's extras (flash: disk, hit rate, budget). The
         text, its token count and the rates measured here stay the stop's. The prompt is counted here if
         the engine stopped before it had."""
+        worker, db = self.ctx.engine.worker, self.ctx.db
         try:
-            counted = await self.ctx.engine.worker.acall(lambda b: len(b.apply_chat_template(history)))
+            await worker.acall(lambda b: None)  # runs once the stopped generation's job has ended
+            own = gen.engine_done.stats.to_dict() if gen.engine_done is not None else {}
+            stats = dict(reply.stats) | {k: own[k] for k in ENGINE_NUMBERS if own.get(k)}
+            if not stats.get("prompt_tokens"):
+                stats["prompt_tokens"] = await worker.acall(lambda b: len(b.apply_chat_template(history)))
         except Exception:  # noqa: BLE001 - the footer is a nicety; the reply is stored already
-            counted = 0
-        own = gen.engine_done.stats.to_dict() if gen.engine_done is not None else {}
-        stats = dict(reply.stats)
-        stats.update({k: own[k] for k in ENGINE_NUMBERS if own.get(k)})
-        if not stats.get("prompt_tokens") and counted:
-            stats["prompt_tokens"] = counted
-        if stats == reply.stats:
             return
-        self.ctx.db.finish_message(reply.id, reply.content, reply.status, stats)
+        if stats == reply.stats or not any(m.id == reply.id for m in db.messages(reply.conversation_id)):
+            return  # nothing new, or the reply is gone meanwhile (regenerated, deleted)
+        db.finish_message(reply.id, reply.content, reply.status, stats)
         frames = [self.views.replace_message(dataclasses.replace(reply, stats=stats))]
         if stats.get("prompt_tokens"):
             frames.append(self.views.gauge(stats["prompt_tokens"] + int(stats.get("completion_tokens") or 0)))
