@@ -668,7 +668,6 @@ class StreamedSwitchGLU:
 
         st = self.stream
         prof = st.prof
-        st.settle()  # nothing is pending here; kept so that no read can outlive the layer that issued it
         t0 = time.perf_counter()
         if st.profile:
             mx.eval(x)  # the device finishes what precedes the router
