@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["", "direct", "threaded", "overlap", "legacy"],
         help="device path (engine default)",
     )
-    ap.add_argument("--overlap-build", action="store_true",
+    ap.add_argument("--overlap-build", action=argparse.BooleanOptionalAction, default=False,
                     help="direct path: build a layer's graph while its misses are read (default: after)")  # fmt: skip
     ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")
     ap.add_argument("--probe-threads", default="4,8,16",
