@@ -93,7 +93,6 @@ def child_main(args: argparse.Namespace) -> None:
     es.profile = args.profile
     if args.pipeline:
         es.pipeline = args.pipeline
-    es.overlap_build = args.overlap_build
     if args.read_chunk >= 0:
         es.read_chunk = args.read_chunk or None  # 0: the reader's own chunk (one preadv per expert)
     req = GenerationRequest(
@@ -142,7 +141,6 @@ def child_main(args: argparse.Namespace) -> None:
         "read_wait_s_total": round(es.stats.read_wait_s, 3),  # the compute thread blocked on expert reads
         "prefetched": es.stats.prefetched,
         "prefetch_used": es.stats.prefetch_used,
-        "overlap_build_layers": es.stats.overlap_builds,
         "pipeline": es.pipeline if not es.host_writes else "host_writes",
         "profiled": args.profile,
         "profile": decode_profile(first["profile"], es.prof.snapshot(), decode_tokens, s.decode_tps),
@@ -462,8 +460,6 @@ def main(argv: list[str] | None = None) -> int:
         choices=["", "direct", "threaded", "overlap", "legacy"],
         help="device path (engine default)",
     )
-    ap.add_argument("--overlap-build", action=argparse.BooleanOptionalAction, default=False,
-                    help="direct path: build a layer's graph while its misses are read (default: after)")  # fmt: skip
     ap.add_argument("--io-threads", type=int, default=0, help="reader threads (0: the engine's default)")
     ap.add_argument("--probe-threads", default="4,8,16",
                     help="the disk limit is the best direct-read probe over these reader thread counts ...")  # fmt: skip
@@ -512,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--memory-cap is required")
     child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []),
                    *(["--pipeline", args.pipeline] if args.pipeline else []),
-                   *(["--overlap-build"] if args.overlap_build else []),
                    *(["--io-threads", str(args.io_threads)] if args.io_threads else []),
                    *(["--read-chunk", str(args.read_chunk)] if args.read_chunk >= 0 else []))  # fmt: skip
     compare = tuple((name.strip(), tuple(flags.split())) for name, _, flags in

@@ -29,6 +29,7 @@ RAW = {
     "flash-moe-gpu.json": "runs",
     "flash-moe-gpu-direct-first.json": "runs",
     "flash-moe-gpu-deferred.json": "runs",
+    "flash-moe-gpu-build.json": "runs",
     "flash-moe-gpu-explore.json": "runs",
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",

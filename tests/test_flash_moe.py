@@ -233,7 +233,13 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["flash-moe-gpu.json", "flash-moe-gpu-direct-first.json", "flash-moe-gpu-deferred.json"]
+    "name",
+    [
+        "flash-moe-gpu.json",
+        "flash-moe-gpu-direct-first.json",
+        "flash-moe-gpu-deferred.json",
+        "flash-moe-gpu-build.json",
+    ],
 )
 def test_gpu_results_recompute_from_their_runs(name: str) -> None:
     """bench/results/flash-moe-gpu.json is bench/flash_moe.py's output: its summary keys recompute from the

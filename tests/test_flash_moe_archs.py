@@ -212,8 +212,7 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
 
 @pytest.mark.parametrize(
     "pipeline,prefetch",
-    [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2),
-     ("direct-build", 0), ("direct-build", 2)],
+    [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2)],
 )  # fmt: skip
 def test_device_pipelines_give_the_same_answer(
     pipeline: str, prefetch: int, tmp_path: Path, model_home: Path
@@ -221,8 +220,7 @@ def test_device_pipelines_give_the_same_answer(
     """The device paths — each expert copied as its read lands (overlap), after all (legacy), on a copy thread
     (threaded) or byte for byte into its bank slot from its staging (direct: CUDA's copies on the GPU, memmove
     here), with the exact multi-layer guess-ahead read in the router's own sync — give mlx-lm's tokens and
-    logits, profiled or not. Its copies land only when waited for, as on a CUDA stream; `direct-build` (opt-in)
-    builds a layer's graph while its misses are read, `direct` waits first."""
+    logits, profiled or not. Its copies land only when waited for, as on a CUDA stream."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
@@ -237,9 +235,8 @@ def test_device_pipelines_give_the_same_answer(
     syncs: set[int] = set()
     for profile in (False, True):
         model, stream = streamed(model_dir, slots=3, prefetch=prefetch)
-        if pipeline.startswith("direct"):
+        if pipeline == "direct":
             stream.use_copier(HostCopier(queued=True))
-            stream.overlap_build = pipeline == "direct-build"
             assert stream.pipeline == "direct" and not stream.host_writes
         else:
             stream.host_writes, stream.pipeline = False, pipeline
@@ -247,7 +244,6 @@ def test_device_pipelines_give_the_same_answer(
         toks, logits = greedy(model)
         assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
         assert stream.stats.experts_read > 3 * 4
-        assert (stream.stats.overlap_builds > 0) == (pipeline == "direct-build")
         # only grouped prefill adds syncs, never the guesses
         syncs.add(stream.stats.host_syncs - stream.stats.calls)
         if prefetch:
@@ -261,9 +257,8 @@ def test_device_pipelines_give_the_same_answer(
     assert syncs == {plain_stream.stats.host_syncs - plain_stream.stats.calls}
 
 
-@pytest.mark.parametrize("overlap_build", [False, True])
 def test_a_layer_computed_before_its_copies_land_gives_another_answer(
-    overlap_build: bool, tmp_path: Path, model_home: Path
+    tmp_path: Path, model_home: Path
 ) -> None:
     """The control for the test above: when each wait lands only the copies queued before the previous one (a
     layer computed before its own copies land), the answer changes. So the direct path's agreement with mlx-lm
@@ -294,7 +289,6 @@ def test_a_layer_computed_before_its_copies_land_gives_another_answer(
     _, logits_ref = greedy(ref)
     model, stream = streamed(model_dir, slots=3)
     stream.use_copier(OneWaitLate())
-    stream.overlap_build = overlap_build
     _, logits = greedy(model)
     assert stream.stats.experts_read > 3 * 4
     assert mx.abs(logits - logits_ref).max().item() > 1e-2

@@ -21,7 +21,6 @@ What it does not know: budgets (backend.py sizes the cache), tokenization, atten
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -50,7 +49,6 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 _NO_STREAM = contextlib.nullcontext()
-log = logging.getLogger(__name__)
 
 
 def expert_units(man: Manifest) -> dict[int, list[Unit]]:
@@ -91,7 +89,6 @@ class MoEStats:
     read_wait_s: float = 0.0  # time the compute thread waited on reads
     prefetched: int = 0  # experts read ahead on a guess (opt-in)
     prefetch_used: int = 0  # of which the router then picked
-    overlap_builds: int = 0  # layers whose graph was built while their misses were read (`direct`, opt-in)
     trace: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer, distinct ids) when recording
 
 
@@ -193,13 +190,6 @@ class ExpertStream:
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
-        # `direct`, opt-in (not yet measured on a GPU): a layer's compute graph is built while its misses are read
-        # and copied, and `settle` waits for them just before the graph is evaluated. Deferring the wait further,
-        # to the next layer's readback, was measured and lost (docs/flash-moe.md): it put the expert compute on
-        # the readback's critical path
-        self.overlap_build = False
-        self._pending: list[Future[None]] = []  # the copies a deferred layer's compute needs
-        self._deferred = False
         self.copier: BankCopier | None = None
         self.slot_addr: list[dict[str, tuple[int, int]]] = []  # per layer: tensor -> (address, slot bytes)
         if copier is not None:
@@ -246,14 +236,9 @@ class ExpertStream:
     def bank_bytes(self) -> int:
         return sum(a.nbytes for b in self.banks for a in b.values())
 
-    def ensure(
-        self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None, defer: bool = False
-    ) -> None:
+    def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None) -> None:
         """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
-        `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued).
-        `defer` (`direct` path): return once the last reads are issued; `settle` waits for them and their copies,
-        and must run before anything evaluates this layer's compute (a layer's compute graph is built meanwhile)."""
-        self.settle()
+        `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued)."""
         t0 = time.perf_counter()
         res = self.cache.access(i, ids.tolist())
         misses = [(k, s) for k, s, hit in res if not hit]
@@ -267,22 +252,7 @@ class ExpertStream:
             return
         n, mm = len(misses), self.max_misses
         for j in range(0, n, mm):  # the guesses go out with the last group (they reuse this layer's region)
-            last = j + mm >= n
-            self._load(i, misses[j : j + mm], ready, guesses if last else None, defer and last)
-
-    @property
-    def deferred(self) -> bool:
-        """A layer's reads or copies are pending: its compute must not be evaluated before `settle`."""
-        return self._deferred
-
-    def settle(self) -> None:
-        """Wait for a deferred layer's reads and bank copies (`ensure(defer=True)`), counted as read wait and
-        bank; nothing to do when none is pending. After it, the banks hold every expert any queued compute uses."""
-        if self._deferred:
-            self._deferred = False
-            pending, self._pending = self._pending, []
-            self._wait_all(pending)
-            self._wait_copies()
+            self._load(i, misses[j : j + mm], ready, guesses if j + mm >= n else None)
 
     # ------------------------------------------------------------------ opt-in next-layer prefetch
     def enable_prefetch(self, k: int, depth: int = 1) -> None:
@@ -341,7 +311,6 @@ class ExpertStream:
         misses: list[tuple[int, int]],
         ready: dict[int, tuple[memoryview, Any]] | None = None,
         guesses: list[np.ndarray] | None = None,
-        defer: bool = False,
     ) -> None:
         layer = self.layers[i]
         ub, ready = self.unit_bytes, ready or {}
@@ -361,7 +330,7 @@ class ExpertStream:
         self.prof.add("issue", time.perf_counter() - t0)
         self._drain(ready, {k for k, _, _ in landed})
         if self.copier is not None and self.pipeline == "direct":
-            self._load_direct(i, futs, landed, guesses, defer)
+            self._load_direct(i, futs, landed, guesses)
             return
         if not self.host_writes and self.pipeline == "threaded":
             if self._h2d_pool is None:
@@ -419,24 +388,18 @@ class ExpertStream:
         futs: dict[Any, tuple[int, int, memoryview]],
         landed: list[tuple[int, int, memoryview]],
         guesses: list[np.ndarray] | None,
-        defer: bool = False,
     ) -> None:
         """`direct`: each expert is copied into its bank slot as its read lands, while the others are in flight;
-        the layer returns once every copy is done (its compute is queued next, and its staging is reused), or at
-        once with `defer` (they are left to `settle`)."""
+        the layer returns once every copy is done (its compute is queued next, and its staging is reused). Building
+        the layer's graph before this wait was measured on an H100 and gained nothing (docs/flash-moe.md)."""
         for k, s, view in landed:
             self._copy_to_bank(i, k, s, view)
         if landed and guesses and self.pf_k:  # the guesses issued next reuse the landed experts' region
             self._wait_copies()
         if guesses:
             self.prefetch(i, guesses)
-        self._pending = [self._copy_on_landing(f, i, *where) for f, where in futs.items()]
-        # `settle` waits for these reads and for every queued copy (the landed ones too)
-        self._deferred = True
-        if not defer:
-            self.settle()
-        else:
-            self.stats.overlap_builds += 1
+        self._wait_all([self._copy_on_landing(f, i, *where) for f, where in futs.items()])
+        self._wait_copies()  # every queued copy, the landed ones too
 
     def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
         """`direct`: expert k's copies are queued by the reader thread that finishes its read (the driver call
@@ -576,10 +539,6 @@ class ExpertStream:
         # GPU: no sync here; the updates (`mx.array` copied the bytes already) ride in the layer's graph
 
     def close(self) -> None:
-        try:
-            self.settle()
-        except Exception:  # noqa: BLE001 - a failed read of a reply that is over; closing goes on
-            log.warning("a deferred expert read failed before close", exc_info=True)
         self._take_prefetched(-1)
         if self._h2d_pool is not None:
             self._h2d_pool.shutdown(wait=True)
@@ -689,9 +648,7 @@ class StreamedSwitchGLU:
             st.stats.trace.append((self.index, ids.tolist()))
         slots = st.cache.slots
         if len(ids) <= slots:
-            # `direct` + `overlap_build`: the reads are in flight while the graph is built (lazy: it reads no bank)
-            defer = st.overlap_build and st.pipeline == "direct"
-            st.ensure(self.index, ids, guesses, defer)
+            st.ensure(self.index, ids, guesses)
             t0 = time.perf_counter()
             if st.host_writes:  # CPU: every (token, k) pair, split over the CPU streams
                 flat = chosen.reshape(-1)
@@ -701,10 +658,6 @@ class StreamedSwitchGLU:
                 y = y.reshape(*chosen.shape, y.shape[-1])
             else:
                 y = self._glu(x, mx.array(st.slot_of[self.index][chosen]), chosen.shape)
-            if st.deferred:
-                prof.add("compute", time.perf_counter() - t0)
-                st.settle()  # the bank holds this layer's experts from here on
-                t0 = time.perf_counter()
             if st.profile:
                 mx.eval(y)
             elif not st.host_writes:  # GPU: start this layer now, while Python builds the next one's graph
