@@ -236,6 +236,7 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     "name",
     [
         "flash-moe-gpu.json",
+        "flash-moe-gpu-064af62.json",
         "flash-moe-gpu-direct-first.json",
         "flash-moe-gpu-deferred.json",
         "flash-moe-gpu-build.json",
