@@ -171,6 +171,24 @@ def test_expert_cache_never_exceeds_its_budget(policy: str) -> None:
         assert cache.used_bytes <= cache.capacity_bytes <= budget
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_expert_cache_forgets_experts_whose_load_failed(policy: str) -> None:
+    """Forgotten experts (their read failed) free their slots and miss on the next access; the cache stays
+    consistent under every policy, with its slots distinct and its size within the capacity."""
+    rng = np.random.default_rng(2)
+    cache = ExpertCache(n_layers=4, slots=12, unit_bytes=1, policy=policy)
+    for n, (layer, ids) in enumerate(_trace(rng, skewed=True)):
+        res = cache.access(layer, ids)
+        if n % 7 == 0:  # a failed load: none of this call's misses arrived
+            lost = [k for k, _, hit in res if not hit]
+            cache.forget(layer, lost)
+            assert not set(lost) & set(cache.layers[layer].slot)
+            assert all(not hit for k, _, hit in cache.access(layer, ids) if k in lost)
+        pol = cache.layers[layer]
+        assert len(pol.slot) + len(pol.free) == cache.slots
+        assert sorted([*pol.slot.values(), *pol.free]) == list(range(cache.slots))
+
+
 def test_expert_cache_refuses_a_budget_below_one_token() -> None:
     from engine.base import BudgetError
 

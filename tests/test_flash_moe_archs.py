@@ -293,3 +293,57 @@ def test_a_layer_computed_before_its_copies_land_gives_another_answer(
     assert stream.stats.experts_read > 3 * 4
     assert mx.abs(logits - logits_ref).max().item() > 1e-2
     stream.close()
+
+
+@pytest.mark.parametrize("pipeline", ["host", "direct", "threaded"])
+def test_a_failed_expert_read_leaves_nothing_running_and_nothing_stale(
+    pipeline: str, tmp_path: Path, model_home: Path
+) -> None:
+    """An expert read that fails (a disk error) raises out of the forward pass only once the layer's other
+    reads have finished (the staging they write into is reused next), and the experts of that call are not
+    left resident with bytes that never arrived: the next reply reads them again and gives mlx-lm's answer."""
+    import threading
+    from concurrent.futures import Future
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.devcopy import HostCopier
+    from engine.flash.split import split_model
+
+    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
+    split_model(model_dir, progress=False)
+    ref, _ = load_model(model_dir)
+    ref.set_dtype(mx.float32)
+    toks_ref, logits_ref = greedy(ref)
+    model, stream = streamed(model_dir, slots=3)
+    if pipeline == "direct":
+        stream.use_copier(HostCopier(queued=True))
+    elif pipeline == "threaded":
+        stream.host_writes, stream.pipeline = False, "threaded"
+    real_read, issued = stream.reader.read, []
+
+    def failing_read(buf: Any, offset: int, length: int, *args: Any, **kwargs: Any) -> Future[float]:
+        out: Future[float] = Future()
+        if not issued:  # the first read fails at once; the layer's others land 0.3 s later
+            out.set_exception(OSError("injected: input/output error"))
+        else:
+
+            def late() -> None:
+                real = real_read(buf, offset, length, *args, **kwargs)
+                real.add_done_callback(lambda f: out.set_result(f.result()))
+
+            threading.Timer(0.3, late).start()
+        issued.append(out)
+        return out
+
+    stream.reader.read = failing_read
+    with pytest.raises(OSError, match="injected"):
+        greedy(model)
+    assert len(issued) > 1 and all(f.done() for f in issued)
+    first = stream.stats.trace[0]
+    assert not set(first[1]) & set(stream.cache.layers[first[0]].slot)  # none of them resident
+    stream.reader.read = real_read
+    toks, logits = greedy(model)
+    assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
+    stream.close()

@@ -53,6 +53,15 @@ class Policy:
     def _take(self, k: int) -> int:
         return self.slot.pop(k)
 
+    def forget(self, keys: Sequence[int]) -> None:
+        """Drop `keys` (their bytes never arrived): their slots are free again, and a later access is a miss."""
+        for k in keys:
+            if k in self.slot:
+                self.free.append(self.slot.pop(k))
+                self._forget(k)
+
+    def _forget(self, k: int) -> None: ...
+
     def _hit(self, k: int) -> None: ...
     def _insert(self, k: int) -> None: ...
     def _evict(self, protect: set[int]) -> int:
@@ -74,6 +83,9 @@ class LRU(Policy):
         victim = next(k for k in self.order if k not in protect)
         del self.order[victim]
         return self._take(victim)
+
+    def _forget(self, k: int) -> None:
+        del self.order[k]
 
 
 class LFU(Policy):
@@ -119,6 +131,12 @@ class S3FIFO(Policy):
             self.main.append(k)
         else:
             self.small.append(k)
+
+    def _forget(self, k: int) -> None:
+        for q in (self.small, self.main):
+            if k in q:
+                q.remove(k)
+        self.freq.pop(k, None)
 
     def _evict(self, protect: set[int]) -> int:
         for _ in range(8 * self.capacity + 8):
@@ -219,6 +237,10 @@ class ExpertCache:
             else:
                 st.misses += 1
         return res
+
+    def forget(self, layer: int, ids: Sequence[int]) -> None:
+        """Experts of `layer` whose load failed: no longer resident (stats keep their misses)."""
+        self.layers[layer].forget(ids)
 
     def hit_rate(self) -> float:
         h = sum(s.hits for s in self.stats)

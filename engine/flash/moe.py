@@ -251,8 +251,16 @@ class ExpertStream:
                 self.prefetch(i, guesses)
             return
         n, mm = len(misses), self.max_misses
-        for j in range(0, n, mm):  # the guesses go out with the last group (they reuse this layer's region)
-            self._load(i, misses[j : j + mm], ready, guesses if j + mm >= n else None)
+        try:
+            for j in range(
+                0, n, mm
+            ):  # the guesses go out with the last group (they reuse this layer's region)
+                self._load(i, misses[j : j + mm], ready, guesses if j + mm >= n else None)
+        except BaseException:
+            # a failed read (disk error, a unit that fails its check): these experts are not in the bank, so the
+            # cache must not call them resident; the next call reads them again
+            self.cache.forget(i, [k for k, _ in misses])
+            raise
 
     # ------------------------------------------------------------------ opt-in next-layer prefetch
     def enable_prefetch(self, k: int, depth: int = 1) -> None:
@@ -328,6 +336,22 @@ class ExpertStream:
             futs[self.reader.read(part, u.offset, u.length, self.read_chunk)] = (k, s, view)  # type: ignore[arg-type]
         self.stats.experts_read += len(futs)
         self.prof.add("issue", time.perf_counter() - t0)
+        try:
+            self._land(i, futs, landed, ready, guesses)
+        except BaseException:
+            wait(futs)  # no read outlives the layer that issued it: the staging is reused next
+            raise
+
+    def _land(
+        self,
+        i: int,
+        futs: dict[Any, tuple[int, int, memoryview]],
+        landed: list[tuple[int, int, memoryview]],
+        ready: dict[int, tuple[memoryview, Any]],
+        guesses: list[np.ndarray] | None,
+    ) -> None:
+        """The misses' reads are in flight (`futs`; `landed`: read ahead on a guess): into the bank, by the path."""
+        layer, ub = self.layers[i], self.unit_bytes
         self._drain(ready, {k for k, _, _ in landed})
         if self.copier is not None and self.pipeline == "direct":
             self._load_direct(i, futs, landed, guesses)
@@ -342,11 +366,15 @@ class ExpertStream:
             if guesses:
                 self.prefetch(i, guesses)
             pending = set(copies)
-            while pending:  # each expert's bank update starts as soon as its copy is on the device side
-                done, pending = self._first_done(pending)
-                for c in done:
-                    k, s, view = copies[c]
-                    self._to_bank(i, k, s, view, c.result())
+            try:
+                while pending:  # each expert's bank update starts as soon as its copy is on the device side
+                    done, pending = self._first_done(pending)
+                    for c in done:
+                        k, s, view = copies[c]
+                        self._to_bank(i, k, s, view, c.result())
+            except BaseException:
+                wait(copies)  # they read the staging
+                raise
             return
         if not self.host_writes and self.pipeline == "overlap":
             for k, s, view in landed:  # their region is reused by the guesses issued next
@@ -398,8 +426,10 @@ class ExpertStream:
             self._wait_copies()
         if guesses:
             self.prefetch(i, guesses)
-        self._wait_all([self._copy_on_landing(f, i, *where) for f, where in futs.items()])
-        self._wait_copies()  # every queued copy, the landed ones too
+        try:
+            self._wait_all([self._copy_on_landing(f, i, *where) for f, where in futs.items()])
+        finally:
+            self._wait_copies()  # every queued copy, the landed ones too (they read the staging)
 
     def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
         """`direct`: expert k's copies are queued by the reader thread that finishes its read (the driver call
@@ -448,11 +478,13 @@ class ExpertStream:
         self.stats.read_wait_s += dt
 
     def _wait_all(self, futs: Iterable[Future[Any]]) -> None:
-        """Wait for every future (the first error raises), counted as read wait."""
+        """Wait for every future, counted as read wait; then the first error raises (none is left running)."""
         t0 = time.perf_counter()
-        for f in futs:
-            f.result()
+        errors = [f.exception() for f in futs]
         self._waited(t0)
+        for exc in errors:
+            if exc is not None:
+                raise exc
 
     def _first_done(self, pending: set[Future[Any]]) -> tuple[set[Future[Any]], set[Future[Any]]]:
         """(done, still pending) once at least one has finished, the wait counted as read wait."""

@@ -76,7 +76,10 @@ class AlignedBuffer:
 
     def close(self) -> None:
         self.view.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view is still held (e.g. by a traceback's frames): unmapped when it goes
+            log.debug("staging still viewed at close; it is unmapped once the last view goes")
 
 
 @dataclass
