@@ -210,6 +210,20 @@ def test_lazy_bank_updates_give_the_same_answer(tmp_path: Path, model_home: Path
     assert stream.stats.experts_read > 3 * 4
 
 
+def qwen3_next_reference(tmp_path: Path) -> tuple[Path, list[int], Any]:
+    """A split tiny `qwen3_next` and mlx-lm's own greedy tokens and logits on it (float32, in RAM)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from engine.flash.split import split_model
+
+    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
+    split_model(model_dir, progress=False)
+    ref, _ = load_model(model_dir)
+    ref.set_dtype(mx.float32)
+    return (model_dir, *greedy(ref))
+
+
 @pytest.mark.parametrize(
     "pipeline,prefetch",
     [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2)],
@@ -222,16 +236,10 @@ def test_device_pipelines_give_the_same_answer(
     here), with the exact multi-layer guess-ahead read in the router's own sync — give mlx-lm's tokens and
     logits, profiled or not. Its copies land only when waited for, as on a CUDA stream."""
     import mlx.core as mx
-    from mlx_lm.utils import load_model
 
     from engine.flash.devcopy import HostCopier
-    from engine.flash.split import split_model
 
-    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
-    split_model(model_dir, progress=False)
-    ref, _ = load_model(model_dir)
-    ref.set_dtype(mx.float32)
-    toks_ref, logits_ref = greedy(ref)
+    model_dir, toks_ref, logits_ref = qwen3_next_reference(tmp_path)
     syncs: set[int] = set()
     for profile in (False, True):
         model, stream = streamed(model_dir, slots=3, prefetch=prefetch)
@@ -266,10 +274,8 @@ def test_a_layer_computed_before_its_copies_land_gives_another_answer(
     import ctypes
 
     import mlx.core as mx
-    from mlx_lm.utils import load_model
 
     from engine.flash.devcopy import HostCopier
-    from engine.flash.split import split_model
 
     class OneWaitLate(HostCopier):
         def __init__(self) -> None:
@@ -282,11 +288,7 @@ def test_a_layer_computed_before_its_copies_land_gives_another_answer(
             for dst, src, nbytes in now:
                 ctypes.memmove(dst, src, nbytes)
 
-    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
-    split_model(model_dir, progress=False)
-    ref, _ = load_model(model_dir)
-    ref.set_dtype(mx.float32)
-    _, logits_ref = greedy(ref)
+    model_dir, _, logits_ref = qwen3_next_reference(tmp_path)
     model, stream = streamed(model_dir, slots=3)
     stream.use_copier(OneWaitLate())
     _, logits = greedy(model)
@@ -306,16 +308,10 @@ def test_a_failed_expert_read_leaves_nothing_running_and_nothing_stale(
     from concurrent.futures import Future
 
     import mlx.core as mx
-    from mlx_lm.utils import load_model
 
     from engine.flash.devcopy import HostCopier
-    from engine.flash.split import split_model
 
-    model_dir = make_model("qwen3_next", tmp_path / "qwen3_next")
-    split_model(model_dir, progress=False)
-    ref, _ = load_model(model_dir)
-    ref.set_dtype(mx.float32)
-    toks_ref, logits_ref = greedy(ref)
+    model_dir, toks_ref, logits_ref = qwen3_next_reference(tmp_path)
     model, stream = streamed(model_dir, slots=3)
     if pipeline == "direct":
         stream.use_copier(HostCopier(queued=True))

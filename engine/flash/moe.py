@@ -251,10 +251,8 @@ class ExpertStream:
                 self.prefetch(i, guesses)
             return
         n, mm = len(misses), self.max_misses
-        try:
-            for j in range(
-                0, n, mm
-            ):  # the guesses go out with the last group (they reuse this layer's region)
+        try:  # the guesses go out with the last group (they reuse this layer's region)
+            for j in range(0, n, mm):
                 self._load(i, misses[j : j + mm], ready, guesses if j + mm >= n else None)
         except BaseException:
             # a failed read (disk error, a unit that fails its check): these experts are not in the bank, so the
@@ -339,7 +337,10 @@ class ExpertStream:
         try:
             self._land(i, futs, landed, ready, guesses)
         except BaseException:
-            wait(futs)  # no read outlives the layer that issued it: the staging is reused next
+            # nothing that reads or writes the staging outlives the layer that issued it: it is reused next
+            wait(futs)
+            if self._h2d_pool is not None:  # one thread: every copy queued before this no-op has run
+                self._h2d_pool.submit(int).result()
             raise
 
     def _land(
@@ -366,15 +367,11 @@ class ExpertStream:
             if guesses:
                 self.prefetch(i, guesses)
             pending = set(copies)
-            try:
-                while pending:  # each expert's bank update starts as soon as its copy is on the device side
-                    done, pending = self._first_done(pending)
-                    for c in done:
-                        k, s, view = copies[c]
-                        self._to_bank(i, k, s, view, c.result())
-            except BaseException:
-                wait(copies)  # they read the staging
-                raise
+            while pending:  # each expert's bank update starts as soon as its copy is on the device side
+                done, pending = self._first_done(pending)
+                for c in done:
+                    k, s, view = copies[c]
+                    self._to_bank(i, k, s, view, c.result())
             return
         if not self.host_writes and self.pipeline == "overlap":
             for k, s, view in landed:  # their region is reused by the guesses issued next
