@@ -22,7 +22,8 @@ median tok/s); `--profile` adds one profiled flash run per routing: per decode
 token and per MoE layer, where the time goes (router + readback, cache, read wait, host-to-device copy,
 bank update, expert compute, the rest of the token), each part evaluated on the spot (engine/flash/moe.py
 `MoEProfile`); `--compare "NAME:FLAGS;..."` adds flash runs with other engine flags (e.g. the previous
-device path: `legacy:--pipeline legacy`). The output starts with `provenance()` (command, commit, machine).
+device path: `legacy:--pipeline legacy`); a flag NAME=VALUE sets that run's environment instead (MLX's own
+switches, e.g. `nographs:MLX_USE_CUDA_GRAPHS=0`). The output starts with `provenance()` (command, commit, machine).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -168,6 +170,20 @@ def decode_profile(
     return out
 
 
+# a compare flag that sets the child's environment (MLX reads some switches only from there)
+ENV_FLAG = re.compile(r"^[A-Z][A-Z0-9_]*=")
+
+
+def split_env(flags: tuple[str, ...]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(the child's environment: ours with the NAME=VALUE flags set, the other flags)."""
+    env = _child_env()
+    for f in flags:
+        if ENV_FLAG.match(f):
+            name, _, value = f.partition("=")
+            env[name] = value
+    return env, tuple(f for f in flags if not ENV_FLAG.match(f))
+
+
 def run_flash(
     model: Path,
     tokens: int,
@@ -179,6 +195,7 @@ def run_flash(
     bias: float = 0.0,
     child_flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    env, child_flags = split_env(child_flags)
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--tokens", str(tokens), "--memory-cap", str(cap),
            "--policy", policy, "--top-k", str(top_k), "--prompt", PROMPT, "--bias", str(bias),
            *child_flags,
@@ -186,9 +203,7 @@ def run_flash(
     cg = MemoryCgroup("flashcode-moe", cap)
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(), preexec_fn=cg.enter
-        )
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=cg.enter)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         out: dict[str, Any] = json.loads(lines[-1]) if p.returncode == 0 and lines else {}
         out["status"] = "ok" if out else f"failed (exit {p.returncode})"
@@ -344,7 +359,7 @@ def bench_one(
         f = run_flash(
             model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=(*child_flags, *flags)
         )
-        res.setdefault("compare", {})[name] = {"flags": list(flags), **f}
+        res.setdefault("compare", {})[name] = {"flags": list(flags), **f}  # NAME=VALUE flags: environment
         log(f"  {name} ({' '.join(flags)}): {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, "
             f"hit {f.get('decode_hit_rate')}")  # fmt: skip
     if (

@@ -290,3 +290,15 @@ def test_gpu_results_recompute_from_their_runs(name: str) -> None:
             f["tokens"] == run["ram"]["tokens"] and len(f["tokens"]) == result["tokens"] for f in flash
         )
     assert result["same_tokens_as_ram"] is True
+
+
+def test_bench_compare_flags_that_name_a_variable_set_the_runs_environment() -> None:
+    """`--compare "nographs:MLX_USE_CUDA_GRAPHS=0 --io-threads 8"`: MLX reads some switches only from the
+    environment, so NAME=VALUE flags go there (ours kept) and the rest stay engine flags."""
+    from bench.flash_moe import split_env
+
+    env, flags = split_env(("MLX_USE_CUDA_GRAPHS=0", "--io-threads", "8", "--x=1", "A_B2=c=d"))
+    assert flags == ("--io-threads", "8", "--x=1")
+    assert env["MLX_USE_CUDA_GRAPHS"] == "0" and env["A_B2"] == "c=d"
+    assert env["PATH"] == os.environ["PATH"] and "PYTHONPATH" in env
+    assert split_env(("--pipeline", "legacy"))[1] == ("--pipeline", "legacy")
