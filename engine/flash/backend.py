@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -173,12 +172,6 @@ class FlashBackend(MLXBackend):
         span = self._layer_span(man)
         if span is not None:  # a pipeline rank: only its own layers stream, under its own budget
             man = man.shard(*span)
-        if has_experts(man):
-            # MLX's CUDA backend records each eval's kernels as a CUDA graph (made, updated, launched); a MoE
-            # layer evaluates twice a token (the router readback, its experts), and for such small evals direct
-            # launches cost the host less: ~8 ms a token on an H100 (bench/results/flash-moe-gpu-graphs.json).
-            # MLX reads the switch once a process, at its first GPU work; a value set by the user is kept.
-            os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
         gc.collect()
         mx.clear_cache()
         if self.budget_setting == "auto":
