@@ -31,6 +31,8 @@ RAW = {
     "flash-moe-gpu-direct-first.json": "runs",
     "flash-moe-gpu-deferred.json": "runs",
     "flash-moe-gpu-build.json": "runs",
+    "flash-moe-gpu-graphs.json": "runs",
+    "flash-moe-gpu-graphs-h200.json": "runs",
     "flash-moe-gpu-explore.json": "runs",
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",

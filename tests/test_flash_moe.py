@@ -258,6 +258,8 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
         "flash-moe-gpu-direct-first.json",
         "flash-moe-gpu-deferred.json",
         "flash-moe-gpu-build.json",
+        "flash-moe-gpu-graphs.json",
+        "flash-moe-gpu-graphs-h200.json",
     ],
 )
 def test_gpu_results_recompute_from_their_runs(name: str) -> None:
