@@ -148,7 +148,7 @@ def child_main(args: argparse.Namespace) -> None:
         "profile": decode_profile(first["profile"], es.prof.snapshot(), decode_tokens, s.decode_tps),
         "extra": s.extra,
         "error": done.error,
-        "mlx_use_cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS"),  # as the engine left it (CUDA reads it)
+        "mlx_use_cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS"),  # the run's (None: MLX's default, on)
     }
     print(json.dumps(out, default=str))
 
