@@ -88,6 +88,30 @@ def test_bad_sampling_value_is_rejected(model_home):
     assert proc.returncode != 0 and "temperature" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("serve", "--port", "99999"), "'99999' is not a port: use 1-65535"),
+        (("rpc-worker", "--host", "10.0.0.2", "--port", "-1"), "'-1' is not a port"),
+        (("ask", "--max-tokens", "-5", "hi"), "'-5' is not a whole number of 1 or more"),
+        (("ask", "--top-p", "0", "hi"), "'0' is not a number above 0 and at most 1"),
+        (("agent", "--max-tokens", "0", "task"), "'0' is not a whole number of 1 or more"),
+        (("synth", "nope"), "invalid choice: 'nope' (choose from 'llama-8b'"),
+        (("agent", "--project", ".", "do", "it"), 'goes in quotes: flashcode agent "do it"'),
+        (("ask", "say", "hi"), 'goes in quotes: flashcode ask "say hi"'),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_model_loads(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    """A value out of range is an argument error (exit 2, one line that says what is accepted), found when the
+    command line is read: before a model loads or a port is bound."""
+    proc = flashcode(*args, home=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr and "unexpected" not in proc.stderr
+    assert not (tmp_path / "models").exists() and not proc.stdout
+
+
 @pytest.mark.slow
 def test_chat_streams_and_exits(model_home):
     proc = flashcode("chat", "--backend", "mlx", "--temperature", "0", "--max-tokens", "16",

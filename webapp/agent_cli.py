@@ -38,6 +38,7 @@ from .agent.search import DDGSProvider
 from .agent.store import AgentStore
 from .agent.web import hidden_paths
 from .projects.store import ProjectRef
+from .units import non_negative_float, positive_int
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -282,8 +283,8 @@ def register_agent(sub: Any) -> None:
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")
     p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512, help="reply budget of each step")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--max-tokens", type=positive_int, default=512, help="reply budget of each step")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_agent)

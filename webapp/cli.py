@@ -30,7 +30,7 @@ from . import agent_cli, cli_bench, cli_projects, preflight
 from .doctor import doctor_report, format_report
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
-from .units import non_negative_float, parse_budget, parse_size, positive_int
+from .units import non_negative_float, parse_budget, parse_size, port_number, positive_int, probability
 
 __all__ = [
     "backend_options",
@@ -216,7 +216,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="flash: hard memory budget of the whole process, e.g. 300MB, or auto (the default: available "
         "memory minus max(1 GB, 10%% of RAM), or the memory cgroup's limit)",
     )
-    g.add_argument("--ctx-size", type=int, default=None, help="context length to use (default: the model's)")
+    g.add_argument(
+        "--ctx-size", type=positive_int, default=None, help="context length to use (default: the model's)"
+    )
     g.add_argument(
         "--hosts",
         metavar="HOSTFILE",
@@ -227,7 +229,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--llama-url", default=None, help="llama: attach to a llama-server already running at URL")
     g.add_argument("--llama-binary", default=None, help="llama: path of the llama-server binary to run")
-    g.add_argument("--llama-threads", type=int, default=None, help="llama: CPU threads (-t)")
+    g.add_argument("--llama-threads", type=positive_int, default=None, help="llama: CPU threads (-t)")
     g.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None, help="llama: flash attention")
     g.add_argument(
         "--cache-type-k", choices=["f16", "q8_0", "q4_0"], default=None, help="llama: K cache type"
@@ -424,9 +426,9 @@ def add_generation_args(
     p.add_argument(
         "--model", default=None, help="installed model name or model directory (default: the default model)"
     )
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=positive_int, default=512)
+    p.add_argument("--temperature", type=non_negative_float, default=0.7)
+    p.add_argument("--top-p", type=probability, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
@@ -469,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to bind (default 127.0.0.1: only this machine can connect; anything else exposes the agent)",
     )
     p.add_argument(
-        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
+        "--port", type=port_number, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
     )
     p.add_argument("--data-dir", default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
@@ -532,8 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host", required=True, help="this machine's address the main server reaches (not 0.0.0.0)"
     )
-    p.add_argument("--port", type=int, default=50052, help="the port (default 50052, as in the hostfile)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: rpc-server's)")
+    p.add_argument(
+        "--port", type=port_number, default=50052, help="the port (default 50052, as in the hostfile)"
+    )
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: rpc-server's)")
     p.add_argument("--llama-binary", default=None, help="the llama-server whose rpc-server to run")
     p.set_defaults(func=cmd_rpc_worker)
 
@@ -546,7 +550,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_options_on", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        words = next((w for w in ("task", "prompt") if isinstance(getattr(args, w, None), str)), None)
+        hint = (
+            f' (a {words} of several words goes in quotes: flashcode {args.command} "{args.__dict__[words]} '
+            f'{" ".join(extra)}")'
+            if words and not any(e.startswith("-") for e in extra)
+            else ""
+        )
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:  # a bench script's own options (`flashcode bench websocket --runs 3`)
         args.rest = [*extra, *args.rest]
     logging.basicConfig(

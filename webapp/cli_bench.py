@@ -20,7 +20,7 @@ from engine.worker import Worker
 from . import engine_host
 from .db import Database
 from .stats import bench, store
-from .units import parse_size
+from .units import parse_size, positive_int
 
 RESULTS = Path("bench") / "results"
 
@@ -156,12 +156,14 @@ def _add_run(bsub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
     p.add_argument("--model", default=None, help="installed model name (default: the default model)")
-    p.add_argument("--max-tokens", type=int, default=bench.DEFAULT_MAX_TOKENS, help="reply budget per prompt")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=bench.DEFAULT_MAX_TOKENS, help="reply budget per prompt"
+    )
     p.add_argument(
         "--memory-budget", type=parse_size, default=None, help="flash backend: hard memory budget, e.g. 300MB"
     )
     p.add_argument("--llama-url", default=None)
-    p.add_argument("--ctx-size", type=int, default=None)
+    p.add_argument("--ctx-size", type=positive_int, default=None)
     p.add_argument("--out", default=None, help="also write the run as JSON here")
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_bench_run)

@@ -54,3 +54,25 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more, e.g. 1.0")
     return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port: 1-65535, or 0 (the system picks a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: use 1-65535 (or 0 for any free one)")
+    return value
+
+
+def probability(text: str) -> float:
+    """A share in (0, 1], e.g. top-p."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0 and at most 1, e.g. 0.9")
+    return value

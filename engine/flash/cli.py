@@ -20,10 +20,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
     p.set_defaults(func=cmd_split)
 
+    from .synth import PRESETS
+    from .synth_moe import MOE_PRESETS
+
     p = subparsers.add_parser("synth", help="write a random-weight quantized model of a real architecture")
     p.add_argument(
         "preset",
-        help="llama-8b, llama-3b, llama-1b, tiny, ffn-heavy; MoE: qwen3-30b-a3b, moe-tiny, moe-heavy",
+        choices=[*PRESETS, *MOE_PRESETS],
+        metavar="PRESET",
+        help=f"{', '.join(PRESETS)}; MoE: {', '.join(MOE_PRESETS)}",
     )
     p.add_argument(
         "--layers", type=int, default=None, help="fewer (or more) transformer layers than the preset"
