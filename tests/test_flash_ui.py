@@ -92,3 +92,7 @@ def test_a_stopped_flash_reply_keeps_the_engine_numbers(flash_client: TestClient
     stats = reply.get("stats") or {}
     assert reply["status"] == "stopped" and stats.get("prompt_tokens", 0) > 10
     assert stats["extra"]["bytes_per_token"] > 0 and stats["extra"]["memory_budget"] > 0
+    rows = flash_client.app.state.flashcode.db.conn.execute(
+        "SELECT prompt_tokens, completion_tokens FROM stats_replies WHERE conversation_id = ?", (cid,)
+    ).fetchall()  # Stats counts the reply once, with the prompt the engine counted after the stop
+    assert [tuple(r) for r in rows] == [(stats["prompt_tokens"], stats["completion_tokens"])]

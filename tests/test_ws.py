@@ -298,8 +298,15 @@ def test_ws_stopped_reply_gets_the_engine_numbers_when_it_stops(tmp_path: Path) 
         assert re.search(r"Peak 0\.90 / 2\.00 GB", later[-1])
         cid = conversation_id(first + frames)
         reply = c.get(f"/c/{cid}/export.json").json()["messages"][-1]
+        rows = c.app.state.flashcode.db.conn.execute(
+            "SELECT prompt_tokens, completion_tokens, peak_rss_bytes, flash_hit_rate FROM stats_replies "
+            "WHERE message_id = ?",
+            (int(stopped[1]),),
+        ).fetchall()
     assert reply["status"] == "stopped" and reply["content"].startswith(" t0 t1")
     stats = reply["stats"]
     assert stats["extra"]["bytes_per_token"] == 12_300_000 and stats["prompt_tokens"] > 0
     assert stats["completion_tokens"] == len(reply["content"].split())  # the stop's count, not the engine's
     assert stats["peak_rss_bytes"] == 900_000_000
+    # Stats counts the same reply once, with the prompt the engine counted after the stop
+    assert [tuple(r) for r in rows] == [(stats["prompt_tokens"], stats["completion_tokens"], 900_000_000, 0.5)]

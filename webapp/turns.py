@@ -18,7 +18,9 @@ from typing import Any, Protocol
 
 class ReplyHook(Protocol):
     """Called once a chat reply is stored (`stats` holds the engine's numbers, finish_reason, model
-    and backend). A hook that raises is logged; the reply is never lost for it."""
+    and backend), and again with `completed` when a stopped reply's numbers are completed after its
+    generation has ended (the prompt count, memory): the same reply, not a new one. A hook that raises
+    is logged; the reply is never lost for it."""
 
     def __call__(
         self,
@@ -27,6 +29,7 @@ class ReplyHook(Protocol):
         conversation_id: str,
         message_id: int,
         route: str | None = None,
+        completed: bool = False,
     ) -> object: ...
 
 

@@ -208,7 +208,7 @@ class ReplyStream:
         if error:
             numbers["error"] = error
         self.db.finish_message(self.message.id, self.prefix + text if text else self.text, status, numbers)
-        self._run_hooks(numbers)
+        self.run_hooks(numbers)
         self.db.touch(self.conversation_id, model, backend)
         final = self.db.messages(self.conversation_id)[-1]
         self.send(self.views.replace_message(final), *then)
@@ -222,11 +222,16 @@ class ReplyStream:
         self.finished = True
         self.db.finish_message(self.message.id, self.text, "stopped", self.message.stats or None)
 
-    def _run_hooks(self, stats: dict[str, Any]) -> None:
+    def run_hooks(self, stats: Mapping[str, Any], completed: bool = False) -> None:
+        """Each `ReplyHook` on this reply's numbers (`completed`: a stopped reply's, completed since)."""
         for hook in self.hooks:
             try:
                 hook(
-                    stats, conversation_id=self.conversation_id, message_id=self.message.id, route=self.route
+                    stats,
+                    conversation_id=self.conversation_id,
+                    message_id=self.message.id,
+                    route=self.route,
+                    completed=completed,
                 )
             except Exception:  # noqa: BLE001 - a hook must not lose the reply
                 log.exception("reply hook %r failed", hook)

@@ -459,11 +459,13 @@ class Session:
             then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
         final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
         if final.status == "stopped":  # a stop answers before the engine's own numbers exist
-            asyncio.get_running_loop().create_task(self._complete_stopped(final, history, gen))
+            asyncio.get_running_loop().create_task(self._complete_stopped(stream, final, history, gen))
         if done.error:
             self.error(done.error)
 
-    async def _complete_stopped(self, reply: StoredMessage, history: list[Message], gen: Generation) -> None:
+    async def _complete_stopped(
+        self, stream: ReplyStream, reply: StoredMessage, history: list[Message], gen: Generation
+    ) -> None:
         """A stopped reply gets the engine's own numbers once its generation has ended (a job queued after it
         has run): prompt and cache counts, memory, the engine's extras (flash: disk, hit rate, budget). The
         text, its token count and the rates measured here stay the stop's. The prompt is counted here if
@@ -480,6 +482,7 @@ class Session:
         if stats == reply.stats or not any(m.id == reply.id for m in db.messages(reply.conversation_id)):
             return  # nothing new, or the reply is gone meanwhile (regenerated, deleted)
         db.finish_message(reply.id, reply.content, reply.status, stats)
+        stream.run_hooks(stats, completed=True)  # Stats counts its prompt too
         frames = [self.views.replace_message(dataclasses.replace(reply, stats=stats))]
         if stats.get("prompt_tokens"):
             frames.append(self.views.gauge(stats["prompt_tokens"] + int(stats.get("completion_tokens") or 0)))

@@ -113,10 +113,19 @@ class AutoResume:
 
     # ------------------------------------------------------------------ what the chat calls
     def note_reply(
-        self, stats: Mapping[str, Any], *, conversation_id: str, message_id: int, route: str | None = None
+        self,
+        stats: Mapping[str, Any],
+        *,
+        conversation_id: str,
+        message_id: int,
+        route: str | None = None,
+        completed: bool = False,
     ) -> None:
         """After every stored reply: a chat reply leaves its conversation in the live cache; an agent
-        turn leaves its own prompts there (not the conversation's), so nothing to save then."""
+        turn leaves its own prompts there (not the conversation's), so nothing to save then. A stopped
+        reply's numbers completed later (`completed`) say nothing new about the cache."""
+        if completed:
+            return
         if route is None:
             self.live, self.dirty = conversation_id, True
         else:

@@ -84,6 +84,37 @@ def record_reply(
     return int(cur.lastrowid or 0)
 
 
+# what a stopped reply learns once its generation has ended (the engine's own numbers)
+COMPLETED_COLUMNS = ("prompt_tokens", "cached_tokens", "peak_memory_bytes", "peak_rss_bytes", "flash_hit_rate",
+                     "flash_bytes_read")  # fmt: skip
+
+
+def complete_reply(
+    conn: sqlite3.Connection, message_id: int, stats: GenerationStats | Mapping[str, Any]
+) -> int | None:
+    """A recorded chat reply's numbers, completed after a stop (the prompt is counted once the engine has
+    ended): its row is updated, not doubled; returns the row id, or None when there is none."""
+    s = stats.to_dict() if isinstance(stats, GenerationStats) else dict(stats)
+    extra = s.get("extra") or {}
+    known = {"prompt_tokens": s.get("prompt_tokens"), "cached_tokens": s.get("cached_tokens"),
+             "peak_memory_bytes": s.get("peak_memory_bytes"), "peak_rss_bytes": s.get("peak_rss_bytes"),
+             "flash_hit_rate": _first(extra, HIT_RATE_KEYS), "flash_bytes_read": _first(extra, BYTES_READ_KEYS)}  # fmt: skip
+    found = conn.execute(
+        "SELECT id FROM stats_replies WHERE source = 'chat' AND message_id = ? ORDER BY id DESC LIMIT 1",
+        (message_id,),
+    ).fetchone()
+    if found is None:
+        return None
+    sets = {k: v for k, v in known.items() if v is not None}
+    if sets:
+        conn.execute(
+            f"UPDATE stats_replies SET {', '.join(f'{k} = ?' for k in sets)} WHERE id = ?",
+            (*sets.values(), found[0]),
+        )
+        conn.commit()
+    return int(found[0])
+
+
 # --------------------------------------------------------------------------- totals and tables
 @dataclass(frozen=True)
 class Totals:
