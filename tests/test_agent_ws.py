@@ -197,3 +197,40 @@ def test_agent_answers_go_through_the_one_reply_pipeline(tmp_path: Path, project
     ((stats, kw),) = seen
     assert kw["route"] == "chat" and kw["message_id"] > 0
     assert stats["model"] == "fake-model" and stats["finish_reason"] == "stop" and stats["server_ttft_s"] > 0
+
+
+def test_agent_steps_that_only_call_tools_are_counted_in_stats(tmp_path: Path, project: Path) -> None:
+    """A tool-loop step whose generation is only calls writes no reply, yet its tokens were made: the reply
+    hooks get its numbers with no message, and Stats counts them beside the answer's."""
+    (project / "a.txt").write_text("a\n")
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("list_files").enqueue("It", " holds", " a.txt.")
+    worker = Worker(lambda: fake)
+    app = create_app(
+        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
+    )
+    seen: list[tuple[dict, dict]] = []
+    try:
+        with TestClient(app, base_url=BASE) as client:
+            app.state.flashcode.on_reply.append(lambda stats, **kw: seen.append((stats, kw)))
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+                send(sock, type="send", text="/agent")
+                cid = re.search(
+                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
+                )
+                send(sock, type="send", text="what is here?", conversation_id=cid.group(1))  # type: ignore[union-attr]
+                until(sock, r"a\.txt\.")
+                until(sock, r'data-state="idle"')
+            rows = app.state.flashcode.db.conn.execute(
+                "SELECT message_id, completion_tokens, model FROM stats_replies WHERE conversation_id = ? ORDER BY id",
+                (cid.group(1),),  # type: ignore[union-attr]
+            ).fetchall()
+    finally:
+        worker.close()
+    (call_stats, call_kw), (answer_stats, answer_kw) = seen
+    assert call_kw["message_id"] is None and call_stats["prompt_tokens"] > 0 and call_stats["turn"] == "agent"
+    assert answer_kw["message_id"] > 0 and answer_stats["completion_tokens"] == 3
+    assert [(r[0] is None, r[1], r[2]) for r in rows] == [
+        (True, call_stats["completion_tokens"], "fake-model"),
+        (False, 3, "fake-model"),
+    ]

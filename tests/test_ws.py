@@ -309,4 +309,6 @@ def test_ws_stopped_reply_gets_the_engine_numbers_when_it_stops(tmp_path: Path) 
     assert stats["completion_tokens"] == len(reply["content"].split())  # the stop's count, not the engine's
     assert stats["peak_rss_bytes"] == 900_000_000
     # Stats counts the same reply once, with the prompt the engine counted after the stop
-    assert [tuple(r) for r in rows] == [(stats["prompt_tokens"], stats["completion_tokens"], 900_000_000, 0.5)]
+    assert [tuple(r) for r in rows] == [
+        (stats["prompt_tokens"], stats["completion_tokens"], 900_000_000, 0.5)
+    ]

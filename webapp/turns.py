@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 class ReplyHook(Protocol):
     """Called once a chat reply is stored (`stats` holds the engine's numbers, finish_reason, model
-    and backend), and again with `completed` when a stopped reply's numbers are completed after its
+    and backend; `message_id` None: a generation that wrote no reply, an agent step's tool calls), and again with `completed` when a stopped reply's numbers are completed after its
     generation has ended (the prompt count, memory): the same reply, not a new one. A hook that raises
     is logged; the reply is never lost for it."""
 
@@ -27,7 +27,7 @@ class ReplyHook(Protocol):
         stats: Mapping[str, Any],
         *,
         conversation_id: str,
-        message_id: int,
+        message_id: int | None,
         route: str | None = None,
         completed: bool = False,
     ) -> object: ...
@@ -106,6 +106,10 @@ class Turn(Protocol):
 
     def context_used(self, tokens: int) -> None:
         """The context gauge, mid-turn: the last prompt plus its reply, as the engine counted them."""
+
+    def count(self, stats: Mapping[str, Any], route: str | None = None) -> None:
+        """The numbers of a generation that wrote no reply (an agent step that only called tools): the
+        `ReplyHook`s get them with no message, so Stats counts its tokens and time too."""
 
 
 class TurnHandler(Protocol):

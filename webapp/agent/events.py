@@ -219,6 +219,14 @@ class AnswerDone(_Event):
 
 
 @dataclass(frozen=True)
+class Generated(_Event):
+    """A generation that wrote no reply (a step that only called tools): its numbers, for Stats."""
+
+    stats: dict[str, Any] = field(default_factory=dict)
+    type: str = "generated"
+
+
+@dataclass(frozen=True)
 class ToolStep(_Event):
     """The model called a tool (step `step` of at most `max_steps`): a step card opens."""
 

@@ -38,6 +38,7 @@ from .events import (
     ContextTrimmed,
     Decided,
     FileWritten,
+    Generated,
     Proposal,
     StepLimitReached,
     ToolStep,
@@ -146,6 +147,8 @@ class ToolLoop:
                 return
             if text.strip():
                 yield AnswerDone(text, "stop", self.last_stats)  # words before the calls: their own reply
+            else:  # only calls: no reply carries these numbers
+                yield Generated(self.last_stats)
             self.messages.append(assistant_message(text, calls))
             for call in calls:
                 if self.steps >= self.limit:

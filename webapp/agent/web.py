@@ -245,6 +245,8 @@ class AgentTurns:
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
                     reply = None  # the tool loop writes one reply per step that has words
+                elif isinstance(e, ev.Generated):
+                    turn.count(e.stats, route)  # a step of calls only: Stats counts it all the same
                 elif fragment := self.web.views.event(e):
                     if isinstance(e, ev.ToolStep):
                         turn.send(self.web.views.step_counter(e.step, e.max_steps))

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -530,3 +530,12 @@ class SocketTurn:
     def context_used(self, tokens: int) -> None:
         self.context = tokens
         self.send(self.session.views.gauge(tokens))
+
+    def count(self, stats: Mapping[str, Any], route: str | None = None) -> None:
+        model, backend = self.session.ctx.engine.model_and_backend()
+        numbers = dict(stats) | {"model": model, "backend": backend, "turn": "agent"}
+        for hook in self.session.ctx.hooks:
+            try:
+                hook(numbers, conversation_id=self.conversation_id, message_id=None, route=route)
+            except Exception:  # noqa: BLE001 - a hook must not break the turn
+                log.exception("reply hook %r failed", hook)

@@ -117,7 +117,7 @@ class AutoResume:
         stats: Mapping[str, Any],
         *,
         conversation_id: str,
-        message_id: int,
+        message_id: int | None,
         route: str | None = None,
         completed: bool = False,
     ) -> None:

@@ -311,13 +311,13 @@ class Stats:
         stats: Mapping[str, Any],
         *,
         conversation_id: str,
-        message_id: int,
+        message_id: int | None,
         route: str | None = None,
         completed: bool = False,
     ) -> int | None:
         """Called by the chat once a reply is stored: its numbers, with the model and backend that made it;
         `completed`: the numbers of a reply recorded at its stop, completed since (its row is updated)."""
-        if completed:
+        if completed and message_id is not None:
             return store.complete_reply(self.db.conn, message_id, stats)
         return store.record_reply(
             self.db.conn,
