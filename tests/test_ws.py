@@ -167,6 +167,27 @@ def test_ws_switch_model_to_unknown_model_keeps_engine(client: TestClient) -> No
     assert "no-such-model" in "".join(frames)
 
 
+def test_ws_a_refused_switch_while_writing_puts_the_controls_back(tmp_path: Path) -> None:
+    """Picking another model (or mode) while a reply is written is refused; the picker and the mode switch
+    are redrawn with what still answers, so they never show a model that is not the one loaded."""
+    slow = FakeBackend(delay=0.05)
+    slow.enqueue(*[f" t{i}" for i in range(100)])
+    with served(slow, tmp_path) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="one two three")
+            cid = conversation_id(until(ws, r"t1"))
+            send(ws, type="model", choice="mlx:another-model", conversation_id=cid)
+            picked = "".join(until(ws, r'id="model-picker-box"[^>]*hx-swap-oob'))
+            send(ws, type="mode", mode="agent", conversation_id=cid)
+            moded = "".join(until(ws, r'id="mode-switch"'))
+            send(ws, type="stop")
+            until(ws, r'data-state="idle"')
+        assert c.app.state.flashcode.engine.model_and_backend()[0] == "fake-model"
+        assert c.app.state.flashcode.db.get_conversation(cid).mode == "chat"
+    assert "press Stop first" in picked and "another-model" not in picked
+    assert "press Stop first" in moded and '<option value="chat" selected>' in moded
+
+
 def test_ws_answer_without_dialog_is_an_error(client: TestClient) -> None:
     with connect(client) as ws:
         send(ws, type="answer", dialog_id="d1", choice="deny")

@@ -157,6 +157,12 @@ class Session:
             self._answer(msg)
         elif self.generating:
             self.error("a reply is still being written: press Stop first")
+            if isinstance(msg, p.SwitchModel):  # the picker goes back to the model that is still answering
+                self.send(self.views.model_picker())
+            elif isinstance(msg, p.SetMode) and msg.conversation_id:  # and the mode to the conversation's
+                conv = self.ctx.db.get_conversation(msg.conversation_id)
+                if conv is not None:
+                    self.send(self.views.mode_picker(conv.mode))
         elif isinstance(msg, p.Send):
             self._send(msg)
         elif isinstance(msg, p.Regenerate):
