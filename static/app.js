@@ -174,7 +174,15 @@
     try { msg = JSON.parse(e.detail.message); } catch (_) { /* not ours */ }
     if (msg.type === "send") { $("#prompt").value = ""; stick = true; }
   });
+  // the tab's title follows the window's (a conversation opened from the list, one a first message made)
+  function syncTitle() {
+    const t = $("#chat-title");
+    const name = t ? t.textContent.trim() : "";
+    const title = name && conversationId() ? `${name} — flashcode` : "flashcode";
+    if (document.title !== title) document.title = title;
+  }
   document.body.addEventListener("htmx:wsAfterMessage", () => {
+    syncTitle();
     const id = conversationId();
     const win = $("#chat-window");
     if (id && win && win.dataset.conversation !== id) {
@@ -190,6 +198,7 @@
     const toChat = e.detail.target && e.detail.target.id === "chat-window";
     if (toChat) { stick = true; follow(); }
     markSelected(conversationId());
+    syncTitle();
     if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had
   });
   window.addEventListener("popstate", () => location.reload());

@@ -98,9 +98,11 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     # a new conversation (Ctrl+N), then reopen the old one from the Conversations window
     page.keyboard.press("Control+n")
     page.wait_for_function("() => location.pathname === '/' && !document.querySelector('#messages .msg')")
+    assert page.title() == "flashcode"  # the tab says what the window holds
     page.click(f"#conversation-list li[data-id='{cid}'] a")
     page.wait_for_selector("#messages .msg-user")
     assert page.input_value("#conversation-id") == cid
+    assert page.title() == f"{page.inner_text('#chat-title')} — flashcode" != " — flashcode"
 
     # export as markdown from the Conversations window
     with page.expect_download() as dl:
