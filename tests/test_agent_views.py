@@ -92,3 +92,23 @@ def test_every_forwarded_event_renders(views: AgentViews) -> None:
         assert html.strip() and "hx-swap-oob" in html, e
         assert "<out>" not in html and "<thanks>" not in html
     assert views.event(ev.AnswerDelta("x")) == "" and views.event(ev.TurnDone("chat")) == ""
+
+
+@pytest.mark.parametrize("tool", ["shell", "write", "mcp"])
+def test_every_swap_after_a_proposal_finds_its_target(views: AgentViews, tool: str) -> None:
+    """The decision, output and end of an action are swapped into its block by id: each id they target is in
+    the block the proposal drew, whatever the tool (a write's "Wrote a.py" or "Not run" had no target:
+    htmx's oobErrorNoTarget, and the line was lost)."""
+    block = views.event(proposal("ls", tool=tool))
+    later = [ev.Decided(7, "deny", reason="no"), ev.Decided(7, "once"), ev.FileWritten(7, "a.py")]
+    if tool == "shell":
+        later += [
+            ev.ActionOutput(7, "stdout", "x"),
+            ev.ActionExit(7, 0, False, False, False, 0.1, "exit code 0"),
+        ]
+    ids = set(re.findall(r'\bid="([\w-]+)"', block))
+    for e in later:
+        for target in re.findall(
+            r'<\w+[^>]*\bid="([\w-]+)"[^>]*hx-swap-oob="(?:true|beforeend)"', views.event(e)
+        ):
+            assert target in ids, (tool, e, target)
