@@ -357,6 +357,25 @@ def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, pro
     assert all(set(r) == {"tool", "arguments", "decision", "ok", "exit_code"} for r in s.loop.records)
 
 
+def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_changes_nothing_asks_nothing(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """A small model repeating a write: the refused repeats do not push the write it repeats out of the look-back
+    (step 5 was asked again before), and a write that would leave the file as it is needs no approval."""
+    for _ in range(5):
+        fake.enqueue_call("write_file", path="hello.txt", content="hi")  # step 1 writes; 2-5 are refused
+    fake.enqueue_call("write_file", path="./hello.txt", content="hi")  # another call, the same bytes
+    fake.enqueue("Done.")
+    approver = Approver(ev.Decision.once())
+    s = session(worker, project, approver)
+    events = asyncio.run(collect(s, "write hi to hello.txt"))
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert len(approver.asked) == 1 and len(of(events, ev.Proposal)) == 1
+    assert (project / "hello.txt").read_text() == "hi"
+    assert all("step 1 already did exactly this" in r for r in results[1:5]), results
+    assert "already holds exactly this content" in results[5]
+
+
 def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path, project: Path) -> None:
     import json
     import re

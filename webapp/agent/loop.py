@@ -312,15 +312,19 @@ class ToolLoop:
         """A small model's loop: the step among the last three that made this same call, and whether
         it worked; None when there is none. A command may be rerun unless it was the step just before."""
         window = 1 if call.name == "run_command" else 3
-        for i in range(len(self.records) - 1, max(-1, len(self.records) - 1 - window), -1):
+        done = [i for i in range(len(self.records)) if i not in self._refused]  # refused repeats did nothing
+        for i in reversed(done[-window:]):
             r = self.records[i]
-            if r["tool"] == call.name and r["arguments"] == call.arguments and i not in self._refused:
+            if r["tool"] == call.name and r["arguments"] == call.arguments:
                 return i + 1, bool(r["ok"])
         return None
 
     # ------------------------------------------------------------------ side effects
     async def _write(self, change: FileChange) -> AsyncIterator[AgentEvent | ToolResult]:
         s = self.s
+        if change.old == change.new:  # nothing would change: nothing to approve
+            yield ToolResult(True, f"{change.path} already holds exactly this content: nothing was written.")
+            return
         action_id = s.store.record_proposal(s.project, "write", change.path, s.conversation_id)
         proposal = Proposal(
             action_id,
