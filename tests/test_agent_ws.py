@@ -221,12 +221,18 @@ def test_agent_steps_that_only_call_tools_are_counted_in_stats(tmp_path: Path, p
                 send(sock, type="send", text="what is here?", conversation_id=cid.group(1))  # type: ignore[union-attr]
                 until(sock, r"a\.txt\.")
                 until(sock, r'data-state="idle"')
+            md = client.get(f"/c/{cid.group(1)}/export.md").text  # type: ignore[union-attr]
             rows = app.state.flashcode.db.conn.execute(
                 "SELECT message_id, completion_tokens, model FROM stats_replies WHERE conversation_id = ? ORDER BY id",
                 (cid.group(1),),  # type: ignore[union-attr]
             ).fetchall()
     finally:
         worker.close()
+    at = [
+        md.find(x)
+        for x in ("## User", "**Step 1: `list_files`**", "_Step 1 worked_", "a.txt", "It holds a.txt.")
+    ]
+    assert -1 not in at and at == sorted(at), md  # the export keeps the step, not only the answer
     (call_stats, call_kw), (answer_stats, answer_kw) = seen
     assert call_kw["message_id"] is None and call_stats["prompt_tokens"] > 0 and call_stats["turn"] == "agent"
     assert answer_kw["message_id"] > 0 and answer_stats["completion_tokens"] == 3

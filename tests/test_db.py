@@ -71,6 +71,44 @@ def test_db_finish_message_stores_stats_and_exports(tmp_path: Path) -> None:
     assert js["title"] == "Export me" and js["messages"][1]["content"] == "**a**"
 
 
+def test_db_export_keeps_what_an_agent_did(tmp_path: Path) -> None:
+    """An agent conversation's export holds its steps, the proposed change with its diff, the decision, the
+    command's output and how it ended, each after the message it followed, in the order they came; text in
+    them cannot close the fences around it."""
+    from webapp.agent import events as ev
+
+    d = Database(tmp_path / "f.db")
+    c = d.create_conversation("Agent work", "qwen", "mlx")
+    d.add_message(c.id, "user", "make hello.txt, then run ls")
+    for e in (
+        ev.ToolStep(1, "c1", "write_file", {"path": "hello.txt", "content": "hi"}, 25, 0.0),
+        ev.Proposal(1, "write", "hello.txt", "/p", 0.0, diff="--- a\n+++ b\n+hi ```"),
+        ev.Decided(1, "once"),
+        ev.FileWritten(1, "hello.txt"),
+        ev.ToolStepDone(1, "c1", "write_file", True, "once", "hello.txt created."),
+        ev.Proposal(2, "shell", "ls", "/p", 30.0),
+        ev.Decided(2, "deny", reason="not now"),
+        ev.Proposal(3, "shell", "ls -a", "/p", 30.0),
+        ev.Decided(3, "once"),
+        ev.ActionOutput(3, "stdout", "hello.txt\n"),
+        ev.ActionOutput(3, "stdout", "more\n"),
+        ev.ActionExit(3, 0, False, False, False, 0.25, "exit code 0"),
+    ):
+        d.add_event(c.id, e.type, e.to_dict())
+    a = d.add_message(c.id, "assistant", "Done.")
+    d.add_event(c.id, "notice", ev.Notice("after the answer").to_dict())
+    md = export_markdown(c, d.messages(c.id), d.events(c.id))
+    order = ["## User", "**Step 1: `write_file`**", "**Proposed (write):** `hello.txt`", "````diff",
+             "+hi ```", "_Decision: once_", "_Wrote hello.txt_", "_Step 1 worked_", "hello.txt created.",
+             "_Decision: deny: not now_", "**Proposed (shell):** `ls -a`", "hello.txt\nmore", "_exit code 0, 0.2 s_",
+             "## Assistant", "Done.", "_after the answer_"]  # fmt: skip
+    at = [md.find(x) for x in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at, strict=True))
+    js = export_json(c, d.messages(c.id), d.events(c.id))
+    assert [e["type"] for e in js["events"]][:3] == ["tool_step", "proposal", "decided"]
+    assert js["events"][-1]["after_message"] == a.id == js["messages"][-1]["id"]
+
+
 # --------------------------------------------------------------------------- every past version -> now
 def _old_ensure_schema(conn: sqlite3.Connection, scripts: list[str]) -> None:
     """What `agent.store.ensure_schema` and `stats.ensure_schema` did (every socket; every start)."""

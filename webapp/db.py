@@ -30,9 +30,11 @@ makes them on the event loop (local file, small rows).
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -524,17 +526,84 @@ def connect_memory() -> sqlite3.Connection:
     return conn
 
 
-def export_markdown(conv: Conversation, messages: list[StoredMessage]) -> str:
+def _fenced(text: str, lang: str = "") -> list[str]:
+    """`text` in a code fence longer than any backtick run inside it (its content cannot close it)."""
+    run = max((len(r) for r in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, run + 1)
+    return [f"{fence}{lang}", text.rstrip("\n"), fence]
+
+
+def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
+    """What an agent's logged event adds to a Markdown export (its tool steps, approvals, outcomes); []
+    for what the export shows elsewhere or not at all. `output`: each action's command output, joined."""
+    d, t = e.data, e.type
+    if t == "tool_step":
+        args = json.dumps(d.get("arguments") or {}, ensure_ascii=False)
+        return [f"**Step {d.get('step')}: `{d.get('tool')}`**", *_fenced(args, "json"), ""]
+    if t == "tool_step_done":
+        verdict = "worked" if d.get("ok") else "failed"
+        return [f"_Step {d.get('step')} {verdict}_", *_fenced(str(d.get("result") or "")), ""]
+    if t == "proposal":
+        lines = [f"**Proposed ({d.get('tool')}):** `{d.get('command')}`"]
+        return [*lines, *(_fenced(d["diff"], "diff") if d.get("diff") else []), ""]
+    if t == "decided":
+        reason = f": {d['reason']}" if d.get("reason") else ""
+        rule = f" (rule `{d['rule']}`)" if d.get("rule") else ""
+        return [f"_Decision: {d.get('decision')}{rule}{reason}_", ""]
+    if t == "exit":
+        text = "".join(output.get(int(d.get("action_id") or 0), []))
+        return [
+            *(_fenced(text) if text else []),
+            f"_{d.get('description')}, {float(d.get('duration_s') or 0):.1f} s_",
+            "",
+        ]
+    if t == "file_written":
+        return [f"_Wrote {d.get('path')}_", ""]
+    if t == "file":
+        return [f"**{d.get('path')}**", *_fenced(str(d.get("content") or "")), ""]
+    if t == "search_results":
+        hits = [f"{i}. {r.get('title')} — {r.get('url')}" for i, r in enumerate(d.get("results") or (), 1)]
+        return [f"**Web search:** {d.get('query')}", *hits, ""]
+    if t in ("notice", "search_unavailable", "context_trimmed"):
+        return [f"_{d.get('text') or d.get('message') or d.get('note')}_", ""]
+    if t == "mode":
+        return [f"_Mode: {'agent' if d.get('mode') == 'agent' else 'chat'}_", ""]
+    if t == "step_limit":
+        return [f"_Step limit reached ({d.get('steps')} of {d.get('limit')})_", ""]
+    return []
+
+
+def export_markdown(
+    conv: Conversation, messages: list[StoredMessage], events: Sequence[StoredEvent] = ()
+) -> str:
+    """The conversation as Markdown: its messages and, where an agent worked, its steps, approvals and results
+    in the order they came."""
     lines = [f"# {conv.title}", ""]
     if conv.model:
         lines += [f"_model: {conv.model} ({conv.backend or '?'})_", ""]
+    output: dict[int, list[str]] = {}
+    for e in events:
+        if e.type == "output":
+            output.setdefault(int(e.data.get("action_id") or 0), []).append(str(e.data.get("text") or ""))
+    after: dict[int, list[StoredEvent]] = {}
+    for e in events:
+        after.setdefault(e.after_message, []).append(e)
+    for e in after.pop(0, []):
+        lines += _event_markdown(e, output)
     for m in messages:
         note = "" if m.status == "complete" else f" _({m.status})_"
         lines += [f"## {m.role.capitalize()}{note}", "", m.content, ""]
+        for e in after.pop(m.id, []):
+            lines += _event_markdown(e, output)
+    for rest in after.values():  # after a message since deleted
+        for e in rest:
+            lines += _event_markdown(e, output)
     return "\n".join(lines)
 
 
-def export_json(conv: Conversation, messages: list[StoredMessage]) -> dict[str, Any]:
+def export_json(
+    conv: Conversation, messages: list[StoredMessage], events: Sequence[StoredEvent] = ()
+) -> dict[str, Any]:
     return {
         "id": conv.id,
         "title": conv.title,
@@ -544,6 +613,7 @@ def export_json(conv: Conversation, messages: list[StoredMessage]) -> dict[str, 
         "updated_at": conv.updated_at,
         "messages": [
             {
+                "id": m.id,
                 "role": m.role,
                 "content": m.content,
                 "status": m.status,
@@ -551,5 +621,11 @@ def export_json(conv: Conversation, messages: list[StoredMessage]) -> dict[str, 
                 "stats": m.stats,
             }
             for m in messages
+        ],
+        # what the transcript showed besides messages (an agent's steps, approvals, output), each after the
+        # message whose id is `after_message` (0: before the first)
+        "events": [
+            {"type": e.type, "after_message": e.after_message, "created_at": e.created_at, "data": e.data}
+            for e in events
         ],
     }

@@ -156,14 +156,18 @@ class ChatPages:
     # ------------------------------------------------------------------ exports and assets
     async def export_md(self, request: Request) -> PlainTextResponse:
         conv = self._conversation(request)
-        text = export_markdown(conv, self.db.messages(conv.id))
+        text = export_markdown(conv, self.db.messages(conv.id), self.db.events(conv.id))
         return PlainTextResponse(
             text, media_type="text/markdown; charset=utf-8", headers=_attachment(conv, "md")
         )
 
     async def export_json(self, request: Request) -> Response:
         conv = self._conversation(request)
-        data = json.dumps(export_json(conv, self.db.messages(conv.id)), indent=2, ensure_ascii=False)
+        data = json.dumps(
+            export_json(conv, self.db.messages(conv.id), self.db.events(conv.id)),
+            indent=2,
+            ensure_ascii=False,
+        )
         return Response(data, media_type="application/json", headers=_attachment(conv, "json"))
 
     async def pygments_stylesheet(self, request: Request) -> Response:
