@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -240,3 +241,36 @@ def test_agent_steps_that_only_call_tools_are_counted_in_stats(tmp_path: Path, p
         (True, call_stats["completion_tokens"], "fake-model"),
         (False, 3, "fake-model"),
     ]
+
+
+def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path, project: Path) -> None:
+    """The window closes while the agent waits for an approval: the turn ends (the dialog denied), and the
+    transcript says it stopped before answering, instead of leaving the user's message alone."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="hello2.txt", content="hi").enqueue("Written.")
+    worker = Worker(lambda: fake)
+    app = create_app(
+        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
+    )
+    try:
+        with TestClient(app, base_url=BASE) as client:
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+                send(sock, type="send", text="/agent")
+                cid = re.search(
+                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
+                )
+                send(sock, type="send", text="Create hello2.txt", conversation_id=cid.group(1))  # type: ignore[union-attr]
+                until(sock, r'id="dialog-[\w-]+"')
+            # the socket is closed: the turn is stopped and its end logged
+            db = app.state.flashcode.db
+            for _ in range(100):
+                notes = [e.data.get("text") for e in db.events(cid.group(1)) if e.type == "notice"]  # type: ignore[union-attr]
+                if "Stopped before the agent answered." in notes:
+                    break
+                time.sleep(0.05)
+            assert "Stopped before the agent answered." in notes
+            page = client.get(f"/c/{cid.group(1)}").text  # type: ignore[union-attr]
+    finally:
+        worker.close()
+    assert not (project / "hello2.txt").exists()
+    assert "Stopped before the agent answered." in page and "Create hello2.txt" in page

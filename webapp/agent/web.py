@@ -227,6 +227,7 @@ class AgentTurns:
         self._turn = turn
         reply: ReplyWriter | None = None
         route: str | None = None
+        answered = completed = False  # a reply was written this turn; the turn ran to its end
         turn.on_stop(agent.stop)
         try:
             async for e in agent.run_turn(text):
@@ -245,6 +246,7 @@ class AgentTurns:
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
                     reply.finish(e.text, e.finish_reason, e.stats, e.error)
                     reply = None  # the tool loop writes one reply per step that has words
+                    answered = True
                 elif isinstance(e, ev.Generated):
                     turn.count(e.stats, route)  # a step of calls only: Stats counts it all the same
                 elif fragment := self.web.views.event(e):
@@ -254,10 +256,20 @@ class AgentTurns:
                             turn.context_used(e.context_tokens)  # steps with no words write no reply to count
                     db.add_event(conversation_id, e.type, e.to_dict())  # the transcript keeps it
                     turn.send(fragment)
+            completed = True
         except Exception as exc:  # noqa: BLE001 - shown to the user; the socket lives on
             log.exception("agent turn failed")
             turn.error(f"the agent failed: {type(exc).__name__}: {exc}")
         finally:
+            if reply is not None:
+                answered = True  # its text is kept, marked stopped (below)
+            if not answered and (agent.halted or not completed):
+                # Stop, a closed window or a failure before any answer: the transcript says so, or the turn
+                # would leave only the user's message behind
+                cut = ev.Notice("Stopped before the agent answered." if agent.halted else
+                                "The agent's turn ended before it answered.", "warning")  # fmt: skip
+                db.add_event(conversation_id, cut.type, cut.to_dict())
+                turn.send(self.web.views.event(cut))
             turn.on_stop(None)
             turn.send(self.web.views.step_counter())
             self._turn = None
