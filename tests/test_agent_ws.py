@@ -79,6 +79,7 @@ def test_agent_ws_run_once_deny_and_always(ws, project: Path, fake: FakeBackend)
     send(ws, type="answer", dialog_id=dialog, choice="deny", note="not in my repo")
     frames = until(ws, r'data-state="idle"')
     assert "Denied: not in my repo" in frames and not (project / "denied.txt").exists()
+    assert "tok/s" not in frames and "TTFT" not in frames  # the agent wrote that reply, no model: no rates
 
     frames, dialog = ask(ws, "/shell ls -a", conv)
     send(ws, type="answer", dialog_id=dialog, choice="always_prefix")

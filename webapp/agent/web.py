@@ -244,7 +244,8 @@ class AgentTurns:
                         reply = turn.start_reply(route)
                     reply.add(e.text)
                 elif isinstance(e, ev.AnswerDone) and reply is not None:
-                    reply.finish(e.text, e.finish_reason, e.stats, e.error)
+                    # no numbers: words the agent wrote itself (a denial, a summary), not the model's
+                    reply.finish(e.text, e.finish_reason, e.stats or {"not_generated": True}, e.error)
                     reply = None  # the tool loop writes one reply per step that has words
                     answered = True
                 elif isinstance(e, ev.Generated):

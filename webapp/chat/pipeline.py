@@ -199,7 +199,8 @@ class ReplyStream:
             numbers["turn"] = self.turn
         if self.continuing is not None:  # the numbers are this part's; the footer says it was continued
             numbers["continued"] = int(self.continuing.stats.get("continued") or 0) + 1
-        if not numbers.get("ttft_s"):  # a stop answers at once, before the engine's own numbers exist
+        # a stop answers at once, before the engine's own numbers exist; words no model wrote have none
+        if not numbers.get("ttft_s") and not numbers.get("not_generated"):
             numbers |= self.measured()
         if self.first_sent is not None:  # message in -> first token frame out, on this server
             numbers["server_ttft_s"] = self.first_sent - self.received
