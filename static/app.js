@@ -169,10 +169,13 @@
   }, true);
   function follow() { const t = $("#transcript"); if (t && stick) t.scrollTop = t.scrollHeight; }
 
+  // The composer keeps a sent message until the server shows it (a refused one, e.g. too long, stays there to
+  // be fixed); what was typed meanwhile is never cleared.
+  let sent = null;
   document.body.addEventListener("htmx:wsAfterSend", (e) => {
     let msg = {};
     try { msg = JSON.parse(e.detail.message); } catch (_) { /* not ours */ }
-    if (msg.type === "send") { $("#prompt").value = ""; stick = true; }
+    if (msg.type === "send") { sent = msg.text; stick = true; }
   });
   // the tab's title follows the window's (a conversation opened from the list, one a first message made)
   function syncTitle() {
@@ -181,7 +184,14 @@
     const title = name && conversationId() ? `${name} — flashcode` : "flashcode";
     if (document.title !== title) document.title = title;
   }
-  document.body.addEventListener("htmx:wsAfterMessage", () => {
+  document.body.addEventListener("htmx:wsAfterMessage", (e) => {
+    const frame = String((e.detail && e.detail.message) || "");
+    const shown = frame.includes('class="msg msg-user');
+    if (sent !== null && (shown || frame.includes('role="alert"'))) {
+      const p = $("#prompt");
+      if (shown && p && p.value === sent) p.value = "";
+      sent = null;
+    }
     syncTitle();
     const id = conversationId();
     const win = $("#chat-window");

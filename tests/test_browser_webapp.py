@@ -59,6 +59,12 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.wait_for_function("() => document.querySelector('#model-picker') && window.htmx")
     page.screenshot(path=str(artifacts / "browser_desktop.png"))
 
+    # a message the server refuses (too long) stays in the composer, to be shortened
+    page.fill("#prompt", "x" * 40_000)
+    page.press("#prompt", "Enter")
+    page.locator("#alerts .alert-box", has_text="too long").wait_for(timeout=10_000)
+    assert len(page.input_value("#prompt")) == 40_000
+
     prompt = "Write a very long story about a lighthouse keeper and a robot."
     page.fill("#prompt", prompt)
     page.press("#prompt", "Enter")

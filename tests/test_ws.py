@@ -205,7 +205,11 @@ def test_ws_answer_without_dialog_is_an_error(client: TestClient) -> None:
         ('{"type": "send", "text": 5}', "must be a string"),
         ('{"type": "regenerate"}', "conversation_id is missing"),
         ('{"type": "answer", "dialog_id": "x"}', "choice is missing"),
-        ("9" * 100000, "not valid JSON|too large"),
+        ("9" * 100000, "not valid JSON|too long"),
+        (
+            '{"type": "send", "text": "' + "y" * 40000 + '"}',
+            r"too long \(40,000 characters, at most 32,000\): shorten it",
+        ),
     ],
 )
 def test_ws_bad_message_gets_error_frame_and_lives_on(client: TestClient, raw: str, expected: str) -> None:
@@ -220,7 +224,7 @@ def test_ws_bad_message_gets_error_frame_and_lives_on(client: TestClient, raw: s
 def test_ws_oversized_and_binary_frames(client: TestClient) -> None:
     with connect(client) as ws:
         ws.send_text(json.dumps({"type": "send", "text": "x" * (MAX_MESSAGE_BYTES + 10)}))
-        assert "too large" in ws.receive_text()
+        assert "too long (over 64 KiB): shorten it" in ws.receive_text()
         ws.send_bytes(b"\x00\x01")
         assert "text frames" in ws.receive_text()
         send(ws, type="send", text="ok")

@@ -114,7 +114,15 @@ def _number(d: dict[str, Any], key: str, cast: type, low: float, high: float) ->
     return number
 
 
+TOO_LONG = "shorten it, or put the text in a file of the project and ask about that file"
+
+
 def _send(d: dict[str, Any]) -> Send:
+    raw = d.get("text")
+    if isinstance(raw, str) and len(raw) > MAX_TEXT_CHARS:
+        raise ProtocolError(
+            f"the message is too long ({len(raw):,} characters, at most {MAX_TEXT_CHARS:,}): {TOO_LONG}"
+        )
     text = _str(d, "text", required=False, limit=MAX_TEXT_CHARS) or ""
     if not text.strip():
         raise ProtocolError("type a message first")
@@ -176,7 +184,7 @@ def parse(raw: str | bytes | None) -> ClientMessage:
     if raw is None or isinstance(raw, bytes):
         raise ProtocolError("send text frames holding one JSON object")
     if len(raw.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message too large (over {MAX_MESSAGE_BYTES // 1024} KiB)")
+        raise ProtocolError(f"the message is too long (over {MAX_MESSAGE_BYTES // 1024} KiB): {TOO_LONG}")
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
