@@ -64,6 +64,8 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.press("#prompt", "Enter")
     page.locator("#alerts .alert-box", has_text="too long").wait_for(timeout=10_000)
     assert len(page.input_value("#prompt")) == 40_000
+    page.click("#alerts .alert-ok")
+    page.wait_for_selector("#alerts .alert-box", state="detached")
 
     prompt = "Write a very long story about a lighthouse keeper and a robot."
     page.fill("#prompt", prompt)
@@ -77,6 +79,9 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
         f"() => {writing} && !{writing}.querySelector('.prefill-progress') && {writing}.textContent.length > 10",
         timeout=90_000,
     )
+    # the finished blocks are final markdown: the newlines between them are not lines (a streamed reply
+    # had a blank line between its paragraphs that the same reply reloaded did not)
+    assert page.evaluate(f"() => getComputedStyle({writing}).whiteSpace") == "normal"
     first = len(body_text(page))
     page.wait_for_function(f"() => {writing}?.textContent.length > {first}", timeout=30_000)
     page.screenshot(path=str(artifacts / "browser_streaming.png"))
