@@ -73,6 +73,10 @@ def test_mlx_reply_shows_prefill_progress_then_the_reply(mlx_app) -> None:
         assert any(i >= first_token and not r for i, r in status)  # then back to "Writing…"
         final = next(f for f in reversed(frames) if f'id="msg-{reply.id}" data-status="complete"' in f)
         assert "Reading your prompt" not in final
+        # while it writes, the context gauge counts the prompt and the reply so far (not only at the end)
+        done_at = next(i for i, f in enumerate(frames) if f'id="msg-{reply.id}" data-status="complete"' in f)
+        writing = [int(u) for f in frames[first_token:done_at] for u in re.findall(r'gauge-text">(\d+) /', f)]
+        assert writing and total < writing[0] <= writing[-1] <= total + 8, writing
 
         # the next turn reuses the cached prefix: what was cached counts as read
         send(ws, type="send", text="And the first line?", conversation_id=cid, max_tokens=4, temperature=0)
@@ -93,6 +97,9 @@ class Views:
 
     def controls(self, generating: bool, text: str | None = None) -> str:
         return f"status:{text or 'Writing…'}"
+
+    def gauge(self, used: int) -> str:
+        return f"gauge:{used}"
 
 
 class Clock:
@@ -126,7 +133,8 @@ def test_progress_is_throttled_and_stops_at_the_first_token(tmp_path: Path, monk
     stream.progress(990, 1000)
     clock.now += 1
     stream.progress(995, 1000)
-    assert sent[5:] == ["tokens:Hi", "status:Writing…"]  # once the reply writes, no more progress
+    # once the reply writes, no more progress; the gauge counts the prompt and the reply so far
+    assert sent[5:] == ["tokens:Hi", "gauge:1001", "status:Writing…"]
     db.close()
 
 

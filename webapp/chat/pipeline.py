@@ -95,6 +95,7 @@ class ReplyStream:
         self.last_flush = 0.0
         self.last_save = time.monotonic()
         self.last_progress: float | None = None
+        self.prompt_total = 0  # the prompt's size, once the engine reports its progress
         self.timer: asyncio.TimerHandle | None = None
         self.finished = False
 
@@ -121,6 +122,7 @@ class ReplyStream:
     def progress(self, processed: int, total: int) -> None:
         """The engine has read `processed` of `total` prompt tokens: shown in the reply until its first
         token, the first report at once, then at most one every PROGRESS_SECONDS."""
+        self.prompt_total = total  # the context gauge counts it while the reply is written
         now = time.monotonic()
         if self.first is not None or (
             self.last_progress is not None and now - self.last_progress < PROGRESS_SECONDS
@@ -155,6 +157,10 @@ class ReplyStream:
         cut = stable_cut(text, self.done_upto)
         done, self.done_upto = text[self.done_upto : cut], cut
         self.send(self.views.tokens(self.message.id, done, text[cut:]))
+        if (
+            self.prompt_total
+        ):  # known from the engine's progress (a long prompt): the gauge fills as it writes
+            self.send(self.views.gauge(self.prompt_total + self.tokens))
         if self.first_sent is None:
             self.first_sent = self.last_flush
             if self.last_progress is not None:  # back from "Reading your prompt…"
