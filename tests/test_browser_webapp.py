@@ -7,12 +7,14 @@ tests/artifacts/. One generation is started and stopped, so this stays around ha
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from engine.models import AGENT_MODEL
 from tests.servers import serve_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -54,7 +56,7 @@ def body_text(page) -> str:
     return page.locator("#messages .msg-assistant .body").last.inner_text()
 
 
-def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Path) -> None:
+def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Path, data_dir: Path) -> None:
     page.goto(server)
     page.wait_for_function("() => document.querySelector('#model-picker') && window.htmx")
     page.screenshot(path=str(artifacts / "browser_desktop.png"))
@@ -76,7 +78,7 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     # tokens arrive (after "Reading your prompt… N / M", which is progress, not reply): the body grows
     writing = "document.querySelector('.msg-assistant .body.streaming')"
     page.wait_for_function(
-        f"() => {writing} && !{writing}.querySelector('.prefill-progress') && {writing}.textContent.length > 10",
+        f"() => {writing} && !{writing}.querySelector('.prefill-progress') && {writing}.textContent.length > 40",
         timeout=90_000,
     )
     # the finished blocks are final markdown: the newlines between them are not lines (a streamed reply
@@ -127,6 +129,19 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.press(".dialog-input", "Enter")
     page.wait_for_selector(f"#conversation-list li[data-id='{cid}']:has-text('Lighthouse story')")
     assert page.inner_text("#chat-title") == "Lighthouse story"
+
+    # reopened while another model is loaded than the one that wrote it: the window says so and loads it
+    assert page.locator("#written-with").is_hidden()
+    with sqlite3.connect(data_dir / "flashcode.db") as db:
+        db.execute("UPDATE conversations SET model = ?, backend = 'mlx' WHERE id = ?", (AGENT_MODEL, cid))
+    page.reload()
+    page.wait_for_selector("#written-with:not([hidden])")
+    assert f"written with {AGENT_MODEL}" in page.inner_text("#written-with")
+    page.screenshot(path=str(artifacts / "browser_written_with.png"))
+    page.click(f"#written-with button:has-text('Load {AGENT_MODEL}')")
+    page.wait_for_selector("#written-with[hidden]", state="attached", timeout=120_000)
+    page.wait_for_selector(f"#menubar-model:has-text('{AGENT_MODEL}')", timeout=120_000)
+    assert page.input_value("#model-picker") == f"mlx:{AGENT_MODEL}"
 
     assert not page.errors, page.errors
     print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")

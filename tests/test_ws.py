@@ -337,3 +337,32 @@ def test_ws_stopped_reply_gets_the_engine_numbers_when_it_stops(tmp_path: Path) 
     assert [tuple(r) for r in rows] == [
         (stats["prompt_tokens"], stats["completion_tokens"], 900_000_000, 0.5)
     ]
+
+
+def test_a_conversation_written_with_another_model_says_so(tmp_path: Path) -> None:
+    """Reopening a conversation another model wrote: the window names that model and the one answering now,
+    offers to load it (or says it is gone); a model switch takes the notice away."""
+    fake = FakeBackend()
+    fake.enqueue(" hi")
+    with served(fake, tmp_path) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="hello")
+            cid = conversation_id(until(ws, r'data-state="idle"'))
+        db = c.app.state.flashcode.db
+        assert 'id="written-with" class="written-with" role="status" hidden' in c.get(f"/c/{cid}").text
+        db.conn.execute(
+            "UPDATE conversations SET model = ?, backend = 'mlx' WHERE id = ?", ("<b>old</b>-7b", cid)
+        )
+        db.conn.commit()
+        page = c.get(f"/c/{cid}").text
+        notice = re.search(r'<div id="written-with".*?</div>', page, re.S)[0]  # type: ignore[index]
+        assert "hidden" not in notice.split(">")[0]
+        assert "written with <b>&lt;b&gt;old&lt;/b&gt;-7b</b>; <b>fake-model</b> answers now" in notice
+        assert "is not installed any more" in notice and "<button" not in notice
+        fragment = c.get(f"/c/{cid}", headers={"hx-request": "true", "hx-target": "chat-window"}).text
+        assert "written with <b>&lt;b&gt;old" in fragment  # opened from the list too
+        with connect(c) as ws:
+            c.app.state.flashcode.engine.listeners[0]()  # the engine changed (the menu, /v1)
+            assert re.search(
+                r'id="written-with"[^>]*hidden[^>]*hx-swap-oob="true"', "".join(until(ws, "written-with"))
+            )

@@ -112,6 +112,7 @@ class TranscriptViews:
                 self.tx.settings_rows(self.settings_rows(), oob=True),  # type: ignore[attr-defined]
                 self.tx.about_engine(e.backend, e.model, oob=True),
                 self.tx.completion_hint(e.is_base_model, oob=True),
+                self.tx.written_with(None, oob=True),  # the model was just picked: no need to offer one
             )
         )
 

@@ -15,7 +15,7 @@ from jinja2_fragments import render_block
 
 from engine.models import list_models
 
-from ..db import Database, StoredMessage
+from ..db import Conversation, Database, StoredMessage
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
@@ -74,7 +74,18 @@ class ChatViews(TranscriptViews):
             "csrf_token": self.csrf_token,
             "project_id": project.id if project else "default",
             "settings_rows": self.settings_rows(),
+            "written_with": self.written_with(conv),
         }
+
+    def written_with(self, conv: Conversation | None) -> dict[str, Any] | None:
+        """The model a conversation was written with, when another one is loaded now (the window says so, and
+        offers to load it: its choice in the menu, None when it is not installed any more)."""
+        if conv is None or not conv.model or conv.model == self.engine.model:
+            return None
+        choices = [v for g in self.model_choices() for v, _, _ in g["options"] if v.endswith(f":{conv.model}")]
+        wanted = f"{conv.backend}:{conv.model}"
+        return {"model": conv.model, "now": self.engine.model,
+                "choice": wanted if wanted in choices else (choices[0] if choices else None)}  # fmt: skip
 
     def settings_rows(self) -> list[tuple[str, str]]:
         s, e = self.settings, self.engine
