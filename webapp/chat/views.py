@@ -82,7 +82,9 @@ class ChatViews(TranscriptViews):
         offers to load it: its choice in the menu, None when it is not installed any more)."""
         if conv is None or not conv.model or conv.model == self.engine.model:
             return None
-        choices = [v for g in self.model_choices() for v, _, _ in g["options"] if v.endswith(f":{conv.model}")]
+        choices = [
+            v for g in self.model_choices() for v, _, _ in g["options"] if v.endswith(f":{conv.model}")
+        ]
         wanted = f"{conv.backend}:{conv.model}"
         return {"model": conv.model, "now": self.engine.model,
                 "choice": wanted if wanted in choices else (choices[0] if choices else None)}  # fmt: skip
