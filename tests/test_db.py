@@ -97,11 +97,12 @@ def test_db_export_keeps_what_an_agent_did(tmp_path: Path) -> None:
         d.add_event(c.id, e.type, e.to_dict())
     a = d.add_message(c.id, "assistant", "Done.")
     d.add_event(c.id, "notice", ev.Notice("after the answer").to_dict())
+    d.add_event(c.id, "step_limit", ev.StepLimitReached(25, 25).to_dict())
     md = export_markdown(c, d.messages(c.id), d.events(c.id))
     order = ["## User", "**Step 1: `write_file`**", "**Proposed (write):** `hello.txt`", "````diff",
              "+hi ```", "_Decision: once_", "_Wrote hello.txt_", "_Step 1 worked_", "hello.txt created.",
              "_Decision: deny: not now_", "**Proposed (shell):** `ls -a`", "hello.txt\nmore", "_exit code 0, 0.2 s_",
-             "## Assistant", "Done.", "_after the answer_"]  # fmt: skip
+             "## Assistant", "Done.", "_after the answer_", "_Step limit reached (25 of 25)"]  # fmt: skip
     at = [md.find(x) for x in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at, strict=True))
     js = export_json(c, d.messages(c.id), d.events(c.id))

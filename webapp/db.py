@@ -569,7 +569,10 @@ def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
     if t == "mode":
         return [f"_Mode: {'agent' if d.get('mode') == 'agent' else 'chat'}_", ""]
     if t == "step_limit":
-        return [f"_Step limit reached ({d.get('steps')} of {d.get('limit')})_", ""]
+        return [
+            f"_Step limit reached ({d.get('steps')} of {d.get('max_steps')}): /continue gives it more_",
+            "",
+        ]
     return []
 
 

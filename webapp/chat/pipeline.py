@@ -157,9 +157,8 @@ class ReplyStream:
         cut = stable_cut(text, self.done_upto)
         done, self.done_upto = text[self.done_upto : cut], cut
         self.send(self.views.tokens(self.message.id, done, text[cut:]))
-        if (
-            self.prompt_total
-        ):  # known from the engine's progress (a long prompt): the gauge fills as it writes
+        # the prompt's size is known from the engine's progress (a long prompt): the gauge fills as it writes
+        if self.prompt_total:
             self.send(self.views.gauge(self.prompt_total + self.tokens))
         if self.first_sent is None:
             self.first_sent = self.last_flush

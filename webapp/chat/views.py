@@ -60,13 +60,14 @@ class ChatViews(TranscriptViews):
         conv = db.get_conversation(conversation_id) if conversation_id else None
         messages = db.messages(conv.id) if conv else []
         project = self.project_of(conv.id if conv else None)
+        choices = self.model_choices()
         return {
             "conversation": conv,
             "messages": messages,
             "conversations": db.list_conversations(project.id if project else None),
             "project": project,
             "engine": engine,
-            "model_choices": self.model_choices(),
+            "model_choices": choices,
             "current_choice": f"{engine.backend}:{engine.model}",
             "context_used": self.context_used(conv.id if conv else None),
             **self.trust_context(conv.id if conv else None),
@@ -74,17 +75,15 @@ class ChatViews(TranscriptViews):
             "csrf_token": self.csrf_token,
             "project_id": project.id if project else "default",
             "settings_rows": self.settings_rows(),
-            "written_with": self.written_with(conv),
+            "written_with": self.written_with(conv, choices),
         }
 
-    def written_with(self, conv: Conversation | None) -> dict[str, Any] | None:
+    def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The model a conversation was written with, when another one is loaded now (the window says so, and
-        offers to load it: its choice in the menu, None when it is not installed any more)."""
+        offers to load it: its choice in the `menu`, None when it is not installed any more)."""
         if conv is None or not conv.model or conv.model == self.engine.model:
             return None
-        choices = [
-            v for g in self.model_choices() for v, _, _ in g["options"] if v.endswith(f":{conv.model}")
-        ]
+        choices = [v for g in menu if g["model"] == conv.model for v, _, _ in g["options"]]
         wanted = f"{conv.backend}:{conv.model}"
         return {"model": conv.model, "now": self.engine.model,
                 "choice": wanted if wanted in choices else (choices[0] if choices else None)}  # fmt: skip

@@ -123,8 +123,9 @@ class AutoResume:
     ) -> None:
         """After every stored reply: a chat reply leaves its conversation in the live cache; an agent
         turn leaves its own prompts there (not the conversation's), so nothing to save then. A stopped
-        reply's numbers completed later (`completed`) say nothing new about the cache."""
-        if completed:
+        reply's numbers completed later (`completed`), and a generation that wrote no reply, say nothing
+        new about the cache."""
+        if completed or message_id is None:  # no reply stored (an agent step that only called tools)
             return
         if route is None:
             self.live, self.dirty = conversation_id, True
