@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from engine.base import Done, GenerationRequest, GenerationStats, Message, ModelInfo, TextDelta, ToolCall
+from engine.base import (
+    Done,
+    GenerationRequest,
+    GenerationStats,
+    Message,
+    ModelInfo,
+    PrefillProgress,
+    TextDelta,
+    ToolCall,
+)
 from webapp.agent.router import ROUTES
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -114,7 +123,7 @@ class FakeBackend:
                 return
             if self.delay:
                 time.sleep(self.delay)
-            if isinstance(tok, ToolCall):
+            if isinstance(tok, ToolCall | PrefillProgress):  # a scripted call, or the prompt being read
                 yield tok
                 continue
             out.append(tok)

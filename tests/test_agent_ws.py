@@ -275,3 +275,37 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
         worker.close()
     assert not (project / "hello2.txt").exists()
     assert "Stopped before the agent answered." in page and "Create hello2.txt" in page
+
+
+def test_an_agent_step_says_while_the_engine_reads_its_prompt(tmp_path: Path, project: Path) -> None:
+    """An agent prompt (tools, project, steps) is long: while the engine reads it, the status bar says how far it
+    is, then goes back to "Writing…" once the model writes."""
+    from engine.base import PrefillProgress
+
+    fake = FakeBackend(tools=True)
+    fake.replies.append([PrefillProgress(512, 1500), PrefillProgress(1024, 1500), "It", " is", " empty."])
+    worker = Worker(lambda: fake)
+    app = create_app(
+        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
+    )
+    try:
+        with TestClient(app, base_url=BASE) as client:
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+                send(sock, type="send", text="/agent")
+                cid = re.search(
+                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
+                )
+                send(sock, type="send", text="what is here?", conversation_id=cid.group(1))  # type: ignore[union-attr]
+                frames = until(sock, r'data-state="idle"')
+    finally:
+        worker.close()
+    assert fake.history[-1].progress  # the agent asks the engine for its progress
+    at = 0
+    for x in (
+        "Reading the prompt… 512 / 1,500 tokens",
+        "Reading the prompt… 1,024 / 1,500",
+        "Writing…",
+        "empty.",
+    ):
+        at = frames.find(x, at)
+        assert at >= 0, x  # each after the one before

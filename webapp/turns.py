@@ -107,6 +107,9 @@ class Turn(Protocol):
     def context_used(self, tokens: int) -> None:
         """The context gauge, mid-turn: the last prompt plus its reply, as the engine counted them."""
 
+    def status(self, text: str | None) -> None:
+        """The status bar while the turn runs: `text` (e.g. the prompt being read), or None for "Writing…"."""
+
     def count(self, stats: Mapping[str, Any], route: str | None = None) -> None:
         """The numbers of a generation that wrote no reply (an agent step that only called tools): the
         `ReplyHook`s get them with no message, so Stats counts its tokens and time too."""

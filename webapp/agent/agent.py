@@ -24,7 +24,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta, ToolCallingBackend
+from engine.base import (
+    Done,
+    GenerationRequest,
+    Message,
+    PrefillProgress,
+    SamplingParams,
+    TextDelta,
+    ToolCallingBackend,
+)
 
 from ..db import connect_memory
 from . import router, sandbox
@@ -44,6 +52,7 @@ from .events import (
     ModelRequested,
     Notice,
     Proposal,
+    Reading,
     RouteChosen,
     SearchResults,
     SearchStarted,
@@ -503,8 +512,8 @@ class AgentSession:
 
     async def _stream(
         self, messages: list[Message], sampling: SamplingParams
-    ) -> AsyncIterator[TextDelta | Done]:
-        request = GenerationRequest(messages=tuple(messages), sampling=sampling)
+    ) -> AsyncIterator[TextDelta | PrefillProgress | Done]:
+        request = GenerationRequest(messages=tuple(messages), sampling=sampling, progress=True)
         gen = self.worker.submit(request, loop=asyncio.get_running_loop())
         self._gen = gen
         try:
@@ -521,6 +530,8 @@ class AgentSession:
         async for ev in self._stream(messages, self.sampling):
             if isinstance(ev, TextDelta) and ev.text:
                 yield AnswerDelta(ev.text)
+            elif isinstance(ev, PrefillProgress):
+                yield Reading(ev.processed, ev.total)
             elif isinstance(ev, Done):
                 done = ev
         assert done is not None

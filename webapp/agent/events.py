@@ -219,6 +219,16 @@ class AnswerDone(_Event):
 
 
 @dataclass(frozen=True)
+class Reading(_Event):
+    """The engine is reading the prompt of what comes next (`processed` of `total` tokens): a long agent
+    prompt on a slow machine takes minutes before the first token, and the status bar says so."""
+
+    processed: int
+    total: int
+    type: str = "reading"
+
+
+@dataclass(frozen=True)
 class Generated(_Event):
     """A generation that wrote no reply (a step that only called tools): its numbers, for Stats."""
 

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from engine.base import Done, GenerationRequest, Message, SamplingParams, TextDelta, ToolCall
+from engine.base import Done, GenerationRequest, Message, PrefillProgress, SamplingParams, TextDelta, ToolCall
 
 from . import sandbox
 from .events import (
@@ -40,6 +40,7 @@ from .events import (
     FileWritten,
     Generated,
     Proposal,
+    Reading,
     StepLimitReached,
     ToolStep,
     ToolStepDone,
@@ -136,6 +137,8 @@ class ToolLoop:
                 if isinstance(ev, TextDelta) and ev.text:
                     text += ev.text
                     yield AnswerDelta(ev.text)
+                elif isinstance(ev, PrefillProgress):
+                    yield Reading(ev.processed, ev.total)
                 elif isinstance(ev, ToolCall):
                     calls.append(ev)
                 elif isinstance(ev, Done):
@@ -178,6 +181,7 @@ class ToolLoop:
             tools=tools,
             constrain_tools=self.constrained,
             tool_choice=choice,  # type: ignore[arg-type]
+            progress=True,
         )
         gen = self.s.worker.submit(request, loop=asyncio.get_running_loop())
         self.s._gen = gen

@@ -228,9 +228,17 @@ class AgentTurns:
         reply: ReplyWriter | None = None
         route: str | None = None
         answered = completed = False  # a reply was written this turn; the turn ran to its end
+        reading = False  # the status bar says the prompt is being read
         turn.on_stop(agent.stop)
         try:
             async for e in agent.run_turn(text):
+                if isinstance(e, ev.Reading):
+                    reading = True
+                    turn.status(f"Reading the prompt… {e.processed:,} / {e.total:,} tokens")
+                    continue
+                if reading:  # the model writes (words, or a tool call that follows)
+                    reading = False
+                    turn.status(None)
                 if isinstance(e, ev.RouteChosen):
                     route = e.route
                 if isinstance(e, ev.ModeChanged):

@@ -537,6 +537,9 @@ class SocketTurn:
         self.context = tokens
         self.send(self.session.views.gauge(tokens))
 
+    def status(self, text: str | None) -> None:
+        self.send(self.session.views.controls(generating=True, text=text))
+
     def count(self, stats: Mapping[str, Any], route: str | None = None) -> None:
         model, backend = self.session.ctx.engine.model_and_backend()
         numbers = dict(stats) | {"model": model, "backend": backend, "turn": "agent"}
