@@ -97,6 +97,7 @@ def test_bad_sampling_value_is_rejected(model_home):
         (("ask", "--top-p", "0", "hi"), "'0' is not a number above 0 and at most 1"),
         (("agent", "--max-tokens", "0", "task"), "'0' is not a whole number of 1 or more"),
         (("synth", "nope"), "invalid choice: 'nope' (choose from 'llama-8b'"),
+        (("synth", "tiny", "--layers", "-3"), "'-3' is not a number of layers"),
         (("agent", "--project", ".", "do", "it"), 'goes in quotes: flashcode agent "do it"'),
         (("ask", "say", "hi"), 'goes in quotes: flashcode ask "say hi"'),
     ],

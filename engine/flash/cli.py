@@ -7,6 +7,18 @@ from pathlib import Path
 from typing import Any
 
 
+def _layers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of layers: use a whole number of 1 or more"
+        )
+    return value
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "split",
@@ -31,7 +43,7 @@ def register(subparsers: Any) -> None:
         help=f"{', '.join(PRESETS)}; MoE: {', '.join(MOE_PRESETS)}",
     )
     p.add_argument(
-        "--layers", type=int, default=None, help="fewer (or more) transformer layers than the preset"
+        "--layers", type=_layers, default=None, help="fewer (or more) transformer layers than the preset"
     )
     p.add_argument(
         "--out", default=None, help="output directory (default $FLASHCODE_HOME/models/synth-PRESET[-LN])"
