@@ -84,11 +84,6 @@ def record_reply(
     return int(cur.lastrowid or 0)
 
 
-# what a stopped reply learns once its generation has ended (the engine's own numbers)
-COMPLETED_COLUMNS = ("prompt_tokens", "cached_tokens", "peak_memory_bytes", "peak_rss_bytes", "flash_hit_rate",
-                     "flash_bytes_read")  # fmt: skip
-
-
 def complete_reply(
     conn: sqlite3.Connection, message_id: int, stats: GenerationStats | Mapping[str, Any]
 ) -> int | None:
