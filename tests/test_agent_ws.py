@@ -4,6 +4,7 @@ Approve once, deny with a reason, always-allow, dialog timeout, kill, and a rout
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -201,35 +202,42 @@ def test_agent_answers_go_through_the_one_reply_pipeline(tmp_path: Path, project
     assert stats["model"] == "fake-model" and stats["finish_reason"] == "stop" and stats["server_ttft_s"] > 0
 
 
+@contextlib.contextmanager
+def agent_conversation(tmp_path: Path, project: Path, fake: FakeBackend) -> Iterator[tuple]:
+    """The app on `fake`, a socket, and a conversation switched to agent mode: (app, client, socket, its id)."""
+    worker = Worker(lambda: fake)
+    app = create_app(
+        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
+    )
+    try:
+        with TestClient(app, base_url=BASE) as client:
+            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+                send(sock, type="send", text="/agent")
+                cid = re.search(
+                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
+                )
+                yield app, client, sock, cid.group(1)  # type: ignore[union-attr]
+    finally:
+        worker.close()
+
+
 def test_agent_steps_that_only_call_tools_are_counted_in_stats(tmp_path: Path, project: Path) -> None:
     """A tool-loop step whose generation is only calls writes no reply, yet its tokens were made: the reply
     hooks get its numbers with no message, and Stats counts them beside the answer's."""
     (project / "a.txt").write_text("a\n")
     fake = FakeBackend(tools=True)
     fake.enqueue_call("list_files").enqueue("It", " holds", " a.txt.")
-    worker = Worker(lambda: fake)
-    app = create_app(
-        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
-    )
     seen: list[tuple[dict, dict]] = []
-    try:
-        with TestClient(app, base_url=BASE) as client:
-            app.state.flashcode.on_reply.append(lambda stats, **kw: seen.append((stats, kw)))
-            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
-                send(sock, type="send", text="/agent")
-                cid = re.search(
-                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
-                )
-                send(sock, type="send", text="what is here?", conversation_id=cid.group(1))  # type: ignore[union-attr]
-                until(sock, r"a\.txt\.")
-                until(sock, r'data-state="idle"')
-            md = client.get(f"/c/{cid.group(1)}/export.md").text  # type: ignore[union-attr]
-            rows = app.state.flashcode.db.conn.execute(
-                "SELECT message_id, completion_tokens, model FROM stats_replies WHERE conversation_id = ? ORDER BY id",
-                (cid.group(1),),  # type: ignore[union-attr]
-            ).fetchall()
-    finally:
-        worker.close()
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        app.state.flashcode.on_reply.append(lambda stats, **kw: seen.append((stats, kw)))
+        send(sock, type="send", text="what is here?", conversation_id=cid)
+        until(sock, r"a\.txt\.")
+        until(sock, r'data-state="idle"')
+        md = client.get(f"/c/{cid}/export.md").text
+        rows = app.state.flashcode.db.conn.execute(
+            "SELECT message_id, completion_tokens, model FROM stats_replies WHERE conversation_id = ? ORDER BY id",
+            (cid,),
+        ).fetchall()
     at = [
         md.find(x)
         for x in ("## User", "**Step 1: `list_files`**", "_Step 1 worked_", "a.txt", "It holds a.txt.")
@@ -249,30 +257,18 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
     transcript says it stopped before answering, instead of leaving the user's message alone."""
     fake = FakeBackend(tools=True)
     fake.enqueue_call("write_file", path="hello2.txt", content="hi").enqueue("Written.")
-    worker = Worker(lambda: fake)
-    app = create_app(
-        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
-    )
-    try:
-        with TestClient(app, base_url=BASE) as client:
-            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
-                send(sock, type="send", text="/agent")
-                cid = re.search(
-                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
-                )
-                send(sock, type="send", text="Create hello2.txt", conversation_id=cid.group(1))  # type: ignore[union-attr]
-                until(sock, r'id="dialog-[\w-]+"')
-            # the socket is closed: the turn is stopped and its end logged
-            db = app.state.flashcode.db
-            for _ in range(100):
-                notes = [e.data.get("text") for e in db.events(cid.group(1)) if e.type == "notice"]  # type: ignore[union-attr]
-                if "Stopped before the agent answered." in notes:
-                    break
-                time.sleep(0.05)
-            assert "Stopped before the agent answered." in notes
-            page = client.get(f"/c/{cid.group(1)}").text  # type: ignore[union-attr]
-    finally:
-        worker.close()
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        send(sock, type="send", text="Create hello2.txt", conversation_id=cid)
+        until(sock, r'id="dialog-[\w-]+"')
+        sock.close()  # the window closes: the turn is stopped and its end logged
+        db = app.state.flashcode.db
+        for _ in range(100):
+            notes = [e.data.get("text") for e in db.events(cid) if e.type == "notice"]
+            if "Stopped before the agent answered." in notes:
+                break
+            time.sleep(0.05)
+        assert "Stopped before the agent answered." in notes
+        page = client.get(f"/c/{cid}").text
     assert not (project / "hello2.txt").exists()
     assert "Stopped before the agent answered." in page and "Create hello2.txt" in page
 
@@ -284,21 +280,9 @@ def test_an_agent_step_says_while_the_engine_reads_its_prompt(tmp_path: Path, pr
 
     fake = FakeBackend(tools=True)
     fake.replies.append([PrefillProgress(512, 1500), PrefillProgress(1024, 1500), "It", " is", " empty."])
-    worker = Worker(lambda: fake)
-    app = create_app(
-        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
-    )
-    try:
-        with TestClient(app, base_url=BASE) as client:
-            with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
-                send(sock, type="send", text="/agent")
-                cid = re.search(
-                    r'id="conversation-id" value="([0-9a-f]+)"', until(sock, r'data-state="idle"')
-                )
-                send(sock, type="send", text="what is here?", conversation_id=cid.group(1))  # type: ignore[union-attr]
-                frames = until(sock, r'data-state="idle"')
-    finally:
-        worker.close()
+    with agent_conversation(tmp_path, project, fake) as (_, _, sock, cid):
+        send(sock, type="send", text="what is here?", conversation_id=cid)
+        frames = until(sock, r'data-state="idle"')
     assert fake.history[-1].progress  # the agent asks the engine for its progress
     at = 0
     for x in (

@@ -7,6 +7,8 @@ a message that says what would be accepted. What it does not know: which command
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 SIZE_UNITS = {
     "": 1, "b": 1,
@@ -36,43 +38,30 @@ def parse_budget(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else parse_size(text)
 
 
-def positive_int(text: str) -> int:
+def _checked(text: str, cast: type, ok: Callable[[Any], bool], accepted: str) -> Any:
+    """`text` as `cast`, when `ok` says it is in range; else the error that says what is `accepted`."""
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "a whole number of 1 or more")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more, e.g. 1.0")
-    return value
+    return _checked(text, float, lambda v: 0 <= v < float("inf"), "a number of 0 or more, e.g. 1.0")
 
 
 def port_number(text: str) -> int:
     """A TCP port: 1-65535, or 0 (the system picks a free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port: use 1-65535 (or 0 for any free one)")
-    return value
+    return _checked(text, int, lambda v: 0 <= v <= 65535, "a port: use 1-65535 (or 0 for any free one)")
 
 
 def probability(text: str) -> float:
     """A share in (0, 1], e.g. top-p."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0 and at most 1, e.g. 0.9")
-    return value
+    return _checked(text, float, lambda v: 0 < v <= 1, "a number above 0 and at most 1, e.g. 0.9")
