@@ -63,10 +63,12 @@ chromium:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
 # every shell command the agent runs is sandboxed: bubblewrap on Linux (macOS has sandbox-exec);
+# slirp4netns gives a command the network (project switch on) without this machine's loopback;
 # strace is for the test that checks what a rule-allowed command really executes
 sandbox:
 	@if [ "$$(uname -s)" = Linux ]; then \
 	  missing=; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
+	  command -v slirp4netns >/dev/null 2>&1 || missing="$$missing slirp4netns"; \
 	  command -v strace >/dev/null 2>&1 || missing="$$missing strace"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing $$missing (Debian packages) for the command sandbox"; \

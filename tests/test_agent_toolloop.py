@@ -281,6 +281,28 @@ def test_toolloop_auto_approve_edits_and_network_off(
     assert "network access is off" in tool_results(fake)[1]
 
 
+def test_toolloop_auto_approved_edits_never_cover_git(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """A hook or `core.fsmonitor` written into .git runs outside the sandbox at the user's next `git`: with
+    edits approved automatically, a write there still asks (here: denied), and the warning is in the dialog."""
+    (project / ".git").mkdir(exist_ok=True)
+    config = project / ".git" / "config"
+    config.write_text("[core]\n")
+    fsmonitor = '[core]\n\tfsmonitor = "touch /tmp/pwned; false"\n'
+    fake.enqueue_call("write_file", path=".git/config", content=fsmonitor)
+    fake.enqueue_call("write_file", path=".GIT/hooks/pre-commit", content="#!/bin/sh\ntouch /tmp/pwned\n")
+    fake.enqueue_call("write_file", path="b.txt", content="B")
+    fake.enqueue("ok")
+    approver = Approver(ev.Decision.deny(), ev.Decision.deny())
+    events = asyncio.run(collect(session(worker, project, approver, approve_edits=True), "go"))
+    assert [p.command for p in approver.asked] == [".git/config", ".GIT/hooks/pre-commit"]
+    assert all(not p.allowed_by_rule and "always ask" in p.rule_text for p in approver.asked)
+    assert config.read_text() == "[core]\n" and not (project / ".GIT" / "hooks").exists()
+    assert (project / "b.txt").read_text() == "B"  # other edits are still approved automatically
+    assert [d.decision for d in of(events, ev.ToolStepDone)] == ["deny", "deny", "rule"]
+
+
 def test_toolloop_context_trim_elides_old_outputs(worker: Worker, project: Path) -> None:
     fake = FakeBackend(tools=True, context_length=2500)
     w = Worker(lambda: fake)

@@ -4,6 +4,7 @@ search providers (ddgs with no network here), the SQLite store and slash parsing
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from webapp.agent.runner import CommandExit, CommandRun, OutputChunk
 from webapp.agent.search import DDGSProvider, LocalSearchProvider, SearchResult, SearchUnavailableError
 from webapp.agent.slash import SlashError, parse_slash
 from webapp.agent.store import AgentStore
+from webapp.agent.tools import ReadTools, fetch_url
 from webapp.db import MIGRATIONS, migrate
 
 
@@ -198,3 +200,72 @@ def test_slash_parsing() -> None:
         parse_slash("/frobnicate")
     with pytest.raises(SlashError, match="needs"):
         parse_slash("/model")
+
+
+def test_search_text_does_not_follow_symlinks_out_of_the_project(
+    proj: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository that ships `docs/notes.txt -> ../../secret.txt` or `-> /proc/self/environ`: read_file
+    refuses them, and so must search (its Python walk, used where ripgrep is not installed)."""
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # the Python walk, as without rg
+    monkeypatch.setenv("FAKE_API_KEY", "sk-live-123456")
+    (proj / "docs").mkdir()
+    (proj / "docs" / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    (proj / "docs" / "env.txt").symlink_to("/proc/self/environ")
+    (proj / "docs" / "inside.txt").symlink_to(proj / "src" / "a.py")
+    (proj / "docs" / "blob.bin").write_bytes(b"x = 1\0\xff")
+    tools = ReadTools(ProjectFiles(proj))
+    assert tools.search_text("secret") == "(no matches)"
+    assert tools.search_text("FAKE_API_KEY") == "(no matches)"
+    assert tools.search_text("secret", "docs") == "(no matches)"
+    assert tools.search_text(r"x = 1").splitlines() == ["docs/inside.txt:1:x = 1", "src/a.py:1:x = 1"]
+    with pytest.raises(PathOutsideProjectError):
+        tools.search_text("secret", "docs/notes.txt")
+
+
+def test_fetch_url_refuses_this_machines_own_services_also_after_a_redirect() -> None:
+    """fetch_url runs in the server, beside flashcode's own port (no token on loopback): a page could point
+    the model there, directly or through a redirect. A page on this machine's network address still loads."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(f"{self.server.server_address[0]}{self.path}")
+            if self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{inner.server_address[1]}/secret")
+                self.end_headers()
+                return
+            body = b"plain page"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # a route lookup only: this machine's network address
+        address = s.getsockname()[0]
+    inner, outer = ThreadingHTTPServer(("127.0.0.1", 0), Handler), ThreadingHTTPServer((address, 0), Handler)
+    for server in (inner, outer):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = inner.server_address[1]
+    try:
+        for url in (f"http://127.0.0.1:{port}/secret", f"http://localhost:{port}/secret",
+                    f"http://[::ffff:127.0.0.1]:{port}/secret", f"http://{address}:{outer.server_address[1]}/redirect"):  # fmt: skip
+            with pytest.raises(FileToolError, match="out of bounds"):
+                asyncio.run(fetch_url(url))
+        assert asyncio.run(fetch_url(f"http://{address}:{outer.server_address[1]}/page")) == "plain page"
+    finally:
+        for server in (inner, outer):
+            server.shutdown()
+            server.server_close()
+    assert not [h for h in hits if h.startswith("127.")]  # the loopback server never saw a request
+    assert f"{address}/redirect" in hits and f"{address}/page" in hits

@@ -377,8 +377,11 @@ def test_sandbox_stops_writes_outside_the_project(
 def test_network_follows_the_project_switch(
     worker: Worker, fake: FakeBackend, project: Path, store: AgentStore
 ) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # a route lookup only: this machine's network address
+        address = probe.getsockname()[0]  # (with the network on, this machine's loopback stays out of reach)
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((address, 0))
     listener.listen(4)
     port = listener.getsockname()[1]
 
@@ -397,10 +400,10 @@ def test_network_follows_the_project_switch(
     s = make_session(worker, project, store, servers, Approver(ev.Decision.once(), ev.Decision.once()))
 
     async def body():  # noqa: ANN202
-        fake.enqueue_call("demo__connect", host="127.0.0.1", port=port).enqueue("off")
+        fake.enqueue_call("demo__connect", host=address, port=port).enqueue("off")
         off = await turn(s)
         store.set_network_allowed(s.project, True)  # a new policy: the server restarts with it
-        fake.enqueue_call("demo__connect", host="127.0.0.1", port=port).enqueue("on")
+        fake.enqueue_call("demo__connect", host=address, port=port).enqueue("on")
         on = await turn(s)
         return off, on
 

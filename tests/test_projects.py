@@ -31,14 +31,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- the registry
-def test_projects_check_directory_says_why_a_path_is_refused(tmp_path: Path) -> None:
+def test_projects_check_directory_says_why_a_path_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "home" / "me" / "code").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home" / "me"))
     for raw, message in [
         ("", "type the path"),
         ("relative/dir", "not an absolute path"),
         (str(tmp_path / "missing"), "does not exist"),
         (str(tmp_path / "file.txt"), "is a file, not a directory"),
         ("/", "root directory cannot be a project"),
+        (str(tmp_path / "home" / "me"), "is your home folder"),
+        ("~", "is your home folder"),
+        (str(tmp_path / "home"), "holds your home folder"),
     ]:
         with pytest.raises(ProjectError, match=message):
             check_directory(raw)
@@ -52,7 +59,13 @@ def test_projects_check_directory_says_why_a_path_is_refused(tmp_path: Path) -> 
                 check_directory(str(locked))
     finally:
         locked.chmod(0o700)
-    assert check_directory(str(tmp_path)) == tmp_path.resolve()
+    assert (
+        check_directory(str(tmp_path / "home" / "me" / "code"))
+        == (tmp_path / "home" / "me" / "code").resolve()
+    )
+    assert check_directory("~/code") == (tmp_path / "home" / "me" / "code").resolve()
+    with pytest.raises(ProjectError, match="flashcode's own data directory"):
+        check_directory(str(tmp_path / "home" / "me" / "code"), data_dir=tmp_path / "home" / "me" / "code")
 
 
 def test_projects_first_start_is_the_scratch_project_never_the_cwd(tmp_path: Path, monkeypatch) -> None:
@@ -74,8 +87,9 @@ def test_projects_add_open_remove_keeps_the_directory_and_brings_data_back(tmp_p
     p = store.add(str(work))
     assert p.name == "work" and p.path == work.resolve()
     assert store.add(str(work)).id == p.id  # the same directory is the same project
+    (tmp_path / "other").mkdir()
     with pytest.raises(ProjectError, match="already exists"):
-        store.add(str(tmp_path / "data"), name="work")
+        store.add(str(tmp_path / "other"), name="work")
     store.open(p.id)
     assert store.current().id == p.id
     conv = d.create_conversation("in work", project_id=p.id)

@@ -102,7 +102,9 @@ def test_seatbelt_profile_limits_writes_secrets_and_network(
     assert f'(subpath "{tmp_path}/.ssh")' in text and '(deny network* (remote ip "*:*"))' in text
     assert f'(deny file-write* (subpath "{tmp_path}/we\\"ird/.git"))' in text
     assert "(deny network-outbound (remote unix-socket))" in text
-    assert "remote ip" not in sandbox.seatbelt_profile(sandbox.SandboxPolicy(project, network=True))
+    on = sandbox.seatbelt_profile(sandbox.SandboxPolicy(project, network=True))
+    assert '(remote ip "*:*")' not in on  # the network is on...
+    assert '(deny network-outbound (remote ip "localhost:*"))' in on  # ...but not this machine's loopback
 
 
 def test_a_git_created_by_a_command_is_flagged_and_an_existing_one_is_read_only(

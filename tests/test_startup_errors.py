@@ -280,6 +280,7 @@ def test_doctor_json_reports_what_is_installed(data_dir: Path) -> None:
         "disk",
         "memory",
         "sandbox",
+        "command network",
         "strace",
         "chromium",
     }
@@ -294,6 +295,7 @@ def test_doctor_json_reports_what_is_installed(data_dir: Path) -> None:
     if sys.platform == "linux":
         assert checks["sandbox"]["ok"] == bool(shutil.which("bwrap"))
         assert checks["strace"]["ok"] == bool(shutil.which("strace"))
+        assert checks["command network"]["warn"] is not bool(shutil.which("slirp4netns"))
     assert re.fullmatch(r"[\d.]+ GB free on .+", checks["disk"]["detail"])
     assert re.fullmatch(r"[\d.]+ GB available of [\d.]+ GB", checks["memory"]["detail"])
     try:

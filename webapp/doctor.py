@@ -129,6 +129,21 @@ def check_sandbox() -> Check:
     return Check(True, f"{found} (works)")
 
 
+def check_command_network() -> Check:
+    """What commands get when a project's network switch is on (Linux: slirp4netns, see sandbox.py)."""
+    if sys.platform != "linux":
+        return Check(True, "not needed on this platform (the sandbox profile keeps loopback out)")
+    found = shutil.which("slirp4netns")
+    if found:
+        return Check(True, f"{found}: commands with the network on cannot reach this machine's loopback")
+    return Check(
+        True,
+        "slirp4netns not found: commands of a project with the network switch on are not run",
+        "apt-get install slirp4netns",
+        warn=True,
+    )
+
+
 def check_strace() -> Check:
     if sys.platform != "linux":
         return Check(True, "not used on this platform")
@@ -230,6 +245,7 @@ def doctor_report(root: Path) -> dict[str, Any]:
         "disk": lambda: check_disk(root),
         "memory": check_memory,
         "sandbox": check_sandbox,
+        "command network": check_command_network,
         "strace": check_strace,
         "chromium": check_chromium,
     }

@@ -262,20 +262,57 @@ class Listener:
 SEND = "{py} -c 'import socket,sys; s=socket.socket({family}); s.settimeout(3); s.connect({addr}); s.send(b\"pwned\")'"
 
 
+def host_address() -> str:
+    """This machine's address on its network (not loopback): where a service bound beyond loopback listens."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # a route lookup only: UDP connect sends nothing
+        return s.getsockname()[0]
+
+
 def test_network_is_off_by_default_and_on_when_allowed(scratch: Scratch) -> None:
+    """Off: nothing leaves. On: the network works (a service on this machine's own address answers), but
+    this machine's loopback — where flashcode listens with no token — is out of reach, under its own
+    address and slirp4netns's alias for it (10.0.2.2)."""
+    address = host_address()
+    assert not address.startswith("127."), address
     for network in (False, True):
-        listener = Listener(socket.AF_INET, ("127.0.0.1", 0), scratch.outside / "pwned")
-        port = listener.sock.getsockname()[1]
-        command = f"echo pwned > /dev/tcp/127.0.0.1/{port}; " + scratch.subst(
-            SEND.replace("{family}", "socket.AF_INET").replace("{addr}", f'("127.0.0.1", {port})')
+        listeners = {
+            where: Listener(socket.AF_INET, (where, 0), scratch.outside / f"pwned-{where}")
+            for where in ("127.0.0.1", address)
+        }
+        targets = [(where, listener.sock.getsockname()[1]) for where, listener in listeners.items()]
+        targets.append(("10.0.2.2", targets[0][1]))  # the host's loopback seen from slirp4netns's side
+        command = "; ".join(
+            f"echo pwned > /dev/tcp/{host}/{port}; "
+            + scratch.subst(
+                SEND.replace("{family}", "socket.AF_INET").replace("{addr}", f'("{host}", {port})')
+            )
+            for host, port in targets
         )
-        ran = run_command(command, scratch.project, network=network)
-        got = listener.close()
+        ran = run_command(command, scratch.project, network=network, timeout_s=60)
+        got = {where: listener.close() for where, listener in listeners.items()}
+        assert got["127.0.0.1"] == b"" and not (scratch.outside / "pwned-127.0.0.1").exists(), ran.output
         if network:
-            assert b"pwned" in got, ran.output
-            scratch.clean()
+            assert b"pwned" in got[address], ran.output
         else:
-            assert got == b"" and scratch.breaches() == [], ran.output
+            assert got[address] == b"", ran.output
+        scratch.clean()
+
+
+def test_with_the_network_on_a_command_cannot_reach_flashcode(scratch: Scratch) -> None:
+    """The attack the loopback rule stops: a command that finds flashcode's port (no token on loopback)
+    could open a project anywhere and approve its own next command. Here a stand-in HTTP server on loopback
+    must not answer, while the command's own loopback still works."""
+    listener = Listener(socket.AF_INET, ("127.0.0.1", 0), scratch.outside / "pwned")
+    port = listener.sock.getsockname()[1]
+    command = scratch.subst(
+        f"curl -s --max-time 3 http://127.0.0.1:{port}/ ; echo curl=$?; "
+        '{py} -c \'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(); '
+        'c = socket.create_connection(s.getsockname()); print("own loopback", s.accept()[1][0])\''
+    )
+    ran = run_command(command, scratch.project, network=True, timeout_s=60)
+    assert listener.close() == b"" and scratch.breaches() == [], ran.output
+    assert "curl=7" in ran.output and "own loopback 127.0.0.1" in ran.output, ran.output
 
 
 def test_unix_socket_outside_the_project_is_unreachable(scratch: Scratch) -> None:
@@ -345,12 +382,15 @@ def test_background_children_die_with_the_command(scratch: Scratch) -> None:
     assert _host_processes_with(token) == []
 
 
-def test_timeout_kills_the_sandboxed_command(scratch: Scratch) -> None:
+@pytest.mark.parametrize("network", [False, True], ids=["network-off", "network-on"])
+def test_timeout_kills_the_sandboxed_command(scratch: Scratch, network: bool) -> None:
+    """With the network on, slirp4netns (and usernet.py around bubblewrap) go with the command."""
     token = f"98.{uuid.uuid4().int % 10**6:06d}"
-    ran = run_command(f"sleep {token}", scratch.project, timeout_s=1)
+    ran = run_command(f"sleep {token}", scratch.project, timeout_s=1, network=network)
     assert ran.timed_out, ran
     time.sleep(0.5)
     assert _host_processes_with(token) == []
+    assert [p for p in _host_processes_with("slirp4netns") if "--exit-fd" in p] == []
 
 
 CAPABILITY_PROBES = [
@@ -421,3 +461,71 @@ def test_an_allowed_program_never_resolves_into_the_project(
     assert verdict.allowed
     ran = run_command("ls -la", scratch.project)
     assert not (scratch.project / "planted-ran.txt").exists(), ran.output
+
+
+def test_a_project_that_holds_the_secrets_does_not_uncover_them(scratch: Scratch) -> None:
+    """A project opened at the home folder (or above the data directory): its read-write mount must not
+    cover the mounts that hide the secrets and the data directory (mounts stack in order)."""
+    (scratch.home / ".ssh").mkdir()
+    (scratch.home / ".ssh" / "id_ed25519").write_text(SECRET + "\n")
+    (scratch.home / ".netrc").write_text(SECRET + "\n")
+    data = scratch.home / ".local" / "share" / "flashcode"
+    data.mkdir(parents=True)
+    (data / "flashcode.db").write_text(SECRET + "\n")
+    command = (
+        f"cat .ssh/id_ed25519 .netrc {data}/flashcode.db; echo x >> {data}/flashcode.db; echo ok > inside.txt"
+    )
+    assert SECRET in run_command(command, scratch.home, sandboxed=False).output  # the probe reads them
+    (data / "flashcode.db").write_text(SECRET + "\n")
+    for project in (scratch.home, scratch.home / ".local"):
+        ran = run_command(command, project, policy=SandboxPolicy(project, hidden=(data,)))
+        assert SECRET not in ran.output, ran.output
+        assert (data / "flashcode.db").read_text() == SECRET + "\n"
+        assert (project / "inside.txt").read_text() == "ok\n", ran.output  # the project is still writable
+
+
+def test_a_project_inside_a_hidden_folder_works_and_the_rest_of_it_stays_hidden(scratch: Scratch) -> None:
+    """The scratch project lives in the data directory, which commands must not see otherwise."""
+    data = scratch.base / "flashcode-data"
+    project = data / "projects" / "scratch"
+    project.mkdir(parents=True)
+    (data / "flashcode.db").write_text(SECRET)
+    ran = run_command(
+        f"echo ok > inside.txt && cat inside.txt; echo listing $(ls -A {data}); cat {data}/flashcode.db",
+        project,
+        policy=SandboxPolicy(project, hidden=(data,)),
+    )
+    assert "ok" in ran.output and (project / "inside.txt").read_text() == "ok\n", ran.output
+    assert SECRET not in ran.output and "listing projects\n" in ran.output, ran.output
+
+
+IO_URING = (
+    "{py} -c 'import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); p = ctypes.create_string_buffer(120); "
+    'fd = libc.syscall(425, 4, p); print("io_uring", fd, os.strerror(ctypes.get_errno()) if fd < 0 else "ok")\''
+)
+
+
+def test_io_uring_is_refused(scratch: Scratch) -> None:
+    """io_uring's IORING_OP_SOCKET makes sockets inside the kernel, where the filter on socket(2) never
+    sees them (a unix socket to docker.sock or the session bus): the whole interface is refused."""
+    ran = run_command(scratch.subst(IO_URING), scratch.project)
+    assert "io_uring -1 Operation not permitted" in ran.output, ran.output
+
+
+def test_with_the_network_on_and_no_slirp4netns_nothing_runs(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sharing this machine's network instead would put flashcode's port in reach: the command is not run,
+    and the error says what to install or switch off."""
+    import shutil
+
+    which = shutil.which
+    monkeypatch.setattr(
+        shutil, "which", lambda name, *a, **k: None if name == "slirp4netns" else which(name, *a, **k)
+    )
+    ran = run_command("touch ran.txt", scratch.project, network=True)
+    assert ran.exit_code is None and not (scratch.project / "ran.txt").exists()
+    assert (
+        ran.error is not None and "slirp4netns is not installed" in ran.error and "network off" in ran.error
+    )
+    assert run_command("touch ran.txt", scratch.project).exit_code == 0  # with the network off it runs

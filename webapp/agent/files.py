@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_READ_BYTES = 200_000
+MAX_SEARCH_BYTES = 8 << 20  # search_text reads this much of a file at most
 MAX_EDIT_BYTES = 5 << 20  # the file tools diff and rewrite text files up to this size
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux (1024 on macOS is checked by the system itself)
 MAX_NAME_BYTES = 255
@@ -224,6 +225,27 @@ class ProjectFiles:
                 data = f.read(max_bytes + 1)
         text = data[:max_bytes].decode("utf-8", errors="replace")
         return text + (f"\n[... truncated at {max_bytes} bytes]" if len(data) > max_bytes else "")
+
+    def searchable(self, path: str, max_bytes: int = MAX_SEARCH_BYTES) -> str | None:
+        """The first `max_bytes` of a project file as text for `search_text`, opened as `read` opens it (a
+        symlink out of the project raises); None for a binary or non-UTF-8 file or a folder."""
+        full = self.resolve(path)
+        if not full.relative_to(self.root).parts:
+            return None
+        with _os_errors(path):
+            fd = self._open_target(full)
+            if fd is None:
+                return None
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(max_bytes)
+        if b"\0" in data:
+            return None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.start < len(data) - 3:  # not just a character cut at max_bytes
+                return None
+            return data[: exc.start].decode("utf-8")
 
     def _current(self, full: Path) -> str | None:
         """The file's text now; None when there is no such file."""

@@ -51,6 +51,7 @@ from .runner import CommandRun
 from .search import SearchUnavailableError
 from .shell import check_command
 from .tools import BY_NAME, MAX_RESULT_CHARS, ReadTools, ToolResult, check_arguments, fetch_url, openai_tools
+from .visible import touches_git
 
 if TYPE_CHECKING:
     from .agent import AgentSession
@@ -330,6 +331,15 @@ class ToolLoop:
             yield ToolResult(True, f"{change.path} already holds exactly this content: nothing was written.")
             return
         action_id = s.store.record_proposal(s.project, "write", change.path, s.conversation_id)
+        # .git is never approved automatically: a hook or config written there runs outside the sandbox at
+        # the user's next git command
+        auto = s.approve_edits and not touches_git(change.path)
+        if auto:
+            rule_text = "edits in this project are approved automatically"
+        elif s.approve_edits:
+            rule_text = "writes inside .git/ always ask, even with edits approved automatically"
+        else:
+            rule_text = "file writes always ask"
         proposal = Proposal(
             action_id,
             "write",
@@ -337,14 +347,12 @@ class ToolLoop:
             str(s.project_dir),
             0.0,
             diff=change.diff,
-            rule_text="edits in this project are approved automatically"
-            if s.approve_edits
-            else "file writes always ask",
-            allowed_by_rule=s.approve_edits,
+            rule_text=rule_text,
+            allowed_by_rule=auto,
             choices=("deny", "once"),
         )
         yield proposal
-        if s.approve_edits:
+        if auto:
             s.store.record_decision(action_id, "rule", "auto-approve edits", "")
             decision, reason = "rule", ""
             yield Decided(action_id, "rule", "auto-approve file edits in this project")

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .sandbox import SandboxPolicy, SandboxUnavailableError, command_env, detect, launch
+from .sandbox import (
+    NetworkUnavailableError,
+    SandboxPolicy,
+    SandboxUnavailableError,
+    command_env,
+    detect,
+    launch,
+)
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_OUTPUT_CAP = 64_000  # characters kept across stdout and stderr
@@ -124,6 +131,9 @@ class CommandRun:
                     env=env,
                     pass_fds=pass_fds,
                 )
+        except NetworkUnavailableError as exc:
+            yield CommandExit(None, error=f"not run: {exc}")
+            return
         except SandboxUnavailableError as exc:
             yield CommandExit(None, error=f"no sandbox: {exc}")
             return

@@ -11,10 +11,13 @@ What is covered (Linux, bubblewrap)
   a read-only mount also cannot be renamed away), so git commands that write refuse inside the sandbox.
 - Kernel knobs stay read-only even for root: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, ...
 - A seccomp filter refuses unix-domain sockets (a socket file outside the project — the session bus,
-  docker.sock, a database — could act for the command outside the sandbox) and the kernel keyrings.
+  docker.sock, a database — could act for the command outside the sandbox), io_uring (which makes
+  sockets the filter would not see) and the kernel keyrings.
 - Secrets are hidden: `~/.ssh`, `~/.aws`, `~/.gnupg`, `~/.config/gh`, `~/.docker`, `~/.kube`,
   `~/.netrc`, keyrings, … and flashcode's own data directory (its database holds the allow rules).
-- No network (a fresh network namespace with only a loopback of its own) unless the project allows it.
+- No network (a fresh network namespace with only a loopback of its own) unless the project allows it;
+  then still a namespace of its own, connected to the outside by slirp4netns without this machine's
+  loopback (`usernet.py`): flashcode's own port, which needs no token on loopback, stays out of reach.
 - New PID, IPC, UTS and cgroup namespaces, no capabilities (root included), a new session (no
   terminal injection), killed with its parent, and a clean environment (PATH, HOME, LANG, locale and
   TERM only: API keys in the server's environment do not reach commands).
@@ -45,6 +48,7 @@ import platform
 import shutil
 import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +203,8 @@ def launch(
     status = detect()
     if not status.available:
         raise SandboxUnavailableError(status.reason)
+    if policy.network and status.kind == "bubblewrap" and not shutil.which("slirp4netns"):
+        raise NetworkUnavailableError(NO_SLIRP)
     if status.kind == "sandbox-exec":
         yield _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp")), ()
         return
@@ -206,12 +212,15 @@ def launch(
         yield _bwrap_argv(argv, policy, fd), (() if fd is None else (fd,))
 
 
-# seccomp: refuse socket(AF_UNIX, ...) and the keyring calls; everything else is allowed. A classic
+# seccomp: refuse socket(AF_UNIX, ...), the keyring calls and io_uring; everything else is allowed. A classic
 # BPF program over `struct seccomp_data` (nr at 0, arch at 4, args[0] at 16), as bubblewrap takes it.
-_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, socket, (add_key, request_key, keyctl))
-    "x86_64": (0xC000003E, 41, (248, 249, 250)),
-    "aarch64": (0xC00000B7, 198, (217, 218, 219)),
-    "arm64": (0xC00000B7, 198, (217, 218, 219)),
+# io_uring (setup, enter, register: the same numbers on both) is refused whole: its IORING_OP_SOCKET makes a
+# socket inside the kernel, where the filter on socket(2) never sees it (Docker's default profile refuses it too)
+_IO_URING = (425, 426, 427)
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, socket, (add_key, request_key, keyctl, io_uring_*))
+    "x86_64": (0xC000003E, 41, (248, 249, 250, *_IO_URING)),
+    "aarch64": (0xC00000B7, 198, (217, 218, 219, *_IO_URING)),
+    "arm64": (0xC00000B7, 198, (217, 218, 219, *_IO_URING)),
 }
 _AF_UNIX = 1
 _RET_ERRNO_EPERM = 0x00050001
@@ -223,14 +232,14 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
     spec = _SECCOMP_ARCH.get(machine or platform.machine())
     if spec is None:
         return None
-    arch, sys_socket, keyring = spec
+    arch, sys_socket, refused = spec
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    n_key = len(keyring)
-    # layout: 0 ld arch; 1 arch?; 2 ld nr; 3 x32?; 4..4+n-1 keyring?; socket?; ld arg0; AF_UNIX?; deny; allow
+    n_key = len(refused)
+    # layout: 0 ld arch; 1 arch?; 2 ld nr; 3 x32?; 4..4+n-1 refused?; socket?; ld arg0; AF_UNIX?; deny; allow
     deny = 4 + n_key + 3
     allow = deny + 1
     prog = [(ld, 0, 0, 4), (jeq, 0, deny - 2, arch), (ld, 0, 0, 0), (jge, deny - 4, 0, 0x40000000)]
-    for i, nr in enumerate(keyring):
+    for i, nr in enumerate(refused):
         pc = 4 + i
         prog.append((jeq, deny - pc - 1, 0, nr))
     pc = 4 + n_key
@@ -261,6 +270,18 @@ class SandboxUnavailableError(RuntimeError):
     pass
 
 
+class NetworkUnavailableError(SandboxUnavailableError):
+    """The project's network switch is on, but nothing here can give a command a network of its own."""
+
+
+USERNET = Path(__file__).with_name("usernet.py")
+NO_SLIRP = (
+    "the project's network switch is on, but slirp4netns is not installed (Debian/Ubuntu: `sudo apt-get "
+    "install slirp4netns`; `make run` installs it). Without it a command would share this machine's "
+    "network, flashcode's own port included, so it is not run: install it, or turn the network off"
+)
+
+
 def _secret_paths(policy: SandboxPolicy) -> list[Path]:
     home = Path(os.environ.get("HOME") or Path.home())
     paths = [home / p for p in SECRET_PATHS] + [Path(p) for p in policy.hidden]
@@ -278,15 +299,22 @@ def _bwrap_argv(argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None =
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
     args += ["--tmpfs", "/tmp"]
-    for secret in _secret_paths(policy):
-        real = secret.resolve()
-        if project == real or real in project.parents:
-            continue  # the project itself lives inside it (the scratch project in the data directory)
+    # Mounts stack in order, and a later one covers what lies below its path. So: first hide the secrets
+    # that hold the project (the scratch project in the data directory), then bind the project into the
+    # emptied tree, then hide every other secret, the ones inside the project too (a project opened at
+    # the home folder must not uncover ~/.ssh or the data directory).
+    secrets = [s.resolve() for s in _secret_paths(policy)]
+    holders = [s for s in secrets if s != project and s in project.parents]
+    for real in holders:
+        args += ["--tmpfs", str(real)]
+    args += ["--bind", str(project), str(project)]
+    for real in secrets:
+        if real == project or real in holders:
+            continue  # a secret that is the project itself stays (it is what the user opened)
         if real.is_dir():
             args += ["--tmpfs", str(real)]
         else:
             args += ["--ro-bind", "/dev/null", str(real)]
-    args += ["--bind", str(project), str(project)]
     git = project / ".git"
     if os.path.lexists(git):
         real = git.resolve()
@@ -294,13 +322,22 @@ def _bwrap_argv(argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None =
             args += ["--ro-bind", str(real), str(real)]
         if real != git and git.is_symlink():
             args += ["--ro-bind", str(git), str(git)]  # the link itself cannot be replaced either
+    # a network namespace of its own in every case: with the network on, usernet.py connects it to the
+    # outside without this machine's loopback (where flashcode itself listens)
     args += ["--unshare-user-try", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
-    if not policy.network:
-        args.append("--unshare-net")
-    args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--chdir", str(project)]
+    args += [
+        "--unshare-net",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--chdir",
+        str(project),
+    ]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
-    return [*args, "--", *argv]
+    args = [*args, "--", *argv]
+    return [sys.executable, "-I", str(USERNET), *args] if policy.network else args
 
 
 def _seatbelt_quote(path: Path | str) -> str:
@@ -330,6 +367,8 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         )
     if not policy.network:
         lines.append('(deny network* (remote ip "*:*"))')
+    else:  # this machine's own services, flashcode itself first (no token on loopback), stay out of reach
+        lines.append('(deny network-outbound (remote ip "localhost:*"))')
     return "\n".join(lines)
 
 

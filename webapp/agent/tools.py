@@ -240,14 +240,15 @@ class ReadTools:
         return [line.removeprefix(root)[:300] for line in proc.stdout.splitlines()[: MAX_MATCHES + 1]]
 
     def _python(self, regex: re.Pattern[str], start: Path) -> list[str]:
-        root = self.files.root
-        names = [self.files.relative(start)] if start.is_file() else walk(root, start)
+        names = [self.files.relative(start)] if start.is_file() else walk(self.files.root, start)
         hits: list[str] = []
         for rel in names:
-            try:
-                text = (root / rel).read_text(errors="strict")
-            except (OSError, UnicodeError):
-                continue  # binary or unreadable
+            try:  # through ProjectFiles: a symlink out of the project (to a secret, /proc/self/environ) is refused
+                text = self.files.searchable(rel)
+            except (FileToolError, OSError):
+                continue  # outside the project, or unreadable
+            if text is None:
+                continue  # binary, or not UTF-8
             for n, line in enumerate(text.splitlines(), 1):
                 if regex.search(line):
                     hits.append(f"{rel}:{n}:{line[:300]}")
@@ -257,13 +258,41 @@ class ReadTools:
 
 
 # --------------------------------------------------------------------------- the web
+async def _refuse_this_machine(request: Any) -> None:
+    """fetch_url runs in the server: a page the model read could point it at this machine's own services —
+    flashcode itself (no token on loopback: other conversations, saved contexts), a model server — or at a
+    cloud's metadata address. Loopback, link-local, unspecified and multicast addresses are refused, by name
+    and by what the name resolves to (a DNS answer that changes between this check and the connection is
+    not covered)."""
+    import ipaddress
+    import socket
+
+    host = request.url.host
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, request.url.port or 443, type=socket.SOCK_STREAM
+        )
+    except OSError:
+        return  # unresolvable: the request itself fails with its own error
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # ::ffff:127.0.0.1
+        if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
+            raise FileToolError(
+                f"fetch_url does not fetch from {host} ({ip}): this machine's own or link-local addresses are "
+                "out of bounds for the agent"
+            )
+
+
 async def fetch_url(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
     """The page at `url` as readable text (trafilatura's main-content extraction; plain text as is)."""
     import httpx
 
     if not re.match(r"^https?://", url):
         raise FileToolError("fetch_url takes an http:// or https:// address")
-    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s) as client:
+    hooks = {"request": [_refuse_this_machine]}  # every hop: a redirect to 127.0.0.1 is refused too
+    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s, event_hooks=hooks) as client:
         resp = await client.get(url, headers={"User-Agent": "flashcode"})
     if resp.status_code >= 400:
         raise FileToolError(f"{url} answered HTTP {resp.status_code}")

@@ -37,8 +37,10 @@ class ProjectError(ValueError):
     """A directory or name that cannot be a project; the message says what to do."""
 
 
-def check_directory(raw: str | os.PathLike[str]) -> Path:
-    """The resolved directory `raw` names, or ProjectError saying why it cannot be a project."""
+def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -> Path:
+    """The resolved directory `raw` names, or ProjectError saying why it cannot be a project: not the root,
+    not the home folder or one above it (commands may write anywhere in a project: the shell's start-up
+    files and every tool's settings would be in reach), and not flashcode's own data directory (`data_dir`)."""
     text = str(raw).strip()
     if not text:
         raise ProjectError("type the path of a directory, e.g. ~/code/myapp")
@@ -60,6 +62,15 @@ def check_directory(raw: str | os.PathLike[str]) -> Path:
     resolved = path.resolve()
     if resolved == Path(resolved.anchor):
         raise ProjectError("the root directory cannot be a project: pick a folder of your own")
+    home = Path(os.environ.get("HOME") or Path.home()).resolve()
+    if resolved == home or resolved in home.parents:
+        what = "your home folder" if resolved == home else "a folder that holds your home folder"
+        raise ProjectError(
+            f"{text} is {what}: the agent's commands may write anywhere in a project, so pick the folder of "
+            "one project inside it, e.g. ~/code/myapp"
+        )
+    if data_dir is not None and resolved == Path(data_dir).resolve():
+        raise ProjectError(f"{text} is flashcode's own data directory: pick a folder of your own")
     return resolved
 
 
@@ -156,7 +167,7 @@ class ProjectStore:
     def add(self, directory: str | os.PathLike[str], name: str | None = None) -> ProjectRef:
         """Add a directory (checked) as a project; an existing project of that directory is returned
         as it is (renamed when `name` is given)."""
-        path = check_directory(directory)
+        path = check_directory(directory, self.data_dir)
         existing = self.by_path(path)
         if existing is not None:
             return self.rename(existing.id, name) if name else existing
