@@ -166,7 +166,8 @@ def test_git_hooks_and_config_are_read_only(scratch: Scratch) -> None:
 
 
 SECRETS = [".ssh/id_ed25519", ".aws/credentials", ".config/gh/hosts.yml", ".netrc", ".git-credentials",
-           ".docker/config.json", ".kube/config", ".gnupg/private-keys-v1.d/key.key"]  # fmt: skip
+           ".docker/config.json", ".kube/config", ".gnupg/private-keys-v1.d/key.key", ".cargo/credentials.toml",
+           ".config/git/credentials", ".cache/huggingface/token", ".claude/.credentials.json", ".pgpass"]  # fmt: skip
 
 
 @pytest.mark.parametrize("relative", SECRETS)

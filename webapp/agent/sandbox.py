@@ -14,7 +14,7 @@ What is covered (Linux, bubblewrap)
   docker.sock, a database — could act for the command outside the sandbox), io_uring (which makes
   sockets the filter would not see) and the kernel keyrings.
 - Secrets are hidden: `~/.ssh`, `~/.aws`, `~/.gnupg`, `~/.config/gh`, `~/.docker`, `~/.kube`,
-  `~/.netrc`, keyrings, … and flashcode's own data directory (its database holds the allow rules).
+  `~/.netrc`, cargo, git, Hugging Face and Claude credentials, keyrings, … and flashcode's own data directory (its database holds the allow rules).
 - No network (a fresh network namespace with only a loopback of its own) unless the project allows it;
   then still a namespace of its own, connected to the outside by slirp4netns without this machine's
   loopback (`usernet.py`): flashcode's own port, which needs no token on loopback, stays out of reach.
@@ -81,6 +81,20 @@ SECRET_PATHS = (
     ".bash_history",
     ".zsh_history",
     ".python_history",
+    ".cargo/credentials",
+    ".cargo/credentials.toml",
+    ".m2/settings.xml",
+    ".gem/credentials",
+    ".config/git/credentials",
+    ".config/containers/auth.json",
+    ".config/rclone",
+    ".cache/huggingface/token",
+    ".huggingface/token",
+    ".terraform.d/credentials.tfrc.json",
+    ".vault-token",
+    ".pgpass",
+    ".my.cnf",
+    ".claude",
 )
 # Environment variables a command keeps; everything else (API keys, tokens) is dropped.
 KEEP_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ")
