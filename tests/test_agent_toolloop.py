@@ -303,6 +303,28 @@ def test_toolloop_auto_approved_edits_never_cover_git(
     assert [d.decision for d in of(events, ev.ToolStepDone)] == ["deny", "deny", "rule"]
 
 
+def test_toolloop_auto_approved_edits_never_cover_a_git_dir_named_by_a_git_file(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """`git init --separate-git-dir=meta/.repo`: no part of `meta/.repo/hooks/post-commit` is named .git."""
+    import shutil
+    import subprocess
+
+    shutil.rmtree(project / ".git", ignore_errors=True)
+    (project / "meta").mkdir()
+    subprocess.run(
+        ["git", "init", "-q", f"--separate-git-dir={project / 'meta' / '.repo'}", str(project)], check=True
+    )
+    fake.enqueue_call(
+        "write_file", path="meta/.repo/hooks/post-commit", content="#!/bin/sh\ntouch /tmp/pwned\n"
+    )
+    fake.enqueue("ok")
+    approver = Approver(ev.Decision.deny())
+    asyncio.run(collect(session(worker, project, approver, approve_edits=True), "go"))
+    assert [p.command for p in approver.asked] == ["meta/.repo/hooks/post-commit"]
+    assert not (project / "meta" / ".repo" / "hooks" / "post-commit").exists()
+
+
 def test_toolloop_context_trim_elides_old_outputs(worker: Worker, project: Path) -> None:
     fake = FakeBackend(tools=True, context_length=2500)
     w = Worker(lambda: fake)

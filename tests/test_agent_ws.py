@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -293,3 +294,16 @@ def test_an_agent_step_says_while_the_engine_reads_its_prompt(tmp_path: Path, pr
     ):
         at = frames.find(x, at)
         assert at >= 0, x  # each after the one before
+
+
+def test_an_agent_turn_in_a_project_whose_folder_is_gone_says_so(ws, project: Path) -> None:
+    """Moved or deleted on disk: nothing can run there. Before, the turn died silently (the user's message,
+    then nothing); now the transcript says what happened and how to point the project at its new place."""
+    shutil.rmtree(project)
+    send(ws, type="send", text="/shell ls")
+    frames = until(ws, r'id="status" class="controls" data-state="idle"')
+    assert "is gone (moved or deleted)" in frames and "flashcode projects move proj NEW-FOLDER" in frames
+    assert 'id="dialog-' not in frames
+    conversation = re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1)  # type: ignore[union-attr]
+    send(ws, type="send", text="/shell ls", conversation_id=conversation)
+    assert "is gone (moved or deleted)" in until(ws, r'id="status" class="controls" data-state="idle"')

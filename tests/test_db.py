@@ -69,6 +69,9 @@ def test_db_finish_message_stores_stats_and_exports(tmp_path: Path) -> None:
     assert md.startswith("# Export me") and "## User" in md and "**a**" in md
     js = export_json(c, msgs)
     assert js["title"] == "Export me" and js["messages"][1]["content"] == "**a**"
+    d.rename_conversation(c.id, "Renamed <b>x</b> *y*")
+    md = export_markdown(d.get_conversation(c.id), msgs)  # a title is plain text, not markup
+    assert md.startswith("# Renamed &lt;b&gt;x&lt;/b&gt; \\*y\\*\n") and "**a**" in md
 
 
 def test_db_export_keeps_what_an_agent_did(tmp_path: Path) -> None:

@@ -461,3 +461,41 @@ def test_a_denied_call_repeated_is_refused_as_denied_without_asking(
     for later in tool_messages(fake)[1:]:
         assert "the user denied exactly this call at step 1; do not ask again" in later["content"]
     assert len(approver.asked) == 1
+
+
+@pytest.mark.skipif(not SANDBOXED, reason="no OS sandbox here")
+def test_a_config_env_reaches_the_server_only_inside_the_sandbox(
+    worker: Worker, fake: FakeBackend, project: Path, store: AgentStore, tmp_path: Path
+) -> None:
+    """`.mcp.json`'s env is the server's, set inside the sandbox: the wrapper and bubblewrap around it run
+    with the clean environment, so a `BASH_ENV` or a `PATH` into the project runs nothing outside it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (project / "init.sh").write_text(f"touch {outside}/bash-env-ran\n")
+    (project / "bin").mkdir()
+    for planted in ("bwrap", "bash", "env", "python3", "slirp4netns"):
+        (project / "bin" / planted).write_text(f"#!/bin/sh\ntouch {outside}/{planted}-ran\n")
+        (project / "bin" / planted).chmod(0o755)
+    env = {
+        "BASH_ENV": str(project / "init.sh"),
+        "PATH": f"{project}/bin:/usr/bin:/bin",
+        "MCP_T_MARK": "inside",
+    }
+    write_config(project, demo=server_entry() | {"env": env})
+    approve_file_servers(store, project)
+    servers = McpServers()
+    s = make_session(worker, project, store, servers, Approver(ev.Decision.once(), ev.Decision.once()))
+
+    async def body():  # noqa: ANN202
+        fake.enqueue_call("demo__getenv", variable="MCP_T_MARK").enqueue("off")
+        off = await turn(s)
+        store.set_network_allowed(s.project, True)  # the launcher of the network namespace too
+        fake.enqueue_call("demo__getenv", variable="MCP_T_MARK").enqueue("on")
+        on = await turn(s)
+        return off, on
+
+    off, on = run(body, servers)
+    for events in (off, on):
+        step = of(events, ev.ToolStepDone)[0]
+        assert step.ok and step.result == "inside", step.result  # the server got its env
+    assert sorted(p.name for p in outside.iterdir()) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -272,6 +273,25 @@ def test_projects_recent_dialog_lists_and_reopens(client, two) -> None:
     assert r.headers["HX-Redirect"] == "/" and client.app.state.flashcode.projects.current().id == pid
 
 
+def test_projects_recent_lists_default_though_never_opened_and_marks_a_missing_folder(
+    client, two, tmp_path: Path
+) -> None:
+    """A first start works in Default without opening it: after a New Project its conversations must stay
+    one click away. A project whose folder was moved or deleted says so and how to point it at the new place."""
+    a, b = two
+    conv = _chat(client, "question in default")
+    _open(client, a, mode="new")
+    _open(client, b)
+    shutil.rmtree(a)
+    dialog = client.get("/projects/dialog", params={"mode": "recent"}).text
+    assert dialog.index(">beta<") < dialog.index(">alpha<") < dialog.index(">Default<")
+    assert dialog.count("folder missing") == 1 and "flashcode projects move alpha NEW-FOLDER" in dialog
+    store = client.app.state.flashcode.projects
+    r = client.post("/projects/open", data={"project_id": "default"}, headers={"HX-Request": "true"})
+    assert r.headers["HX-Redirect"] == "/" and store.current().id == "default"
+    assert "question in default" in client.get(f"/c/{conv}").text
+
+
 def test_projects_folder_browser_stays_under_home(client, tmp_path: Path, monkeypatch) -> None:
     web = next(
         r.endpoint.__self__
@@ -373,6 +393,15 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
     gone = _cli(home, "projects", "remove", "Work", "--delete-data")
     assert gone.returncode == 0 and "was not touched" in gone.stdout and work.is_dir()
     assert len(_cli(home, "projects").stdout.splitlines()) == 1
+    moved = tmp_path / "work-renamed"
+    (tmp_path / "app").mkdir()
+    assert _cli(home, "projects", "add", str(tmp_path / "app"), "--name", "App").returncode == 0
+    (tmp_path / "app").rename(moved)
+    out = _cli(home, "projects", "move", "App", str(moved))
+    assert out.returncode == 0 and f"-> {moved.resolve()}" in out.stdout, out.stderr
+    assert f"App\t{moved.resolve()}\t0" in _cli(home, "projects").stdout.splitlines()
+    taken = _cli(home, "projects", "move", "Default", str(moved))
+    assert taken.returncode == 2 and "does not move" in taken.stderr
     missing = _cli(home, "projects", "remove", "Nope")
     assert missing.returncode == 2 and "no project named 'Nope'" in missing.stderr
     bad_serve = _cli(home, "serve", "--project", str(tmp_path / "missing"), "--port", "0")

@@ -382,3 +382,18 @@ def test_stats_note_fragment_renders_markdown_escaped(conn: sqlite3.Connection) 
     stats.record_reply(conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="<b>x</b>")
     html = stats_view.note_html(make_environment(), "stats", stats_view.stats_markdown(conn))
     assert 'hx-swap-oob="beforeend"' in html and "<table>" in html and "<b>x</b>" not in html
+
+
+def test_the_reply_footer_says_how_much_of_the_prompt_came_from_a_cache() -> None:
+    """A resumed context (or the engine's prefix cache) reads only the new part of the prompt: the footer
+    says so beside the token counts, or a 3-second reply to a 4,600-token prompt looks like a miracle."""
+    from types import SimpleNamespace
+
+    from webapp.render import make_environment
+
+    footer = make_environment().get_template("macros.html").module.stats_footer
+    stats = {"completion_tokens": 62, "prompt_tokens": 4583, "cached_tokens": 4521, "ttft_s": 2.7}
+    html = str(footer(SimpleNamespace(id=7, status="complete", stats=stats)))
+    assert "4583 + 62 tokens (4521 cached)" in html and "came from a cache or a saved context" in html
+    stats["cached_tokens"] = 0
+    assert "cached" not in str(footer(SimpleNamespace(id=7, status="complete", stats=stats)))

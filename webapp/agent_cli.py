@@ -214,7 +214,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         ref = projects.add(project)
         store = AgentStore(db.conn)
-        hidden = hidden_paths(projects.data_dir, ref.path)
+        hidden = hidden_paths(projects.data_dir)
         run_only = approve_mcp_servers(store, ref, hidden, args.approve)
         model = args.model or DEFAULT_AGENT_MODEL
         worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, model))

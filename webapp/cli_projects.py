@@ -14,6 +14,7 @@ from pathlib import Path
 from . import preflight
 from .db import Database
 from .projects.store import ProjectError, ProjectStore, check_directory
+from .turns import ProjectRef
 
 
 def _store() -> tuple[Database, ProjectStore]:
@@ -23,6 +24,14 @@ def _store() -> tuple[Database, ProjectStore]:
     return db, ProjectStore(db.conn, root)
 
 
+def _named(store: ProjectStore, name: str) -> ProjectRef:
+    found = store.resolve(name)
+    if found is None:
+        names = ", ".join(p.name for p in store.all())
+        raise ProjectError(f"there is no project named {name!r} (projects: {names})")
+    return found
+
+
 def cmd_projects(args: argparse.Namespace) -> int:
     db, store = _store()
     try:
@@ -30,11 +39,14 @@ def cmd_projects(args: argparse.Namespace) -> int:
         if action == "add":
             project = store.add(args.dir, args.name)
             print(f"{project.name}\t{project.path}")
+        elif action == "move":
+            found = _named(store, args.name)
+            moved = store.move(found.id, args.dir)
+            print(
+                f"moved {moved.name}: {found.path} -> {moved.path} (its conversations, rules and saved contexts stay)"
+            )
         elif action == "remove":
-            found = store.resolve(args.name)
-            if found is None:
-                names = ", ".join(p.name for p in store.all())
-                raise ProjectError(f"there is no project named {args.name!r} (projects: {names})")
+            found = _named(store, args.name)
             store.remove(found.id, delete_data=args.delete_data)
             kept = "deleted flashcode's data for it" if args.delete_data else "kept flashcode's data for it"
             print(f"removed {found.name} ({found.path} was not touched; {kept})")
@@ -93,6 +105,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("dir", metavar="DIR")
     a.add_argument("--name", default=None)
     a.set_defaults(func=cmd_projects)
+    m = actions.add_parser(
+        "move",
+        help="point a project at its folder's new place (moved or renamed): conversations and all stay",
+    )
+    m.add_argument("name", metavar="NAME")
+    m.add_argument("dir", metavar="DIR")
+    m.set_defaults(func=cmd_projects)
     r = actions.add_parser("remove", help="take a project off the list (its directory is never deleted)")
     r.add_argument("name", metavar="NAME")
     r.add_argument(

@@ -576,12 +576,18 @@ def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
     return []
 
 
+def _plain_markdown(text: str) -> str:
+    """Plain text on one Markdown line, shown as typed: HTML and Markdown's inline marks escaped."""
+    text = " ".join(text.split()).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([\\`*_\[\]#|!])", r"\\\1", text)
+
+
 def export_markdown(
     conv: Conversation, messages: list[StoredMessage], events: Sequence[StoredEvent] = ()
 ) -> str:
     """The conversation as Markdown: its messages and, where an agent worked, its steps, approvals and results
     in the order they came."""
-    lines = [f"# {conv.title}", ""]
+    lines = [f"# {_plain_markdown(conv.title)}", ""]  # a title is plain text: `<b>` in it stays `<b>`
     if conv.model:
         lines += [f"_model: {conv.model} ({conv.backend or '?'})_", ""]
     output: dict[int, list[str]] = {}

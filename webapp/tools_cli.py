@@ -104,7 +104,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
                 )
             mstore.approve(ref.id, name, found.fingerprint)
             print(f"approved {name}: {found.describe()}", file=sys.stderr)
-        hidden = hidden_paths(projects.data_dir, ref.path)
+        hidden = hidden_paths(projects.data_dir)
         result = asyncio.run(collect(store, ref.id, ref.path, hidden))
     finally:
         db.close()

@@ -530,3 +530,71 @@ def test_with_the_network_on_and_no_slirp4netns_nothing_runs(
         ran.error is not None and "slirp4netns is not installed" in ran.error and "network off" in ran.error
     )
     assert run_command("touch ran.txt", scratch.project).exit_code == 0  # with the network off it runs
+
+
+def test_a_folder_that_leads_to_a_hidden_path_cannot_be_renamed_away(scratch: Scratch) -> None:
+    """Project ~/.local holds the data directory (~/.local/share/flashcode), project ~/.config holds git
+    credentials: renaming a folder on the way would carry the hiding mount off with it, and the next command
+    would find the secret under the new name with nothing over it."""
+    data = scratch.home / ".local" / "share" / "flashcode"
+    data.mkdir(parents=True)
+    (data / "flashcode.db").write_text(SECRET + "\n")
+    creds = scratch.home / ".config" / "git" / "credentials"
+    creds.parent.mkdir(parents=True)
+    creds.write_text(SECRET + "\n")
+    for project, folder, read in [
+        (scratch.home / ".local", "share", "share2/flashcode/flashcode.db"),
+        (scratch.home / ".config", "git", "g2/credentials"),
+    ]:
+        policy = SandboxPolicy(project, hidden=(data,))
+        moved = run_command(
+            f"mv {folder} {folder.replace('share', 'share2').replace('git', 'g2')}", project, policy=policy
+        )
+        assert moved.exit_code != 0 and "busy" in moved.output.lower(), moved.output
+        ran = run_command(f"cat {read}; ls -A {folder}; echo ok > inside.txt", project, policy=policy)
+        assert SECRET not in ran.output and (project / "inside.txt").read_text() == "ok\n", ran.output
+    assert (data / "flashcode.db").read_text() == creds.read_text() == SECRET + "\n"
+
+
+def test_a_git_directory_named_by_a_git_file_is_read_only(scratch: Scratch) -> None:
+    """`git init --separate-git-dir` (and worktrees) leave a `.git` file naming the real git directory: a
+    hook planted there would run on the user's next `git commit`, outside the sandbox."""
+    project = scratch.base / "sep"
+    (project / "meta").mkdir(parents=True)
+    git(scratch.base, "init", "-q", f"--separate-git-dir={project / 'meta' / '.repo'}", str(project))
+    assert (project / ".git").is_file()
+    hook = project / "meta" / ".repo" / "hooks" / "post-commit"
+    attempts = [
+        f"printf '#!/bin/sh\\ntouch {scratch.outside}/pwned\\n' > {hook} && chmod +x {hook}",
+        "mv meta meta2 && mkdir -p meta2/.repo/hooks",
+        "mv meta/.repo meta/r2",
+        "echo 'gitdir: elsewhere' > .git",
+    ]
+    for command in attempts:
+        ran = run_command(command, project)
+        assert ran.exit_code != 0, (command, ran.output)
+    assert not hook.exists() and (project / ".git").read_text().startswith("gitdir:")
+    git(project, "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "--allow-empty", "-m", "later")
+    assert scratch.breaches() == []
+
+
+def test_a_commands_own_env_is_set_inside_and_never_on_a_command_line(scratch: Scratch) -> None:
+    """An MCP server's env (an API key) reaches the server inside the sandbox, and no value shows in a
+    command line (bubblewrap's, which any process can read, and which the sandbox's pid 1 is)."""
+    from webapp.agent.sandbox import command_env, launch
+
+    for network in (False, True):
+        policy = SandboxPolicy(scratch.project, network=network)
+        command = ["bash", "-c", 'echo "key=$MCP_T_KEY"; tr "\\0" " " < /proc/1/cmdline']
+        with launch(command, policy, env={"MCP_T_KEY": SECRET, "MCP_T_ODD": "a b\n--seccomp 9"}) as (
+            argv,
+            fds,
+        ):
+            assert SECRET not in " ".join(argv)
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=60, env=command_env(), pass_fds=fds
+            )
+        assert done.stdout.startswith(f"key={SECRET}\n") and "--args" in done.stdout, (
+            done.stdout + done.stderr
+        )
+        assert done.stdout.count(SECRET) == 1, done.stdout

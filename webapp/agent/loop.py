@@ -333,11 +333,13 @@ class ToolLoop:
         action_id = s.store.record_proposal(s.project, "write", change.path, s.conversation_id)
         # .git is never approved automatically: a hook or config written there runs outside the sandbox at
         # the user's next git command
-        auto = s.approve_edits and not touches_git(change.path)
+        auto = s.approve_edits and not touches_git(change.path) and not self._in_git_dir(change.path)
         if auto:
             rule_text = "edits in this project are approved automatically"
         elif s.approve_edits:
-            rule_text = "writes inside .git/ always ask, even with edits approved automatically"
+            rule_text = (
+                "writes into the project's git directory always ask, even with edits approved automatically"
+            )
         else:
             rule_text = "file writes always ask"
         proposal = Proposal(
@@ -368,6 +370,11 @@ class ToolLoop:
         yield FileWritten(action_id, change.path)
         verb = "created" if change.old is None else "changed"
         yield ToolResult(True, f"{change.path} {verb}.", decision, action_id=action_id, output=change.diff)
+
+    def _in_git_dir(self, path: str) -> bool:
+        """Whether `path` lies in a git directory that a `.git` file names (`gitdir:`), which no name shows."""
+        full = (self.s.project_dir / path).resolve()
+        return any(full.is_relative_to(d) for d in sandbox.git_dirs(self.s.project_dir))
 
     async def _command(self, command: str) -> AsyncIterator[AgentEvent | ToolResult]:
         s = self.s

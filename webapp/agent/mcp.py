@@ -33,6 +33,7 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -164,7 +165,7 @@ class ServerHandle:
         self.dead = False
         self.last_used = time.monotonic()
         self.errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-        self._seccomp_file: str | None = None
+        self._fd_files: list[str] = []  # what the wrapper opens for bubblewrap (the seccomp program, the env)
         self._pending: set[asyncio.Future[Any]] = set()
 
     @property
@@ -233,24 +234,34 @@ class ServerHandle:
         env = {**sandbox.command_env(project_dir=project), **dict(cfg.env)}
         argv = [cfg.command, *cfg.args]
         if sandbox.detect().available:
-            with sandbox.launch(argv, self.launch.policy()) as (wrapped, fds):
+            # the config's env goes into the sandbox only: the wrapper, bubblewrap and usernet.py run with the
+            # clean environment (a PATH or BASH_ENV of the config would run a project file outside the sandbox)
+            env = sandbox.command_env(project_dir=project)
+            with sandbox.launch(argv, self.launch.policy(), env=dict(cfg.env)) as (wrapped, fds):
                 argv = list(wrapped)
-                if fds:  # the seccomp program: bwrap reads it from fd 3, opened by the wrapper
-                    i = argv.index("--seccomp")
-                    argv[i + 1] = "3"
-                    fd, path = tempfile.mkstemp(prefix="flashcode-mcp-seccomp-")
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(os.pread(fds[0], 1 << 16, 0))
-                    self._seccomp_file = path
-                    argv = ["bash", "-c", 'exec "$@" 3<"$0"', path, *argv]
+                if fds:  # the seccomp program and the env: bwrap reads them from fds 3, 4, ... that a wrapper opens
+                    files, named = [], {fd: sandbox.argv_fds(argv, fd) for fd in fds}  # before any is renamed
+                    for n, fd in enumerate(fds, start=3):
+                        for i in named[fd]:
+                            argv[i] = str(n)
+                        handle, path = tempfile.mkstemp(
+                            prefix="flashcode-mcp-fd-"
+                        )  # 0600, gone once it answered
+                        with os.fdopen(handle, "wb") as f:
+                            f.write(os.pread(fd, 1 << 20, 0))
+                        files.append(path)
+                    self._fd_files = files
+                    opens = " ".join(f'{n}<"${i}"' for i, n in enumerate(range(3, 3 + len(files)), start=1))
+                    script = f'exec {opens}; shift {len(files)}; exec "$@"'
+                    argv = [shutil.which("bash") or "/bin/bash", "-c", script, "flashcode-mcp", *files, *argv]
         params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(project))
         return stdio_client(params, errlog=self.errlog)
 
-    def _drop_seccomp_file(self) -> None:
-        if self._seccomp_file:
+    def _drop_fd_files(self) -> None:
+        for path in self._fd_files:
             with contextlib.suppress(OSError):
-                os.unlink(self._seccomp_file)
-            self._seccomp_file = None
+                os.unlink(path)
+        self._fd_files = []
 
     async def _main(self) -> None:
         import anyio
@@ -268,7 +279,7 @@ class ServerHandle:
                     cursor = page.next_cursor
                     if not cursor:
                         break
-                self._drop_seccomp_file()
+                self._drop_fd_files()
                 if not self.ready.done():
                     self.ready.set_result(tools)
                 async with anyio.create_task_group() as tg:
@@ -281,7 +292,7 @@ class ServerHandle:
                 raise
         finally:
             self.dead = True
-            self._drop_seccomp_file()
+            self._drop_fd_files()
             reason = self.error or "stopped"
             if not self.ready.done():
                 self.ready.set_exception(ServerDown(reason))

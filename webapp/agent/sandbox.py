@@ -208,22 +208,38 @@ def _probe(kind: SandboxKind, argv: list[str], pass_fds: tuple[int, ...] = ()) -
 
 @contextlib.contextmanager
 def launch(
-    argv: list[str], policy: SandboxPolicy, tmp_dir: Path | None = None
+    argv: list[str], policy: SandboxPolicy, tmp_dir: Path | None = None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[list[str], tuple[int, ...]]]:
     """`(argv, pass_fds)` that run `argv` inside the sandbox this machine has; spawn it inside the
-    `with` (the descriptors, e.g. the seccomp program, close after it). Raises
+    `with` (the descriptors, e.g. the seccomp program, close after it), with `command_env()`. Raises
     `SandboxUnavailableError` if there is none. `tmp_dir` is the command's private temp directory on
-    macOS (Linux mounts an empty one itself)."""
+    macOS (Linux mounts an empty one itself). `env`: variables set inside the sandbox only, for the
+    command (an MCP server's config): the sandbox's own programs never see them (a `PATH` or `BASH_ENV`
+    there would run a program of the project's outside the sandbox), and neither does a command line.
+    Where the descriptors cannot be passed as they are, `argv_fds` says where they are named."""
     status = detect()
     if not status.available:
         raise SandboxUnavailableError(status.reason)
     if policy.network and status.kind == "bubblewrap" and not shutil.which("slirp4netns"):
         raise NetworkUnavailableError(NO_SLIRP)
     if status.kind == "sandbox-exec":
+        if (
+            env
+        ):  # set by env(1) inside the profile, then a shell that execs the command (no name=value misread)
+            argv = [
+                "/usr/bin/env",
+                *(f"{k}={v}" for k, v in env.items()),
+                "/bin/sh",
+                "-c",
+                'exec "$@"',
+                "sh",
+                *argv,
+            ]
         yield _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp")), ()
         return
-    with _seccomp_fd() as fd:
-        yield _bwrap_argv(argv, policy, fd), (() if fd is None else (fd,))
+    with _seccomp_fd() as fd, _env_args_fd(env) as env_fd:
+        fds = tuple(f for f in (fd, env_fd) if f is not None)
+        yield _bwrap_argv(argv, policy, fd, env_fd), fds
 
 
 # seccomp: refuse socket(AF_UNIX, ...), the keyring calls and io_uring; everything else is allowed. A classic
@@ -280,6 +296,32 @@ def _seccomp_fd() -> Iterator[int | None]:
         os.close(fd)
 
 
+def argv_fds(argv: list[str], fd: int) -> list[int]:
+    """Where `argv` (from `launch`) names descriptor `fd`: the values of its `--seccomp` and `--args`."""
+    return [i + 1 for i, a in enumerate(argv[:-1]) if a in ("--seccomp", "--args") and argv[i + 1] == str(fd)]
+
+
+@contextlib.contextmanager
+def _env_args_fd(env: dict[str, str] | None) -> Iterator[int | None]:
+    """`--setenv NAME VALUE` for each variable, NUL-separated in a memfd that bubblewrap reads (`--args FD`):
+    values (an MCP server's API key) never appear on a command line, which every process can read."""
+    if not env:
+        yield None
+        return
+    for name in env:
+        if not name or "=" in name or "\0" in name or "\0" in env[name]:
+            raise SandboxUnavailableError(
+                f"the environment variable {name!r} cannot be set (a name with = or NUL)"
+            )
+    fd = os.memfd_create("flashcode-env")
+    try:
+        os.write(fd, b"".join(b"--setenv\0%s\0%s\0" % (k.encode(), v.encode()) for k, v in env.items()))
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 class SandboxUnavailableError(RuntimeError):
     pass
 
@@ -306,36 +348,80 @@ def _secret_paths(policy: SandboxPolicy) -> list[Path]:
 _PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
 
 
-def _bwrap_argv(argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None = None) -> list[str]:
+def git_dirs(project: Path) -> list[Path]:
+    """The project's git directories inside it, which the sandbox keeps read-only and file writes never
+    approve automatically: `.git`, or the folder a `.git` file names (`gitdir:`, as `git init
+    --separate-git-dir` and worktrees write), and the `commondir` that one names."""
+    project = Path(project).resolve()
+    git = project / ".git"
+    found: list[Path] = []
+    if git.is_file() and not git.is_symlink():
+        try:
+            line = git.read_text(errors="replace").splitlines()[:1]
+        except OSError:
+            line = []
+        if line and line[0].startswith("gitdir:"):
+            found.append((project / line[0].removeprefix("gitdir:").strip()).resolve())
+    elif os.path.lexists(git):
+        found.append(git.resolve())
+    for d in list(found):
+        try:
+            common = (d / "commondir").read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if common:
+            found.append((d / common).resolve())
+    return [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
+
+
+def _pins(project: Path, paths: list[Path]) -> list[Path]:
+    """The folders between the project and each of `paths` (mounts inside it), shallow first. Each becomes
+    a mount point of itself: a mount point cannot be renamed, and a renamed folder would carry a hidden
+    path's mount away, leaving the next command a name at which nothing is hidden any more."""
+    out: set[Path] = set()
+    for path in paths:
+        if path != project and path.is_relative_to(project):
+            out.update(d for d in path.parents if d != project and d.is_relative_to(project))
+    return sorted(out, key=lambda d: len(d.parts))
+
+
+def _bwrap_argv(
+    argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None = None, env_fd: int | None = None
+) -> list[str]:
     project = Path(policy.project_dir).resolve()
-    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    args = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for path in _PROC_READ_ONLY:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
     args += ["--tmpfs", "/tmp"]
     # Mounts stack in order, and a later one covers what lies below its path. So: first hide the secrets
     # that hold the project (the scratch project in the data directory), then bind the project into the
-    # emptied tree, then hide every other secret, the ones inside the project too (a project opened at
-    # the home folder must not uncover ~/.ssh or the data directory).
+    # emptied tree, then pin the folders that lead to what is hidden or read-only inside it, then hide
+    # every other secret, the ones inside the project too (a project opened at ~/.config must not uncover
+    # its git credentials), and make the git directories read-only.
     secrets = [s.resolve() for s in _secret_paths(policy)]
     holders = [s for s in secrets if s != project and s in project.parents]
     for real in holders:
         args += ["--tmpfs", str(real)]
     args += ["--bind", str(project), str(project)]
-    for real in secrets:
-        if real == project or real in holders:
-            continue  # a secret that is the project itself stays (it is what the user opened)
+    hidden = [real for real in secrets if real != project and real not in holders]  # the project itself stays
+    gits = git_dirs(project)
+    for folder in _pins(project, hidden + gits):
+        args += ["--bind", str(folder), str(folder)]
+    for real in hidden:
         if real.is_dir():
             args += ["--tmpfs", str(real)]
         else:
             args += ["--ro-bind", "/dev/null", str(real)]
+    for real in gits:
+        args += ["--ro-bind", str(real), str(real)]
     git = project / ".git"
-    if os.path.lexists(git):
-        real = git.resolve()
-        if real.exists() and (real == git or real.is_relative_to(project)):
-            args += ["--ro-bind", str(real), str(real)]
-        if real != git and git.is_symlink():
-            args += ["--ro-bind", str(git), str(git)]  # the link itself cannot be replaced either
+    if os.path.lexists(git) and (git.is_symlink() or git.is_file()):
+        args += [
+            "--ro-bind",
+            str(git),
+            str(git),
+        ]  # the link or `gitdir:` file itself cannot be replaced either
     # a network namespace of its own in every case: with the network on, usernet.py connects it to the
     # outside without this machine's loopback (where flashcode itself listens)
     args += ["--unshare-user-try", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
@@ -348,6 +434,10 @@ def _bwrap_argv(argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None =
         "--chdir",
         str(project),
     ]
+    if (
+        env_fd is not None
+    ):  # the command's own variables (`_env_args_fd`): bubblewrap itself runs with the clean ones
+        args += ["--args", str(env_fd)]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     args = [*args, "--", *argv]
@@ -372,13 +462,30 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         "(deny network-outbound (remote unix-socket))",
         '(allow network-outbound (remote unix-socket (path-literal "/private/var/run/mDNSResponder")))',
     ]
-    secrets = [s for s in _secret_paths(policy) if s.resolve() not in (project, *project.parents)]
+    secrets = [s for s in _secret_paths(policy) if s.resolve() != project]
     if secrets:
         lines.append(
             "(deny file-read* file-write* "
             + " ".join(f"(subpath {_seatbelt_quote(s)})" for s in secrets)
             + ")"
         )
+    # later rules win: the scratch project inside the (hidden) data directory is allowed again, then what
+    # lies inside the project is denied again, and the folders that lead there cannot be renamed away
+    if any(s.resolve() in project.parents for s in secrets):
+        lines.append(f"(allow file-read* file-write* (subpath {_seatbelt_quote(project)}))")
+        inside = [s for s in secrets if s.resolve().is_relative_to(project)]
+        if inside:
+            lines.append(
+                "(deny file-read* file-write* "
+                + " ".join(f"(subpath {_seatbelt_quote(s)})" for s in inside)
+                + ")"
+            )
+    gits = git_dirs(project)
+    for real in [project / ".git", *gits]:
+        lines.append(f"(deny file-write* (subpath {_seatbelt_quote(real)}))")
+    inner = [s.resolve() for s in secrets if s.resolve().is_relative_to(project)]
+    for folder in _pins(project, inner + gits):
+        lines.append(f"(deny file-write* (literal {_seatbelt_quote(folder)}))")
     if not policy.network:
         lines.append('(deny network* (remote ip "*:*"))')
     else:  # this machine's own services, flashcode itself first (no token on loopback), stay out of reach

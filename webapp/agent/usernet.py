@@ -2,7 +2,7 @@
 
 With the project's network switch on, a command still gets a network namespace of its own (bubblewrap's
 `--unshare-net`), and slirp4netns connects it to the outside through this machine's sockets, with
-`--disable-host-loopback`. Sharing the host's network instead would let a command reach every service
+`--disable-host-loopback` (and its own sandbox and seccomp filter: it parses the command's packets). Sharing the host's network instead would let a command reach every service
 listening on loopback: flashcode itself first (on loopback it needs no token), where the command could
 open a project anywhere, switch the network on and approve its own next command, outside the sandbox's
 one writable folder. Here 127.0.0.1 is the sandbox's own loopback, the host's loopback (10.0.2.2) is
@@ -72,23 +72,29 @@ def resolv_conf() -> bytes | None:
 
 
 def main(argv: list[str]) -> int:
-    if "--" not in argv or "--unshare-net" not in argv:
-        return fail("usage: usernet.py bwrap ... --unshare-net ... -- COMMAND")
-    keep = [int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--seccomp"]  # the seccomp program
+    if argv[1:4] != ["--ro-bind", "/", "/"] or "--unshare-net" not in argv:
+        return fail(
+            "usage: usernet.py BWRAP --ro-bind / / ... --unshare-net ... -- COMMAND (sandbox.py's argv)"
+        )
     info_r, info_w = os.pipe()
     block_r, block_w = os.pipe()
     extra = ["--info-fd", str(info_w), "--block-fd", str(block_r)]
-    fds = [info_w, block_r, *keep]
+    fds = [info_w, block_r]
     conf = resolv_conf()
     if conf is not None:
         data = tempfile.TemporaryFile()
         data.write(conf)
         data.seek(0)
-        extra += ["--ro-bind-data", str(data.fileno()), "/etc/resolv.conf"]
+        extra += [
+            "--ro-bind-data",
+            str(data.fileno()),
+            "/etc/resolv.conf",
+        ]  # after `--ro-bind / /`, or it is covered
         fds.append(data.fileno())
-    cut = argv.index("--")
-    try:
-        proc = subprocess.Popen([*argv[:cut], *extra, *argv[cut:]], pass_fds=fds)
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    try:  # no pass_fds: what this process inherited (the seccomp program) goes on to bubblewrap as well
+        proc = subprocess.Popen([*argv[:4], *extra, *argv[4:]], close_fds=False)
     except OSError as exc:
         return fail(f"{argv[0]}: {exc.strerror or exc}")
     for fd in (info_w, block_r):
@@ -113,8 +119,8 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryFile() as log:
             try:
                 slirp = subprocess.Popen(
-                    ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                     "--ready-fd", str(ready_w), "--exit-fd", str(exit_r), str(pid), "tap0"],
+                    ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+                     "--enable-seccomp", "--ready-fd", str(ready_w), "--exit-fd", str(exit_r), str(pid), "tap0"],
                     pass_fds=(ready_w, exit_r), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 )  # fmt: skip
             except OSError as exc:

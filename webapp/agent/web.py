@@ -16,6 +16,7 @@ lookup (a bare test app) the project is `settings.project_dir`, else the working
 from __future__ import annotations
 
 import logging
+import shlex
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,19 +52,11 @@ def project_key(settings: Settings) -> str:
     return str(Path(settings.project_dir or Path.cwd()).resolve())
 
 
-def hidden_paths(data_dir: Path, project_dir: Path) -> tuple[Path, ...]:
-    """What a command never sees of flashcode's data directory: all of it, or, for a project inside
-    it (the scratch project), everything but the folders that lead to the project."""
-    data, project = Path(data_dir).resolve(), Path(project_dir).resolve()
-    if not project.is_relative_to(data):
-        return (data,)
-    out: list[Path] = []
-    folder = data
-    while folder != project:
-        step = project.relative_to(folder).parts[0]
-        out += [child for child in folder.iterdir() if child.name != step] if folder.is_dir() else []
-        folder = folder / step
-    return tuple(out)
+def hidden_paths(data_dir: Path) -> tuple[Path, ...]:
+    """What a command never sees: flashcode's data directory, all of it. For a project inside it (the
+    scratch project) the sandbox empties the directory and mounts the project back into it, so what
+    flashcode adds there later (another project's saved contexts) is hidden too."""
+    return (Path(data_dir).resolve(),)
 
 
 class AgentWeb:
@@ -183,7 +176,7 @@ class AgentTurns:
                 history=self._stored_history(conversation_id),
                 approval_timeout_s=DIALOG_TIMEOUT_S,
                 on_model=self._switch_model,
-                hidden=hidden_paths(web.settings.data_dir, project.path),
+                hidden=hidden_paths(web.settings.data_dir),
                 commands=web.commands,
             )
             self.agents[conversation_id] = agent
@@ -221,6 +214,17 @@ class AgentTurns:
     async def run(self, turn: Turn, text: str) -> None:
         """One agent turn for a user message already stored and shown."""
         conversation_id, db = turn.conversation_id, self.web.db
+        project = self.web.project_for(conversation_id)
+        if not project.path.is_dir():  # moved or deleted since: nothing can run there, and nothing is lost
+            gone = ev.Notice(
+                f"The folder of project {project.name}, {project.path}, is gone (moved or deleted), so the agent "
+                "cannot work in it and nothing was run. Put the folder back, or point the project at its new "
+                f"place: flashcode projects move {shlex.quote(project.name)} NEW-FOLDER (its conversations stay).",
+                "warning",
+            )
+            db.add_event(conversation_id, gone.type, gone.to_dict())
+            turn.send(self.web.views.event(gone))
+            return
         agent = self.agent_for(conversation_id)
         agent.sampling = SamplingParams(**(self.web.settings.sampling | dict(turn.sampling)))
         agent.approve_edits = self.web.store.edits_approved(agent.project)  # Settings' switch, read each turn

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import sqlite3
 import time
@@ -117,11 +118,16 @@ class ProjectStore:
         return [self._ref(r) for r in rows.fetchall()]
 
     def recent(self, limit: int = 8) -> list[ProjectRef]:
+        """The projects opened last, newest first, and Default always (where a first start works, opened
+        or not: its conversations must stay in reach), last when it was never opened."""
+        default = self._default()
         rows = self.conn.execute(
-            "SELECT id, name, path FROM projects WHERE opened_at IS NOT NULL ORDER BY opened_at DESC LIMIT ?",
-            (limit,),
-        )
-        return [self._ref(r) for r in rows.fetchall()]
+            "SELECT id, name, path FROM projects WHERE opened_at IS NOT NULL OR id = ? "
+            "ORDER BY COALESCE(opened_at, -1) DESC LIMIT ?",
+            (DEFAULT_ID, limit),
+        ).fetchall()
+        found = [self._ref(r) for r in rows]
+        return found if any(p.id == DEFAULT_ID for p in found) else [*found, default]
 
     def get(self, project_id: str) -> ProjectRef | None:
         return self._one("id = ?", project_id)
@@ -202,6 +208,28 @@ class ProjectStore:
         if found is None:
             raise ProjectError(f"there is no project {project_id}")
         return found
+
+    def move(self, project_id: str, directory: str | os.PathLike[str]) -> ProjectRef:
+        """Point a project at its folder's new place (moved or renamed on disk). The project keeps its id,
+        so its conversations, rules, settings and saved contexts come along."""
+        found = self.get(project_id)
+        if found is None:
+            raise ProjectError(f"there is no project {project_id!r}")
+        if project_id == DEFAULT_ID:
+            raise ProjectError(
+                "Default is the scratch project: its folder is flashcode's own and does not move"
+            )
+        path = check_directory(directory, self.data_dir)
+        other = self.by_path(path)
+        if other is not None and other.id != project_id:
+            raise ProjectError(
+                f"{path} is already the project {other.name!r}: remove that one first "
+                f"(flashcode projects remove {shlex.quote(other.name)}) or pick another folder"
+            )
+        self.conn.execute("UPDATE projects SET path = ? WHERE id = ?", (str(path), project_id))
+        moved = self.get(project_id)
+        assert moved is not None
+        return moved
 
     def open(self, project_id: str) -> ProjectRef:
         if project_id == DEFAULT_ID:

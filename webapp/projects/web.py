@@ -77,14 +77,16 @@ class ProjectsWeb:
     def _dialog(self, mode: str, path: str = "", name: str = "", error: str = "") -> HTMLResponse:
         mode = mode if mode in ("new", "open", "recent") else "open"
         start = path or str(self.home)
+        recent = self.store.recent()
         html = self.ui.project_dialog(
             mode=mode,
             path=path,
             name=name,
             error=error,
-            recent=self.store.recent(),
+            recent=recent,
             current=self.store.current(),
             browser=self._browser(start),
+            missing={p.id for p in recent if not p.path.is_dir()},  # moved or deleted on disk since
         )
         return HTMLResponse(str(html))
 
