@@ -370,8 +370,8 @@ def test_projects_tree_refuses_symlinks_out(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the command line
-def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"FLASHCODE_HOME": str(home), "PATH": "/usr/bin:/bin", "HOME": str(home)}
+def _cli(home: Path, *args: str, user_home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"FLASHCODE_HOME": str(home), "PATH": "/usr/bin:/bin", "HOME": str(user_home or home)}
     return subprocess.run(
         [sys.executable, "-m", "webapp.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -404,6 +404,11 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
     assert taken.returncode == 2 and "does not move" in taken.stderr
     missing = _cli(home, "projects", "remove", "Nope")
     assert missing.returncode == 2 and "no project named 'Nope'" in missing.stderr
+    own = _cli(home, "serve", "--project", str(home), "--port", "0", user_home=work)  # the data directory
+    assert (
+        own.returncode == 2 and "--project:" in own.stderr and "flashcode's own data directory" in own.stderr
+    )
+    assert "Traceback" not in own.stderr
     bad_serve = _cli(home, "serve", "--project", str(tmp_path / "missing"), "--port", "0")
     assert (
         bad_serve.returncode == 2

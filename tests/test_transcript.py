@@ -25,7 +25,10 @@ from webapp.settings import Settings
 @pytest.fixture
 def app_client(tmp_path: Path, fake: FakeBackend) -> Iterator[tuple[TestClient, object]]:
     worker = Worker(lambda: fake)
-    app = create_app(Settings(data_dir=tmp_path, load_model=False, project_dir=tmp_path), worker=worker)
+    project = tmp_path / "project"  # not the data directory: that cannot be a project (its database is there)
+    project.mkdir()
+    settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)
+    app = create_app(settings, worker=worker)
     with TestClient(app, base_url=BASE) as c:
         yield c, app.state.flashcode
     worker.close()

@@ -76,7 +76,7 @@ def project_dir(args: argparse.Namespace) -> Path | None:
     if raw is None:
         return None
     try:
-        return check_directory(raw)
+        return check_directory(raw, preflight.data_dir())
     except ProjectError as exc:
         raise preflight.StartupError(f"--project: {exc}") from None
 
