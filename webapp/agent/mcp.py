@@ -244,9 +244,8 @@ class ServerHandle:
                     for n, fd in enumerate(fds, start=3):
                         for i in named[fd]:
                             argv[i] = str(n)
-                        handle, path = tempfile.mkstemp(
-                            prefix="flashcode-mcp-fd-"
-                        )  # 0600, gone once it answered
+                        # mode 0600, and deleted once the server answered
+                        handle, path = tempfile.mkstemp(prefix="flashcode-mcp-fd-")
                         with os.fdopen(handle, "wb") as f:
                             f.write(os.pread(fd, 1 << 20, 0))
                         files.append(path)

@@ -14,7 +14,8 @@ What is covered (Linux, bubblewrap)
   docker.sock, a database — could act for the command outside the sandbox), io_uring (which makes
   sockets the filter would not see) and the kernel keyrings.
 - Secrets are hidden: `~/.ssh`, `~/.aws`, `~/.gnupg`, `~/.config/gh`, `~/.docker`, `~/.kube`,
-  `~/.netrc`, cargo, git, Hugging Face and Claude credentials, keyrings, … and flashcode's own data directory (its database holds the allow rules).
+  `~/.netrc`, cargo, git, Hugging Face and Claude credentials, keyrings, … and flashcode's own data
+  directory (its database holds the allow rules).
 - No network (a fresh network namespace with only a loopback of its own) unless the project allows it;
   then still a namespace of its own, connected to the outside by slirp4netns without this machine's
   loopback (`usernet.py`): flashcode's own port, which needs no token on loopback, stays out of reach.
@@ -223,18 +224,9 @@ def launch(
     if policy.network and status.kind == "bubblewrap" and not shutil.which("slirp4netns"):
         raise NetworkUnavailableError(NO_SLIRP)
     if status.kind == "sandbox-exec":
-        if (
-            env
-        ):  # set by env(1) inside the profile, then a shell that execs the command (no name=value misread)
-            argv = [
-                "/usr/bin/env",
-                *(f"{k}={v}" for k, v in env.items()),
-                "/bin/sh",
-                "-c",
-                'exec "$@"',
-                "sh",
-                *argv,
-            ]
+        if env:  # set by env(1) inside the profile; then a shell execs the command (a name with = is no assignment)
+            pairs = [f"{k}={v}" for k, v in env.items()]
+            argv = ["/usr/bin/env", *pairs, "/bin/sh", "-c", 'exec "$@"', "sh", *argv]
         yield _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp")), ()
         return
     with _seccomp_fd() as fd, _env_args_fd(env) as env_fd:
@@ -264,18 +256,18 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
         return None
     arch, sys_socket, refused = spec
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    n_key = len(refused)
+    n_refused = len(refused)
     # layout: 0 ld arch; 1 arch?; 2 ld nr; 3 x32?; 4..4+n-1 refused?; socket?; ld arg0; AF_UNIX?; deny; allow
-    deny = 4 + n_key + 3
+    deny = 4 + n_refused + 3
     allow = deny + 1
     prog = [(ld, 0, 0, 4), (jeq, 0, deny - 2, arch), (ld, 0, 0, 0), (jge, deny - 4, 0, 0x40000000)]
     for i, nr in enumerate(refused):
         pc = 4 + i
         prog.append((jeq, deny - pc - 1, 0, nr))
-    pc = 4 + n_key
+    pc = 4 + n_refused
     prog.append((jeq, 0, allow - pc - 1, sys_socket))
     prog.append((ld, 0, 0, 16))
-    pc = 4 + n_key + 2
+    pc = 4 + n_refused + 2
     prog.append((jeq, deny - pc - 1, allow - pc - 1, _AF_UNIX))
     prog += [(ret, 0, 0, _RET_ERRNO_EPERM), (ret, 0, 0, _RET_ALLOW)]
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)

@@ -2,8 +2,8 @@
 
 With the project's network switch on, a command still gets a network namespace of its own (bubblewrap's
 `--unshare-net`), and slirp4netns connects it to the outside through this machine's sockets, with
-`--disable-host-loopback` (and its own sandbox and seccomp filter: it parses the command's packets). Sharing the host's network instead would let a command reach every service
-listening on loopback: flashcode itself first (on loopback it needs no token), where the command could
+`--disable-host-loopback` (and its own sandbox and seccomp filter: it parses the command's packets).
+Sharing the host's network instead would let a command reach every service listening on loopback: flashcode itself first (on loopback it needs no token), where the command could
 open a project anywhere, switch the network on and approve its own next command, outside the sandbox's
 one writable folder. Here 127.0.0.1 is the sandbox's own loopback, the host's loopback (10.0.2.2) is
 refused, and the rest of the network works (DNS through slirp4netns's resolver, 10.0.2.3, when the host's
