@@ -11,7 +11,7 @@ What it does not know: threads (the worker owns the backend), the database, MLX.
 model in this process.
 
 No orphans: the server gets its own session (a terminal's Ctrl-C is ours to handle), is spawned from
-one long-lived thread with PR_SET_PDEATHSIG (the kernel kills it if flashcode dies; the signal is
+one long-lived thread with PR_SET_PDEATHSIG (the kernel SIGKILLs it if flashcode dies; the signal is
 tied to the spawning *thread*, hence the dedicated thread), and `atexit` stops what is still running.
 """
 
@@ -167,11 +167,13 @@ class ServerOptions:
 
 
 def _set_pdeathsig() -> None:
-    """In the child before exec: die with SIGTERM when the spawning thread (ours, long-lived) dies."""
+    """In the child before exec: die with SIGKILL when the spawning thread (ours, long-lived) dies. Not
+    SIGTERM: a llama-server was seen to outlive it (a CI run left two holding their models 18 minutes after
+    the tests ended), and an orphan has nothing left to finish."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except Exception:  # noqa: BLE001, S110 - best effort; atexit still stops the server
         pass
 
