@@ -24,6 +24,13 @@ time.sleep(600)
 """
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/status").read_text()
@@ -38,6 +45,12 @@ def test_a_server_that_ignores_sigterm_dies_with_the_flashcode_that_spawned_it()
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
     try:
+        deadline = (
+            time.monotonic() + 30
+        )  # bash has run its `trap` once it is `sleep` (a loaded machine is slow)
+        while _cmdline(pid) != "sleep 600" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _cmdline(pid) == "sleep 600"
         os.kill(pid, 15)  # SIGTERM is ignored: the stand-in for a server that does not stop on it
         time.sleep(0.3)
         assert _alive(pid)
