@@ -165,7 +165,9 @@ def test_agent_ws_commands_run_in_the_sandbox_with_the_projects_network_switch(
     # the dialog's switch is the project's: on for this command and the next ones
     frames, dialog = ask(ws, "/shell true", conv)
     send(ws, type="answer", dialog_id=dialog, choice="once", network="on")
-    until(ws, r'id="status" class="controls" data-state="idle"')
+    frames = until(ws, r'id="status" class="controls" data-state="idle"')
+    # the action block said "network off" when it was proposed: the transcript says how it really ran
+    assert f"This command runs sandboxed: writes only in {project.resolve()}, network on" in frames
     frames, dialog = ask(ws, "/shell true", conv)
     assert f"sandboxed: writes only in {project.resolve()}, network on" in frames
     send(ws, type="answer", dialog_id=dialog, choice="deny")

@@ -352,7 +352,9 @@ class AgentSession:
             yield AnswerDelta(answer)
             yield AnswerDone(answer)
             return
-        policy = self.sandbox_policy() if box.available else None
+        policy, changed = self._command_policy(proposal, box)
+        if changed is not None:
+            yield changed
         run = CommandRun(verdict.command, self.project_dir, self.shell_timeout_s, self.output_cap, policy)
         had_git = (self.project_dir / ".git").exists()
         self._run = run
@@ -430,6 +432,20 @@ class AgentSession:
         """What the project's commands may touch: the project directory, and the network if allowed."""
         network = self.store.network_allowed(self.project)
         return sandbox.SandboxPolicy(self.project_dir, network=network, hidden=self.hidden)
+
+    def _command_policy(
+        self, proposal: Proposal, box: sandbox.SandboxStatus
+    ) -> tuple[sandbox.SandboxPolicy | None, Notice | None]:
+        """The sandbox an approved command runs in (None: there is none), and a notice when the dialog's network
+        switch changed it since the proposal said how it would run."""
+        if not box.available:
+            return None, None
+        policy = self.sandbox_policy()
+        if policy.describe() == proposal.sandbox:
+            return policy, None
+        return policy, Notice(
+            f"This command runs {policy.describe()}: the network switch changed in the dialog."
+        )
 
     def _shell_proposal(self, action_id: int, v: Verdict, box: sandbox.SandboxStatus) -> Proposal:
         choices = (

@@ -388,7 +388,9 @@ class ToolLoop:
         if decided.decision in ("deny", "timeout"):
             yield ToolResult(False, denied(decided.reason), decided.decision, action_id=action_id)
             return
-        policy = s.sandbox_policy() if box.available else None
+        policy, changed = s._command_policy(proposal, box)
+        if changed is not None:
+            yield changed
         run = CommandRun(verdict.command, s.project_dir, s.shell_timeout_s, s.output_cap, policy)
         s._run = run
         exit_ev: ActionExit | None = None
