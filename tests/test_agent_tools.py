@@ -269,3 +269,40 @@ def test_fetch_url_refuses_this_machines_own_services_also_after_a_redirect() ->
             server.server_close()
     assert not [h for h in hits if h.startswith("127.")]  # the loopback server never saw a request
     assert f"{address}/redirect" in hits and f"{address}/page" in hits
+
+
+def test_fetch_url_connects_only_to_the_address_it_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: a name answers a public address to the check and 127.0.0.1 to the connection. Here the
+    check is fooled outright (it passes everything): the connection itself still refuses loopback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from webapp.agent import tools
+
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "6")
+            self.end_headers()
+            self.wfile.write(b"secret")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    async def fooled(request: object) -> None:
+        return None
+
+    monkeypatch.setattr(tools, "_refuse_this_machine", fooled)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for host in ("localhost", "127.0.0.1"):
+            with pytest.raises(FileToolError, match="out of bounds"):
+                asyncio.run(fetch_url(f"http://{host}:{server.server_address[1]}/secret"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert hits == []

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import httpcore
+import httpx
+
 from .files import FileToolError, ProjectFiles
 
 Effect = Literal["none", "write", "shell", "network"]
@@ -258,42 +261,109 @@ class ReadTools:
 
 
 # --------------------------------------------------------------------------- the web
+def _out_of_bounds(host: str, address: str) -> str | None:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1
+    if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
+        return (
+            f"fetch_url does not fetch from {host} ({ip}): this machine's own or link-local addresses are "
+            "out of bounds for the agent"
+        )
+    return None
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    import socket
+
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
 async def _refuse_this_machine(request: Any) -> None:
     """fetch_url runs in the server: a page the model read could point it at this machine's own services —
     flashcode itself (no token on loopback: other conversations, saved contexts), a model server — or at a
-    cloud's metadata address. Loopback, link-local, unspecified and multicast addresses are refused, by name
-    and by what the name resolves to (a DNS answer that changes between this check and the connection is
-    not covered)."""
-    import ipaddress
-    import socket
-
+    cloud's metadata address. Every hop (redirects too) is checked here by name and by what the name
+    resolves to, for a clear error before anything is sent; the connection itself goes only to an address
+    that `_PublicAddresses` resolved and checked (a DNS answer that changes in between gains nothing)."""
     host = request.url.host
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            host, request.url.port or 443, type=socket.SOCK_STREAM
-        )
+        addresses = await _resolve(host, request.url.port or 443)
     except OSError:
         return  # unresolvable: the request itself fails with its own error
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped  # ::ffff:127.0.0.1
-        if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
-            raise FileToolError(
-                f"fetch_url does not fetch from {host} ({ip}): this machine's own or link-local addresses are "
-                "out of bounds for the agent"
-            )
+    for address in addresses:
+        if (refused := _out_of_bounds(host, address)) is not None:
+            raise FileToolError(refused)
+
+
+class _PublicAddresses(httpcore.AsyncNetworkBackend):
+    """Connections that resolve the host once, check every address and connect to a checked one: a name
+    that answered a public address to `_refuse_this_machine` and 127.0.0.1 now (DNS rebinding) gains nothing.
+    TLS still checks the certificate against the host name (httpcore sends it as SNI)."""
+
+    class Refused(httpcore.ConnectError):
+        """httpx raises its own ConnectError from this one."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            addresses = await _resolve(host, port)
+        except OSError as exc:
+            raise httpcore.ConnectError(f"{host}: {exc}") from exc
+        for address in addresses:
+            if (refused := _out_of_bounds(host, address)) is not None:
+                raise self.Refused(refused)
+        last: Exception = httpcore.ConnectError(f"{host} has no address")
+        for address in addresses:
+            try:
+                return await self._inner.connect_tcp(
+                    address.split("%")[0], port, timeout, local_address, socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                last = exc
+        raise last
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        raise self.Refused("fetch_url does not open local sockets")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def _public_transport() -> httpx.AsyncHTTPTransport:
+    transport = httpx.AsyncHTTPTransport()
+    # httpx takes no network backend, its pool does (the DNS rebinding test fails if this stops working)
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=httpx.create_ssl_context(), network_backend=_PublicAddresses()
+    )
+    return transport
 
 
 async def fetch_url(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
     """The page at `url` as readable text (trafilatura's main-content extraction; plain text as is)."""
-    import httpx
-
     if not re.match(r"^https?://", url):
         raise FileToolError("fetch_url takes an http:// or https:// address")
     hooks = {"request": [_refuse_this_machine]}  # every hop: a redirect to 127.0.0.1 is refused too
-    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s, event_hooks=hooks) as client:
-        resp = await client.get(url, headers={"User-Agent": "flashcode"})
+    async with httpx.AsyncClient(
+        follow_redirects=True, timeout=timeout_s, event_hooks=hooks, transport=_public_transport()
+    ) as client:
+        try:
+            resp = await client.get(url, headers={"User-Agent": "flashcode"})
+        except httpx.ConnectError as exc:
+            if isinstance(exc.__cause__, _PublicAddresses.Refused):  # httpx's error is raised from httpcore's
+                raise FileToolError(str(exc.__cause__)) from exc
+            raise
     if resp.status_code >= 400:
         raise FileToolError(f"{url} answered HTTP {resp.status_code}")
     kind = resp.headers.get("content-type", "")
