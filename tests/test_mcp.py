@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,6 +331,30 @@ def test_server_that_hangs_at_start(
     notes = [n.text for n in of(events, ev.Notice)]
     assert any("stuck is not available" in n and "did not answer within 3 s" in n for n in notes), notes
     assert of(events, ev.AnswerDone)[-1].text == "still here"
+
+    # the next turns do not wait for it again (each would have held the turn 3 s, 30 by default)...
+    async def timed_turn() -> tuple[float, list]:
+        t0 = time.monotonic()
+        events = await turn(s)
+        return time.monotonic() - t0, events
+
+    fake.enqueue("again")
+    elapsed, events = run(timed_turn, servers)
+    notes = [n.text for n in of(events, ev.Notice)]
+    assert elapsed < 2.5, elapsed
+    assert any("stuck is not available" in n and "not started again before" in n for n in notes), notes
+    assert of(events, ev.AnswerDone)[-1].text == "again"
+
+    # ...until the user switches it off and on in Settings (which stops it): then it is tried again
+    async def settings_then_turn() -> tuple[float, list]:
+        await servers.stop(s.project, "stuck")
+        return await timed_turn()
+
+    fake.enqueue("tried")
+    elapsed, events = run(settings_then_turn, servers)
+    notes = [n.text for n in of(events, ev.Notice)]
+    assert elapsed >= 3, elapsed
+    assert any("did not answer within 3 s" in n and "not started again" not in n for n in notes), notes
 
 
 def test_crash_and_hang_mid_call_then_restart(

@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = float(os.environ.get("FLASHCODE_MCP_START_TIMEOUT_S", "30"))
 CALL_TIMEOUT_S = float(os.environ.get("FLASHCODE_MCP_CALL_TIMEOUT_S", "60"))
 IDLE_S = 15 * 60.0
+RETRY_AFTER_S = (
+    5 * 60.0
+)  # a server that hung at start is not started again before this (each try held a turn)
 STDERR_TAIL = 800  # characters of a failed server's stderr shown with its error
 RESULT_CHARS = 12_000
 
@@ -150,8 +153,15 @@ def _message(exc: BaseException) -> str:
 class ServerHandle:
     """One running server; all SDK objects live on `self.task`."""
 
-    def __init__(self, launch: Launch, start_timeout_s: float, call_timeout_s: float) -> None:
+    def __init__(
+        self,
+        launch: Launch,
+        start_timeout_s: float,
+        call_timeout_s: float,
+        on_start_timeout: Callable[[ServerHandle], None] | None = None,
+    ) -> None:
         self.launch = launch
+        self.on_start_timeout = on_start_timeout
         self.fingerprint = launch.fingerprint
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.loop = asyncio.get_running_loop()
@@ -184,6 +194,8 @@ class ServerHandle:
             return await asyncio.wait_for(asyncio.shield(self.ready), self.start_timeout_s)
         except TimeoutError:
             self.error = f"did not answer within {self.start_timeout_s:g} s of starting (it was stopped)"
+            if self.on_start_timeout is not None:
+                self.on_start_timeout(self)
             await self.stop()
             raise ServerDown(self.error) from None
 
@@ -352,9 +364,24 @@ class McpServers:
         start_timeout_s: float = START_TIMEOUT_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
         idle_s: float = IDLE_S,
+        retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
         self.start_timeout_s, self.call_timeout_s, self.idle_s = start_timeout_s, call_timeout_s, idle_s
+        self.retry_after_s = retry_after_s
         self.handles: dict[tuple[str, str], ServerHandle] = {}
+        # servers that hung at start: (fingerprint, when to try again, the message), so that one stuck
+        # server does not hold up every turn by its start timeout; Settings (off and on, a new config) clears
+        self.stalled: dict[tuple[str, str], tuple[str, float, str]] = {}
+
+    def _stalled(self, h: ServerHandle) -> None:
+        retry_at = time.monotonic() + self.retry_after_s
+        clock = time.strftime("%H:%M", time.localtime(time.time() + self.retry_after_s))
+        self.stalled[h.launch.key] = (
+            h.fingerprint,
+            retry_at,
+            f"{h.error}; it is not started again before {clock}, so that it does not hold up every turn "
+            "(to try now: switch it off and on in Settings › MCP servers)",
+        )
 
     async def handle(self, launch: Launch) -> ServerHandle:
         """The live handle for this launch: the running one if its config is the same, else new."""
@@ -365,12 +392,23 @@ class McpServers:
             if h.loop is loop:
                 await h.stop()
             h = None
+        if h is None and (stalled := self.stalled.get(launch.key)) is not None:
+            fingerprint, retry_at, message = stalled
+            if fingerprint == launch.fingerprint and time.monotonic() < retry_at:
+                h = ServerHandle(launch, self.start_timeout_s, self.call_timeout_s)
+                h.dead, h.error = True, message  # not kept: tools() and call() raise ServerDown(message)
+                return h
+            del self.stalled[launch.key]
         if h is None:
-            h = self.handles[launch.key] = ServerHandle(launch, self.start_timeout_s, self.call_timeout_s)
+            h = self.handles[launch.key] = ServerHandle(
+                launch, self.start_timeout_s, self.call_timeout_s, self._stalled
+            )
         return h
 
     async def stop(self, project: str, name: str | None = None) -> int:
         """Stop one server of a project, or all of them; returns how many were running."""
+        for k in [k for k in self.stalled if k[0] == project and (name is None or k[1] == name)]:
+            del self.stalled[k]  # the user changed something in Settings: try it again at the next turn
         keys = [k for k in self.handles if k[0] == project and (name is None or k[1] == name)]
         return await self._stop_keys(keys)
 
