@@ -130,6 +130,9 @@ class ServerOptions:
     # after one batch (default 2048: the whole prompt); 512 = the default micro-batch, no slower
     batch_size: int | None = 512
     slot_save_path: Path | None = None
+    cache_ram_mib: int | None = (
+        None  # --cache-ram: earlier prompts' KV kept in RAM (None: the server's 8 GiB)
+    )
     metrics: bool = True
     extra_args: tuple[str, ...] = ()
 
@@ -157,6 +160,7 @@ class ServerOptions:
             ("-t", self.threads),
             ("-b", self.batch_size),
             ("--slot-save-path", self.slot_save_path),
+            ("--cache-ram", self.cache_ram_mib),
         ]
         for flag, value in flags:
             if value is not None:
@@ -164,6 +168,35 @@ class ServerOptions:
         if self.metrics:
             a.append("--metrics")
         return a + list(self.extra_args)
+
+
+PROMPT_CACHE_MAX_MIB = 8192  # llama-server's own default
+
+
+def prompt_cache_mib(model_bytes: int) -> int:
+    """llama-server keeps earlier prompts' KV caches in RAM (`--cache-ram`, 8 GiB by default) on top of the
+    model, which the in-RAM placement ("fits with room to spare") does not count: a quarter of what this
+    machine or its memory cgroup has left once the model is loaded, at most llama-server's default; 0
+    (off) when nothing is left. A restart resumes from flashcode's saved contexts either way."""
+    from .flash.memory import auto_budget
+
+    left = auto_budget().budget - model_bytes
+    return max(0, min(PROMPT_CACHE_MAX_MIB, left // 4 // (1 << 20)))
+
+
+_HELP: dict[str, str] = {}
+
+
+def server_supports(binary: Path, flag: str) -> bool:
+    """Whether this llama-server's --help lists `flag` (a user's own build may be older than ours)."""
+    key = str(binary)
+    if key not in _HELP:
+        try:
+            done = subprocess.run([key, "--help"], capture_output=True, text=True, timeout=30, check=False)
+            _HELP[key] = done.stdout + done.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            _HELP[key] = ""
+    return flag in _HELP[key].split()
 
 
 def _set_pdeathsig() -> None:
@@ -598,10 +631,17 @@ class LlamaServerBackend:
             rpc = self.cluster.start(Path(self._model_info.gguf_path), settings.pop("n_gpu_layers", None))
             settings["extra_args"] = (*settings["extra_args"], *rpc)
             settings["n_gpu_layers"] = None
+        gguf = Path(self._model_info.gguf_path)
+        cache_ram = None
+        if not {"--cache-ram", "-cram"} & set(settings["extra_args"]) and server_supports(
+            binary, "--cache-ram"
+        ):
+            cache_ram = prompt_cache_mib(gguf.stat().st_size)
         opts = ServerOptions(
-            model_path=Path(self._model_info.gguf_path),
+            model_path=gguf,
             ctx_size=self._context_override,
             slot_save_path=slot_dir,
+            cache_ram_mib=cache_ram,
             **settings,
         )  # type: ignore[arg-type]
         opts.validate()

@@ -209,6 +209,23 @@ def test_auth_beyond_loopback_without_a_token_fails_closed(tmp_path: Path) -> No
         assert c.get("/", headers={"authorization": f"Bearer {token}"}).status_code == 200
 
 
+def test_auth_loopback_bind_behind_a_proxy_for_another_host_asks_for_the_token(tmp_path: Path) -> None:
+    """`--allow-origin https://flash.example.com` on a loopback bind: a reverse proxy there forwards
+    everyone's requests from 127.0.0.1, so the app asks for its token as if bound beyond loopback."""
+    proxied = {"host": "flash.example.com", "origin": "https://flash.example.com"}
+    for c in make_client(tmp_path, extra_origins=("https://flash.example.com",)):
+        token = c.app.state.settings.token
+        assert token and len(token) >= 32
+        assert c.get("/", headers=proxied).status_code == 401
+        assert c.get("/v1/models", headers=proxied).status_code == 401
+        with pytest.raises(WebSocketDisconnect):
+            with c.websocket_connect("ws://flash.example.com/ws", headers=proxied):
+                pass
+        assert c.get("/", headers={**proxied, "authorization": f"Bearer {token}"}).status_code == 200
+    assert Settings(extra_origins=("http://localhost:5173",)).local_only  # a page on this machine: no token
+    assert not Settings(extra_origins=("http://localhost:5173", "https://flash.example.com")).local_only
+
+
 def test_auth_resolve_token_order_and_checks() -> None:
     env = {security.TOKEN_ENV: "from-the-environment"}
     assert security.resolve_token("given-on-the-cli", loopback=False, env=env) == "given-on-the-cli"

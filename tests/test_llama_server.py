@@ -162,6 +162,32 @@ def test_llama_stop_leaves_no_process(home: Path, default_model) -> None:
     assert pid not in [p.pid for p in our_llama_children()]
 
 
+def test_llama_prompt_cache_in_ram_is_sized_to_the_memory_left(
+    home: Path, default_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama-server keeps earlier prompts' KV in RAM (8 GiB by default) beyond the model the placement
+    counted: with 400 MiB left after the model (as under a cgroup cap), it gets a quarter of that."""
+    from engine.flash import memory
+
+    size = Path(default_model.gguf_path).stat().st_size
+    left = memory.AutoBudget(size + (400 << 20), "cgroup", "a test's cap")
+    monkeypatch.setattr(memory, "auto_budget", lambda own_rss=None: left)
+    b = llama_server.LlamaServerBackend(context_length=512, threads=THREADS)
+    b.load(default_model)
+    try:
+        argv = psutil.Process(b.process.pid).cmdline()
+        assert argv[argv.index("--cache-ram") + 1] == "100"
+        assert b.client.health()
+    finally:
+        b.close()
+    monkeypatch.setattr(memory, "auto_budget", lambda own_rss=None: memory.AutoBudget(size, "cgroup", "full"))
+    assert llama_server.prompt_cache_mib(size) == 0  # nothing left: off
+    monkeypatch.setattr(
+        memory, "auto_budget", lambda own_rss=None: memory.AutoBudget(1 << 40, "cgroup", "big")
+    )
+    assert llama_server.prompt_cache_mib(size) == 8192  # llama-server's own default at most
+
+
 def test_llama_attaches_to_a_server_it_did_not_start(home: Path, default_model) -> None:
     port = llama_server.free_port()
     proc = subprocess.Popen(

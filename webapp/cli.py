@@ -109,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         project_dir=project,
     )
     try:
-        settings.token = security.resolve_token(args.token, settings.is_loopback)
+        settings.token = security.resolve_token(args.token, settings.local_only)
     except ValueError as exc:
         raise preflight.StartupError(str(exc)) from None
     sock = preflight.bind_socket(args.host, args.port)
@@ -126,6 +126,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"WARNING: listening on {args.host}: anyone who can reach this machine and has the token can use "
                 "flashcode, including its shell tool (still behind approval). Use the default 127.0.0.1 unless "
                 "you mean it.",
+                file=sys.stderr,
+            )
+        elif settings.foreign_origins:
+            print(
+                f"pages on {', '.join(settings.foreign_origins)} may use this server (--allow-origin), so it asks "
+                "for its token, also through a proxy on this machine: open one of them once with "
+                f"/?token={settings.token} (then a cookie carries it)",
                 file=sys.stderr,
             )
         sock.listen(2048)  # from here connections wait in the backlog: the printed URL works at once

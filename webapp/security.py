@@ -276,7 +276,7 @@ def refusal(message: str, api: bool) -> Response:
 def middleware(settings: Settings, csrf_token: str) -> list[Middleware]:
     """Outermost first: headers on every answer, then the token, the Host check (DNS rebinding),
     then the Origin and CSRF rule."""
-    if not settings.token and not settings.is_loopback:
+    if not settings.token and not settings.local_only:
         settings.token = new_token()  # fail closed: never serve beyond loopback without a token
     stack = [Middleware(SecurityHeaders)]
     if settings.token:

@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -76,6 +77,17 @@ class Settings:
     def is_loopback(self) -> bool:
         """Whether the server is bound to loopback: the only thing that makes a request 'local'."""
         return self.host in LOOPBACK_HOSTS or is_loopback_host(self.host)
+
+    @property
+    def foreign_origins(self) -> tuple[str, ...]:
+        """--allow-origin entries on another machine's name: pages there use this server, typically
+        through a reverse proxy in front of a loopback bind (where every request comes from 127.0.0.1)."""
+        return tuple(o for o in self.extra_origins if not is_loopback_host(urlsplit(o).hostname or ""))
+
+    @property
+    def local_only(self) -> bool:
+        """Bound to loopback and used only by pages on this machine: the one case with no token."""
+        return self.is_loopback and not self.foreign_origins
 
     @property
     def allowed_origins(self) -> set[str]:
