@@ -24,6 +24,25 @@
   }
   htmx.onLoad(replay);
 
+  // ---------------------------------------------------------------- the approval dialog
+  // The page's CSP has no 'unsafe-eval', which htmx's hx-on attributes and trigger filters need: they
+  // would fail, so htmx is told not to try, and the dialog's keys are handled here. The form must never
+  // submit itself (a GET of the page would cut the turn off); Enter in its reason field and Esc are Deny,
+  // the default button, which sends the reason with it.
+  htmx.config.allowEval = false;
+  document.addEventListener("submit", (e) => {
+    if (e.target.closest && e.target.closest(".approval-form")) e.preventDefault();
+  }, true);
+  document.addEventListener("keydown", (e) => {
+    const form = e.target.closest && e.target.closest(".approval-form");
+    if (!form || e.isComposing) return;
+    const reason = e.key === "Enter" && e.target.name === "note";
+    if (e.key !== "Escape" && !reason) return;
+    e.preventDefault(); e.stopImmediatePropagation();
+    const deny = form.querySelector('button[data-choice="deny"]');
+    if (deny) deny.click();
+  }, true);
+
   // ---------------------------------------------------------------- the connection
   // reconnect within a few seconds (the extension's default backs off to a minute)
   htmx.config.wsReconnectDelay = (retry) => Math.min(3000, 250 * 2 ** retry) * (0.5 + Math.random() / 2);

@@ -60,3 +60,33 @@ def test_browser_shell_dialog_says_sandboxed_and_the_command_is_contained(projec
     assert (project / "inside.txt").exists() and not outside.exists()
     assert "sandboxed: writes only in" in page.locator(".action-sandbox").last.inner_text()
     assert not page.errors, page.errors
+
+
+def test_browser_dialog_keys_enter_in_the_reason_and_esc_deny(project, fake_server, page) -> None:  # noqa: F811
+    """The dialog's keys work under the page's CSP (no eval: htmx's inline hx-on handlers cannot run).
+    Enter in "Reason for denying" is Deny with that reason (a native form submit would reload the page
+    and cut the turn off); Esc in the dialog is Deny."""
+    url, _fake = fake_server
+    page.goto(url)
+    page.fill("#prompt", "/shell touch first.txt")
+    page.press("#prompt", "Enter")
+    dialog = wait_for(page, ".agent-approval")
+    dialog.locator("input[name=note]").fill("not in this folder")
+    dialog.locator("input[name=note]").press("Enter")
+    decision = wait_for(page, ".action-decision:has-text('Denied')")
+    assert decision.inner_text() == "Denied: not in this folder"
+    assert page.locator(".agent-approval").count() == 0
+    assert "dialog_id" not in page.url and "note=" not in page.url  # the page was not reloaded
+    page.fill("#prompt", "/shell touch second.txt")
+    page.press("#prompt", "Enter")
+    deadline = time.monotonic() + 20
+    while page.locator(".agent-approval").count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    page.locator(".agent-approval button[data-choice=deny]").focus()
+    page.keyboard.press("Escape")
+    deadline = time.monotonic() + 20
+    while page.locator(".action-decision:has-text('Denied')").count() < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert page.locator(".action-decision").last.inner_text() == "Denied"
+    assert not (project / "first.txt").exists() and not (project / "second.txt").exists()
+    assert not page.errors, page.errors
