@@ -36,6 +36,10 @@ class FakeCacheBackend:
         self.context_length = 2048
         self.prompt_cache = SimpleNamespace(tokens=[], cache=None)
         self.loaded: list[int] | None = None
+        self.owner: str | None = None  # the conversation whose reply the live cache holds
+
+    def took_over(self, conversation_id: str | None) -> None:
+        self.owner = conversation_id
 
     def close(self) -> None:
         pass
@@ -45,6 +49,7 @@ class FakeCacheBackend:
 
     def run(self, messages) -> None:
         self.prompt_cache.tokens = [*self.apply_chat_template(messages), 7]
+        self.owner = None
 
     def save_prompt_cache(
         self, path: Path, metadata: dict[str, str], kv_bits: int | None = None
@@ -65,7 +70,11 @@ def context_app(data_dir: Path, worker: Worker, db: Database) -> Starlette:
     """The saved-context routes alone, behind the app's CSRF rule (token `TOKEN`)."""
     settings = Settings(data_dir=data_dir, load_model=False)
     csrf = Middleware(CsrfMiddleware, token=TOKEN["x-csrf-token"], allowed_origins=settings.allowed_origins)
-    return Starlette(routes=SavedContexts(data_dir, worker, db, make_environment()).routes, middleware=[csrf])
+    fake = worker.call(lambda b: b)
+    contexts = SavedContexts(
+        data_dir, worker, db, make_environment(), live=lambda: fake.owner, after_resume=fake.took_over
+    )
+    return Starlette(routes=contexts.routes, middleware=[csrf])
 
 
 @pytest.fixture
@@ -84,6 +93,7 @@ def conversation(db, fake, *texts: str) -> str:
     for i, text in enumerate(texts):
         db.add_message(conv.id, "user" if i % 2 == 0 else "assistant", text)
     fake.run([{"role": "user", "content": texts[0]}])
+    fake.owner = conv.id  # as the app's AutoResume notes a chat reply
     return conv.id
 
 
@@ -140,7 +150,7 @@ def test_contexts_http_errors_are_clear(client):
     other = conversation(db, fake, "one conversation")
     fake.run([{"role": "user", "content": "another one entirely"}])
     r = c.post("/projects/default/contexts", json={"name": "x", "conversation_id": other}, headers=TOKEN)
-    assert r.status_code == 409 and "belongs to another conversation" in r.json()["error"]
+    assert r.status_code == 409 and "not this conversation's" in r.json()["error"]
     assert c.get("/projects/..%2Fx/contexts").status_code in (400, 404)
     r = c.post("/projects/default/contexts/20261122-113000-a1b2c3/resume", headers=TOKEN)
     assert r.json()["resumed"] is False and "re-reads it from the start" in r.json()["message"]
@@ -201,3 +211,40 @@ def test_contexts_http_mounted_in_the_app(tmp_path, default_model):
         assert 'hx-get="/projects/default/window"' in c.get("/").text
         assert 'id="contexts-pane"' in c.get("/projects/default/window", headers={"hx-request": "true"}).text
     worker.close()
+
+
+@pytest.mark.slow
+def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path: Path) -> None:
+    """The Projects window's Save Context for the conversation just answered, with the real default model
+    on MLX in the real app: saved (its cache held the chat's system prompt, which a check that rebuilt the
+    prompt without it refused: 409 every time). After another conversation's reply it is refused with what
+    to do; after its saved context is resumed, saving it works again."""
+    from tests.test_ws import connect, conversation_id, send, until
+    from webapp.app import create_app
+    from webapp.engine_host import make_loaded_backend
+
+    worker = Worker(lambda: make_loaded_backend("mlx", None))
+    app = create_app(Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path), worker=worker)
+    try:
+        with TestClient(app, base_url=BASE) as c:
+            headers = {"x-csrf-token": app.state.flashcode.csrf_token}
+            pid = app.state.flashcode.projects.current().id
+            url = f"/projects/{pid}/contexts"
+            with connect(c) as ws:
+                send(ws, type="send", text="Say hi.", max_tokens=3, temperature=0, conversation_id="")
+                first = conversation_id(until(ws, r'data-state="idle"', limit=400))
+                r = c.post(url, json={"name": "first", "conversation_id": first}, headers=headers)
+                assert r.status_code == 201, r.text
+                saved = r.json()
+                assert saved["conversation_id"] == first and saved["token_count"] > 20
+                send(ws, type="send", text="Say bye.", max_tokens=3, temperature=0, conversation_id="")
+                second = conversation_id(until(ws, r'data-state="idle"', limit=400))
+            assert second != first
+            r = c.post(url, json={"name": "again", "conversation_id": first}, headers=headers)
+            assert r.status_code == 409 and "send a message in this conversation" in r.json()["error"]
+            r = c.post(f"{url}/{saved['id']}/resume", headers=headers)
+            assert r.json()["resumed"], r.json()
+            r = c.post(url, json={"name": "again", "conversation_id": first}, headers=headers)
+            assert r.status_code == 201 and r.json()["token_count"] == saved["token_count"], r.text
+    finally:
+        worker.close()

@@ -125,7 +125,15 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         projects=projects,
     )
     mcp = McpWeb(McpStore(db.conn), env, lambda: agent.project_for(None), projects)  # Settings › MCP servers
-    contexts = SavedContexts(settings.data_dir, engine.worker, db, env)
+    contexts = SavedContexts(
+        settings.data_dir,
+        engine.worker,
+        db,
+        env,
+        live=lambda: resume.live,
+        before_resume=resume.save_now,
+        after_resume=resume.took_over,
+    )
     api = OpenAIAPI(engine, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
     pages = ChatPages(db, engine, views)

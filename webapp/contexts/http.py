@@ -15,6 +15,7 @@ import asyncio
 import json
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from engine.base import CacheMismatchError, EngineError, Message
+from engine.base import CacheMismatchError, EngineError
 from engine.sessions import (
     ContextImportError,
     ContextNameError,
@@ -97,9 +98,22 @@ def _remove(folder: Path) -> None:
 class SavedContexts:
     """The saved-context routes of one app: files under `data_dir`, the engine on `worker`."""
 
-    def __init__(self, data_dir: Path, worker: Worker, db: Database, env: Environment) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        worker: Worker,
+        db: Database,
+        env: Environment,
+        live: Callable[[], str | None] | None = None,
+        before_resume: Callable[[], Awaitable[None]] | None = None,
+        after_resume: Callable[[str | None], None] | None = None,
+    ) -> None:
+        """`live`: the conversation whose reply the engine's cache holds now (None: none, or another kind of
+        prompt, as an agent step's); `before_resume` saves that one's changes before a saved context
+        replaces it, `after_resume` says which conversation the cache then holds."""
         self.data_dir, self.worker, self.db = Path(data_dir), worker, db
         self.ui: Any = env.get_template("contexts/pane.html").module
+        self.live, self.before_resume, self.after_resume = live, before_resume, after_resume
 
     @property
     def routes(self) -> list[Route]:
@@ -138,14 +152,16 @@ class SavedContexts:
     async def window(self, request: Request) -> Response:
         return await asyncio.to_thread(self._pane, request)
 
-    def _history(self, conversation_id: str) -> list[Message]:
+    def _check_live(self, conversation_id: str) -> None:
+        """The context saved for a conversation must be that conversation's: the one whose reply the
+        engine's cache holds now."""
         if self.db.get_conversation(conversation_id) is None:
             raise HTTPException(404, "no such conversation (it may have been deleted)")
-        return [
-            {"role": m.role, "content": m.content}
-            for m in self.db.messages(conversation_id)
-            if m.role in ("user", "assistant", "system") and m.content
-        ]
+        if self.live is not None and self.live() != conversation_id:
+            raise EngineError(
+                "the engine's live context is not this conversation's (another conversation or an agent "
+                "step ran since its last reply): send a message in this conversation, then save"
+            )
 
     # ------------------------------------------------------------------ handlers
     async def list_contexts(self, request: Request) -> Response:
@@ -167,13 +183,12 @@ class SavedContexts:
         store, pid = self._store(), request.path_params["project_id"]
         conv = str(f.get("conversation_id") or "")
         bits = _kv_bits(f.get("kv_bits"))
-        history = self._history(conv) if conv else None
         name = str(f.get("name") or "")
         try:
+            if conv:
+                self._check_live(conv)
             ctx = await self.worker.acall(
-                lambda b: store.save(
-                    b, pid, name, kv_bits=bits, conversation_id=conv or None, messages=history
-                )
+                lambda b: store.save(b, pid, name, kv_bits=bits, conversation_id=conv or None)
             )
         except EngineError as exc:
             return self._error(exc, request)
@@ -183,8 +198,12 @@ class SavedContexts:
 
     async def resume_context(self, request: Request) -> Response:
         store, pid, cid = self._store(), request.path_params["project_id"], request.path_params["context_id"]
+        if self.before_resume is not None:
+            await self.before_resume()
         res = await self.worker.acall(lambda b: try_resume(store, b, pid, cid))
         ctx = res.context
+        if res.resumed and self.after_resume is not None:
+            self.after_resume(ctx.conversation_id if ctx else None)
         if _htmx(request):
             conv = ctx.conversation_id if ctx else None
             if res.resumed:

@@ -143,6 +143,11 @@ class AutoResume:
             self.live, self.dirty = None, False
             return await self._resume(conversation_id)
 
+    def took_over(self, conversation_id: str | None) -> None:
+        """A saved context (the Projects window's Resume) replaced the engine's cache: it now holds this
+        conversation (None: a context saved without one), unchanged since its save."""
+        self.live, self.dirty = conversation_id, False
+
     async def save_now(self) -> None:
         """Save the live conversation's cache if it changed (a switch of project, shutdown)."""
         async with self.lock:
