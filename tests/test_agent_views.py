@@ -49,7 +49,12 @@ def test_approval_dialog_shows_command_cwd_timeout_rule_and_buttons(views: Agent
     buttons = re.findall(r'data-choice="(\w+)"', html)
     assert buttons == ["deny", "once", "always_exact", "always_prefix"]
     assert re.search(r'class="btn btn-default" data-choice="deny" autofocus', html)
-    assert "Escape" in html and 'name="note"' in html and 'name="dialog_id" value="d1"' in html
+    assert (
+        'class="approval-form"' in html
+        and "hx-on" not in html
+        and 'name="note"' in html
+        and 'name="dialog_id" value="d1"' in html
+    )
     assert "<code>git status</code>" in html and "Always allow this exact command in this project" in html
 
 

@@ -114,7 +114,8 @@ def test_llama_refuses_chat_and_continues_raw_text(base_home: Path) -> None:
 @pytest.fixture
 def llama_app(base_home: Path, tmp_path: Path) -> Iterator[tuple[TestClient, object]]:
     worker = Worker(lambda: make_loaded_backend("llama", BASE_MODEL, OPTIONS))
-    settings = Settings(data_dir=base_home, load_model=False, project_dir=tmp_path, backend="llama")
+    (tmp_path / "proj").mkdir(exist_ok=True)  # a project never holds the data directory
+    settings = Settings(data_dir=base_home, load_model=False, project_dir=tmp_path / "proj", backend="llama")
     app = create_app(settings, worker=worker)
     with TestClient(app, base_url=BASE) as c:
         yield c, app.state.flashcode

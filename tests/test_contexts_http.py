@@ -224,7 +224,10 @@ def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path:
     from webapp.engine_host import make_loaded_backend
 
     worker = Worker(lambda: make_loaded_backend("mlx", None))
-    app = create_app(Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path), worker=worker)
+    (tmp_path / "proj").mkdir(exist_ok=True)  # a project never holds the data directory
+    app = create_app(
+        Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path / "proj"), worker=worker
+    )
     try:
         with TestClient(app, base_url=BASE) as c:
             headers = {"x-csrf-token": app.state.flashcode.csrf_token}

@@ -29,7 +29,10 @@ USER = ({"role": "user", "content": QUESTION},)
 @pytest.fixture
 def mlx_app(data_dir: Path, tmp_path: Path) -> Iterator[tuple[TestClient, object]]:
     worker = Worker(lambda: make_loaded_backend("mlx", None))
-    app = create_app(Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path), worker=worker)
+    (tmp_path / "proj").mkdir(exist_ok=True)  # a project never holds the data directory
+    app = create_app(
+        Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path / "proj"), worker=worker
+    )
     with TestClient(app, base_url=BASE) as c:
         yield c, app.state.flashcode
     worker.close()

@@ -38,7 +38,8 @@ def progress_in(frames: list[str]) -> list[tuple[int, int]]:
 @pytest.fixture
 def mlx_app(data_dir: Path, tmp_path: Path) -> Iterator[tuple[TestClient, object]]:
     worker = Worker(lambda: make_loaded_backend("mlx", None))
-    settings = Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path)
+    (tmp_path / "proj").mkdir(exist_ok=True)  # a project never holds the data directory
+    settings = Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path / "proj")
     app = create_app(settings, worker=worker)
     with TestClient(app, base_url=BASE) as c:
         yield c, app.state.flashcode

@@ -67,6 +67,15 @@ def test_projects_check_directory_says_why_a_path_is_refused(
     assert check_directory("~/code") == (tmp_path / "home" / "me" / "code").resolve()
     with pytest.raises(ProjectError, match="flashcode's own data directory"):
         check_directory(str(tmp_path / "home" / "me" / "code"), data_dir=tmp_path / "home" / "me" / "code")
+    # inside the data directory, or holding it: a project's commands and file tools could reach the
+    # conversations and saved contexts there (a project at .../data/projects once emptied them)
+    data = tmp_path / "home" / "me" / "code" / "data"
+    (data / "projects").mkdir(parents=True)
+    with pytest.raises(ProjectError, match="is inside flashcode's own data directory"):
+        check_directory(str(data / "projects"), data_dir=data)
+    with pytest.raises(ProjectError, match="holds flashcode's own data directory"):
+        check_directory(str(tmp_path / "home" / "me" / "code"), data_dir=data)
+    assert check_directory(str(tmp_path / "home" / "me" / "code"), data_dir=tmp_path / "elsewhere")
 
 
 def test_projects_first_start_is_the_scratch_project_never_the_cwd(tmp_path: Path, monkeypatch) -> None:

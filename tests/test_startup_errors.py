@@ -262,6 +262,22 @@ def test_serve_taken_port_suggests_a_free_one(data_dir: Path) -> None:
     assert m and int(m.group(1)) != port
 
 
+@pytest.mark.slow
+def test_a_second_serve_on_the_same_data_dir_is_refused(data_dir: Path) -> None:
+    """Two servers on one data directory: the second would take the first one's streaming reply for a
+    crash's (marking it cut) and both would write the same conversations. One sentence naming the first."""
+    from tests.servers import serve_cli
+
+    with serve_cli(data_dir) as first:
+        sentence = one_sentence(flashcode("serve", "--data-dir", str(data_dir), "--port", "0"))
+        assert sentence == (
+            f"another flashcode serve (pid {first.process.pid}) is using the data directory {data_dir}: use that "
+            "one, stop it first, or give this one a data directory of its own (--data-dir or FLASHCODE_HOME)"
+        )
+    with serve_cli(data_dir):  # the lock went with the first server
+        pass
+
+
 # --------------------------------------------------------------------------- doctor
 def test_doctor_json_reports_what_is_installed(data_dir: Path) -> None:
     proc = flashcode("doctor", "--json", "--data-dir", str(data_dir))

@@ -82,12 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     made = None if given.exists() else made
     root = preflight.check_data_dir(given)
     try:
+        preflight.lock_data_dir(root)
         preflight.check_database(root)
         project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
         if not is_gguf_path(args.model):  # (a GGUF is imported below)
             preflight.check_model(args.model or DEFAULT_MODEL, root)
     except StartupError:
         if made is not None:  # a refused start leaves nothing behind: only the empty folders it made go
+            preflight.unlock_data_dir(root)
             preflight.remove_empty_tree(made)
         raise
     options = backend_options(args)

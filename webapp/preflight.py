@@ -86,6 +86,46 @@ def check_data_dir(root: Path) -> Path:
     return root
 
 
+_LOCKS: list[Any] = []  # the open lock files: held until this process ends
+
+
+def lock_data_dir(root: Path) -> None:
+    """One `serve` per data directory: a second would take the first one's streaming reply for a
+    crash's and mark it cut, and both would write the same conversations. The lock (flock) goes with
+    the process, however it ends."""
+    import fcntl
+
+    path = root / "serve.lock"
+    try:
+        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the process's life
+    except OSError as exc:
+        raise StartupError(
+            f"cannot open {path} ({exc.strerror}): fix the data directory's permissions"
+        ) from exc
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise StartupError(
+            f"another flashcode serve (pid {pid}) is using the data directory {root}: use that one, stop it "
+            "first, or give this one a data directory of its own (--data-dir or FLASHCODE_HOME)"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS.append(f)
+
+
+def unlock_data_dir(root: Path) -> None:
+    """A refused start: the lock goes, and its file with it (a data directory this start made is removed)."""
+    while _LOCKS:
+        _LOCKS.pop().close()
+    (root / "serve.lock").unlink(missing_ok=True)
+
+
 def check_database(root: Path) -> None:
     """A database from a newer flashcode, or one that is not SQLite, is refused before it is touched."""
     path = paths.database_path(root)

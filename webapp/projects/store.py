@@ -70,8 +70,21 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
             f"{text} is {what}: the agent's commands may write anywhere in a project, so pick the folder of "
             "one project inside it, e.g. ~/code/myapp"
         )
-    if data_dir is not None and resolved == Path(data_dir).resolve():
-        raise ProjectError(f"{text} is flashcode's own data directory: pick a folder of your own")
+    if data_dir is not None:
+        data = Path(data_dir).resolve()
+        if resolved == data or data in resolved.parents:
+            where = "is" if resolved == data else "is inside"
+            raise ProjectError(
+                f"{text} {where} flashcode's own data directory ({data}): pick a folder of your own"
+            )
+        if (
+            resolved in data.parents
+        ):  # its commands and file tools could reach the conversations, saved contexts
+            raise ProjectError(
+                f"{text} holds flashcode's own data directory ({data}), where your conversations and saved "
+                "contexts are: pick the folder of one project inside it, or keep the data elsewhere "
+                "(FLASHCODE_HOME)"
+            )
     return resolved
 
 
