@@ -122,6 +122,36 @@ def test_projects_add_open_remove_keeps_the_directory_and_brings_data_back(tmp_p
         store.remove(DEFAULT_ID)
 
 
+def test_projects_a_moved_project_leaves_its_old_folder_free_and_its_data_follows_it(tmp_path: Path) -> None:
+    """`projects move` keeps the project's id, which came from its old folder: adding that folder again
+    must not collide with it (it raised IntegrityError: a 500 in the Open dialog), and once the moved
+    project is removed (data kept), its data comes back with its new folder, never with a new project
+    that happens to be at the old place."""
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    old, new = tmp_path / "a", tmp_path / "b"
+    old.mkdir()
+    p = store.add(str(old))
+    conv = d.create_conversation("in a", project_id=p.id)
+    AgentStore(d.conn).add_rule(p.id, "exact", "ls")
+    (tmp_path / "data" / "projects" / p.id / "contexts").mkdir(parents=True)
+    old.rename(new)
+    moved = store.move(p.id, str(new))
+    assert moved.id == p.id and moved.path == new.resolve()
+    old.mkdir()  # a new, unrelated folder where the project was
+    fresh = store.add(str(old), name="a again")
+    assert fresh.id != p.id and d.list_conversations(fresh.id) == []
+    store.remove(fresh.id)
+    store.remove(p.id)  # data kept: it follows the folder the project was in last
+    assert d.list_conversations(p.id) == []
+    stranger = store.add(str(old))
+    assert d.list_conversations(stranger.id) == [] and AgentStore(d.conn).list_rules(stranger.id) == []
+    back = store.add(str(new))
+    assert [c.id for c in d.list_conversations(back.id)] == [conv.id]
+    assert [r.pattern for r in AgentStore(d.conn).list_rules(back.id)] == ["ls"]
+    assert (tmp_path / "data" / "projects" / back.id / "contexts").is_dir()
+
+
 # --------------------------------------------------------------------------- migration
 def _previous_code_database(path: Path, project_dir: Path) -> None:
     """A database as the code before projects made it: its own four migration steps (steps are never

@@ -95,11 +95,23 @@ def clean_name(name: str) -> str:
     return text
 
 
-def project_id_for(path: Path) -> str:
-    """`name-hash`: a valid context project id (engine.sessions.check_id), stable for a directory."""
+def project_id_for(path: Path, n: int = 1) -> str:
+    """`name-hash`: a valid context project id (engine.sessions.check_id), stable for a directory (`n`:
+    the next one, when a project moved away from the directory still has its first)."""
     stem = re.sub(r"[^A-Za-z0-9_-]+", "-", path.name).strip("-_")[:40] or "project"
-    digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    key = str(path) if n == 1 else f"{path}\0{n}"
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:8]
     return f"{stem}-{digest}"
+
+
+PROJECT_DATA = (  # (table, column) of what flashcode keeps about a project beside the projects table
+    ("conversations", "project_id"),
+    ("agent_allow_rules", "project"),
+    ("agent_project_settings", "project"),
+    ("mcp_servers", "project"),
+    ("agent_actions", "project"),
+    ("stats_replies", "project_id"),
+)
 
 
 class ProjectStore:
@@ -191,6 +203,9 @@ class ProjectStore:
         if existing is not None:
             return self.rename(existing.id, name) if name else existing
         pid = project_id_for(path)
+        n = 2
+        while self.get(pid) is not None:  # a project moved away from this folder keeps the folder's id
+            pid, n = project_id_for(path, n), n + 1
         wanted = clean_name(name or path.name or "project")
         final = wanted if name else self._free_name(wanted)
         self._check_name_free(final, pid)
@@ -221,6 +236,10 @@ class ProjectStore:
         if found is None:
             raise ProjectError(f"there is no project {project_id}")
         return found
+
+    def _by_folder_id(self, project: ProjectRef) -> str:
+        """The id adding the project's folder now would give it (its first: ids follow folders)."""
+        return project_id_for(Path(project.path))
 
     def move(self, project_id: str, directory: str | os.PathLike[str]) -> ProjectRef:
         """Point a project at its folder's new place (moved or renamed on disk). The project keeps its id,
@@ -272,23 +291,30 @@ class ProjectStore:
         if project_id == DEFAULT_ID:
             raise ProjectError("Default is the scratch project and stays on the list")
         statements = ["DELETE FROM projects WHERE id = ?"]
-        if delete_data:
-            statements += [
-                "DELETE FROM conversations WHERE project_id = ?",  # messages go with them (cascade)
-                "DELETE FROM agent_allow_rules WHERE project = ?",
-                "DELETE FROM agent_project_settings WHERE project = ?",
-                "DELETE FROM mcp_servers WHERE project = ?",
-                "DELETE FROM agent_actions WHERE project = ?",
-                "DELETE FROM stats_replies WHERE project_id = ?",
-            ]
+        rekey = None
+        if not delete_data and found.path is not None and self._by_folder_id(found) != project_id:
+            rekey = self._by_folder_id(found)  # moved: its kept data follows its folder, not the old one
+        if delete_data:  # a conversation's messages go with it (cascade)
+            statements += [f"DELETE FROM {table} WHERE {column} = ?" for table, column in PROJECT_DATA]
         self.conn.execute("BEGIN")
         try:
             for sql in statements:
                 self.conn.execute(sql, (project_id,))
+            if rekey is not None:
+                for table, column in PROJECT_DATA:
+                    self.conn.execute(
+                        f"UPDATE OR REPLACE {table} SET {column} = ? WHERE {column} = ?", (rekey, project_id)
+                    )
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
+        if (
+            rekey is not None
+            and self.data_folder(project_id).is_dir()
+            and not self.data_folder(rekey).exists()
+        ):
+            self.data_folder(project_id).rename(self.data_folder(rekey))
         if delete_data:
             folder = self.data_folder(project_id)
             root = paths.projects_dir(self.data_dir).resolve()
