@@ -388,11 +388,8 @@ class ContextStore:
         d = self.contexts_dir(project_id)
         out = []
         for sub in d.iterdir() if d.is_dir() else []:
-            if _CTX_ID.fullmatch(sub.name) and (sub / "meta.json").is_file():
-                try:
-                    out.append(self._read(project_id, sub))
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
+            if _CTX_ID.fullmatch(sub.name) and (sub / "meta.json").is_file() and not sub.is_symlink():
+                out.append(self._read(project_id, sub))
         return sorted(out, key=lambda c: c.created, reverse=True)
 
     def get(self, project_id: str, context_id: str) -> SavedContext:
@@ -405,6 +402,33 @@ class ContextStore:
         return sum(f.stat().st_size for x in subs for f in x.rglob("*") if f.is_file())
 
     def _read(self, project_id: str, folder: Path) -> SavedContext:
+        """The context's meta.json; one that cannot be read is still listed (its bytes count toward the
+        quota), with `problem` saying so, so that it can be seen and deleted."""
+        try:
+            return self._parse(project_id, folder)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            if isinstance(exc, FileNotFoundError) and not folder.is_dir():
+                raise ContextNotFoundError(f"no saved context {folder.name} in project {project_id}") from exc
+            files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
+            when = max((f.stat().st_mtime for f in files), default=0.0)
+            return SavedContext(
+                id=folder.name,
+                project_id=project_id,
+                name=folder.name,
+                model="?",
+                model_sha256="",
+                backend="?",
+                token_count=0,
+                kv_bits=0,
+                size_bytes=sum(f.stat().st_size for f in files),
+                created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)),
+                flashcode_version="?",
+                cache_file="",
+                cache_crc32=0,
+                problem="damaged: its meta.json cannot be read; delete it",
+            )
+
+    def _parse(self, project_id: str, folder: Path) -> SavedContext:
         m = json.loads((folder / "meta.json").read_text())
         cache = folder / m["cache_file"]
         problem = None
@@ -530,6 +554,8 @@ class ContextStore:
         t0 = time.perf_counter()
         folder = self.context_dir(project_id, context_id)
         ctx = self._read(project_id, folder)
+        if ctx.problem and not ctx.cache_file:  # its meta.json is unreadable: nothing to check a model by
+            raise CacheMismatchError(f"saved context {ctx.name!r} is {ctx.problem}")
         self.check_model(ctx, backend.model)
         if ctx.problem:
             raise CacheMismatchError(f"saved context {ctx.name!r} is {ctx.problem}")
@@ -566,6 +592,9 @@ class ContextStore:
     # ------------------------------------------------------------------ managing
     def rename(self, project_id: str, context_id: str, name: str) -> SavedContext:
         folder = self.context_dir(project_id, context_id)
+        ctx = self._read(project_id, folder)
+        if ctx.problem and not ctx.cache_file:
+            raise EngineError(f"saved context {context_id} is {ctx.problem}: it cannot be renamed")
         meta = json.loads((folder / "meta.json").read_text())
         meta["name"] = clean_name(name)
         _write_json(folder / "meta.json", meta)

@@ -135,6 +135,32 @@ def test_sessions_resume_refuses_truncated_file(saved, mlx_backend, tmp_path):
     assert mlx_backend.prompt_cache.tokens == before  # the live session is untouched
 
 
+def test_sessions_a_damaged_meta_json_is_listed_with_its_problem(saved, mlx_backend, tmp_path):
+    """A context whose meta.json cannot be read (truncated, a field of the wrong type) stays on the list
+    with its problem and its size (it counts toward the quota), and every action on it is a clear
+    refusal, delete aside, which works (it had vanished from the list, still counted; actions were 500s)."""
+    store = ContextStore(tmp_path)
+    for damage in ("truncate", "type"):
+        ctx = store.import_file("p3", saved.store.export("p1", saved.contexts[8].id, tmp_path))
+        meta_path = store.root / "p3" / "contexts" / ctx.id / "meta.json"
+        if damage == "truncate":
+            meta_path.write_text(meta_path.read_text()[:40])
+        else:
+            meta_path.write_text(json.dumps(json.loads(meta_path.read_text()) | {"token_count": "many"}))
+        [listed] = store.list("p3")
+        assert listed.id == ctx.id and listed.problem == "damaged: its meta.json cannot be read; delete it"
+        assert listed.size_bytes == store.usage("p3") > 0
+        with pytest.raises(CacheMismatchError, match="meta.json cannot be read"):
+            store.resume(mlx_backend, "p3", ctx.id)
+        assert not try_resume(store, mlx_backend, "p3", ctx.id).resumed
+        with pytest.raises(EngineError, match="cannot be renamed"):
+            store.rename("p3", ctx.id, "new name")
+        with pytest.raises(EngineError, match="nothing to export"):
+            store.export("p3", ctx.id, tmp_path)
+        store.delete("p3", ctx.id)
+        assert store.list("p3") == [] and store.usage("p3") == 0
+
+
 def test_sessions_resume_refuses_flipped_bytes(saved, mlx_backend, tmp_path):
     store = ContextStore(tmp_path)
     ctx = store.import_file("p2", saved.store.export("p1", saved.contexts[8].id, tmp_path))
