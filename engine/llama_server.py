@@ -562,8 +562,8 @@ class LlamaServerBackend:
             batch_size=batch_size,
             extra_args=tuple(extra_args),
         )
-        if threads is None and os.environ.get("FLASHCODE_LLAMA_THREADS"):
-            threads = int(os.environ["FLASHCODE_LLAMA_THREADS"])  # the CLI has no flag for it (yet)
+        if threads is None and paths.env_number("FLASHCODE_LLAMA_THREADS", 0) >= 1:
+            threads = int(paths.env_number("FLASHCODE_LLAMA_THREADS", 0))  # the CLI has no flag for it (yet)
             self.settings["threads"] = threads
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         self.startup_timeout = startup_timeout

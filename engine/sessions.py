@@ -162,8 +162,8 @@ def crc32_file(path: Path) -> int:
 
 
 def quota_from_env() -> int:
-    mb = os.environ.get("FLASHCODE_CONTEXT_QUOTA_MB")
-    return int(float(mb) * (1 << 20)) if mb else DEFAULT_QUOTA_BYTES
+    mb = paths.env_number("FLASHCODE_CONTEXT_QUOTA_MB", -1)
+    return int(mb * (1 << 20)) if mb >= 0 else DEFAULT_QUOTA_BYTES
 
 
 # --------------------------------------------------------------------------- import checks

@@ -262,6 +262,26 @@ def test_serve_taken_port_suggests_a_free_one(data_dir: Path) -> None:
     assert m and int(m.group(1)) != port
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("FLASHCODE_MCP_START_TIMEOUT_S", "abc"),
+        ("FLASHCODE_AUTOSAVE_QUOTA_MB", "lots"),
+        ("FLASHCODE_CONTEXT_QUOTA_MB", "inf"),
+    ],
+)
+def test_a_bad_number_in_the_environment_is_one_sentence_naming_it(
+    data_dir: Path, name: str, value: str
+) -> None:
+    """It was a traceback at import (the MCP timeouts), an error after the URL that named no variable (the
+    autosave quota), or a server whose every saved-context request was a 500 (the context quota)."""
+    for args in (("serve", "--data-dir", str(data_dir), "--port", "0"), ("models",)):
+        sentence = one_sentence(flashcode(*args, env={name: value}))
+        assert sentence.startswith(f"${name}={value!r} is not a number of ") and sentence.endswith(
+            "(0 or more): fix it, or unset it"
+        )
+
+
 @pytest.mark.slow
 def test_a_second_serve_on_the_same_data_dir_is_refused(data_dir: Path) -> None:
     """Two servers on one data directory: the second would take the first one's streaming reply for a

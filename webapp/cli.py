@@ -587,8 +587,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def _check_environment() -> None:
+    """The numbers a user may set in the environment, checked before anything starts (one sentence)."""
+    from engine import paths
+
+    for name in paths.ENV_NUMBERS:
+        try:
+            paths.env_number(name, 0)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+    home = os.environ.get(paths.ENV_HOME)
+    if home and not os.path.isabs(os.path.expanduser(home)):  # commands that chdir into a project
+        os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(home))
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
+        _check_environment()
         return int(args.func(args) or 0)
     except (StartupError, EngineError, RuntimeError, OSError) as exc:
         return _fail(args, str(exc))

@@ -28,7 +28,7 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)") from None
-    if unit not in SIZE_UNITS or value < 0:
+    if unit not in SIZE_UNITS or not 0 <= value * SIZE_UNITS[unit] < 1 << 62:  # inf, nan, absurd
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 300MB, 1.5GB or 4GiB)")
     return int(value * SIZE_UNITS[unit])
 

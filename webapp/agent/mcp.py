@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from engine import paths
 from engine.base import ToolCall
 
 from . import sandbox
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
     from .agent import AgentSession
 
 log = logging.getLogger(__name__)
-START_TIMEOUT_S = float(os.environ.get("FLASHCODE_MCP_START_TIMEOUT_S", "30"))
-CALL_TIMEOUT_S = float(os.environ.get("FLASHCODE_MCP_CALL_TIMEOUT_S", "60"))
+START_TIMEOUT_S = 30.0  # FLASHCODE_MCP_START_TIMEOUT_S
+CALL_TIMEOUT_S = 60.0  # FLASHCODE_MCP_CALL_TIMEOUT_S
 IDLE_S = 15 * 60.0
 RETRY_AFTER_S = (
     5 * 60.0
@@ -361,11 +362,15 @@ class McpServers:
 
     def __init__(
         self,
-        start_timeout_s: float = START_TIMEOUT_S,
-        call_timeout_s: float = CALL_TIMEOUT_S,
+        start_timeout_s: float | None = None,
+        call_timeout_s: float | None = None,
         idle_s: float = IDLE_S,
         retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
+        if start_timeout_s is None:
+            start_timeout_s = paths.env_number("FLASHCODE_MCP_START_TIMEOUT_S", START_TIMEOUT_S)
+        if call_timeout_s is None:
+            call_timeout_s = paths.env_number("FLASHCODE_MCP_CALL_TIMEOUT_S", CALL_TIMEOUT_S)
         self.start_timeout_s, self.call_timeout_s, self.idle_s = start_timeout_s, call_timeout_s, idle_s
         self.retry_after_s = retry_after_s
         self.handles: dict[tuple[str, str], ServerHandle] = {}

@@ -181,7 +181,7 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
             seed=int(body["seed"]) if body.get("seed") is not None else None,
             stop=stops,
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise APIError(400, f"bad sampling parameter: {exc}") from None
 
 

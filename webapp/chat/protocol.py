@@ -107,7 +107,7 @@ def _number(d: dict[str, Any], key: str, cast: type, low: float, high: float) ->
         return None
     try:
         number = cast(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ProtocolError(f"{key} must be a number") from None
     if isinstance(value, bool) or not low <= number <= high:
         raise ProtocolError(f"{key} must be between {low} and {high}")

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import paths
 from engine.base import EngineError, PromptCacheBackend
 from engine.sessions import (
     ContextNameError,
@@ -59,8 +60,8 @@ SIDECAR = "conversation.json"
 
 
 def autosave_quota() -> int:
-    mb = os.environ.get("FLASHCODE_AUTOSAVE_QUOTA_MB")
-    return int(float(mb) * 2**20) if mb else 2 << 30
+    mb = paths.env_number("FLASHCODE_AUTOSAVE_QUOTA_MB", -1)
+    return int(mb * 2**20) if mb >= 0 else 2 << 30
 
 
 class AutoSaveStore(ContextStore):
