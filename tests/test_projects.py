@@ -409,10 +409,14 @@ def test_projects_tree_refuses_symlinks_out(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the command line
-def _cli(home: Path, *args: str, user_home: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(
+    home: Path, *args: str, user_home: Path | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
     env = {"FLASHCODE_HOME": str(home), "PATH": "/usr/bin:/bin", "HOME": str(user_home or home)}
+    if cwd != ROOT:
+        env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
-        [sys.executable, "-m", "webapp.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "webapp.cli", *args], cwd=cwd, env=env, capture_output=True, text=True
     )
 
 
@@ -427,6 +431,11 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
     assert _cli(home, "projects", "add", str(work), "--name", "Work").returncode == 0
     lines = _cli(home, "projects").stdout.splitlines()
     assert f"Work\t{work.resolve()}\t0" in lines and len(lines) == 2
+    (tmp_path / "here").mkdir()
+    here = _cli(home, "projects", "add", ".", cwd=tmp_path / "here")  # from where you are
+    assert here.returncode == 0, here.stderr
+    assert f"here\t{(tmp_path / 'here').resolve()}\t0" in _cli(home, "projects").stdout.splitlines()
+    assert _cli(home, "projects", "remove", "here").returncode == 0
     bad = _cli(home, "projects", "add", str(tmp_path / "missing"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     gone = _cli(home, "projects", "remove", "Work", "--delete-data")

@@ -37,11 +37,11 @@ def cmd_projects(args: argparse.Namespace) -> int:
     try:
         action = getattr(args, "action", None)
         if action == "add":
-            project = store.add(args.dir, args.name)
+            project = store.add(_absolute(args.dir), args.name)
             print(f"{project.name}\t{project.path}")
         elif action == "move":
             found = _named(store, args.name)
-            moved = store.move(found.id, args.dir)
+            moved = store.move(found.id, _absolute(args.dir))
             print(
                 f"moved {moved.name}: {found.path} -> {moved.path} (its conversations, rules and saved contexts stay)"
             )
@@ -61,6 +61,12 @@ def cmd_projects(args: argparse.Namespace) -> int:
     return 0
 
 
+def _absolute(raw: str) -> str:
+    """On the command line a relative path means from here (`flashcode projects add .`)."""
+    text = str(raw).strip()
+    return os.path.abspath(os.path.expanduser(text)) if text and "\x00" not in text else text
+
+
 def add_project_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--project",
@@ -76,7 +82,7 @@ def project_dir(args: argparse.Namespace) -> Path | None:
     if raw is None:
         return None
     try:
-        return check_directory(raw, preflight.data_dir())
+        return check_directory(_absolute(raw), preflight.data_dir())
     except ProjectError as exc:
         raise preflight.StartupError(f"--project: {exc}") from None
 
