@@ -366,3 +366,25 @@ def test_a_conversation_written_with_another_model_says_so(tmp_path: Path) -> No
             assert re.search(
                 r'id="written-with"[^>]*hidden[^>]*hx-swap-oob="true"', "".join(until(ws, "written-with"))
             )
+
+
+def test_ws_conversation_deleted_while_its_reply_streams(tmp_path: Path, caplog) -> None:
+    """Deleted in another window mid-reply: the reply ends quietly (it had raised IndexError when storing
+    its end: a traceback in the log, no idle state), and the socket goes on to the next message."""
+    slow = FakeBackend(delay=0.02)
+    slow.enqueue(*[f" t{i}" for i in range(60)])
+    slow.enqueue("next")
+    with served(slow, tmp_path) as c:
+        csrf = c.app.state.flashcode.csrf_token
+        with connect(c) as ws:
+            send(ws, type="send", text="long please")
+            frames = until(ws, r"t2")
+            cid = conversation_id(frames)
+            r = c.post(f"/c/{cid}/delete", headers={"x-csrf-token": csrf, "origin": ORIGIN})
+            assert r.status_code == 200
+            frames = until(ws, r'data-state="idle"')
+            assert "internal error" not in "".join(frames)
+            send(ws, type="send", text="again")
+            frames = until(ws, r'data-state="idle"')
+            assert "next" in "".join(frames)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]

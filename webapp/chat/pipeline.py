@@ -194,10 +194,16 @@ class ReplyStream:
         stats: Mapping[str, Any],
         error: str | None = None,
         then: Iterable[str] = (),
-    ) -> StoredMessage:
-        """Store the reply with its stats, run the hooks, and send it rendered (with `then`)."""
+    ) -> StoredMessage | None:
+        """Store the reply with its stats, run the hooks, and send it rendered (with `then`); None when the
+        conversation was deleted while the reply streamed (nothing left to store or show)."""
         self.close()
         self.finished = True
+        if self.db.get_conversation(self.conversation_id) is None:
+            log.info("conversation %s was deleted while its reply streamed", self.conversation_id)
+            if then:
+                self.send(*then)  # the controls go back to idle all the same
+            return None
         status = STATUS_OF.get(finish_reason, "error")
         numbers: dict[str, Any] = dict(stats) | {"finish_reason": finish_reason}
         if self.turn != "chat":

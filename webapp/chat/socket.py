@@ -464,7 +464,7 @@ class Session:
         if done.stats.prompt_tokens:
             then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
         final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
-        if final.status == "stopped":  # a stop answers before the engine's own numbers exist
+        if final is not None and final.status == "stopped":  # a stop answers before the engine's numbers
             asyncio.get_running_loop().create_task(self._complete_stopped(stream, final, history, gen))
         if done.error:
             self.error(done.error)
