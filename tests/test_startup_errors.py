@@ -143,6 +143,47 @@ def test_serve_database_that_is_not_sqlite(data_dir: Path) -> None:
     )
 
 
+def test_serve_database_locked_by_another_program(data_dir: Path) -> None:
+    """It was `unexpected OperationalError: database is locked`, after the URL was printed."""
+    from webapp.db import Database
+
+    Database(data_dir / "flashcode.db").close()
+    holder = sqlite3.connect(data_dir / "flashcode.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        sentence = one_sentence(flashcode("serve", "--data-dir", str(data_dir)))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert sentence.startswith(f"{data_dir / 'flashcode.db'} is locked by another program (")
+    assert sentence.endswith("close it (a `sqlite3` shell, a backup or sync tool) and start again")
+
+
+def test_serve_damaged_database_says_how_to_recover_it(data_dir: Path) -> None:
+    """Pages damaged, header intact: refused before the URL, with SQLite's own .recover (it was
+    `unexpected DatabaseError: database disk image is malformed`, with no advice)."""
+    from webapp.db import Database
+
+    db = Database(data_dir / "flashcode.db")
+    conv = db.create_conversation("kept")
+    for i in range(400):
+        db.add_message(conv.id, "user", f"message {i} " * 40)
+    db.close()
+    path = data_dir / "flashcode.db"
+    data = bytearray(path.read_bytes())
+    page = int.from_bytes(data[16:18], "big") or 65536
+    for at in range(page * 3, min(len(data), page * 12), 7):
+        data[at] = (data[at] * 31 + 17) & 0xFF
+    path.write_bytes(bytes(data))
+    sentence = one_sentence(flashcode("serve", "--data-dir", str(data_dir)))
+    recovered = data_dir / "flashcode-recovered.db"
+    assert sentence.startswith(f"{path} is damaged (") and sentence.endswith(
+        f"keep it, recover what it holds with `sqlite3 {path} .recover | sqlite3 {recovered}`, then put "
+        "the recovered file in its place (or pass another --data-dir)"
+    ), sentence
+    assert path.read_bytes() == bytes(data)  # untouched
+
+
 # --------------------------------------------------------------------------- model
 def test_serve_unknown_model_lists_the_installed_ones(data_dir: Path) -> None:
     installed = ", ".join(m.name for m in list_models(data_dir))

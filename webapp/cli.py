@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import threading
 import traceback
@@ -123,6 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     try:
+        try:  # the database is opened (and migrated) here: its failures come before the URL
+            app = create_app(settings, worker=worker)
+        except sqlite3.Error as exc:
+            raise preflight.StartupError(
+                ": ".join(preflight.database_problem(paths.database_path(root), exc))
+            ) from exc
         if not settings.is_loopback:
             print(
                 f"WARNING: listening on {args.host}: anyone who can reach this machine and has the token can use "
@@ -141,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         urls = security.token_urls(args.host, settings.port, settings.token)
         print(f"flashcode on {urls[0]}" + "".join(f"\n         or {u}" for u in urls[1:]), flush=True)
         config = uvicorn.Config(
-            create_app(settings, worker=worker),
+            app,
             host=args.host,
             port=settings.port,
             log_level=args.log_level,

@@ -25,6 +25,7 @@ from engine.models import human_size, list_models
 
 from .db import SCHEMA_VERSION, stored_version
 from .engine_host import default_backend
+from .preflight import database_problem
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -181,13 +182,18 @@ def check_database(root: Path) -> Check:
     if not path.exists():
         return Check(True, "none yet (made on the first `flashcode serve`)")
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:
             version = stored_version(conn)
+            verdict = conn.execute("PRAGMA quick_check").fetchone()
+            if verdict is None or verdict[0] != "ok":
+                first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
+                raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
-        return Check(False, f"{path} is not readable ({exc})", "move it aside", required=True)
+        problem, fix = database_problem(path, exc)
+        return Check(False, problem, fix, required=True)
     if version > SCHEMA_VERSION:
         return Check(
             False,

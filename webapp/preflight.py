@@ -126,22 +126,53 @@ def unlock_data_dir(root: Path) -> None:
     (root / "serve.lock").unlink(missing_ok=True)
 
 
+def database_problem(path: Path, exc: BaseException) -> tuple[str, str]:
+    """(what is wrong, what to do) about a database SQLite refuses: locked, damaged, not SQLite, no room."""
+    text = " ".join(str(exc).split())[:300]
+    if "locked" in text or "busy" in text:
+        return (
+            f"{path} is locked by another program ({text})",
+            "close it (a `sqlite3` shell, a backup or sync tool) and start again",
+        )
+    if "full" in text or isinstance(exc, OSError):
+        return f"cannot write {path} ({text})", "free some disk space and start again"
+    if "malformed" in text or "corrupt" in text:
+        saved = path.with_name("flashcode-recovered.db")
+        return (
+            f"{path} is damaged ({text})",
+            f"keep it, recover what it holds with `sqlite3 {q(path)} .recover | sqlite3 {q(saved)}`, then put "
+            "the recovered file in its place (or pass another --data-dir)",
+        )
+    return (
+        f"{path} is not a readable flashcode database ({text})",
+        "move it aside to start with an empty history, or pass another --data-dir",
+    )
+
+
 def check_database(root: Path) -> None:
-    """A database from a newer flashcode, or one that is not SQLite, is refused before it is touched."""
+    """Refused before it is touched: a database from a newer flashcode, one that is not SQLite or is
+    damaged, one another program holds locked."""
     path = paths.database_path(root)
     if not path.exists():
         return
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:
             check_version(conn, path)
+            verdict = conn.execute("PRAGMA quick_check").fetchone()
+            if verdict is None or verdict[0] != "ok":
+                first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
+                raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
         finally:
             conn.close()
-    except sqlite3.DatabaseError as exc:
-        raise StartupError(
-            f"{path} is not a readable flashcode database ({exc}): move it aside to start "
-            "with an empty history, or pass another --data-dir"
-        ) from exc
+        conn = sqlite3.connect(path, timeout=2, isolation_level=None)
+        try:  # a write lock, given back at once: another program's open transaction says so now
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise StartupError(": ".join(database_problem(path, exc))) from exc
     except RuntimeError as exc:  # NewerDatabaseError: its message says what to do
         raise StartupError(str(exc)) from exc
 
