@@ -507,6 +507,13 @@ class ContextStore:
             _write_json(tmp / "meta.json", meta)
             os.rename(tmp, parent / cid)  # the context appears whole or not at all
             fsync_path(parent)
+        except (OSError, RuntimeError) as exc:  # a full disk: MLX's writer raises RuntimeError
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(
+                f"the context could not be written to {parent} ({' '.join(str(exc).split())[:200]}): free some "
+                "disk space, or save at a lower KV precision, and try again"
+            ) from exc
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

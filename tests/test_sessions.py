@@ -7,6 +7,8 @@ and 4 bits); the tests then resume, damage, move and manage copies of those file
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import zipfile
 from pathlib import Path
@@ -302,3 +304,20 @@ def test_sessions_save_checks_the_conversation(saved, mlx_backend, tmp_path):
     elsewhere = [*TURN1[:1], {"role": "user", "content": "A different conversation."}]
     with pytest.raises(EngineError, match="belongs to another conversation"):
         store.save(mlx_backend, "p9", "wrong one", messages=elsewhere)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_sessions_save_on_a_full_disk_is_a_clear_error_and_leaves_nothing(saved, mlx_backend, tmp_path):
+    """A disk with no room for the cache file: MLX's writer raises RuntimeError (it was an HTTP 500 in the
+    Projects window); now an EngineError that says what to do, and no half-written folder stays."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
+    try:
+        store = ContextStore(small)
+        with pytest.raises(EngineError, match="could not be written .*free some disk space"):
+            store.save(mlx_backend, "p4", "too big", kv_bits=None)
+        assert store.list("p4") == [] and store.usage("p4") == 0
+        assert not [p for p in (small / "projects" / "p4" / "contexts").iterdir()]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
