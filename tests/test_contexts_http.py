@@ -138,8 +138,11 @@ def test_contexts_http_export_import(client, tmp_path):
     )
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "moved" and r.json()["project_id"] == "other"
-    r = c.post("/projects/other/contexts/import", files={"file": ("x.flashctx", b"junk")}, headers=TOKEN)
+    r = c.post(
+        "/projects/other/contexts/import", files={"file": ("my <session>.flashctx", b"junk")}, headers=TOKEN
+    )
     assert r.status_code == 400 and "not a flashcode context" in r.json()["error"]
+    assert r.json()["error"].startswith("my _session_.flashctx is not")  # the user's file, not ours
 
 
 def test_contexts_http_errors_are_clear(client):

@@ -74,9 +74,10 @@ def test_serve_verbose_adds_the_traceback(tmp_path: Path) -> None:
 def test_setup_accepts_data_dir_and_refuses_a_file(tmp_path: Path) -> None:
     path = tmp_path / "a-file"
     path.write_text("x")
-    assert one_sentence(flashcode("setup", "--data-dir", str(path))) == (
-        f"the data directory {path} is a file, not a directory: pass another --data-dir"
-    )
+    for command in (("setup",), ("models",), ("projects",)):  # `models` said "[Errno 17] File exists"
+        assert one_sentence(flashcode(*command, "--data-dir", str(path))) == (
+            f"the data directory {path} is a file, not a directory: pass another --data-dir"
+        )
 
 
 def without_dac(mode: int, path: Path) -> list[str]:

@@ -606,6 +606,8 @@ def _check_environment() -> None:
     home = os.environ.get(paths.ENV_HOME)
     if home and not os.path.isabs(os.path.expanduser(home)):  # commands that chdir into a project
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(home))
+    if home and os.path.exists(home) and not os.path.isdir(home):
+        raise StartupError(f"the data directory {home} is a file, not a directory: pass another --data-dir")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -262,7 +263,8 @@ class SavedContexts:
             raise HTTPException(400, "send the .flashctx file as the form field 'file'")
         tmp = Path(tempfile.mkdtemp(prefix="flashcode-import-"))
         try:
-            dest = tmp / "upload.flashctx"
+            given = re.sub(r"[^\w.\- ]+", "_", Path(upload.filename or "").name)[:120].strip(". ")
+            dest = tmp / (given or "upload.flashctx")  # errors name the user's file
             with dest.open("wb") as out:
                 while chunk := await upload.read(8 << 20):
                     out.write(chunk)
