@@ -62,7 +62,7 @@
   async function rename() {
     const id = conversationId();
     if (!id) return alertBox("Send a message first: there is no conversation to rename.");
-    const title = await ask("Rename this conversation to:", { value: ($("#chat-title") || {}).textContent || "", ok: "Rename" });
+    const title = await ask("Rename this conversation to:", { value: chatTitle(), ok: "Rename" });
     if (title && title.trim()) post(`/c/${id}/rename`, { title: title.trim() });
   }
   async function remove() {
@@ -178,9 +178,13 @@
     if (msg.type === "send") { sent = msg.text; stick = true; }
   });
   // the tab's title follows the window's (a conversation opened from the list, one a first message made)
-  function syncTitle() {
+  // the title as typed (the window shows its invisible characters as <U+…> marks: data-title keeps it)
+  function chatTitle() {
     const t = $("#chat-title");
-    const name = t ? t.textContent.trim() : "";
+    return t ? (t.dataset.title ?? t.textContent) : "";
+  }
+  function syncTitle() {
+    const name = chatTitle().trim();
     const title = name && conversationId() ? `${name} — flashcode` : "flashcode";
     if (document.title !== title) document.title = title;
   }

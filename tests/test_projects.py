@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from starlette.testclient import TestClient
@@ -378,6 +379,28 @@ def test_projects_files_window_lists_respecting_gitignore_and_views_escaped(clie
         (".git/config", "ignored"),
     ]:
         assert why in client.get("/files/view", params={"path": bad}).text
+
+
+def test_projects_hidden_characters_in_file_names_and_titles_are_marked(client, two) -> None:
+    """A file name or a conversation title with a right-to-left override (a model or a cloned repo can
+    make either) cannot pass for another name: the hidden character shows as a <U+202E> mark."""
+    a, _ = two
+    (a / "report\u202egpj.exe").write_text("x")
+    _open(client, a)
+    listing = client.get("/files/window").text
+    assert (
+        'report<mark class="invisible-char" title="invisible character">&lt;U+202E&gt;</mark>gpj.exe'
+        in listing
+    )
+    from webapp.render import make_environment
+
+    ui = make_environment().get_template("macros.html").module
+    title = "invoice\u202efdp.exe"
+    html = str(ui.conversation_list([SimpleNamespace(id="c1", title=title)], "c1")) + str(
+        ui.chat_title(title)
+    )
+    assert html.count('<mark class="invisible-char" title="invisible character">&lt;U+202E&gt;</mark>') == 2
+    assert f'data-title="{title}"' in html  # what Rename starts from: the title as it is
 
 
 def _last_prompt(fake: FakeBackend) -> str:

@@ -13,6 +13,8 @@ What it does not know: which template draws what (each feature's views), websock
 from __future__ import annotations
 
 import html
+import re
+import unicodedata
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -41,11 +43,63 @@ def find_dir(name: str) -> Path:
     raise FileNotFoundError(f"flashcode's {name}/ directory is missing (looked next to {here})")
 
 
+# --------------------------------------------------------------------------- characters that do not show
+# Letters and symbols that draw nothing (Hangul fillers, Khmer vowels, Mongolian separator, braille
+# blank, combining grapheme joiner); variation selectors draw nothing either.
+_BLANK = {0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180E, 0x2800, 0x3164, 0xFFA0}
+_CANDIDATE = re.compile(r"[^\t\n\x20-\x7e]")  # ASCII that prints, tab and newline are always fine
+
+
+def is_invisible(ch: str) -> bool:
+    """True for a character a reader cannot see as itself: Cc but tab and newline, every Cf (bidi
+    controls U+202A-202E and U+2066-2069, U+200B-200F, U+FEFF, ...), unassigned and private-use
+    code points, every space but U+0020, line and paragraph separators, and blank letters."""
+    if ch in "\t\n":
+        return False
+    cat, code = unicodedata.category(ch), ord(ch)
+    return (
+        cat[0] == "C"
+        or (cat[0] == "Z" and ch != " ")
+        or code in _BLANK
+        or 0xFE00 <= code <= 0xFE0F
+        or 0x180B <= code <= 0x180F
+        or 0xE0100 <= code <= 0xE01EF
+    )
+
+
+def marker(ch: str) -> str:
+    return f"<U+{ord(ch):04X}>"
+
+
+def hidden_chars(text: str) -> list[str]:
+    """The characters of `text` a reader cannot see, in order (repeats kept)."""
+    return [m.group() for m in _CANDIDATE.finditer(text) if is_invisible(m.group())]
+
+
+def invisible_parts(text: str | None) -> list[tuple[bool, str]]:
+    """`text` cut for a template: (False, visible run) and (True, "<U+202E>") for each hidden
+    character, in order. The Jinja filter `invisible_parts`."""
+    text = "" if text is None else str(text)
+    out: list[tuple[bool, str]] = []
+    start = 0
+    for m in _CANDIDATE.finditer(text):
+        if not is_invisible(m.group()):
+            continue
+        if m.start() > start:
+            out.append((False, text[start : m.start()]))
+        out.append((True, marker(m.group())))
+        start = m.end()
+    if start < len(text) or not out:
+        out.append((False, text[start:]))
+    return out
+
+
 def make_environment() -> Environment:
     """The one template environment of an app: autoescaping on for every .html template."""
     env = Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape(["html"]))
     env.filters["markdown"] = markdown_markup
     env.filters["human_size"] = human_size
+    env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
     return env
 
 

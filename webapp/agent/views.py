@@ -14,13 +14,13 @@ from typing import Any
 from jinja2 import Environment
 from markupsafe import Markup
 
+from ..render import invisible_parts
 from . import events as ev
-from .visible import invisible_parts
 
 
 class AgentViews:
     def __init__(self, env: Environment) -> None:
-        env.filters.setdefault("invisible_parts", invisible_parts)  # before the template compiles
+        env.filters.setdefault("invisible_parts", invisible_parts)  # an environment not from make_environment
         self.ui: Any = env.get_template("agent/fragments.html").module
         self.toolbar: Any = env.get_template("transcript.html").module
 

@@ -1,9 +1,8 @@
 """What the approval dialog must point out: characters that do not show, and writes into `.git/`.
 
-What it knows: which characters are invisible or reorder the text around them (controls, bidi
-overrides and isolates, zero-width characters, odd spaces, invisible letters), how to name one
-(`<U+202E>`), how to cut text into visible runs and markers for a template, and which warning
-lines a proposal gets. What it does not know: HTML (the template draws the markers, autoescaped),
+What it knows: how to name a character that does not show (which ones those are, and how a template
+cuts text into visible runs and `<U+202E>` markers, is `webapp.render`'s: conversation titles and file
+names use them too), and which warning lines a proposal gets. What it does not know: HTML (the template draws the markers, autoescaped),
 approval, the shell policy.
 """
 
@@ -12,10 +11,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
-# Letters and symbols that draw nothing (Hangul fillers, Khmer vowels, Mongolian separator, braille
-# blank, combining grapheme joiner); variation selectors draw nothing either.
-_BLANK = {0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180E, 0x2800, 0x3164, 0xFFA0}
-_CANDIDATE = re.compile(r"[^\t\n\x20-\x7e]")  # ASCII that prints, tab and newline are always fine
+from ..render import hidden_chars, invisible_parts, is_invisible, marker  # noqa: F401 - what the agent uses
+
 _GIT_WORD = re.compile(r"(?<![\w.-])\.git(?![\w.-])", re.IGNORECASE)
 _CONTROLS = {
     0x00: "NULL",
@@ -28,45 +25,6 @@ _CONTROLS = {
 GIT_WARNING = "hooks and config there run code the next time git runs"
 
 
-def is_invisible(ch: str) -> bool:
-    """True for a character a reader cannot see as itself: Cc but tab and newline, every Cf (bidi
-    controls U+202A-202E and U+2066-2069, U+200B-200F, U+FEFF, ...), unassigned and private-use
-    code points, every space but U+0020, line and paragraph separators, and blank letters."""
-    if ch in "\t\n":
-        return False
-    cat, code = unicodedata.category(ch), ord(ch)
-    return (
-        cat[0] == "C"
-        or (cat[0] == "Z" and ch != " ")
-        or code in _BLANK
-        or 0xFE00 <= code <= 0xFE0F
-        or 0x180B <= code <= 0x180F
-        or 0xE0100 <= code <= 0xE01EF
-    )
-
-
-def marker(ch: str) -> str:
-    return f"<U+{ord(ch):04X}>"
-
-
-def invisible_parts(text: str | None) -> list[tuple[bool, str]]:
-    """`text` cut for a template: (False, visible run) and (True, "<U+202E>") for each hidden
-    character, in order. The Jinja filter `invisible_parts`."""
-    text = "" if text is None else str(text)
-    out: list[tuple[bool, str]] = []
-    start = 0
-    for m in _CANDIDATE.finditer(text):
-        if not is_invisible(m.group()):
-            continue
-        if m.start() > start:
-            out.append((False, text[start : m.start()]))
-        out.append((True, marker(m.group())))
-        start = m.end()
-    if start < len(text) or not out:
-        out.append((False, text[start:]))
-    return out
-
-
 def _name(ch: str) -> str:
     kind = {"Cc": "CONTROL CHARACTER", "Co": "PRIVATE USE CHARACTER", "Cn": "UNASSIGNED CHARACTER"}
     return _CONTROLS.get(ord(ch)) or unicodedata.name(ch, kind.get(unicodedata.category(ch), "CHARACTER"))
@@ -74,7 +32,7 @@ def _name(ch: str) -> str:
 
 def invisible_names(text: str, most: int = 3) -> list[str]:
     """The distinct hidden characters of `text`, named: ["U+202E RIGHT-TO-LEFT OVERRIDE", ...]."""
-    seen = dict.fromkeys(m.group() for m in _CANDIDATE.finditer(text) if is_invisible(m.group()))
+    seen = dict.fromkeys(hidden_chars(text))
     names = [f"U+{ord(ch):04X} {_name(ch)}" for ch in list(seen)[:most]]
     return names + ([f"{len(seen) - most} more"] if len(seen) > most else [])
 
