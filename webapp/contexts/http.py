@@ -108,6 +108,7 @@ class SavedContexts:
         live: Callable[[], str | None] | None = None,
         before_resume: Callable[[], Awaitable[None]] | None = None,
         after_resume: Callable[[str | None], None] | None = None,
+        known_project: Callable[[str], bool] | None = None,
     ) -> None:
         """`live`: the conversation whose reply the engine's cache holds now (None: none, or another kind of
         prompt, as an agent step's); `before_resume` saves that one's changes before a saved context
@@ -115,6 +116,7 @@ class SavedContexts:
         self.data_dir, self.worker, self.db = Path(data_dir), worker, db
         self.ui: Any = env.get_template("contexts/pane.html").module
         self.live, self.before_resume, self.after_resume = live, before_resume, after_resume
+        self.known_project = known_project  # saving or importing into a project that does not exist: 404
 
     @property
     def routes(self) -> list[Route]:
@@ -179,9 +181,14 @@ class SavedContexts:
         }
         return JSONResponse(body)
 
+    def _check_project(self, project_id: str) -> None:
+        if self.known_project is not None and not self.known_project(project_id):
+            raise HTTPException(404, f"there is no project {project_id!r} (it may have been removed)")
+
     async def save_context(self, request: Request) -> Response:
         f = await _fields(request)
         store, pid = self._store(), request.path_params["project_id"]
+        self._check_project(pid)
         conv = str(f.get("conversation_id") or "")
         bits = _kv_bits(f.get("kv_bits"))
         name = str(f.get("name") or "")
@@ -257,6 +264,7 @@ class SavedContexts:
 
     async def import_context(self, request: Request) -> Response:
         store, pid = self._store(), request.path_params["project_id"]
+        self._check_project(pid)
         form = await request.form(max_part_size=MAX_IMPORT_BYTES)
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
