@@ -24,7 +24,7 @@ from webapp.agent.store import AgentStore
 from webapp.app import create_app
 from webapp.db import Database
 from webapp.projects.files import ATTACH_LIMIT, FilesError, ProjectTree
-from webapp.projects.store import DEFAULT_ID, ProjectError, ProjectStore, check_directory
+from webapp.projects.store import DEFAULT_ID, ProjectError, ProjectStore, check_directory, project_id_for
 from webapp.settings import Settings
 
 BASE = "http://127.0.0.1:8000"
@@ -151,6 +151,74 @@ def test_projects_a_moved_project_leaves_its_old_folder_free_and_its_data_follow
     assert [c.id for c in d.list_conversations(back.id)] == [conv.id]
     assert [r.pattern for r in AgentStore(d.conn).list_rules(back.id)] == ["ls"]
     assert (tmp_path / "data" / "projects" / back.id / "contexts").is_dir()
+
+
+def test_projects_listed_before_the_data_directory_rule_stay_usable_with_their_data_guarded(
+    tmp_path: Path,
+) -> None:
+    """A project that holds the data directory (FLASHCODE_HOME inside it), listed before that was refused:
+    adding it again returns it (serve --project keeps working), the scratch folder is Default, and the
+    agent's file tools treat the data directory as out of bounds (it was read and written there)."""
+    from webapp.agent.files import PathOutsideProjectError, ProjectFiles
+    from webapp.agent.tools import ReadTools
+    from webapp.agent.web import hidden_paths
+
+    app = tmp_path / "myapp"
+    data = app / ".flashcode"
+    data.mkdir(parents=True)
+    d = Database(data / "f.db")
+    store = ProjectStore(d.conn, data)
+    with pytest.raises(ProjectError, match="holds flashcode's own data directory"):
+        store.add(str(app))
+    d.conn.execute(
+        "INSERT INTO projects (id, name, path, created_at) VALUES (?, 'myapp', ?, 0)",
+        (project_id_for(app.resolve()), str(app.resolve())),
+    )
+    assert store.add(str(app)).name == "myapp"
+    assert store.add(str(store.scratch_dir())).id == DEFAULT_ID
+    (app / "main.py").write_text("secret = 1\n")
+    (data / "notes.txt").write_text("secret = 2\n")
+    tools = ReadTools(ProjectFiles(app, hidden_paths(data)))
+    for call in (
+        lambda: tools.read_file(".flashcode/notes.txt"),
+        lambda: tools.files.resolve(".flashcode/f.db"),
+    ):
+        with pytest.raises(PathOutsideProjectError, match="flashcode's own data directory"):
+            call()
+    assert ".flashcode" not in tools.list_files(".") and tools.search_text("secret") == "main.py:1:secret = 1"
+    scratch = ReadTools(ProjectFiles(store.scratch_dir(), hidden_paths(data)))  # the data dir holds it: fine
+    (store.scratch_dir() / "a.txt").write_text("x")
+    assert scratch.read_file("a.txt").endswith("x")
+
+
+def test_projects_removing_a_project_never_merges_its_data_into_a_listed_one(tmp_path: Path) -> None:
+    """The project at a moved project's old folder has an id of its own; removed with its data kept, that
+    data stays its own (it had been merged into the moved project, network switch included). A removed
+    project's kept files beside an earlier one's of the same folder are merged, never overwritten."""
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    agent = AgentStore(d.conn)
+    old, new = tmp_path / "a", tmp_path / "b"
+    old.mkdir()
+    p1 = store.add(str(old))
+    old.rename(new)
+    store.move(p1.id, str(new))
+    old.mkdir()
+    p2 = store.add(str(old), name="a again")
+    c2 = d.create_conversation("in the new a", project_id=p2.id)
+    agent.set_network_allowed(p2.id, True)
+    (tmp_path / "data" / "projects" / p2.id / "contexts" / "ctx2").mkdir(parents=True)
+    store.remove(p2.id)
+    assert d.list_conversations(p1.id) == [] and not agent.network_allowed(p1.id)
+    assert not (tmp_path / "data" / "projects" / p1.id / "contexts" / "ctx2").exists()
+    assert [c.id for c in d.list_conversations(store.add(str(old)).id)] == [c2.id]  # it comes back with a
+    # an earlier project of folder b kept files; the moved one's are added beside them on removal
+    kept = tmp_path / "data" / "projects" / project_id_for(new.resolve()) / "contexts" / "ctx-b"
+    kept.mkdir(parents=True)
+    (tmp_path / "data" / "projects" / p1.id / "contexts" / "ctx1").mkdir(parents=True)
+    store.remove(p1.id)
+    merged = tmp_path / "data" / "projects" / project_id_for(new.resolve()) / "contexts"
+    assert sorted(x.name for x in merged.iterdir()) == ["ctx-b", "ctx1"]
 
 
 # --------------------------------------------------------------------------- migration

@@ -82,7 +82,17 @@ def project_dir(args: argparse.Namespace) -> Path | None:
     if raw is None:
         return None
     try:
-        return check_directory(_absolute(raw), preflight.data_dir())
+        path = check_directory(_absolute(raw))
+        try:
+            return check_directory(path, preflight.data_dir())
+        except ProjectError:
+            db, store = _store()  # listed before the data directory rule: it stays usable
+            try:
+                if store.by_path(path) is not None or path == store.scratch_dir():
+                    return path
+            finally:
+                db.close()
+            raise
     except ProjectError as exc:
         raise preflight.StartupError(f"--project: {exc}") from None
 

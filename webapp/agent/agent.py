@@ -142,7 +142,7 @@ class AgentSession:
         approve_edits: bool = False,
     ) -> None:
         self.worker = worker
-        self.files = ProjectFiles(Path(project_dir))
+        self.files = ProjectFiles(Path(project_dir), hidden)
         self.project_dir = self.files.root
         self.project = project or str(self.project_dir)
         self.request_approval = request_approval

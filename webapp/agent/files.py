@@ -107,10 +107,16 @@ def _os_errors(path: str) -> Iterator[None]:
 
 
 class ProjectFiles:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, hidden: tuple[Path, ...] = ()) -> None:
         self.root = Path(root).resolve(strict=True)
         if not self.root.is_dir():
             raise FileToolError(f"the project directory {root} is not a directory")
+        # inside the project but out of bounds: flashcode's data directory (every conversation, saved
+        # context and allow rule) when the project holds it; one that holds the project (the scratch
+        # project's) is no bound here: the root already is
+        self.hidden = tuple(
+            h for h in (Path(p).resolve() for p in hidden) if h != self.root and h.is_relative_to(self.root)
+        )
 
     def resolve(self, path: str | Path) -> Path:
         """The real path of `path` (relative to the root, or absolute); refused if outside."""
@@ -126,6 +132,10 @@ class ProjectFiles:
         if full != self.root and not full.is_relative_to(self.root):
             raise PathOutsideProjectError(
                 f"{shown(raw)} resolves to {shown(str(full))}, outside the project {self.root}: refused"
+            )
+        if any(full == h or full.is_relative_to(h) for h in self.hidden):
+            raise PathOutsideProjectError(
+                f"{shown(raw)} is in flashcode's own data directory, which is out of bounds for the agent"
             )
         _check_path(str(full), raw)  # a link may lead somewhere deeper or to a name that is not UTF-8
         return full

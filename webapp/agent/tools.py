@@ -173,15 +173,19 @@ class IgnoreRules:
         return out
 
 
-def walk(root: Path, start: Path) -> list[str]:
-    """Files under `start`, relative to `root`, sorted, .gitignore'd ones and SKIP_DIRS left out."""
+def walk(root: Path, start: Path, hidden: tuple[Path, ...] = ()) -> list[str]:
+    """Files under `start`, relative to `root`, sorted, .gitignore'd ones, SKIP_DIRS and `hidden` left out."""
     rules = IgnoreRules(root)
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(start):
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
         dirnames[:] = sorted(
-            d for d in dirnames if d not in SKIP_DIRS and not rules.ignored(rel_dir + d, True)
+            d
+            for d in dirnames
+            if d not in SKIP_DIRS
+            and not rules.ignored(rel_dir + d, True)
+            and Path(dirpath, d).resolve() not in hidden
         )
         out += [rel_dir + f for f in sorted(filenames) if not rules.ignored(rel_dir + f, False)]
     return sorted(out)
@@ -198,7 +202,7 @@ class ReadTools:
         start = self.files.resolve(path or ".")
         if not start.is_dir():
             raise FileToolError(f"{path} is not a folder of the project")
-        names = walk(self.files.root, start)
+        names = walk(self.files.root, start, self.files.hidden)
         if not names:
             return "(no files)"
         more = f"\n[... {len(names) - MAX_LIST} more]" if len(names) > MAX_LIST else ""
@@ -240,10 +244,16 @@ class ReadTools:
             timeout=20,
         )
         root = str(self.files.root) + os.sep
-        return [line.removeprefix(root)[:300] for line in proc.stdout.splitlines()[: MAX_MATCHES + 1]]
+        hidden = tuple(str(h.relative_to(self.files.root)) + os.sep for h in self.files.hidden)
+        lines = (line.removeprefix(root) for line in proc.stdout.splitlines())
+        return [line[:300] for line in lines if not line.startswith(hidden)][: MAX_MATCHES + 1]
 
     def _python(self, regex: re.Pattern[str], start: Path) -> list[str]:
-        names = [self.files.relative(start)] if start.is_file() else walk(self.files.root, start)
+        names = (
+            [self.files.relative(start)]
+            if start.is_file()
+            else walk(self.files.root, start, self.files.hidden)
+        )
         hits: list[str] = []
         for rel in names:
             try:  # through ProjectFiles: a symlink out of the project (to a secret, /proc/self/environ) is refused

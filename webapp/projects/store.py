@@ -17,6 +17,7 @@ Removing a project never touches its directory.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -29,6 +30,7 @@ from engine import paths
 
 from ..turns import ProjectRef
 
+log = logging.getLogger(__name__)
 DEFAULT_ID = "default"
 SCRATCH = "scratch"  # the Default project's directory under projects/: never a project id
 MAX_NAME_CHARS = 80
@@ -198,10 +200,15 @@ class ProjectStore:
     def add(self, directory: str | os.PathLike[str], name: str | None = None) -> ProjectRef:
         """Add a directory (checked) as a project; an existing project of that directory is returned
         as it is (renamed when `name` is given)."""
-        path = check_directory(directory, self.data_dir)
+        path = check_directory(directory)
+        if path == self.scratch_dir():
+            return self._default()
         existing = self.by_path(path)
-        if existing is not None:
+        if (
+            existing is not None
+        ):  # listed before the data directory rule: it stays usable (its files are guarded)
             return self.rename(existing.id, name) if name else existing
+        path = check_directory(directory, self.data_dir)
         pid = project_id_for(path)
         n = 2
         while self.get(pid) is not None:  # a project moved away from this folder keeps the folder's id
@@ -240,6 +247,24 @@ class ProjectStore:
     def _by_folder_id(self, project: ProjectRef) -> str:
         """The id adding the project's folder now would give it (its first: ids follow folders)."""
         return project_id_for(Path(project.path))
+
+    def _merge_folder(self, source: str, target: str) -> None:
+        """Move a project's files (saved contexts, automatic saves) to another id's folder, beside what is
+        there; an entry whose name is taken stays where it was (nothing is overwritten or deleted)."""
+        src, dst = self.data_folder(source), self.data_folder(target)
+        try:
+            if not src.is_dir() or src.is_symlink():
+                return
+            if not dst.exists():
+                src.rename(dst)
+                return
+            for kind in [d for d in src.iterdir() if d.is_dir() and not d.is_symlink()]:
+                (dst / kind.name).mkdir(exist_ok=True)
+                for entry in list(kind.iterdir()):
+                    if not (dst / kind.name / entry.name).exists():
+                        entry.rename(dst / kind.name / entry.name)
+        except OSError as exc:  # what did not move stays under the old id: kept, never lost
+            log.warning("moving project files from %s to %s stopped: %s", src, dst, exc)
 
     def move(self, project_id: str, directory: str | os.PathLike[str]) -> ProjectRef:
         """Point a project at its folder's new place (moved or renamed on disk). The project keeps its id,
@@ -291,9 +316,11 @@ class ProjectStore:
         if project_id == DEFAULT_ID:
             raise ProjectError("Default is the scratch project and stays on the list")
         statements = ["DELETE FROM projects WHERE id = ?"]
-        rekey = None
-        if not delete_data and found.path is not None and self._by_folder_id(found) != project_id:
-            rekey = self._by_folder_id(found)  # moved: its kept data follows its folder, not the old one
+        rekey = None  # moved: its kept data follows its folder (unless a listed project has that id)
+        if not delete_data and found.path is not None:
+            target = self._by_folder_id(found)
+            if target != project_id and self.get(target) is None:
+                rekey = target
         if delete_data:  # a conversation's messages go with it (cascade)
             statements += [f"DELETE FROM {table} WHERE {column} = ?" for table, column in PROJECT_DATA]
         self.conn.execute("BEGIN")
@@ -302,19 +329,15 @@ class ProjectStore:
                 self.conn.execute(sql, (project_id,))
             if rekey is not None:
                 for table, column in PROJECT_DATA:
-                    self.conn.execute(
-                        f"UPDATE OR REPLACE {table} SET {column} = ? WHERE {column} = ?", (rekey, project_id)
+                    self.conn.execute(  # beside what an earlier project of that folder kept: its settings win
+                        f"UPDATE OR IGNORE {table} SET {column} = ? WHERE {column} = ?", (rekey, project_id)
                     )
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
-        if (
-            rekey is not None
-            and self.data_folder(project_id).is_dir()
-            and not self.data_folder(rekey).exists()
-        ):
-            self.data_folder(project_id).rename(self.data_folder(rekey))
+        if rekey is not None:
+            self._merge_folder(project_id, rekey)
         if delete_data:
             folder = self.data_folder(project_id)
             root = paths.projects_dir(self.data_dir).resolve()
