@@ -173,14 +173,16 @@ class ServerOptions:
 PROMPT_CACHE_MAX_MIB = 8192  # llama-server's own default
 
 
-def prompt_cache_mib(model_bytes: int) -> int:
+def prompt_cache_mib(model_bytes: int, offloaded: bool = False) -> int:
     """llama-server keeps earlier prompts' KV caches in RAM (`--cache-ram`, 8 GiB by default) on top of the
     model, which the in-RAM placement ("fits with room to spare") does not count: a quarter of what this
-    machine or its memory cgroup has left once the model is loaded, at most llama-server's default; 0
-    (off) when nothing is left. A restart resumes from flashcode's saved contexts either way."""
-    from .flash.memory import auto_budget
+    machine or its memory cgroup has left (less this process) once the model is loaded (`offloaded`:
+    its layers are in GPU memory), at most llama-server's default; 0 (off) when nothing is left. A restart
+    resumes from flashcode's saved contexts either way."""
+    from .placement import spare_memory
 
-    left = auto_budget().budget - model_bytes
+    budget, own_rss, _source, _detail = spare_memory()
+    left = budget - own_rss - (0 if offloaded else model_bytes)
     return max(0, min(PROMPT_CACHE_MAX_MIB, left // 4 // (1 << 20)))
 
 
@@ -562,8 +564,8 @@ class LlamaServerBackend:
             batch_size=batch_size,
             extra_args=tuple(extra_args),
         )
-        if threads is None and paths.env_number("FLASHCODE_LLAMA_THREADS", 0) >= 1:
-            threads = int(paths.env_number("FLASHCODE_LLAMA_THREADS", 0))  # the CLI has no flag for it (yet)
+        if threads is None and os.environ.get("FLASHCODE_LLAMA_THREADS", "").strip():
+            threads = int(paths.env_number("FLASHCODE_LLAMA_THREADS", -1))  # the CLI has no flag for it (yet)
             self.settings["threads"] = threads
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         self.startup_timeout = startup_timeout
@@ -636,7 +638,8 @@ class LlamaServerBackend:
         if not {"--cache-ram", "-cram"} & set(settings["extra_args"]) and server_supports(
             binary, "--cache-ram"
         ):
-            cache_ram = prompt_cache_mib(gguf.stat().st_size)
+            offloaded = bool(settings.get("n_gpu_layers")) or bool(self.hostfile)
+            cache_ram = prompt_cache_mib(gguf.stat().st_size, offloaded)
         opts = ServerOptions(
             model_path=gguf,
             ctx_size=self._context_override,

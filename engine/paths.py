@@ -16,32 +16,31 @@ ENV_HOME = "FLASHCODE_HOME"
 
 
 # the numbers a user may set in the environment, and what they are (checked once at start by the CLI)
+# (what it counts, the least it may be); FLASHCODE_BLAS_THREADS and _DEQUANT_ROWS fall back on their own
 ENV_NUMBERS = {
-    "FLASHCODE_CONTEXT_QUOTA_MB": "MB of saved contexts per project",
-    "FLASHCODE_AUTOSAVE_QUOTA_MB": "MB of automatic saves per project",
-    "FLASHCODE_MCP_START_TIMEOUT_S": "seconds an MCP server has to start",
-    "FLASHCODE_MCP_CALL_TIMEOUT_S": "seconds an MCP tool call may take",
-    "FLASHCODE_LLAMA_THREADS": "llama-server's threads",
-    "FLASHCODE_BLAS_THREADS": "OpenBLAS's threads",
-    "FLASHCODE_DEQUANT_ROWS": "rows from which quantized matmuls dequantize first",
+    "FLASHCODE_CONTEXT_QUOTA_MB": ("MB of saved contexts per project", 0),
+    "FLASHCODE_AUTOSAVE_QUOTA_MB": ("MB of automatic saves per project", 0),
+    "FLASHCODE_MCP_START_TIMEOUT_S": ("seconds an MCP server has to start", 0),
+    "FLASHCODE_MCP_CALL_TIMEOUT_S": ("seconds an MCP tool call may take", 0),
+    "FLASHCODE_LLAMA_THREADS": ("llama-server's threads", -1),  # -1: llama.cpp picks
 }
 
 
 def env_number(name: str, default: float) -> float:
     """A number from the environment (unset or empty: `default`); ValueError naming the variable when it is
-    not a finite number >= 0."""
+    not a finite number of at least its least value (ENV_NUMBERS; 0 for others)."""
     import math
 
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
+    what, least = ENV_NUMBERS.get(name, ("a number", 0))
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
-        what = ENV_NUMBERS.get(name, "a number")
-        raise ValueError(f"${name}={raw!r} is not a number of {what} (0 or more): fix it, or unset it")
+    if not math.isfinite(value) or value < least:
+        raise ValueError(f"${name}={raw!r} is not a number of {what} ({least} or more): fix it, or unset it")
     return value
 
 

@@ -389,7 +389,10 @@ class ContextStore:
         out = []
         for sub in d.iterdir() if d.is_dir() else []:
             if _CTX_ID.fullmatch(sub.name) and (sub / "meta.json").is_file() and not sub.is_symlink():
-                out.append(self._read(project_id, sub))
+                try:
+                    out.append(self._read(project_id, sub))
+                except ContextNotFoundError:
+                    continue  # deleted while the list was read
         return sorted(out, key=lambda c: c.created, reverse=True)
 
     def get(self, project_id: str, context_id: str) -> SavedContext:

@@ -117,6 +117,8 @@ class Worker:
     def __init__(self, factory: Callable[[], Backend] | None = None, name: str = "flashcode-engine") -> None:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._backend: Backend | None = None
+        # called with each generation as it is queued (the web app: whose context the engine's cache holds)
+        self.on_submit: list[Callable[[GenerationRequest], None]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         if factory is not None:
@@ -149,6 +151,8 @@ class Worker:
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Generation:
         gen = Generation(request, loop)
+        for hook in self.on_submit:
+            hook(request)
         self._jobs.put(gen)
         return gen
 

@@ -232,7 +232,7 @@ def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path:
         Settings(data_dir=data_dir, load_model=False, project_dir=tmp_path / "proj"), worker=worker
     )
     try:
-        with TestClient(app, base_url=BASE) as c:
+        with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)) as c:  # /v1 answers loopback
             headers = {"x-csrf-token": app.state.flashcode.csrf_token}
             pid = app.state.flashcode.projects.current().id
             url = f"/projects/{pid}/contexts"
@@ -243,6 +243,10 @@ def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path:
                 assert r.status_code == 201, r.text
                 saved = r.json()
                 assert saved["conversation_id"] == first and saved["token_count"] > 20
+                api = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+                assert c.post("/v1/chat/completions", json=api).status_code == 200
+                r = c.post(url, json={"name": "after api", "conversation_id": first}, headers=headers)
+                assert r.status_code == 409, r.text  # the cache holds the API request's prompt now
                 send(ws, type="send", text="Say bye.", max_tokens=3, temperature=0, conversation_id="")
                 second = conversation_id(until(ws, r'data-state="idle"', limit=400))
             assert second != first

@@ -167,10 +167,12 @@ def test_llama_prompt_cache_in_ram_is_sized_to_the_memory_left(
 ) -> None:
     """llama-server keeps earlier prompts' KV in RAM (8 GiB by default) beyond the model the placement
     counted: with 400 MiB left after the model (as under a cgroup cap), it gets a quarter of that."""
+    from engine import placement
     from engine.flash import memory
 
     size = Path(default_model.gguf_path).stat().st_size
-    left = memory.AutoBudget(size + (400 << 20), "cgroup", "a test's cap")
+    monkeypatch.setattr(placement, "_rss", lambda: 50 << 20)  # this process holds 50 MiB of the cap
+    left = memory.AutoBudget(size + (450 << 20), "cgroup", "a test's cap")
     monkeypatch.setattr(memory, "auto_budget", lambda own_rss=None: left)
     b = llama_server.LlamaServerBackend(context_length=512, threads=THREADS)
     b.load(default_model)
@@ -186,6 +188,8 @@ def test_llama_prompt_cache_in_ram_is_sized_to_the_memory_left(
         memory, "auto_budget", lambda own_rss=None: memory.AutoBudget(1 << 40, "cgroup", "big")
     )
     assert llama_server.prompt_cache_mib(size) == 8192  # llama-server's own default at most
+    monkeypatch.setattr(memory, "auto_budget", lambda own_rss=None: left)
+    assert llama_server.prompt_cache_mib(size, offloaded=True) == (size + (400 << 20)) // 4 >> 20  # in GPU
 
 
 def test_llama_attaches_to_a_server_it_did_not_start(home: Path, default_model) -> None:

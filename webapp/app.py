@@ -109,6 +109,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     if settings.project_dir is not None:  # serve --project DIR: added if needed, and opened
         projects.open(projects.add(settings.project_dir).id)
     resume = AutoResume(settings.data_dir, engine.worker, db)
+    engine.worker.on_submit.append(resume.generating)
     projects_web = ProjectsWeb(projects, env, _quote_file, on_switch=resume.save_now)
 
     stats = Stats(db, settings.data_dir, env, engine.worker, csrf_token, projects=projects)

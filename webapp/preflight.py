@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shlex
 import socket
@@ -27,6 +28,8 @@ from engine.models import DEFAULT_MODEL, find_model, list_models
 from engine.worker import Worker
 
 from .db import check_version
+
+log = logging.getLogger(__name__)
 
 
 class StartupError(Exception):
@@ -104,7 +107,13 @@ def lock_data_dir(root: Path) -> None:
         ) from exc
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no flock on this file system
+            log.warning(
+                "the data directory %s cannot be locked (%s): run one serve on it at a time", root, exc
+            )
+            f.close()
+            return
         f.seek(0)
         pid = f.read().strip() or "unknown"
         f.close()

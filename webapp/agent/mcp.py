@@ -402,6 +402,7 @@ class McpServers:
             if fingerprint == launch.fingerprint and time.monotonic() < retry_at:
                 h = ServerHandle(launch, self.start_timeout_s, self.call_timeout_s)
                 h.dead, h.error = True, message  # not kept: tools() and call() raise ServerDown(message)
+                h.errlog.close()
                 return h
             del self.stalled[launch.key]
         if h is None:

@@ -158,8 +158,6 @@ class SavedContexts:
     def _check_live(self, conversation_id: str) -> None:
         """The context saved for a conversation must be that conversation's: the one whose reply the
         engine's cache holds now."""
-        if self.db.get_conversation(conversation_id) is None:
-            raise HTTPException(404, "no such conversation (it may have been deleted)")
         if self.live is not None and self.live() != conversation_id:
             raise EngineError(
                 "the engine's live context is not this conversation's (another conversation or an agent "
@@ -192,12 +190,16 @@ class SavedContexts:
         conv = str(f.get("conversation_id") or "")
         bits = _kv_bits(f.get("kv_bits"))
         name = str(f.get("name") or "")
-        try:
+        if conv and self.db.get_conversation(conv) is None:
+            raise HTTPException(404, "no such conversation (it may have been deleted)")
+
+        def save(backend: Any) -> Any:  # on the worker: after every generation queued before this save
             if conv:
                 self._check_live(conv)
-            ctx = await self.worker.acall(
-                lambda b: store.save(b, pid, name, kv_bits=bits, conversation_id=conv or None)
-            )
+            return store.save(backend, pid, name, kv_bits=bits, conversation_id=conv or None)
+
+        try:
+            ctx = await self.worker.acall(save)
         except EngineError as exc:
             return self._error(exc, request)
         if _htmx(request):

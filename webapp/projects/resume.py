@@ -144,6 +144,11 @@ class AutoResume:
             self.live, self.dirty = None, False
             return await self._resume(conversation_id)
 
+    def generating(self, _request: Any = None) -> None:
+        """A generation was queued (a chat reply, an agent step, an API request, a benchmark): until its
+        reply is noted (`note_reply`), the engine's cache is no conversation's to save or resume."""
+        self.live, self.dirty = None, False
+
     def took_over(self, conversation_id: str | None) -> None:
         """A saved context (the Projects window's Resume) replaced the engine's cache: it now holds this
         conversation (None: a context saved without one), unchanged since its save."""
