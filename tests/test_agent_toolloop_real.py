@@ -187,13 +187,14 @@ def test_toolloop_real_llama_in_chromium(llama_worker: Worker, tmp_path: Path, b
 
     project = tmp_path / "proj"
     project.mkdir()
-    db = Database(database_path(tmp_path))
-    projects = ProjectStore(db.conn, tmp_path)
+    data = tmp_path / "data"  # beside the project: a project is never inside the data directory
+    db = Database(database_path(data))
+    projects = ProjectStore(db.conn, data)
     projects.open(projects.add(project).id)
     db.close()
     port = free_port()
     settings = Settings(
-        port=port, data_dir=tmp_path, load_model=False, sampling={"temperature": 0.0, "max_tokens": 256}
+        port=port, data_dir=data, load_model=False, sampling={"temperature": 0.0, "max_tokens": 256}
     )
     app = create_app(settings, worker=llama_worker)
     context = browser.new_context(viewport={"width": 1100, "height": 700})

@@ -20,9 +20,9 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    p = tmp_path / "proj"
+    p = tmp_path.parent / f"{tmp_path.name}-proj"  # beside the data directory (fake_server's is tmp_path)
     p.mkdir()
-    db = Database(database_path(tmp_path))  # the project the server opens: fake_server's data is tmp_path
+    db = Database(database_path(tmp_path))  # the project the server opens
     projects = ProjectStore(db.conn, tmp_path)
     projects.open(projects.add(p).id)
     db.close()
