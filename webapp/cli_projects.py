@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import preflight
 from .db import Database
-from .projects.store import ProjectError, ProjectStore, check_directory
+from .projects.store import ProjectError, ProjectStore, check_apart_from_data, check_directory
 from .turns import ProjectRef
 
 
@@ -84,7 +84,8 @@ def project_dir(args: argparse.Namespace) -> Path | None:
     try:
         path = check_directory(_absolute(raw))
         try:
-            return check_directory(path, preflight.data_dir())
+            check_apart_from_data(path, preflight.data_dir())
+            return path
         except ProjectError:
             db, store = _store()  # listed before the data directory rule: it stays usable
             try:

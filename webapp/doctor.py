@@ -25,7 +25,7 @@ from engine.models import human_size, list_models
 
 from .db import SCHEMA_VERSION, stored_version
 from .engine_host import default_backend
-from .preflight import database_problem
+from .preflight import database_problem, quick_check
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -185,10 +185,7 @@ def check_database(root: Path) -> Check:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:
             version = stored_version(conn)
-            verdict = conn.execute("PRAGMA quick_check").fetchone()
-            if verdict is None or verdict[0] != "ok":
-                first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
-                raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
+            quick_check(conn)
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:

@@ -158,6 +158,14 @@ def database_problem(path: Path, exc: BaseException) -> tuple[str, str]:
     )
 
 
+def quick_check(conn: sqlite3.Connection) -> None:
+    """SQLite's own quick integrity check; DatabaseError (as SQLite words it) when pages are damaged."""
+    verdict = conn.execute("PRAGMA quick_check").fetchone()
+    if verdict is None or verdict[0] != "ok":
+        first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
+        raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
+
+
 def check_database(root: Path) -> None:
     """Refused before it is touched: a database from a newer flashcode, one that is not SQLite or is
     damaged, one another program holds locked."""
@@ -168,10 +176,7 @@ def check_database(root: Path) -> None:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:
             check_version(conn, path)
-            verdict = conn.execute("PRAGMA quick_check").fetchone()
-            if verdict is None or verdict[0] != "ok":
-                first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
-                raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
+            quick_check(conn)
         finally:
             conn.close()
         conn = sqlite3.connect(path, timeout=2, isolation_level=None)

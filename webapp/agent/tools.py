@@ -292,26 +292,13 @@ async def _resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-async def _refuse_this_machine(request: Any) -> None:
+class _PublicAddresses(httpcore.AsyncNetworkBackend):
     """fetch_url runs in the server: a page the model read could point it at this machine's own services —
     flashcode itself (no token on loopback: other conversations, saved contexts), a model server — or at a
-    cloud's metadata address. Every hop (redirects too) is checked here by name and by what the name
-    resolves to, for a clear error before anything is sent; the connection itself goes only to an address
-    that `_PublicAddresses` resolved and checked (a DNS answer that changes in between gains nothing)."""
-    host = request.url.host
-    try:
-        addresses = await _resolve(host, request.url.port or 443)
-    except OSError:
-        return  # unresolvable: the request itself fails with its own error
-    for address in addresses:
-        if (refused := _out_of_bounds(host, address)) is not None:
-            raise FileToolError(refused)
-
-
-class _PublicAddresses(httpcore.AsyncNetworkBackend):
-    """Connections that resolve the host once, check every address and connect to a checked one: a name
-    that answered a public address to `_refuse_this_machine` and 127.0.0.1 now (DNS rebinding) gains nothing.
-    TLS still checks the certificate against the host name (httpcore sends it as SNI)."""
+    cloud's metadata address. So every connection (each redirect's too) resolves the host once, refuses
+    loopback, link-local, unspecified and multicast addresses, and connects to an address it checked: a
+    name that answers differently the second time (DNS rebinding) gains nothing. TLS still checks the
+    certificate against the host name (httpcore sends it as SNI)."""
 
     class Refused(httpcore.ConnectError):
         """httpx raises its own ConnectError from this one."""
@@ -364,9 +351,8 @@ async def fetch_url(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
     """The page at `url` as readable text (trafilatura's main-content extraction; plain text as is)."""
     if not re.match(r"^https?://", url):
         raise FileToolError("fetch_url takes an http:// or https:// address")
-    hooks = {"request": [_refuse_this_machine]}  # every hop: a redirect to 127.0.0.1 is refused too
     async with httpx.AsyncClient(
-        follow_redirects=True, timeout=timeout_s, event_hooks=hooks, transport=_public_transport()
+        follow_redirects=True, timeout=timeout_s, transport=_public_transport()
     ) as client:
         try:
             resp = await client.get(url, headers={"User-Agent": "flashcode"})

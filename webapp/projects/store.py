@@ -73,21 +73,25 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
             "one project inside it, e.g. ~/code/myapp"
         )
     if data_dir is not None:
-        data = Path(data_dir).resolve()
-        if resolved == data or data in resolved.parents:
-            where = "is" if resolved == data else "is inside"
-            raise ProjectError(
-                f"{text} {where} flashcode's own data directory ({data}): pick a folder of your own"
-            )
-        if (
-            resolved in data.parents
-        ):  # its commands and file tools could reach the conversations, saved contexts
-            raise ProjectError(
-                f"{text} holds flashcode's own data directory ({data}), where your conversations and saved "
-                "contexts are: pick the folder of one project inside it, or keep the data elsewhere "
-                "(FLASHCODE_HOME)"
-            )
+        check_apart_from_data(resolved, data_dir, text)
     return resolved
+
+
+def check_apart_from_data(resolved: Path, data_dir: Path, text: str | None = None) -> None:
+    """A new project is neither flashcode's data directory, nor inside it, nor holding it: its commands
+    and file tools could reach every conversation and saved context there."""
+    data, text = Path(data_dir).resolve(), text or str(resolved)
+    if resolved == data or data in resolved.parents:
+        where = "is" if resolved == data else "is inside"
+        raise ProjectError(
+            f"{text} {where} flashcode's own data directory ({data}): pick a folder of your own"
+        )
+    if resolved in data.parents:
+        raise ProjectError(
+            f"{text} holds flashcode's own data directory ({data}), where your conversations and saved "
+            "contexts are: pick the folder of one project inside it, or keep the data elsewhere "
+            "(FLASHCODE_HOME)"
+        )
 
 
 def clean_name(name: str) -> str:
@@ -204,11 +208,9 @@ class ProjectStore:
         if path == self.scratch_dir():
             return self._default()
         existing = self.by_path(path)
-        if (
-            existing is not None
-        ):  # listed before the data directory rule: it stays usable (its files are guarded)
+        if existing is not None:  # also one listed before the data directory rule (its files are guarded)
             return self.rename(existing.id, name) if name else existing
-        path = check_directory(directory, self.data_dir)
+        check_apart_from_data(path, self.data_dir, str(directory).strip())
         pid = project_id_for(path)
         n = 2
         while self.get(pid) is not None:  # a project moved away from this folder keeps the folder's id
