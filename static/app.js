@@ -67,9 +67,28 @@
   }
   async function remove() {
     const id = conversationId();
-    if (!id) return alertBox("There is no conversation to delete yet.");
-    const yes = await ask(`Delete “${($("#chat-title") || {}).textContent}”? This cannot be undone.`, { ok: "Delete", safe: true });
+    if (!id) return alertBox("There is no conversation to move to the Trash yet.");
+    const yes = await ask(`Move “${chatTitle()}” to the Trash? View › Trash puts it back.`, { ok: "Move to Trash" });
     if (yes !== null) post(`/c/${id}/delete`, {});
+  }
+  // the Trash window: one conversation, or all of them, deleted for good (asked first: no undo)
+  const trashPost = (path) => htmx.ajax("POST", path, { values: {}, headers: { "X-CSRF-Token": csrf() }, target: "#trash-pane", swap: "outerHTML" });
+  async function deleteNow(button) {
+    const yes = await ask(`Delete “${button.dataset.title}” for good? This cannot be undone.`, { ok: "Delete", safe: true });
+    if (yes !== null) trashPost(`/c/${button.dataset.id}/delete-now`);
+  }
+  async function emptyTrash() {
+    const n = document.querySelectorAll("#trash-pane li[data-id]").length;
+    if (!n) return alertBox("The Trash is empty.");
+    const yes = await ask(`Delete the ${n === 1 ? "conversation" : n + " conversations"} in the Trash for good? This cannot be undone.`, { ok: "Empty Trash", safe: true });
+    if (yes !== null) trashPost("/trash/empty");
+  }
+  // File › Import Conversation…: a conversation's JSON export (File › Export as JSON) comes back as a new one
+  function importConversation() {
+    const input = $("#import-file");
+    if (!input) return;
+    input.value = "";  // the same file chosen twice is a change too
+    input.click();
   }
   // a passing word in the status line (Copy Last Reply), without a dialog to dismiss
   function note(text) {
@@ -118,7 +137,8 @@
   }
   const click = (sel) => { const b = $(sel); if (b && !b.disabled) b.click(); };
   const actions = {
-    new: newConversation, rename, delete: remove,
+    new: newConversation, rename, delete: remove, import: importConversation,
+    "empty-trash": emptyTrash,
     "export-md": () => download("md"), "export-json": () => download("json"),
     stop: () => click("#stop-button"), regenerate: () => click("#regenerate-button"),
     "copy-last": () => {
@@ -139,6 +159,7 @@
     e.preventDefault();
     document.activeElement?.blur?.();  // closes the CSS menus
     if (t.dataset.open) return openWindow(t.dataset.open);
+    if (t.dataset.action === "delete-now") return deleteNow(t);
     actions[t.dataset.action]?.();
   });
   function markSelected(id) {
@@ -216,6 +237,9 @@
     if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had
   });
   window.addEventListener("popstate", () => location.reload());
+  // after Move to Trash of the open conversation the page is /?trashed=ID (the list offers Undo): the
+  // address bar says "/" again, so a reload or a bookmark does not offer it once more
+  if (location.pathname === "/" && location.search.includes("trashed=")) history.replaceState({}, "", "/");
 
   // ---------------------------------------------------------------- menu bar clock
   function tick() {

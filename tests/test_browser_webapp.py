@@ -143,5 +143,58 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.wait_for_selector(f"#menubar-model:has-text('{AGENT_MODEL}')", timeout=120_000)
     assert page.input_value("#model-picker") == f"mlx:{AGENT_MODEL}"
 
+    # Export as JSON, then File > Import Conversation…: a new conversation with the same messages
+    with page.expect_download() as dl:
+        page.dispatch_event("nav [data-action=export-json]", "click")
+    exported = Path(dl.value.path())
+    page.dispatch_event("nav [data-action=import]", "click")  # opens the file chooser (headless: none shown)
+    page.set_input_files("#import-file", str(exported))
+    page.wait_for_function(f"() => location.pathname.startsWith('/c/') && location.pathname !== '/c/{cid}'")
+    copy = page.evaluate("() => location.pathname.split('/')[2]")
+    page.wait_for_selector(f"#conversation-list li[data-id='{copy}'].selected")
+    assert (
+        prompt in page.inner_text("#messages .msg-user")
+        and page.inner_text("#chat-title") == "Lighthouse story"
+    )
+    assert "Stopped" in page.inner_text("#messages .msg-assistant .msg-stats")  # its reply's numbers came too
+    # a file that is not an export: said in an alert, nothing added
+    bad = artifacts / "not-a-conversation.json"
+    bad.write_text('{"hello": 1}')
+    page.set_input_files("#import-file", str(bad))
+    page.locator("#alerts .alert-box", has_text="Could not import not-a-conversation.json").wait_for(
+        timeout=10_000
+    )
+    page.click("#alerts .alert-ok")
+    assert page.locator("#conversation-list li[data-id]").count() == 2
+
+    # Move to Trash (the open conversation), Undo; again, then Delete Now… from the Trash window
+    page.click("#conversations-window [data-action=delete]")
+    assert "View › Trash puts it back" in page.inner_text(".alert-box.modal .alert-text")
+    page.press(".alert-box.modal .dialog-ok", "Enter")
+    page.wait_for_selector("#conversation-list .trash-note")
+    assert page.locator(f"#conversation-list li[data-id='{copy}']").count() == 0
+    page.screenshot(path=str(artifacts / "browser_trash_undo.png"))
+    page.click("#conversation-list .trash-note button:has-text('Undo')")
+    page.wait_for_selector(f"#conversation-list li[data-id='{copy}']")
+    assert page.locator("#conversation-list .trash-note").count() == 0
+    page.click(f"#conversation-list li[data-id='{copy}'] a")
+    page.wait_for_function(f"() => location.pathname === '/c/{copy}'")
+    page.click("#conversations-window [data-action=delete]")
+    page.click(".alert-box.modal .dialog-ok")
+    page.wait_for_selector("#conversation-list .trash-note")
+    page.dispatch_event("nav [data-open=trash-window]", "click")
+    page.wait_for_selector(f"#trash-window:not([hidden]) #trash-pane li[data-id='{copy}']")
+    page.screenshot(path=str(artifacts / "browser_trash_window.png"))
+    page.click(f"#trash-pane li[data-id='{copy}'] [data-action=delete-now]")
+    assert "cannot be undone" in page.inner_text(".alert-box.modal .alert-text")
+    page.click(".alert-box.modal .dialog-ok")
+    page.wait_for_selector("#trash-pane .trash-status:has-text('for good')")
+    assert page.locator("#trash-pane li[data-id]").count() == 0
+    with sqlite3.connect(data_dir / "flashcode.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM conversations WHERE id = ?", (copy,)).fetchone()[0] == 0
+        assert (
+            db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (cid,)).fetchone()[0] >= 2
+        )
+
     assert not page.errors, page.errors
     print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")

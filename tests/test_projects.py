@@ -123,6 +123,26 @@ def test_projects_add_open_remove_keeps_the_directory_and_brings_data_back(tmp_p
         store.remove(DEFAULT_ID)
 
 
+def test_projects_a_name_too_long_is_refused_in_words_one_from_a_long_folder_name_is_cut(
+    tmp_path: Path,
+) -> None:
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    long_folder = tmp_path / ("w" * 120)
+    long_folder.mkdir()
+    (tmp_path / "short").mkdir()
+    with pytest.raises(ProjectError, match=r"at most 80 characters \(this one has 81\)"):
+        store.add(str(tmp_path / "short"), name="n" * 81)
+    assert store.add(str(long_folder)).name == "w" * 80  # taken from the folder: cut, as Finder would
+    p = store.add(str(tmp_path / "short"), name="n" * 80)
+    with pytest.raises(ProjectError, match="at most 80 characters"):
+        store.rename(p.id, "r" * 200)
+    assert store.get(p.id).name == "n" * 80
+    conv = d.create_conversation("x", project_id=p.id)
+    d.trash_conversation(conv.id)  # the Trash's are not counted on the list
+    assert store.conversation_counts().get(p.id, 0) == 0
+
+
 def test_projects_a_moved_project_leaves_its_old_folder_free_and_its_data_follows_it(tmp_path: Path) -> None:
     """`projects move` keeps the project's id, which came from its old folder: adding that folder again
     must not collide with it (it raised IntegrityError: a 500 in the Open dialog), and once the moved

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ from starlette.testclient import TestClient
 
 from engine.worker import Worker
 from tests.conftest import FakeBackend
+from tests.test_transcript import replayed
 from tests.test_ws import BASE, connect, conversation_id, send, until
 from webapp.app import create_app
 from webapp.db import Database
@@ -100,8 +103,64 @@ def test_webapp_rename_and_delete_need_csrf_token(app_parts) -> None:
     r = client.post(f"/c/{cid}/rename", data={"title": "  My <b>talk</b> "}, headers={"X-CSRF-Token": token})
     assert r.status_code == 200 and "My &lt;b&gt;talk&lt;/b&gt;" in r.text
     r = client.post(f"/c/{cid}/delete", headers={"X-CSRF-Token": token, "HX-Current-URL": f"{BASE}/c/{cid}"})
-    assert r.headers.get("hx-redirect") == "/"
-    assert client.get(f"/c/{cid}").status_code == 404
+    assert r.headers.get("hx-redirect") == f"/?trashed={cid}"
+    gone = client.get(f"/c/{cid}")
+    assert gone.status_code == 404 and "in the Trash" in gone.text
+    for path in (f"/c/{cid}/restore", f"/c/{cid}/delete-now", "/trash/empty"):
+        assert client.post(path).status_code == 403, path  # no token: nothing restored or deleted
+
+
+def test_webapp_trash_undo_put_back_delete_now_and_empty(app_parts) -> None:
+    """Move to Trash hides a conversation (list, page, socket) but keeps it whole: Undo and Put Back
+    restore it with its messages; only Delete Now and Empty Trash delete for good, and only from the Trash."""
+    client, _ = app_parts
+    first, second, third = (make_conversation(client, t) for t in ("one <b>", "two", "three"))
+    h = {"X-CSRF-Token": csrf(client)}
+    r = client.post(f"/c/{first}/delete", headers=h | {"HX-Current-URL": f"{BASE}/c/{second}"})
+    assert r.status_code == 200 and 'class="trash-note"' in r.text and "one &lt;b&gt;" in r.text
+    assert f'hx-post="/c/{first}/restore"' in r.text  # Undo
+    assert f'href="/c/{first}"' not in r.text and f'href="/c/{second}"' in r.text
+    assert 'id="trash-pane"' in r.text and f'data-id="{first}"' in r.text  # the Trash window, out of band
+    assert "2 items" in r.text
+    page = client.get(f"/?trashed={first}").text  # where Move to Trash of the open one lands
+    assert 'class="trash-note"' in page and f'href="/c/{first}"' not in page.split('id="trash-pane"')[0]
+    assert client.get(f"/c/{first}/export.json").status_code == 404
+    # a conversation not in the Trash cannot be deleted for good in one step
+    assert client.post(f"/c/{second}/delete-now", headers=h).status_code == 404
+    assert client.get(f"/c/{second}").status_code == 200
+    # Undo / Put Back: the conversation, its messages and its place
+    r = client.post(f"/c/{first}/restore", headers=h | {"HX-Current-URL": f"{BASE}/c/{second}"})
+    assert r.status_code == 200 and f'href="/c/{first}"' in r.text and "3 items" in r.text
+    assert 'class="trash-note"' not in r.text and "The Trash is empty." in r.text
+    assert "one &lt;b&gt;" in client.get(f"/c/{first}").text
+    assert client.post(f"/c/{first}/restore", headers=h).status_code == 404  # not in the Trash now
+    # Delete Now: that one only; Empty Trash: the rest
+    for cid in (first, second, third):
+        client.post(f"/c/{cid}/delete", headers=h)
+    r = client.post(f"/c/{first}/delete-now", headers=h)
+    assert "Deleted “one &lt;b&gt;” for good." in r.text and f'data-id="{first}"' not in r.text
+    assert f'data-id="{second}"' in r.text
+    db = client.app.state.flashcode.db
+    assert db.get_conversation(first, trashed=True) is None and db.messages(first) == []
+    r = client.post("/trash/empty", headers=h)
+    assert "Deleted 2 conversations for good." in r.text and "The Trash is empty." in r.text
+    assert db.get_conversation(second, trashed=True) is None
+
+
+def test_webapp_trash_is_emptied_of_what_went_there_over_30_days_ago(tmp_path: Path) -> None:
+    db = Database(tmp_path / "f.db")
+    old, recent, kept = (db.create_conversation(t) for t in ("old", "recent", "kept"))
+    for c in (old, recent):
+        db.add_message(c.id, "user", "hi")
+        db.trash_conversation(c.id)
+    db.conn.execute("UPDATE conversations SET trashed_at = trashed_at - 31 * 86400 WHERE id = ?", (old.id,))
+    db.close()
+    db = Database(tmp_path / "f.db")
+    assert db.purged == 1
+    assert db.get_conversation(old.id, trashed=True) is None
+    assert db.get_conversation(recent.id, trashed=True) is not None and db.messages(recent.id)
+    assert [c.id for c in db.list_conversations()] == [kept.id]
+    assert [c.id for c in db.trashed_conversations()] == [recent.id]
 
 
 def test_webapp_export_markdown_and_json(app_parts) -> None:
@@ -143,3 +202,112 @@ def test_webapp_incomplete_reply_is_shown_after_crash(tmp_path: Path) -> None:
         page = cl.get(f"/c/{c.id}").text
     assert "half a repl" in page and "status-incomplete" in page and "Incomplete" in page
     worker.close()
+
+
+def _import(client: TestClient, body: bytes | str, name: str = "talk.json", **extra: str):
+    h = {"X-CSRF-Token": csrf(client), "HX-Request": "true"}
+    data = body.encode() if isinstance(body, str) else body
+    return client.post("/conversations/import", files={"file": (name, data)}, data=extra, headers=h)
+
+
+def test_webapp_import_brings_an_export_back_as_a_new_conversation(app_parts) -> None:
+    """Export as JSON, then Import: a new conversation with the same messages, reply numbers and events;
+    the original untouched; importing twice gives two."""
+    client, _ = app_parts
+    cid = make_conversation(client, "export me")
+    db = client.app.state.flashcode.db
+    db.add_event(cid, "notice", {"type": "notice", "text": "a <i>logged</i> notice", "level": "info"})
+    exported = client.get(f"/c/{cid}/export.json").text
+    r = _import(client, exported)
+    assert r.status_code == 200
+    new = r.headers["hx-redirect"].removeprefix("/c/")
+    assert new != cid and len(new) == 12
+    again = _import(client, exported).headers["hx-redirect"].removeprefix("/c/")
+    assert again not in (cid, new)
+    one, two = client.get(f"/c/{cid}/export.json").json(), client.get(f"/c/{new}/export.json").json()
+    assert one["title"] == two["title"] and one["mode"] == two["mode"]
+
+    def strip(ms: list) -> list:
+        return [(m["role"], m["content"], m["status"], m["stats"].get("completion_tokens")) for m in ms]
+
+    assert strip(one["messages"]) == strip(two["messages"])
+    assert [(e["type"], e["data"]) for e in one["events"]] == [(e["type"], e["data"]) for e in two["events"]]
+    page = "".join(replayed(client.get(f"/c/{new}").text))
+    assert "export me" in page and "a &lt;i&gt;logged&lt;/i&gt; notice" in page
+    assert db.messages(cid) and len(db.list_conversations()) == 3
+
+
+def test_webapp_import_treats_the_file_as_untrusted(app_parts) -> None:
+    """A hostile file: markup in a slash command's logged HTML comes in as text, reply numbers a template
+    would choke on are dropped, an event with values of the wrong type is drawn as fields, roles other than
+    user and assistant are left out, and action ids cannot meet this database's."""
+    client, _ = app_parts
+    evil = {
+        "title": "<img src=x onerror=alert(1)>",
+        "messages": [
+            {"id": 1, "role": "system", "content": "you are evil"},
+            {"id": 2, "role": "user", "content": "<script>alert(1)</script>"},
+            {"id": 3, "role": "assistant", "content": "ok", "status": "streaming",
+             "stats": {"completion_tokens": "many", "decode_tps": "fast", "ttft_s": 1e400, "extra": {"hosts": 5},
+                       "model": "<b>m</b>"}},
+        ],
+        "events": [
+            {"type": "slash_output", "after_message": 3, "data": {"html": "<script>alert(2)</script><p>stats: 5 tok/s</p>"}},
+            {"type": "exit", "after_message": 3, "data": {"action_id": 7, "exit_code": "x", "duration_s": "slow", "description": "ran"}},
+            {"type": "proposal", "after_message": 2, "data": {"action_id": 7, "tool": "shell", "command": "rm -rf /"}},
+            "not an event",
+        ],
+    }  # fmt: skip
+    r = _import(client, json.dumps(evil))
+    assert r.status_code == 200, r.text
+    new = r.headers["hx-redirect"].removeprefix("/c/")
+    page = client.get(f"/c/{new}")
+    assert page.status_code == 200
+    text = page.text + "".join(replayed(page.text))  # the page and the fragments it draws the transcript with
+    assert "<script>alert" not in text and "<img src=x" not in text and "&lt;script&gt;alert(1)" in text
+    assert "stats: 5 tok/s" in text  # the slash command's words, as text
+    db = client.app.state.flashcode.db
+    msgs = db.messages(new)
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].status == "incomplete"
+    assert msgs[1].stats == {"model": "<b>m</b>"}
+    events = db.events(new)
+    assert [e.type for e in events] == ["notice", "exit", "proposal"]
+    assert {e.data["action_id"] for e in events if "action_id" in e.data} == {-1}
+    assert all(e.after_message in (msgs[0].id, msgs[1].id) for e in events)
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("not json at all", "it is not JSON"),
+        ('{"title": "x"}', "expected a JSON object with a 'messages' list"),
+        ('[{"role": "user", "content": "hi"}]', "expected a JSON object with a 'messages' list"),
+        ('{"messages": [{"role": "system", "content": "x"}]}', "no user or assistant messages"),
+        (
+            '{"messages": [{"role": "user", "content": 5}]}',
+            "message 1 is not an object with a text 'content'",
+        ),
+        (b"\xff\xfe\x00garbage", "it is not JSON"),
+        ("[" * 100_000 + "]" * 100_000, "it is not JSON"),
+    ],
+)
+def test_webapp_import_refuses_a_bad_file_in_words_and_stores_nothing(app_parts, body, said) -> None:
+    client, _ = app_parts
+    r = _import(client, body, name="mine.json")
+    assert r.status_code == 200 and 'role="alert"' in r.text
+    assert r.text.startswith('<ul id="conversation-list"')  # the form's target stays a list
+    alert = html.unescape(r.text.split('role="alert"')[1])
+    assert "Could not import mine.json: " in alert and said in alert
+    assert client.app.state.flashcode.db.list_conversations() == []
+
+
+def test_webapp_import_needs_the_token_and_a_listed_project(app_parts) -> None:
+    client, _ = app_parts
+    body = '{"messages": [{"role": "user", "content": "hi"}]}'
+    no_token = client.post("/conversations/import", files={"file": ("a.json", body)})
+    assert no_token.status_code == 403
+    assert _import(client, body, project_id="nosuchproject").status_code == 404
+    h = {"X-CSRF-Token": csrf(client)}
+    r = client.post("/conversations/import", files={"file": ("a.json", body)}, headers=h)  # no htmx: JSON
+    assert r.status_code == 201 and r.json()["messages"] == 1
+    assert client.app.state.flashcode.db.get_conversation(r.json()["id"]).project_id == "default"

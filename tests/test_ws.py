@@ -380,11 +380,31 @@ def test_ws_conversation_deleted_while_its_reply_streams(tmp_path: Path, caplog)
             send(ws, type="send", text="long please")
             frames = until(ws, r"t2")
             cid = conversation_id(frames)
-            r = c.post(f"/c/{cid}/delete", headers={"x-csrf-token": csrf, "origin": ORIGIN})
-            assert r.status_code == 200
+            for step in ("delete", "delete-now"):  # to the Trash, then deleted for good from it
+                r = c.post(f"/c/{cid}/{step}", headers={"x-csrf-token": csrf, "origin": ORIGIN})
+                assert r.status_code == 200
             frames = until(ws, r'data-state="idle"')
             assert "internal error" not in "".join(frames)
             send(ws, type="send", text="again")
             frames = until(ws, r'data-state="idle"')
             assert "next" in "".join(frames)
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+def test_ws_conversation_moved_to_the_trash_while_its_reply_streams_keeps_the_reply(tmp_path: Path) -> None:
+    """Moved to the Trash mid-reply: the reply is stored all the same, and Put Back shows it."""
+    slow = FakeBackend(delay=0.02)
+    slow.enqueue(*[f" t{i}" for i in range(30)])
+    with served(slow, tmp_path) as c:
+        h = {"x-csrf-token": c.app.state.flashcode.csrf_token, "origin": ORIGIN}
+        with connect(c) as ws:
+            send(ws, type="send", text="long please")
+            cid = conversation_id(until(ws, r"t2"))
+            assert c.post(f"/c/{cid}/delete", headers=h).status_code == 200
+            until(ws, r'data-state="idle"')
+            send(ws, type="send", text="more", conversation_id=cid)
+            assert "is in the Trash" in "".join(until(ws, r'role="alert"'))
+        assert c.post(f"/c/{cid}/restore", headers=h).status_code == 200
+        db = c.app.state.flashcode.db
+        reply = db.messages(cid)[-1]
+        assert reply.role == "assistant" and reply.content.endswith("t29") and reply.status == "complete"

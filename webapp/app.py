@@ -140,6 +140,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
     pages = ChatPages(db, engine, views)
     views.render_event = agent.views.stored  # the transcript replays the agent's logged events
+    pages.import_event = agent.views.importable  # an imported conversation's events, checked
     views.slash_commands = tuple(
         {"name": c.name, "usage": c.usage, "help": c.help}
         for c in sorted(commands.commands.values(), key=lambda c: c.name)

@@ -30,11 +30,12 @@ makes them on the event loop (local file, small rows).
 from __future__ import annotations
 
 import json
+import math
 import re
 import sqlite3
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -264,7 +265,19 @@ MIGRATIONS: list[Migration] = [
         "auto-approve file edits per project",
         ("ALTER TABLE agent_project_settings ADD COLUMN approve_edits INTEGER NOT NULL DEFAULT 0",),
     ),
+    # the Trash: Delete moves a conversation there (`trashed_at`: when); Put Back, Empty Trash, and
+    # those trashed over TRASH_DAYS ago deleted for good when the database opens
+    Migration(
+        9,
+        "conversation trash",
+        (
+            "ALTER TABLE conversations ADD COLUMN trashed_at REAL",
+            "CREATE INDEX conversations_by_trash ON conversations(trashed_at)",
+        ),
+    ),
 ]
+
+TRASH_DAYS = 30  # a conversation in the Trash is deleted for good this long after it went there
 
 SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows
 
@@ -308,6 +321,7 @@ class Conversation:
     project_id: str = "default"
     mode: str = "chat"  # chat | agent
     generation: str | None = None  # JSON of the conversation's own generation settings
+    trashed_at: float | None = None  # in the Trash since (None: not in it)
 
     @property
     def generation_settings(self) -> dict[str, Any]:
@@ -351,6 +365,7 @@ class Database:
         check_version(self.conn, path)
         migrate(self.conn)
         self.recovered = self._mark_interrupted()
+        self.purged = self.purge_trash(time.time() - TRASH_DAYS * 86400)
 
     def close(self) -> None:
         self.conn.close()
@@ -375,15 +390,19 @@ class Database:
         )
         return conv
 
-    def get_conversation(self, conversation_id: str) -> Conversation | None:
-        row = self.conn.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+    def get_conversation(self, conversation_id: str, trashed: bool = False) -> Conversation | None:
+        """A conversation; one in the Trash only with `trashed` (for everything else it is gone)."""
+        where = "" if trashed else " AND trashed_at IS NULL"
+        row = self.conn.execute(
+            f"SELECT * FROM conversations WHERE id=?{where}", (conversation_id,)
+        ).fetchone()
         return Conversation(**dict(row)) if row else None
 
     def list_conversations(self, project_id: str | None = None) -> list[Conversation]:
-        """Newest first: one project's, or every project's (None)."""
-        where, args = ("WHERE project_id=? ", (project_id,)) if project_id is not None else ("", ())
+        """Newest first: one project's, or every project's (None); none from the Trash."""
+        where, args = ("AND project_id=? ", (project_id,)) if project_id is not None else ("", ())
         rows = self.conn.execute(
-            f"SELECT * FROM conversations {where}ORDER BY updated_at DESC, id", args
+            f"SELECT * FROM conversations WHERE trashed_at IS NULL {where}ORDER BY updated_at DESC, id", args
         ).fetchall()
         return [Conversation(**dict(r)) for r in rows]
 
@@ -393,8 +412,43 @@ class Database:
         )
         return cur.rowcount == 1
 
+    # ------------------------------------------------------------------ the Trash
+    def trash_conversation(self, conversation_id: str) -> bool:
+        """Move a conversation to the Trash (Put Back restores it whole)."""
+        return (
+            self.conn.execute(
+                "UPDATE conversations SET trashed_at=? WHERE id=? AND trashed_at IS NULL",
+                (time.time(), conversation_id),
+            ).rowcount
+            == 1
+        )
+
+    def restore_conversation(self, conversation_id: str) -> bool:
+        """Put a conversation back from the Trash."""
+        return (
+            self.conn.execute(
+                "UPDATE conversations SET trashed_at=NULL WHERE id=? AND trashed_at IS NOT NULL",
+                (conversation_id,),
+            ).rowcount
+            == 1
+        )
+
+    def trashed_conversations(self) -> list[Conversation]:
+        """Everything in the Trash, every project's, the most recently trashed first."""
+        rows = self.conn.execute(
+            "SELECT * FROM conversations WHERE trashed_at IS NOT NULL ORDER BY trashed_at DESC, id"
+        ).fetchall()
+        return [Conversation(**dict(r)) for r in rows]
+
     def delete_conversation(self, conversation_id: str) -> bool:
+        """Delete a conversation for good: its messages and events go with it (cascade)."""
         return self.conn.execute("DELETE FROM conversations WHERE id=?", (conversation_id,)).rowcount == 1
+
+    def purge_trash(self, before: float | None = None) -> int:
+        """Delete for good what is in the Trash (Empty Trash), or what went there before `before`."""
+        if before is None:
+            return self.conn.execute("DELETE FROM conversations WHERE trashed_at IS NOT NULL").rowcount
+        return self.conn.execute("DELETE FROM conversations WHERE trashed_at < ?", (before,)).rowcount
 
     def touch(self, conversation_id: str, model: str | None = None, backend: str | None = None) -> None:
         self.conn.execute(
@@ -613,11 +667,14 @@ def export_markdown(
 def export_json(
     conv: Conversation, messages: list[StoredMessage], events: Sequence[StoredEvent] = ()
 ) -> dict[str, Any]:
+    """The conversation as JSON (`import_json` reads it back, as a new conversation)."""
     return {
+        "format": EXPORT_FORMAT,
         "id": conv.id,
         "title": conv.title,
         "model": conv.model,
         "backend": conv.backend,
+        "mode": conv.mode,
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
         "messages": [
@@ -638,3 +695,155 @@ def export_json(
             for e in events
         ],
     }
+
+
+# ---------------------------------------------------------------------- import
+EXPORT_FORMAT = "flashcode-conversation-1"
+IMPORT_STATUSES = frozenset(
+    {"complete", "stopped", "incomplete", "error"}
+)  # "streaming" comes in as incomplete
+MAX_IMPORT_MESSAGES = 20_000
+# a reply footer's numbers (the template formats them) and words; anything else in an imported `stats` is dropped
+_STAT_NUMBERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tps", "continued")
+_STAT_WORDS = ("finish_reason", "model", "backend", "turn", "error")
+
+EventConverter = Callable[[str, dict[str, Any]], "tuple[str, dict[str, Any]] | None"]
+
+
+class ConversationImportError(ValueError):
+    """The file is not a conversation flashcode can import; the message says what is wrong."""
+
+
+@dataclass
+class Imported:
+    conversation: Conversation
+    messages: int
+    events: int
+    skipped: list[str]  # what was left out, in words
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _imported_stats(stats: Any) -> dict[str, Any]:
+    if not isinstance(stats, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key in _STAT_NUMBERS:
+        n = _number(stats.get(key))
+        if n is not None and n >= 0:
+            out[key] = int(n) if key.endswith("tokens") or key == "continued" else n
+    for key in _STAT_WORDS:
+        if isinstance(stats.get(key), str):
+            out[key] = stats[key][:500]
+    return out
+
+
+def import_json(
+    db: Database, data: Any, project_id: str, convert_event: EventConverter | None = None
+) -> Imported:
+    """Add a conversation from `export_json`'s shape (or any JSON object with a `messages` list of
+    `{"role": "user" | "assistant", "content": "..."}`) as a NEW conversation of `project_id`: nothing
+    already stored is touched. Everything in the file is untrusted: roles, statuses and reply numbers are
+    checked, events go through `convert_event` (None: left out) and their action ids are renumbered
+    below zero (they cannot meet this database's). Raises ConversationImportError before writing anything."""
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise ConversationImportError(
+            "this is not a conversation export: expected a JSON object with a 'messages' list "
+            "(File > Export as JSON writes one)"
+        )
+    raw = data["messages"]
+    if len(raw) > MAX_IMPORT_MESSAGES:
+        raise ConversationImportError(
+            f"it has {len(raw)} messages; at most {MAX_IMPORT_MESSAGES} can be imported"
+        )
+    skipped: list[str] = []
+    messages: list[tuple[Any, str, str, str, dict[str, Any], float | None]] = []
+    for i, m in enumerate(raw, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ConversationImportError(f"message {i} is not an object with a text 'content'")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            skipped.append(
+                f"message {i} (role {str(role)[:40]!r}: only user and assistant messages are kept)"
+            )
+            continue
+        status = m.get("status") if m.get("status") in IMPORT_STATUSES else "complete"
+        if m.get("status") == "streaming":
+            status = "incomplete"
+        created = _number(m.get("created_at"))
+        stats = _imported_stats(m.get("stats")) if role == "assistant" else {}
+        messages.append((m.get("id"), role, m["content"], status, stats, created))
+    if not messages:
+        raise ConversationImportError("it has no user or assistant messages to import")
+    title = data.get("title") if isinstance(data.get("title"), str) else ""
+    title = " ".join(title.split())[:120] or "Imported conversation"
+    events = data.get("events") if isinstance(data.get("events"), list) else []
+    mode = data.get("mode") if data.get("mode") in ("chat", "agent") else "chat"
+
+    now = time.time()
+    conv = Conversation(uuid.uuid4().hex[:12], title, None, None, now, now, project_id, mode)
+    for key in ("model", "backend"):
+        if isinstance(data.get(key), str):
+            setattr(conv, key, data[key][:200])
+    ids: dict[Any, int] = {}  # the file's message ids -> the new ones
+    actions: dict[Any, int] = {}  # the file's action ids -> new ones below zero
+    kept = 0
+    db.conn.execute("BEGIN")
+    try:
+        db.conn.execute(
+            "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode),
+        )
+        for old_id, role, content, status, stats, created in messages:
+            cur = db.conn.execute(
+                "INSERT INTO messages (conversation_id, role, content, status, stats, created_at) "
+                "VALUES (?,?,?,?,?,?)",
+                (conv.id, role, content, status, json.dumps(stats) if stats else None, created or now),
+            )
+            if isinstance(old_id, int | str) and not isinstance(old_id, bool):
+                ids.setdefault(old_id, int(cur.lastrowid or 0))
+        for i, e in enumerate(events, 1):
+            if (
+                not isinstance(e, dict)
+                or not isinstance(e.get("type"), str)
+                or not isinstance(e.get("data"), dict)
+            ):
+                skipped.append(f"event {i} (not an object with a 'type' and a 'data' object)")
+                continue
+            converted = convert_event(e["type"], e["data"]) if convert_event else None
+            if converted is None:
+                skipped.append(f"event {i} ({e['type'][:40]!r})")
+                continue
+            type_, event = converted
+            if "action_id" in event:
+                event = event | {"action_id": actions.setdefault(event["action_id"], -1 - len(actions))}
+            after = e.get("after_message")
+            if after in (0, None):
+                after_new = 0
+            elif after in ids:
+                after_new = ids[after]
+            else:  # a message left out or since deleted: after the newest one before it
+                olds = [k for k in ids if isinstance(k, int) and isinstance(after, int) and k <= after]
+                after_new = ids[max(olds)] if olds else 0
+            db.conn.execute(
+                "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                "VALUES (?,?,?,?,?)",
+                (
+                    conv.id,
+                    after_new,
+                    type_,
+                    json.dumps(event, default=str),
+                    _number(e.get("created_at")) or now,
+                ),
+            )
+            kept += 1
+        db.conn.execute("COMMIT")
+    except BaseException:
+        db.conn.execute("ROLLBACK")
+        raise
+    return Imported(conv, len(messages), kept, skipped)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import re
+import time
 import unicodedata
 from functools import lru_cache
 from pathlib import Path
@@ -100,7 +101,15 @@ def make_environment() -> Environment:
     env.filters["markdown"] = markdown_markup
     env.filters["human_size"] = human_size
     env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
+    env.filters["when"] = when
     return env
+
+
+def when(epoch: float | None) -> str:
+    """A moment as this computer's local date and time to the minute ("" for none)."""
+    if epoch is None:
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch))
 
 
 def escape_text(text: str) -> str:

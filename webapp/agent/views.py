@@ -48,9 +48,20 @@ class AgentViews:
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             e = cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError:  # logged by an older shape of the event
+            return self.event(e) or str(self.ui.stored_event(type, data))
+        except Exception:  # noqa: BLE001
+            # logged by an older shape of the event, or an imported file's values a template cannot format:
+            # drawn as its fields (escaped) rather than failing the whole transcript
             return str(self.ui.stored_event(type, data))
-        return self.event(e) or str(self.ui.stored_event(type, data))
+
+    def importable(self, type: str, data: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """An event from an imported conversation file, as it may be logged here (`webapp.db.import_json`).
+        The file is untrusted: a slash command's logged HTML comes in as its plain text (a notice); every
+        other event is redrawn by `stored`, through the autoescaping templates."""
+        if type == SLASH_OUTPUT:
+            text = " ".join(Markup(str(data.get("html", ""))).striptags().split())  # noqa: S704 - text out
+            return ("notice", ev.Notice(text[:20_000]).to_dict()) if text else None
+        return type, dict(data)
 
     def event(self, e: ev._Event) -> str:
         """The fragment for one event; "" for those the web app draws itself (answer text, turn end)."""

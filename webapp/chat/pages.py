@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 
 from starlette.exceptions import HTTPException
@@ -16,7 +17,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..db import Conversation, Database, export_json, export_markdown
+from ..db import (
+    Conversation,
+    ConversationImportError,
+    Database,
+    EventConverter,
+    export_json,
+    export_markdown,
+    import_json,
+)
 from ..engine_host import EngineState
 from ..render import pygments_css
 from ..units import parse_budget
@@ -24,6 +33,8 @@ from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
 
 MAX_TITLE_CHARS = 120
+MAX_IMPORT_BYTES = 64 << 20  # a conversation file to import, at most
+log = logging.getLogger(__name__)
 
 
 def _filename(conv: Conversation, ext: str) -> str:
@@ -38,6 +49,9 @@ def _attachment(conv: Conversation, ext: str) -> dict[str, str]:
 class ChatPages:
     def __init__(self, db: Database, engine: EngineState, views: ChatViews) -> None:
         self.db, self.engine, self.views = db, engine, views
+        self.import_event: EventConverter | None = (
+            None  # set by create_app: an imported event, as logged here
+        )
 
     @property
     def routes(self) -> list[Route]:
@@ -48,6 +62,11 @@ class ChatPages:
             Route("/c/{conversation_id:str}", self.conversation_page),
             Route("/c/{conversation_id:str}/rename", self.rename, methods=["POST"]),
             Route("/c/{conversation_id:str}/delete", self.delete, methods=["POST"]),
+            Route("/c/{conversation_id:str}/restore", self.restore, methods=["POST"]),
+            Route("/c/{conversation_id:str}/delete-now", self.delete_now, methods=["POST"]),
+            Route("/trash", self.trash),
+            Route("/trash/empty", self.empty_trash, methods=["POST"]),
+            Route("/conversations/import", self.import_conversation, methods=["POST"]),
             Route("/c/{conversation_id:str}/export.md", self.export_md),
             Route("/c/{conversation_id:str}/export.json", self.export_json),
             Route("/static/pygments.css", self.pygments_stylesheet),
@@ -62,7 +81,15 @@ class ChatPages:
     def _conversation(self, request: Request) -> Conversation:
         conv = self.db.get_conversation(request.path_params["conversation_id"])
         if conv is None:
+            if self.db.get_conversation(request.path_params["conversation_id"], trashed=True):
+                raise HTTPException(404, "this conversation is in the Trash: View > Trash puts it back")
             raise HTTPException(404, "no such conversation (it may have been deleted)")
+        return conv
+
+    def _trashed(self, request: Request) -> Conversation:
+        conv = self.db.get_conversation(request.path_params["conversation_id"], trashed=True)
+        if conv is None or conv.trashed_at is None:
+            raise HTTPException(404, "no such conversation in the Trash (it may have been deleted for good)")
         return conv
 
     # ------------------------------------------------------------------ pages
@@ -72,6 +99,9 @@ class ChatPages:
         return HTMLResponse(self.views.page(conversation_id))
 
     async def index(self, request: Request) -> HTMLResponse:
+        trashed = self.db.get_conversation(request.query_params.get("trashed") or "", trashed=True)
+        if trashed is not None and trashed.trashed_at is not None and not request.headers.get("hx-request"):
+            return HTMLResponse(self.views.page(None, undo=trashed))  # after Move to Trash: Undo offered
         return self._page(request, None)
 
     async def conversation_page(self, request: Request) -> HTMLResponse:
@@ -93,12 +123,87 @@ class ChatPages:
         return HTMLResponse(self.views.conversation_list(conv.id, oob=False) + self.views.chat_title(title))
 
     async def delete(self, request: Request) -> Response:
+        """POST /c/ID/delete: Move to Trash (Undo in the list, Put Back in the Trash window)."""
         conv = self._conversation(request)
-        self.db.delete_conversation(conv.id)
+        self.db.trash_conversation(conv.id)
         current_url = request.headers.get("hx-current-url", "")
         if re.search(rf"/c/{re.escape(conv.id)}(?:[?#]|$)", current_url):
-            return Response(status_code=200, headers={"HX-Redirect": "/"})
-        return HTMLResponse(self.views.conversation_list(None, oob=False))
+            return Response(status_code=200, headers={"HX-Redirect": f"/?trashed={conv.id}"})
+        return HTMLResponse(self.views.conversation_list(None, oob=False, undo=conv))
+
+    async def restore(self, request: Request) -> HTMLResponse:
+        """POST /c/ID/restore: Put Back (or Undo) — the conversation is listed again in its project."""
+        conv = self._trashed(request)
+        self.db.restore_conversation(conv.id)
+        return HTMLResponse(self.views.conversation_list(self._current(request), oob=False))
+
+    async def delete_now(self, request: Request) -> HTMLResponse:
+        """POST /c/ID/delete-now: delete one conversation in the Trash for good (the page asked first)."""
+        conv = self._trashed(request)
+        self.db.delete_conversation(conv.id)
+        return HTMLResponse(self.views.trash(note=f"Deleted “{conv.title}” for good."))
+
+    async def trash(self, request: Request) -> HTMLResponse:
+        return HTMLResponse(self.views.trash())
+
+    async def empty_trash(self, request: Request) -> HTMLResponse:
+        """POST /trash/empty: everything in the Trash deleted for good (the page asked first)."""
+        n = self.db.purge_trash()
+        return HTMLResponse(
+            self.views.trash(note=f"Deleted {n} conversation{'' if n == 1 else 's'} for good.")
+        )
+
+    def _current(self, request: Request) -> str | None:
+        """The conversation the page that asked shows (its list keeps it selected)."""
+        found = re.search(r"/c/([0-9a-f]{12})(?:[?#/]|$)", request.headers.get("hx-current-url", ""))
+        return found.group(1) if found and self.db.get_conversation(found.group(1)) else None
+
+    async def import_conversation(self, request: Request) -> Response:
+        """POST /conversations/import (multipart: `file`, a conversation's JSON export; `project_id`): a NEW
+        conversation in that project (the open one without it). The page goes to it; a bad file is said in
+        an alert and nothing is stored."""
+        form = await request.form(max_part_size=MAX_IMPORT_BYTES)
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise HTTPException(400, "send the conversation's JSON file as the form field 'file'")
+        name = upload.filename or "the file"
+        project = self._import_project(str(form.get("project_id") or ""))
+        body = await upload.read(MAX_IMPORT_BYTES + 1)
+        await form.close()
+        try:
+            if len(body) > MAX_IMPORT_BYTES:
+                raise ConversationImportError(f"it is over {MAX_IMPORT_BYTES >> 20} MB")
+            try:
+                data = json.loads(body.decode("utf-8-sig"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                raise ConversationImportError(f"it is not JSON ({exc})") from None
+            done = import_json(self.db, data, project, self.import_event)
+        except ConversationImportError as exc:
+            text = f"Could not import {name}: {exc}."
+            if not request.headers.get("hx-request"):
+                raise HTTPException(400, text) from None
+            listed = self.views.conversation_list(self._current(request), oob=False)  # the form's target
+            return HTMLResponse(listed + self.views.alert(text))
+        log.info(
+            "imported %s as conversation %s (%s)", name, done.conversation.id, done.skipped or "all kept"
+        )
+        if not request.headers.get("hx-request"):
+            return JSONResponse(
+                {"id": done.conversation.id, "messages": done.messages, "events": done.events,
+                 "skipped": done.skipped},
+                status_code=201,
+            )  # fmt: skip
+        return Response(status_code=200, headers={"HX-Redirect": f"/c/{done.conversation.id}"})
+
+    def _import_project(self, project_id: str) -> str:
+        projects = self.views.projects
+        if projects is None:
+            return project_id or "default"
+        if not project_id:
+            return projects.current().id
+        if projects.get(project_id) is None:
+            raise HTTPException(404, f"there is no project {project_id!r} (it may have been removed)")
+        return project_id
 
     async def engine_state(self, request: Request) -> HTMLResponse:
         """GET /engine-state: every place that names the engine, out-of-band (a page that reconnected)."""

@@ -196,10 +196,11 @@ class ReplyStream:
         then: Iterable[str] = (),
     ) -> StoredMessage | None:
         """Store the reply with its stats, run the hooks, and send it rendered (with `then`); None when the
-        conversation was deleted while the reply streamed (nothing left to store or show)."""
+        conversation was deleted while the reply streamed (nothing left to store or show). A conversation
+        moved to the Trash meanwhile keeps its reply (Put Back shows it)."""
         self.close()
         self.finished = True
-        if self.db.get_conversation(self.conversation_id) is None:
+        if self.db.get_conversation(self.conversation_id, trashed=True) is None:
             log.info("conversation %s was deleted while its reply streamed", self.conversation_id)
             if then:
                 self.send(*then)  # the controls go back to idle all the same

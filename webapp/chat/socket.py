@@ -178,7 +178,10 @@ class Session:
         db, views = self.ctx.db, self.views
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if msg.conversation_id and conv is None:
-            self.error("that conversation no longer exists: start a new one (File > New Conversation)")
+            if db.get_conversation(msg.conversation_id, trashed=True) is not None:
+                self.error("that conversation is in the Trash: put it back (View > Trash) to go on with it")
+            else:
+                self.error("that conversation no longer exists: start a new one (File > New Conversation)")
             return
         created = conv is None
         if conv is None:

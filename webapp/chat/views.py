@@ -15,7 +15,7 @@ from jinja2_fragments import render_block
 
 from engine.models import list_models
 
-from ..db import Conversation, Database, StoredMessage
+from ..db import TRASH_DAYS, Conversation, Database, StoredMessage
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
@@ -49,13 +49,16 @@ class ChatViews(TranscriptViews):
         self.ui: Any = env.get_template("macros.html").module
 
     # ------------------------------------------------------------------ page
-    def page(self, conversation_id: str | None = None) -> str:
-        return self.env.get_template("page.html").render(**self.page_context(conversation_id))
+    def page(self, conversation_id: str | None = None, undo: Conversation | None = None) -> str:
+        return self.env.get_template("page.html").render(**self.page_context(conversation_id, undo))
 
     def chat_window(self, conversation_id: str | None = None) -> str:
         return render_block(self.env, "page.html", "chat_window", **self.page_context(conversation_id))
 
-    def page_context(self, conversation_id: str | None = None) -> dict[str, Any]:
+    def page_context(
+        self, conversation_id: str | None = None, undo: Conversation | None = None
+    ) -> dict[str, Any]:
+        """`undo`: a conversation just moved to the Trash (the list offers it back)."""
         db, engine = self.db, self.engine
         conv = db.get_conversation(conversation_id) if conversation_id else None
         messages = db.messages(conv.id) if conv else []
@@ -76,6 +79,9 @@ class ChatViews(TranscriptViews):
             "project_id": project.id if project else "default",
             "settings_rows": self.settings_rows(),
             "written_with": self.written_with(conv, choices),
+            "undo": undo,
+            "trash_items": self.trash_items(),
+            "trash_days": TRASH_DAYS,
         }
 
     def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -162,11 +168,28 @@ class ChatViews(TranscriptViews):
         """The project a page shows: the conversation's, or the open one (None: projects not wired)."""
         return self.projects.of_conversation(conversation_id) if self.projects else None
 
-    def conversation_list(self, current_id: str | None, oob: bool = True) -> str:
+    def conversation_list(
+        self, current_id: str | None, oob: bool = True, undo: Conversation | None = None
+    ) -> str:
+        """The open project's conversations (`undo`: one just moved to the Trash, offered back at the top),
+        with the item count and the Trash window, both out-of-band."""
         project = self.project_of(current_id)
         conversations = self.db.list_conversations(project.id if project else None)
         count = str(self.ui.conversation_count(len(conversations), oob=True))
-        return str(self.ui.conversation_list(conversations, current_id, oob=oob)) + count
+        listed = self.ui.conversation_list(conversations, current_id, oob=oob, undo=undo)
+        return str(listed) + count + self.trash(oob=True)
+
+    def trash_items(self) -> list[dict[str, Any]]:
+        """The Trash's conversations (every project's, the last trashed first), each with its project's name."""
+        items = []
+        for c in self.db.trashed_conversations():
+            project = self.projects.get(c.project_id) if self.projects else None
+            items.append({"conversation": c, "project": project.name if project else None})
+        return items
+
+    def trash(self, oob: bool = False, note: str = "") -> str:
+        """The Trash window's pane."""
+        return str(self.ui.trash_pane(self.trash_items(), TRASH_DAYS, oob=oob, note=note))
 
     def conversation_field(self, conversation_id: str) -> str:
         return str(self.ui.conversation_field(conversation_id, oob=True))

@@ -94,11 +94,17 @@ def check_apart_from_data(resolved: Path, data_dir: Path, text: str | None = Non
         )
 
 
-def clean_name(name: str) -> str:
-    text = " ".join("".join(c if c.isprintable() else " " for c in name).split())[:MAX_NAME_CHARS]
+def clean_name(name: str, given: bool = True) -> str:
+    """A project name on one line; a name the user `given` is refused over MAX_NAME_CHARS (one taken
+    from a folder's name is cut to it)."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in name).split())
     if not text:
         raise ProjectError("a project name cannot be empty")
-    return text
+    if len(text) > MAX_NAME_CHARS and given:
+        raise ProjectError(
+            f"a project name is at most {MAX_NAME_CHARS} characters (this one has {len(text)}): pick a shorter one"
+        )
+    return text[:MAX_NAME_CHARS].rstrip()
 
 
 def project_id_for(path: Path, n: int = 1) -> str:
@@ -188,7 +194,9 @@ class ProjectStore:
         return self.current()
 
     def conversation_counts(self) -> dict[str, int]:
-        rows = self.conn.execute("SELECT project_id, COUNT(*) FROM conversations GROUP BY project_id")
+        rows = self.conn.execute(  # the Trash's are not counted: the list does not show them
+            "SELECT project_id, COUNT(*) FROM conversations WHERE trashed_at IS NULL GROUP BY project_id"
+        )
         return {pid: int(n) for pid, n in rows.fetchall()}
 
     def _default(self) -> ProjectRef:
@@ -215,7 +223,7 @@ class ProjectStore:
         n = 2
         while self.get(pid) is not None:  # a project moved away from this folder keeps the folder's id
             pid, n = project_id_for(path, n), n + 1
-        wanted = clean_name(name or path.name or "project")
+        wanted = clean_name(name) if name else clean_name(path.name or "project", given=False)
         final = wanted if name else self._free_name(wanted)
         self._check_name_free(final, pid)
         self.conn.execute(
