@@ -115,6 +115,12 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     kind: Literal["text", "reasoning"] = "text"
+    n_tokens: int | None = None  # tokens this text came from, when the engine knows it without their ids
+
+    @property
+    def count(self) -> int:
+        """How many generated tokens this delta stands for (its ids, or the engine's count)."""
+        return self.n_tokens if self.n_tokens is not None else len(self.token_ids)
 
 
 @dataclass(frozen=True)

@@ -517,6 +517,17 @@ class _Turn:
     timings: dict[str, Any] = field(default_factory=dict)
     usage: dict[str, Any] = field(default_factory=dict)
     n_deltas: int = 0
+    ended: bool = False  # the server said the reply ended (a finish reason, or a native chunk's stop)
+    counted: int = 0  # generated tokens given to deltas so far (the chat endpoint's per-token timings)
+
+    def new_tokens(self) -> int:
+        """Tokens generated since the last delta, by the server's running count (`timings_per_token`);
+        1 for a server that does not send it."""
+        generated = self.timings.get("predicted_n")
+        if not isinstance(generated, int):
+            return 1
+        n, self.counted = max(0, generated - self.counted), max(self.counted, generated)
+        return n
 
 
 class LlamaServerBackend:
@@ -724,6 +735,9 @@ class LlamaServerBackend:
             "min_p": 0.0,
             "cache_prompt": True,
             "id_slot": 0 if self.settings["parallel"] == 1 else -1,
+            # every chunk carries the running counts: a reply stopped or cut before its last chunk still
+            # has its prompt and generated tokens (and the chat endpoint streams no token ids)
+            "timings_per_token": True,
         }
         if sp.seed is not None:
             body["seed"] = sp.seed
@@ -785,7 +799,7 @@ class LlamaServerBackend:
         except (httpx.TransportError, ServerError) as exc:
             if not cancel.is_set():
                 error = self._describe_failure(exc)
-        if cancel.is_set() and error is None and not turn.timings:
+        if cancel.is_set() and error is None and not turn.ended:
             turn.finish = "cancelled"
         tail = stops.flush()
         if tail:
@@ -819,7 +833,7 @@ class LlamaServerBackend:
             for choice in chunk["choices"]:
                 d = choice.get("delta") or {}
                 if d.get("reasoning_content"):
-                    yield TextDelta(d["reasoning_content"], (), "reasoning")
+                    yield TextDelta(d["reasoning_content"], (), "reasoning", turn.new_tokens())
                 for tc in d.get("tool_calls") or ():
                     call = turn.calls.setdefault(int(tc.get("index", 0)), {"id": "", "name": "", "args": ""})
                     fn = tc.get("function") or {}
@@ -828,11 +842,12 @@ class LlamaServerBackend:
                     call["args"] += fn.get("arguments") or ""
                 if d.get("content"):
                     piece = stops.feed(d["content"])
-                    if piece:
+                    if piece:  # (text a stop string may start is held: its tokens count with what follows)
                         turn.text.append(piece)
                         turn.n_deltas += 1
-                        yield TextDelta(piece, ())
+                        yield TextDelta(piece, (), n_tokens=turn.new_tokens())
                 if choice.get("finish_reason"):
+                    turn.ended = True
                     turn.finish = "length" if choice["finish_reason"] == "length" else "stop"
             return
         # native /completion chunk
@@ -842,6 +857,7 @@ class LlamaServerBackend:
             turn.n_deltas += 1
             yield TextDelta(piece, tuple(chunk.get("tokens") or ()))
         if chunk.get("stop"):
+            turn.ended = True
             turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
 
     def _stream_tools(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:

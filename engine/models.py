@@ -41,10 +41,12 @@ def dir_size(path: Path) -> int:
 
 
 def human_size(n: float) -> str:
+    """Decimal units, as sizes are given everywhere else here (`--memory-budget 2GB` is 2e9 bytes, the
+    model menu's "491.4 MB") and as macOS's Finder shows them: 689,100,188 bytes is "689.1 MB"."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+        if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= 1000
     return f"{n:.1f} TB"
 
 

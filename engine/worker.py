@@ -73,7 +73,7 @@ class Generation:
                 return
             if isinstance(event, TextDelta):
                 self._text.append(event.text)
-                self._tokens += len(event.token_ids)
+                self._tokens += event.count
             elif isinstance(event, Done):
                 self._closed = True
             self._deliver(event)

@@ -94,6 +94,9 @@ def test_prices_from_form_drops_empty_rows_and_rejects_duplicates() -> None:
         costs.prices_from_form(["A", "A"], ["1", "1"], ["0", "0"], ["1", "1"], ["2025-10-15", "2025-10-15"])
     with pytest.raises(costs.PriceTableError):
         costs.prices_from_form(["A"], ["abc"], ["0"], ["1"], ["2025-10-15"])
+    with pytest.raises(costs.PriceTableError, match="as_of must be a date"):  # the shape of a date is not one
+        costs.prices_from_form(["A"], ["1"], ["0"], ["1"], ["2025-13-45"])
+    assert costs.PRICE_SOURCES and all(url.startswith("https://") for _, url in costs.PRICE_SOURCES)
 
 
 def test_format_usd_keeps_small_amounts_visible() -> None:

@@ -131,6 +131,36 @@ def test_llama_cancel_ends_the_stream_within_200ms(llama) -> None:
     assert after.error is None and after.text
 
 
+def test_llama_chat_reply_stopped_or_cut_keeps_its_token_counts(llama) -> None:
+    """The chat endpoint streams no token ids: each delta carries the server's running count
+    (`timings_per_token`), so a reply stopped mid-way, or cut by the server dying, still has its
+    generated and prompt tokens (it had 0 and 0: the stats left it out). Greedy, so the count can be
+    checked against the whole reply's."""
+    long = ({"role": "user", "content": "Write a detailed essay about the history of the Roman empire."},)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    whole_deltas, whole = run(llama, GenerationRequest(messages=long, sampling=greedy))
+    assert whole.stats.completion_tokens >= 40 and whole.stats.prompt_tokens > 20
+    counts = [d.count for d in whole_deltas]
+    assert all(n >= 1 for n in counts) and sum(counts) in (
+        whole.stats.completion_tokens,
+        whole.stats.completion_tokens - 1,
+    )
+    cancel = threading.Event()
+    events = llama.stream(GenerationRequest(messages=long, sampling=greedy), cancel)
+    got = []
+    for ev in events:
+        got.append(ev)
+        if len(got) == 10:
+            cancel.set()
+        if isinstance(ev, Done):
+            break
+    done = got[-1]
+    assert isinstance(done, Done) and done.finish_reason == "cancelled"
+    streamed = sum(e.count for e in got if isinstance(e, TextDelta))
+    assert streamed == sum(counts[:10]) and done.stats.completion_tokens >= streamed
+    assert done.stats.prompt_tokens == whole.stats.prompt_tokens  # cached or read, the prompt is counted
+
+
 def test_llama_cancel_during_a_long_prefill_ends_the_stream_within_200ms(llama) -> None:
     long = ({"role": "user", "content": " ".join(f"item{i}" for i in range(120))},)  # ~300 tokens
     cancel = threading.Event()
@@ -277,6 +307,7 @@ def test_llama_server_killed_mid_stream_reports_and_recovers(llama) -> None:
     os.kill(pid, signal.SIGKILL)
     done = [e for e in events if isinstance(e, Done)][0]
     assert done.finish_reason == "error"
+    assert done.stats.completion_tokens >= 3 and done.stats.prompt_tokens > 0  # the numbers so far are kept
     assert "llama-server stopped during the reply" in done.error and "next message restarts it" in done.error
     _, after = run(llama, GenerationRequest(messages=CHAT, sampling=GREEDY))
     assert after.error is None and after.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -150,6 +151,22 @@ def test_openai_lists_models_with_the_current_backend(client: TestClient) -> Non
         ({"n": 2}, 400, "n must be 1"),
         ({"temperature": -1}, 400, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"stop": 5}, 400, "stop must be a string"),
+        ({"stop": {"a": 1}}, 400, "stop must be a string"),
+        ({"max_tokens": 1e30}, 400, "max_tokens must be an integer"),
+        ({"max_tokens": 2**63}, 400, "max_tokens must be an integer"),
+        ({"max_tokens": 0}, 400, "max_tokens must be an integer from 1"),
+        ({"max_tokens": 2.7}, 400, "max_tokens must be an integer"),
+        ({"max_tokens": True}, 400, "max_tokens must be an integer"),
+        ({"max_completion_tokens": "5"}, 400, "max_completion_tokens must be an integer"),
+        ({"temperature": "0.5"}, 400, "temperature must be a number from 0 to 2"),
+        ({"temperature": 5}, 400, "temperature must be a number from 0 to 2"),
+        ({"top_p": 0}, 400, "top_p must be more than 0"),
+        ({"seed": "x"}, 400, "seed must be an integer"),
+        ({"stream": "yes"}, 400, "stream must be true or false"),
+        ({"stream_options": "yes"}, 400, "stream_options must be an object"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
         ({"model": "gpt-4o"}, 404, "does not exist"),
         ({"messages": [{"role": "user", "content": "word " * 80}]}, 400, "context"),
     ],
@@ -161,6 +178,20 @@ def test_openai_rejects_bad_requests_with_openai_errors(
     assert r.status_code == status
     err = r.json()["error"]
     assert match in err["message"] and {"type", "param", "code"} <= set(err)
+    field = next(iter(body))
+    if status == 400 and field not in ("messages",):
+        assert err["param"] == field  # the field is named, as OpenAI names it
+
+
+def test_openai_retrieves_one_model_and_answers_unknown_paths_in_openai_shape(client: TestClient) -> None:
+    one = client.get("/v1/models/fake-model")
+    assert one.status_code == 200 and one.json()["id"] == "fake-model" and one.json()["object"] == "model"
+    missing = client.get("/v1/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/files")):
+        r = client.request(method, path, json={})
+        assert r.status_code == 404 and r.headers["content-type"].startswith("application/json"), path
+        assert "not part of flashcode's API" in r.json()["error"]["message"]
 
 
 def test_openai_rejects_non_json(client: TestClient) -> None:
@@ -240,5 +271,12 @@ def test_openai_stream_stops_the_engine_when_the_client_leaves(tmp_path: Path) -
                 assert next(lines).startswith("data: ")  # the role chunk
                 assert '" t0"' in next(ln for ln in lines if ln)
             assert engine.cancelled.wait(5), "the engine kept generating after the client left"
+            # the cut reply is in the stats all the same (it was not: only a finished stream was recorded)
+            db = app.state.flashcode.db
+            deadline = time.monotonic() + 5
+            while not (rows := db.conn.execute("SELECT * FROM stats_replies WHERE source='api'").fetchall()):
+                assert time.monotonic() < deadline, "the cut reply was never recorded"
+                time.sleep(0.05)
+            assert rows[0]["finish_reason"] == "cancelled" and rows[0]["completion_tokens"] >= 1
     finally:
         worker.close()

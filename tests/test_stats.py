@@ -78,6 +78,15 @@ def test_stats_skips_replies_that_generated_nothing(conn: sqlite3.Connection) ->
     assert stats.totals(conn).replies == 0
 
 
+def test_stats_speed_is_all_tokens_over_all_decode_time_not_a_mean_of_replies(conn: sqlite3.Connection) -> None:
+    """A 2-token reply at 20 tok/s and an 80-token one at 4 tok/s: 82 tokens in 20.1 s is 4.08 tok/s (the
+    mean of the two rates, 12, said three times the real speed)."""
+    stats.record_reply(conn, reply(10, 0, 2, 20.0, 0.1), backend="llama", model="a")
+    stats.record_reply(conn, reply(10, 0, 80, 4.0, 0.1), backend="llama", model="a")
+    assert stats.totals(conn).decode_tps == pytest.approx(82 / 20.1)
+    assert stats.by_model(conn)[0].decode_tps == pytest.approx(82 / 20.1)
+
+
 def test_stats_totals_and_tables(conn: sqlite3.Connection) -> None:
     stats.record_reply(conn, reply(100, 0, 10, 10.0, 0.2), backend="mlx", model="a")
     stats.record_reply(conn, reply(200, 100, 30, 30.0, 0.4), backend="llama", model="a")

@@ -37,6 +37,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -52,6 +53,7 @@ from ..engine_host import EngineState
 from ..security import authenticated
 
 log = logging.getLogger(__name__)
+_background: set[asyncio.Task[None]] = set()  # recordings of replies cut by their client, kept referenced
 
 TOKEN_ENV = "FLASHCODE_API_TOKEN"
 LOOPBACK_CLIENTS = {"127.0.0.1", "::1", "localhost"}
@@ -156,7 +158,31 @@ def _text(content: Any, i: int) -> str:
     )
 
 
+MAX_TOKENS_LIMIT = 2**31 - 1  # any more is not a request for tokens (the context caps it long before)
+
+
+def _number(body: Mapping[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+    """`body[key]` as OpenAI takes it: a JSON number from `lo` to `hi` (null or absent: `default`)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise APIError(400, f"{key} must be a number from {lo:g} to {hi:g}", param=key)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise APIError(400, f"{key} must be an integer from {lo} to {hi}", param=key)
+    return value
+
+
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
+    """The request's sampling fields, each checked as OpenAI checks it: a value of the wrong type or out of
+    range is a 400 naming its field (never a 500, never a silent default)."""
     for unsupported in ("tools", "functions"):
         if body.get(unsupported):
             raise APIError(
@@ -168,21 +194,55 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         raise APIError(400, "n must be 1", param="n")
     if body.get("logprobs"):
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError(
+            400,
+            'response_format other than {"type": "text"} is not supported by flashcode\'s API '
+            "(no JSON mode or schema): ask for JSON in the messages",
+            param="response_format",
+        )
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, -2.0, 2.0, 0.0) != 0.0:
+            raise APIError(400, f"{key} is not supported by flashcode's API: leave it at 0", param=key)
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if stop is None:
+        stops: tuple[Any, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list):
+        stops = tuple(stop)
+    else:
+        stops = (None,)  # refused below
     if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-    try:
-        return SamplingParams(
-            temperature=float(body["temperature"]) if body.get("temperature") is not None else 0.7,
-            top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
-            max_tokens=int(max_tokens),
-            seed=int(body["seed"]) if body.get("seed") is not None else None,
-            stop=stops,
-        )
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise APIError(400, f"bad sampling parameter: {exc}") from None
+    max_tokens = DEFAULT_MAX_TOKENS
+    for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
+        given = _integer(body, key, 1, MAX_TOKENS_LIMIT)
+        max_tokens = given if given is not None else max_tokens
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0:
+        raise APIError(400, "top_p must be more than 0 and at most 1", param="top_p")
+    return SamplingParams(
+        temperature=_number(body, "temperature", 0.0, 2.0, 0.7),
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=_integer(body, "seed", -(2**63), 2**63 - 1),
+        stop=stops,
+    )
+
+
+def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage), each a JSON boolean or absent."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, "stream must be true or false", param="stream")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
+    include = (options or {}).get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise APIError(400, "stream_options.include_usage must be true or false", param="stream_options")
+    return bool(stream), bool(include)
 
 
 def wanted_model(requested: Any, current: tuple[str, str] | None) -> tuple[str | None, str]:
@@ -252,6 +312,24 @@ class Completion:
             "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
         }
 
+    def record_cut(self) -> None:
+        """The client went away before the end: the reply is cancelled, and its numbers (what the engine had
+        read and written until it stopped) are recorded once the engine's own end arrives."""
+        self.gen.cancel()
+
+        async def when_done() -> None:
+            for _ in range(
+                600
+            ):  # the engine stops at its next token; a stuck one is not waited for past 60 s
+                if (own := self.gen.engine_done) is not None:
+                    self.record(replace(own, finish_reason="cancelled"))
+                    return
+                await asyncio.sleep(0.1)
+
+        task = asyncio.get_running_loop().create_task(when_done())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
     def record(self, done: Done) -> None:
         stats = done.stats.to_dict() | {
             "backend": self.backend,
@@ -276,7 +354,7 @@ class Completion:
                     done = ev
         finally:
             if done is None:
-                gen.cancel()
+                self.record_cut()
         assert done is not None
         if done.finish_reason == "error":
             return APIError(500, f"the engine failed: {done.error}", "server_error").response()
@@ -322,8 +400,8 @@ class Completion:
                 else:
                     done = ev
         finally:
-            if done is None:  # the client went away: stop the engine at its next token
-                gen.cancel()
+            if done is None:  # the client went away: stop the engine at its next token, count what it did
+                self.record_cut()
         assert done is not None
         if done.finish_reason == "error":
             yield sse(
@@ -376,7 +454,35 @@ class OpenAIAPI:
         return [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.retrieve_model, methods=["GET"]),
+            Route("/v1/{rest:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         ]
+
+    async def unknown(self, request: Request) -> Response:
+        """Any other /v1 path: OpenAI's 404 shape (a client reads `error.message`, not a text page)."""
+        try:
+            check_access(request)
+        except APIError as exc:
+            return exc.response()
+        path = request.url.path
+        return APIError(
+            404, f"{request.method} {path} is not part of flashcode's API: it has POST /v1/chat/completions "
+            "and GET /v1/models", "invalid_request_error", "unknown_url",
+        ).response()  # fmt: skip
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """GET /v1/models/ID: one installed model (`models.retrieve`), or 404 model_not_found."""
+        response = await self.list_models(request)
+        if response.status_code != 200:
+            return response
+        wanted = request.path_params["model_id"]
+        for m in json.loads(bytes(response.body))["data"]:
+            if m["id"] == wanted:
+                return JSONResponse(m)
+        return APIError(
+            404, f"model '{wanted}' does not exist: GET /v1/models lists the installed ones",
+            param="model", code="model_not_found",
+        ).response()  # fmt: skip
 
     async def load(self, backend: str | None, model: str) -> tuple[str, str]:
         """With the engine's lock held: `model` loaded (on `backend`, or where it fits) unless it is."""
@@ -401,6 +507,7 @@ class OpenAIAPI:
             body = await read_body(request)
             messages = parse_messages(body.get("messages"))
             sampling = parse_sampling(body)
+            stream, include_usage = parse_stream(body)
             async with self.engine.lock:  # no switch between the model check and the queued generation
                 want_backend, want_model = wanted_model(body.get("model"), loaded(self.worker))
                 backend, model = await self.load(want_backend, want_model)
@@ -412,8 +519,7 @@ class OpenAIAPI:
         except EngineError as exc:  # the engine could not even template the messages
             return APIError(500, f"the engine failed: {exc}", "server_error").response()
         call = Completion(gen, backend, model, self.record)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(call.sse(include_usage), media_type="text/event-stream", headers=headers)
         return await call.whole()

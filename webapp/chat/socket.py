@@ -392,7 +392,7 @@ class Session:
         try:
             async for event in gen:
                 if isinstance(event, TextDelta):
-                    stream.add(event.text, len(event.token_ids))
+                    stream.add(event.text, event.count)
                 elif isinstance(event, PrefillProgress):
                     stream.progress(event.processed, event.total)
                 elif isinstance(event, Done):

@@ -17,6 +17,7 @@ What it does not know: where token counts come from (`store.py`), HTML.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -53,12 +54,24 @@ class Price:
             value = getattr(self, field_name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{self.name}: {field_name} must be a number >= 0, got {value!r}")
-        if not DATE_RE.match(self.as_of):
+        if not DATE_RE.match(self.as_of) or not _real_date(self.as_of):
             raise ValueError(f"{self.name}: as_of must be a date like 2025-10-15, got {self.as_of!r}")
 
 
-# List prices published by Anthropic and OpenAI, per million tokens, as of the date on each row.
-# Cached input is the price of a cache read (Anthropic) / cached input (OpenAI).
+def _real_date(text: str) -> bool:
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+# List prices published by Anthropic and OpenAI (PRICE_SOURCES), per million tokens, as of the date on each
+# row. Cached input is the price of a cache read (Anthropic) / cached input (OpenAI).
+PRICE_SOURCES: tuple[tuple[str, str], ...] = (
+    ("Anthropic", "https://www.anthropic.com/pricing#api"),
+    ("OpenAI", "https://openai.com/api/pricing/"),
+)
 DEFAULT_PRICES: tuple[Price, ...] = (
     Price("Claude Sonnet 4.5", 3.00, 0.30, 15.00, "2025-10-15"),
     Price("Claude Haiku 4.5", 1.00, 0.10, 5.00, "2025-10-15"),

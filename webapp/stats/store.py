@@ -118,7 +118,8 @@ class Totals:
     cached_tokens: int = 0
     completion_tokens: int = 0
     total_s: float = 0.0
-    decode_tps: float = 0.0  # mean over replies that decoded
+    # tokens over decode time, every reply that decoded (a 2-token reply weighs 2 tokens, not one reply)
+    decode_tps: float = 0.0
     ttft_s: float = 0.0  # mean
     peak_memory_bytes: int = 0  # max
     flash_bytes_read: int = 0
@@ -133,7 +134,9 @@ class GroupRow(Totals):
 _AGG = """COUNT(*) AS replies, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens,
           COALESCE(SUM(cached_tokens),0) AS cached_tokens, COALESCE(SUM(completion_tokens),0) AS completion_tokens,
           COALESCE(SUM(total_s),0) AS total_s,
-          COALESCE(AVG(CASE WHEN decode_tps > 0 THEN decode_tps END),0) AS decode_tps,
+          COALESCE(SUM(CASE WHEN decode_tps > 0 AND completion_tokens > 0 THEN completion_tokens END)
+                   / SUM(CASE WHEN decode_tps > 0 AND completion_tokens > 0
+                              THEN completion_tokens / decode_tps END), 0) AS decode_tps,
           COALESCE(AVG(CASE WHEN ttft_s > 0 THEN ttft_s END),0) AS ttft_s,
           COALESCE(MAX(peak_memory_bytes),0) AS peak_memory_bytes,
           COALESCE(SUM(flash_bytes_read),0) AS flash_bytes_read"""

@@ -94,6 +94,7 @@ def window_context(
         ],
         "prices": prices,
         "prices_are_defaults": not costs.prices_path(data_dir).exists(),
+        "price_sources": costs.PRICE_SOURCES,
         "charts": {
             "tps_time": charts.line_geometry(tps, "Decode speed over time", "tok/s"),
             "ttft_time": charts.line_geometry(ttft, "Time to first token over time", "ms"),
@@ -144,7 +145,7 @@ def stats_markdown(conn: sqlite3.Connection) -> str:
         return "No replies recorded yet: ask something, then try `/stats` again."
     lines = [
         f"**{t.replies} replies** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
-        f"{t.completion_tokens:,} generated · mean {t.decode_tps:.1f} tok/s · mean TTFT {t.ttft_s * 1000:.0f} ms",
+        f"{t.completion_tokens:,} generated · {t.decode_tps:.1f} tok/s overall · mean TTFT {t.ttft_s * 1000:.0f} ms",
         "",
         "| model | backend | replies | tokens in / out | tok/s | TTFT | peak memory |",
         "|---|---|---:|---:|---:|---:|---:|",
