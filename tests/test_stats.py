@@ -78,7 +78,9 @@ def test_stats_skips_replies_that_generated_nothing(conn: sqlite3.Connection) ->
     assert stats.totals(conn).replies == 0
 
 
-def test_stats_speed_is_all_tokens_over_all_decode_time_not_a_mean_of_replies(conn: sqlite3.Connection) -> None:
+def test_stats_speed_is_all_tokens_over_all_decode_time_not_a_mean_of_replies(
+    conn: sqlite3.Connection,
+) -> None:
     """A 2-token reply at 20 tok/s and an 80-token one at 4 tok/s: 82 tokens in 20.1 s is 4.08 tok/s (the
     mean of the two rates, 12, said three times the real speed)."""
     stats.record_reply(conn, reply(10, 0, 2, 20.0, 0.1), backend="llama", model="a")
