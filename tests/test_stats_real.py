@@ -203,3 +203,41 @@ def test_stats_window_renders_in_chromium(server: str, home: Path, artifacts: Pa
             assert not errors, errors
         finally:
             browser.close()
+
+
+@pytest.mark.llama
+def test_stats_a_stopped_llama_reply_keeps_its_numbers(home: Path, model_home: Path) -> None:
+    """Stop a chat reply on the real llama-server: the reply's footer and the stats have its generated and
+    prompt tokens (the chat endpoint streams no token ids: they were 0 and 0, and no stats row was written,
+    so totals and the cloud cost left the reply out)."""
+    import re
+
+    from starlette.testclient import TestClient
+
+    from tests.test_ws import BASE, connect, conversation_id, send, until
+
+    if not (home / "gguf").exists():
+        (home / "gguf").symlink_to(model_home / "gguf", target_is_directory=True)
+    w = Worker(lambda: make_loaded_backend("llama", None))
+    try:
+        app = create_app(Settings(data_dir=home / "llama-stop", load_model=False), worker=w)
+        with TestClient(app, base_url=BASE) as c, connect(c) as ws:
+            send(ws, type="send", text="Write a detailed essay about the history of the Roman empire.")
+            cid = conversation_id(until(ws, r'data-state="generating"', 400))
+            tokens = 0
+            while tokens < 5:  # token frames (not "Reading your prompt…")
+                frame = ws.receive_text()
+                tokens += bool(re.search(r'-tail" hx-swap-oob="innerHTML"', frame)) and "prefill" not in frame
+            send(ws, type="stop")
+            until(ws, r'data-state="idle"', 400)
+            db = app.state.flashcode.db
+            deadline = time.monotonic() + 20
+            while not (rows := db.conn.execute("SELECT * FROM stats_replies").fetchall()):
+                assert time.monotonic() < deadline, f"the stopped reply was never recorded: {db.messages(cid)}"
+                time.sleep(0.1)
+            reply = db.messages(cid)[-1]
+            assert reply.status == "stopped" and reply.content
+            assert rows[0]["completion_tokens"] >= 2 and rows[0]["prompt_tokens"] > 20
+            assert reply.stats["completion_tokens"] == rows[0]["completion_tokens"]
+    finally:
+        w.close()
