@@ -237,6 +237,15 @@
     if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had
   });
   window.addEventListener("popstate", () => location.reload());
+  // a request the server refused (a title left empty, a project removed in another window) or could not
+  // answer says why in an alert, rather than nothing happening; the server's errors are one plain sentence
+  document.body.addEventListener("htmx:responseError", (e) => {
+    const xhr = e.detail.xhr;
+    const plain = (xhr.getResponseHeader("content-type") || "").startsWith("text/plain");
+    const said = plain ? xhr.responseText.replace(/^\d{3}: /, "").trim().slice(0, 400) : "";
+    alertBox(said ? `Not done: ${said}.`.replace(/\.\.$/, ".") : `Not done: the server answered ${xhr.status}. Its log (flashcode serve's output) says why.`);
+  });
+  document.body.addEventListener("htmx:sendError", () => alertBox("Could not reach flashcode: is `flashcode serve` still running?"));
   // after Move to Trash of the open conversation the page is /?trashed=ID (the list offers Undo): the
   // address bar says "/" again, so a reload or a bookmark does not offer it once more
   if (location.pathname === "/" && location.search.includes("trashed=")) history.replaceState({}, "", "/");

@@ -190,6 +190,25 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.click(".alert-box.modal .dialog-ok")
     page.wait_for_selector("#trash-pane .trash-status:has-text('for good')")
     assert page.locator("#trash-pane li[data-id]").count() == 0
+    # a stale Trash window (another tab put the conversation back): Put Back says why nothing happened
+    page.click(f"#conversation-list li[data-id='{cid}'] a")
+    page.wait_for_function(f"() => location.pathname === '/c/{cid}'")
+    page.click("#conversations-window [data-action=delete]")
+    page.click(".alert-box.modal .dialog-ok")
+    page.wait_for_selector(f"#trash-pane li[data-id='{cid}']", state="attached")
+    page.dispatch_event("nav [data-open=trash-window]", "click")
+    token = page.evaluate("() => JSON.parse(document.body.getAttribute('hx-headers'))['X-CSRF-Token']")
+    origin = server.split("?")[0].rstrip("/")
+    assert page.request.post(
+        f"{origin}/c/{cid}/restore", headers={"X-CSRF-Token": token, "Origin": origin}
+    ).ok
+    page.click(f"#trash-pane li[data-id='{cid}'] button:has-text('Put Back')")
+    page.locator("#alerts .alert-box", has_text="Not done: no such conversation in the Trash").wait_for(
+        timeout=10_000
+    )
+    page.click("#alerts .alert-ok")
+    assert all("404" in e for e in page.errors), page.errors  # the browser's console notes that 404, only it
+    page.errors.clear()
     with sqlite3.connect(data_dir / "flashcode.db") as db:
         assert db.execute("SELECT COUNT(*) FROM conversations WHERE id = ?", (copy,)).fetchone()[0] == 0
         assert (

@@ -574,3 +574,23 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
         and "--project:" in bad_serve.stderr
         and "does not exist" in bad_serve.stderr
     )
+
+
+def test_projects_put_back_from_the_trash_after_its_project_was_removed_lands_in_the_open_one(
+    client, two
+) -> None:
+    """A conversation trashed, then its project taken off the list: Put Back brings it into the open
+    project (it went back to a project no list shows, where nothing could reach it)."""
+    a, b = two
+    _open(client, a, mode="new", name="Alpha")
+    conv = _chat(client, "keep me")
+    store = client.app.state.flashcode.projects
+    alpha = store.current()
+    assert client.post(f"/c/{conv}/delete").status_code == 200
+    _open(client, b)
+    store.remove(alpha.id)  # its data kept (a moved project's would follow its folder)
+    trash = client.get("/trash").text
+    assert "keep me" in trash and "a removed project" in trash
+    r = client.post(f"/c/{conv}/restore")
+    assert r.status_code == 200 and f'href="/c/{conv}"' in r.text
+    assert client.app.state.flashcode.db.get_conversation(conv).project_id == store.current().id

@@ -233,7 +233,9 @@ def test_stats_a_stopped_llama_reply_keeps_its_numbers(home: Path, model_home: P
             db = app.state.flashcode.db
             deadline = time.monotonic() + 20
             while not (rows := db.conn.execute("SELECT * FROM stats_replies").fetchall()):
-                assert time.monotonic() < deadline, f"the stopped reply was never recorded: {db.messages(cid)}"
+                assert time.monotonic() < deadline, (
+                    f"the stopped reply was never recorded: {db.messages(cid)}"
+                )
                 time.sleep(0.1)
             reply = db.messages(cid)[-1]
             assert reply.status == "stopped" and reply.content

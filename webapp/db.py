@@ -423,12 +423,13 @@ class Database:
             == 1
         )
 
-    def restore_conversation(self, conversation_id: str) -> bool:
-        """Put a conversation back from the Trash."""
+    def restore_conversation(self, conversation_id: str, project_id: str | None = None) -> bool:
+        """Put a conversation back from the Trash (into `project_id` when given: its own was removed)."""
         return (
             self.conn.execute(
-                "UPDATE conversations SET trashed_at=NULL WHERE id=? AND trashed_at IS NOT NULL",
-                (conversation_id,),
+                "UPDATE conversations SET trashed_at=NULL, project_id=COALESCE(?, project_id) "
+                "WHERE id=? AND trashed_at IS NOT NULL",
+                (project_id, conversation_id),
             ).rowcount
             == 1
         )

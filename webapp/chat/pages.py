@@ -134,7 +134,11 @@ class ChatPages:
     async def restore(self, request: Request) -> HTMLResponse:
         """POST /c/ID/restore: Put Back (or Undo) — the conversation is listed again in its project."""
         conv = self._trashed(request)
-        self.db.restore_conversation(conv.id)
+        projects = self.views.projects
+        home = None  # its project was removed from the list meanwhile: back into the open one
+        if projects is not None and projects.get(conv.project_id) is None:
+            home = projects.current().id
+        self.db.restore_conversation(conv.id, home)
         return HTMLResponse(self.views.conversation_list(self._current(request), oob=False))
 
     async def delete_now(self, request: Request) -> HTMLResponse:
