@@ -398,7 +398,32 @@ def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, pro
     assert "step 1 already did exactly this and it worked" in results[1]
     assert "step 3 made exactly this call and it failed" in results[3]
     assert "step 5 already did exactly this" in results[5]
-    assert all(set(r) == {"tool", "arguments", "decision", "ok", "exit_code"} for r in s.loop.records)
+    assert all(
+        set(r) == {"tool", "arguments", "decision", "ok", "exit_code", "retry"} for r in s.loop.records
+    )
+
+
+def test_toolloop_a_write_whose_file_changed_under_the_dialog_may_be_proposed_again(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """The file changed while the dialog was open: nothing is written and the result says "propose it
+    again" - so the same call again is a fresh proposal, not a repeat refused as "it would fail again"."""
+    for _ in range(2):
+        fake.enqueue_call("write_file", path="app.py", content="fixed\n")
+    fake.enqueue("Done.")
+
+    class ChangesTheFileFirst(Approver):
+        async def __call__(self, proposal: ev.Proposal) -> ev.Decision:
+            if not self.asked:
+                (project / "app.py").write_text("edited by the user meanwhile\n")
+            return await super().__call__(proposal)
+
+    approver = ChangesTheFileFirst(ev.Decision.once(), ev.Decision.once())
+    events = asyncio.run(collect(session(worker, project, approver), "fix app.py"))
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert "changed since the diff was shown: propose it again" in results[0]
+    assert len(approver.asked) == 2 and "app.py changed" in results[1], results
+    assert (project / "app.py").read_text() == "fixed\n"
 
 
 def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_changes_nothing_asks_nothing(

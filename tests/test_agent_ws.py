@@ -271,9 +271,25 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
                 break
             time.sleep(0.05)
         assert "Stopped before the agent answered." in notes
+        decided = [e.data for e in db.events(cid) if e.type == "decided"]
+        assert decided and decided[-1]["reason"].startswith("not decided: the page was closed or reloaded")
         page = client.get(f"/c/{cid}").text
     assert not (project / "hello2.txt").exists()
+    assert "Not run: not decided: the page was closed" in page and "Denied: not decided" not in page
     assert "Stopped before the agent answered." in page and "Create hello2.txt" in page
+
+
+def test_an_agent_turn_that_ends_with_no_words_says_so(tmp_path: Path, project: Path) -> None:
+    """A small model calls a tool, then ends its turn with an empty reply: the transcript says the turn ended
+    without an answer (it showed nothing and went back to Ready, as if still to come)."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("list_files").enqueue("")
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        send(sock, type="send", text="what is here?", conversation_id=cid)
+        frames = "".join(until(sock, r'data-state="idle"'))
+        notes = [e.data.get("text") for e in app.state.flashcode.db.events(cid) if e.type == "notice"]
+    said = "The model ended its turn after 1 step without an answer."
+    assert said in frames and any(n.startswith(said) for n in notes)
 
 
 def test_an_agent_step_says_while_the_engine_reads_its_prompt(tmp_path: Path, project: Path) -> None:

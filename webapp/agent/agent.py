@@ -162,6 +162,7 @@ class AgentSession:
         self._gen: Any = None
         self._approval: asyncio.Future[Decision] | None = None
         self._stopped = False
+        self._stop_reason = "stopped by the user"
         # the tool loop (models whose chat template takes tools): its limits and the last turn's state
         self.max_steps = max_steps
         self.constrained = constrained
@@ -170,9 +171,10 @@ class AgentSession:
         self._halt = False  # Stop was pressed during this turn
 
     # ------------------------------------------------------------------ control
-    def stop(self) -> None:
+    def stop(self, reason: str = "stopped by the user") -> None:
         """Kill the running command (its whole process group), stop the reply being written, and
-        answer an open approval dialog with deny."""
+        answer an open approval dialog with deny (`reason`: why, as the model and the transcript see it)."""
+        self._stop_reason = reason
         self._stopped = True
         self._halt = True
         if self._approval is not None:
@@ -505,7 +507,7 @@ class AgentSession:
             return Decision("deny", f"no answer within {self.approval_timeout_s:.0f} s")
         except asyncio.CancelledError:
             if self._stopped:
-                return Decision.deny("stopped by the user")
+                return Decision.deny(self._stop_reason)
             raise
         except Exception as exc:  # noqa: BLE001 - a broken dialog must mean "no"
             log.warning("approval failed: %s", exc)

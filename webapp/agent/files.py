@@ -43,6 +43,11 @@ class FileToolError(Exception):
     """A file tool refused or failed; the message says why (it goes back to the model and UI)."""
 
 
+class StaleChange(FileToolError):
+    """The file changed between the diff shown and the write approved: nothing was written, and the
+    same call may be made again (it proposes a fresh diff)."""
+
+
 class PathOutsideProjectError(FileToolError):
     pass
 
@@ -305,7 +310,7 @@ class ProjectFiles:
         fd = self._open_file(dfd, name, change.path)
         current, mode = (None, None) if fd is None else self._text(fd, change.path)
         if current != change.old:
-            raise FileToolError(f"{shown(change.path)} changed since the diff was shown: propose it again")
+            raise StaleChange(f"{shown(change.path)} changed since the diff was shown: propose it again")
         tmp = f".flashcode-{secrets.token_hex(6)}.tmp"
         tfd = os.open(
             tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dfd

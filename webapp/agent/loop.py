@@ -45,7 +45,7 @@ from .events import (
     ToolStep,
     ToolStepDone,
 )
-from .files import FileChange, FileToolError
+from .files import FileChange, FileToolError, StaleChange
 from .mcp import McpTools
 from .runner import CommandRun
 from .search import SearchUnavailableError
@@ -221,6 +221,7 @@ class ToolLoop:
                 "decision": result.decision,
                 "ok": result.ok,
                 "exit_code": result.exit_code,
+                "retry": bool(result.meta.get("retry")),
             }
         )
         yield ToolStepDone(
@@ -310,14 +311,19 @@ class ToolLoop:
             else:
                 async for item in self._web(call.name, a):
                     yield item
-        except FileToolError as exc:
-            yield ToolResult(False, f"Error: {exc}")
+        except FileToolError as exc:  # a stale diff may be proposed again: not a repeat to refuse
+            yield ToolResult(
+                False, f"Error: {exc}", meta={"retry": True} if isinstance(exc, StaleChange) else {}
+            )
 
     def _repeats(self, call: ToolCall) -> tuple[int, bool] | None:
         """A small model's loop: the step among the last three that made this same call, and whether
         it worked; None when there is none. A command may be rerun unless it was the step just before."""
         window = 1 if call.name == "run_command" else 3
-        done = [i for i in range(len(self.records)) if i not in self._refused]  # refused repeats did nothing
+        # refused repeats did nothing; a failure that asked to be tried again (a stale diff) is no loop
+        done = [
+            i for i in range(len(self.records)) if i not in self._refused and not self.records[i].get("retry")
+        ]
         for i in reversed(done[-window:]):
             r = self.records[i]
             if r["tool"] == call.name and r["arguments"] == call.arguments:
@@ -517,4 +523,6 @@ class ToolLoop:
 
 
 def denied(reason: str) -> str:
+    if reason.startswith("not decided"):  # the page went away while it asked: nobody said no
+        return f"Not run: {reason}."
     return f"Denied by the user: {reason}" if reason else "Denied by the user."

@@ -525,6 +525,8 @@ class _CallStopper:
 
 
 def _denied(reason: str) -> str:
+    if reason.startswith("not decided"):  # the page went away while it asked: nobody said no
+        return f"Not run: {reason}."
     return f"Denied by the user: {reason}" if reason else "Denied by the user."
 
 

@@ -45,6 +45,8 @@ DIALOG_TIMEOUT_S = 300.0
 # A conversation's mode is stored with it (`conversations.mode`: chat | agent) and shown in the chat
 # window's toolbar; conversations start in chat; `/agent` or the toolbar turns routing on.
 DEFAULT_MODE = "chat"
+# an open dialog when its page goes away (closed, reloaded): the call is not run, and nobody denied it
+CLOSED_REASON = "not decided: the page was closed or reloaded while it asked"
 
 
 def project_key(settings: Settings) -> str:
@@ -231,9 +233,11 @@ class AgentTurns:
         self._turn = turn
         reply: ReplyWriter | None = None
         route: str | None = None
-        answered = completed = False  # a reply was written this turn; the turn ran to its end
+        answered = completed = limited = False  # a reply was written; the turn ran to its end; step limit
+        steps = 0
         reading = False  # the status bar says the prompt is being read
-        turn.on_stop(agent.stop)
+        # the user's Stop, or the page going away (then no one decided what the dialog asked)
+        turn.on_stop(lambda: agent.stop(CLOSED_REASON if turn.closing else "stopped by the user"))
         try:
             async for e in agent.run_turn(text):
                 if isinstance(e, ev.Reading):
@@ -243,6 +247,7 @@ class AgentTurns:
                 if reading:  # the model writes (words, or a tool call that follows)
                     reading = False
                     turn.status(None)
+                limited = limited or isinstance(e, ev.StepLimitReached)
                 if isinstance(e, ev.RouteChosen):
                     route = e.route
                 if isinstance(e, ev.ModeChanged):
@@ -264,6 +269,7 @@ class AgentTurns:
                     turn.count(e.stats, route)  # a step of calls only: Stats counts it all the same
                 elif fragment := self.web.views.event(e):
                     if isinstance(e, ev.ToolStep):
+                        steps = e.step
                         turn.send(self.web.views.step_counter(e.step, e.max_steps))
                         if e.context_tokens:
                             turn.context_used(e.context_tokens)  # steps with no words write no reply to count
@@ -276,11 +282,23 @@ class AgentTurns:
         finally:
             if reply is not None:
                 answered = True  # its text is kept, marked stopped (below)
-            if not answered and (agent.halted or not completed):
-                # Stop, a closed window or a failure before any answer: the transcript says so, or the turn
-                # would leave only the user's message behind
-                cut = ev.Notice("Stopped before the agent answered." if agent.halted else
-                                "The agent's turn ended before it answered.", "warning")  # fmt: skip
+            if not answered and not limited:
+                # Stop, a closed window, a failure, or a model that ended with no words after its steps: the
+                # transcript says so, or the turn would leave only the user's message behind (the step limit
+                # says so itself, with Continue)
+                if agent.halted:
+                    said = "Stopped before the agent answered."
+                elif not completed:
+                    said = "The agent's turn ended before it answered."
+                else:
+                    said = (
+                        f"The model ended its turn after {steps} step{'' if steps == 1 else 's'} without an "
+                        "answer. Ask again or more plainly; a larger model follows the tools better."
+                        if steps
+                        else "The model ended its turn without an answer (an empty reply). Ask again or more "
+                        "plainly."
+                    )
+                cut = ev.Notice(said, "warning")
                 db.add_event(conversation_id, cut.type, cut.to_dict())
                 turn.send(self.web.views.event(cut))
             turn.on_stop(None)

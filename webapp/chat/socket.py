@@ -96,6 +96,7 @@ class Session:
         self.dialogs: dict[str, asyncio.Future[p.Answer]] = {}
         self.turns: TurnHandler | None = ctx.turns() if ctx.turns is not None else None
         self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
+        self.closing = False  # the page went away (closed, reloaded)
 
     # ------------------------------------------------------------------ plumbing
     async def run(self) -> None:
@@ -328,6 +329,7 @@ class Session:
         self.error(f"the reply failed: {type(exc).__name__}: {exc}")
 
     async def _stop_turn(self) -> None:
+        self.closing = True  # the socket closed: what the turn was waiting for, nobody decided
         if self.task is not None and not self.task.done():
             if self.cancel is not None:
                 self.cancel()
@@ -527,6 +529,10 @@ class SocketTurn:
 
     def on_stop(self, stop: Callable[[], None] | None) -> None:
         self.session.cancel = stop
+
+    @property
+    def closing(self) -> bool:
+        return self.session.closing
 
     def start_reply(self, route: str | None = None) -> ReplyStream:
         stream = self.session.reply_stream(self.conversation_id, route, received=self.received, turn="agent")
