@@ -239,9 +239,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--hosts",
         metavar="HOSTFILE",
         default=None,
-        help="mlx, flash: split the model's layers over the machines of an MLX hostfile (pipeline parallel "
-        "over mlx.distributed's ring backend; the first host is this one; with flash each host streams its "
-        "own layers under its own --memory-budget): docs/distributed.md",
+        help="split the model's layers over the machines of a hostfile (the first host is this one): mlx and "
+        "flash over mlx.distributed's ring backend (with flash each host streams its own layers under its own "
+        "--memory-budget); llama over llama.cpp's RPC (`flashcode rpc-worker` on the others): "
+        "docs/distributed.md",
     )
     g.add_argument("--llama-url", default=None, help="llama: attach to a llama-server already running at URL")
     g.add_argument("--llama-binary", default=None, help="llama: path of the llama-server binary to run")

@@ -110,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("agent", "agent.py", "the agent's tool loop on small coding tasks: success rate, steps, time"),
         ("projects", "projects.py", "reopening a conversation: auto-resumed KV cache vs re-prefill (TTFT)"),
     ):
-        p = bsub.add_parser(name, help=help_text)
+        p = bsub.add_parser(name, help=help_text, add_help=False)  # --help reaches the script: its options
         p.add_argument("rest", nargs=argparse.REMAINDER, help="the script's own options (--help lists them)")
         p.set_defaults(func=_script(script), passes_options_on=True)
 

@@ -55,6 +55,16 @@ if TYPE_CHECKING:
     from .agent import AgentSession
 
 log = logging.getLogger(__name__)
+
+
+def _one_line(record: logging.LogRecord) -> bool:
+    """The SDK logs a server's every non-JSON stdout line with a 30-line traceback; one line says as much
+    (the notice "NAME is not available this turn" follows, and the server's stderr log keeps the rest)."""
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+logging.getLogger("mcp.client.stdio").addFilter(_one_line)
 START_TIMEOUT_S = 30.0  # FLASHCODE_MCP_START_TIMEOUT_S
 CALL_TIMEOUT_S = 60.0  # FLASHCODE_MCP_CALL_TIMEOUT_S
 IDLE_S = 15 * 60.0
@@ -679,7 +689,7 @@ def summary(cfg: ServerConfig) -> dict[str, Any]:
     return {
         "name": cfg.name,
         "source": ".mcp.json" if cfg.source == "file" else "settings",
-        "transport": cfg.transport,
+        "transport": None if cfg.error else cfg.transport,  # an entry that could not be read has none
         "runs": cfg.describe(),
         "status": cfg.status(),
         "enabled": cfg.enabled,
