@@ -507,6 +507,9 @@ class _StreamCloser:
 
 
 # --------------------------------------------------------------------------- the backend
+SCORE_TOP_N = (100, 2_000, 50_000, 300_000)  # score_continuations: how many top tokens to ask for, in turn
+
+
 @dataclass
 class _Turn:
     """What one streamed reply accumulates."""
@@ -1052,33 +1055,42 @@ class LlamaServerBackend:
 
     # ------------------------------------------------------------------ scoring
     def score_continuations(self, prompt_tokens: list[int], continuations: list[list[int]]) -> list[float]:
-        """Sum of log-probs of each continuation, from the server's pre-sampling token probabilities.
-        A token outside the returned top-n_probs gets the lowest returned log-prob (an upper bound)."""
+        """Sum of log-probs of each continuation, from the server's pre-sampling token probabilities. The
+        server returns the top n_probs tokens: a token the top 100 leaves out is asked for again with more
+        (2,000, then 50,000, then 300,000: the whole vocabulary of the models here), so every label gets its
+        own log-prob (with only the top 100, labels outside it all got the same floor and tied). Only past
+        the last step would a token get the lowest returned log-prob (an upper bound)."""
         client = self._require()
         memo: dict[tuple[int, ...], dict[int, float]] = {}
+        wanted: dict[tuple[int, ...], set[int]] = {}
+        for cont in continuations:
+            for i, tok in enumerate(cont):
+                wanted.setdefault(tuple(prompt_tokens + cont[:i]), set()).add(tok)
 
-        def dist(prefix: list[int]) -> dict[int, float]:
-            key = tuple(prefix)
-            if key not in memo:
-                res = client.completion(
-                    {
-                        "prompt": prefix,
-                        "n_predict": 1,
-                        "n_probs": 100,
-                        "temperature": 0.0,
-                        "cache_prompt": True,
-                        "post_sampling_probs": False,
-                    }
-                )
-                top = res["completion_probabilities"][0]["top_logprobs"]
-                memo[key] = {int(p["id"]): float(p["logprob"]) for p in top}
-            return memo[key]
+        def dist(prefix: tuple[int, ...]) -> dict[int, float]:
+            if prefix not in memo:
+                for n_probs in SCORE_TOP_N:
+                    res = client.completion(
+                        {
+                            "prompt": list(prefix),
+                            "n_predict": 1,
+                            "n_probs": n_probs,
+                            "temperature": 0.0,
+                            "cache_prompt": True,
+                            "post_sampling_probs": False,
+                        }
+                    )
+                    top = res["completion_probabilities"][0]["top_logprobs"]
+                    memo[prefix] = {int(p["id"]): float(p["logprob"]) for p in top}
+                    if wanted[prefix] <= memo[prefix].keys() or len(top) < n_probs:  # all there, or all of it
+                        break
+            return memo[prefix]
 
         scores = []
         for cont in continuations:
             total = 0.0
             for i, tok in enumerate(cont):
-                d = dist(prompt_tokens + cont[:i])
+                d = dist(tuple(prompt_tokens + cont[:i]))
                 total += d.get(tok, min(d.values()))
             scores.append(total)
         return scores

@@ -33,6 +33,7 @@ from engine.base import (
     TextDelta,
     ToolCallingBackend,
 )
+from engine.models import AGENT_MODEL
 
 from ..db import connect_memory
 from . import router, sandbox
@@ -163,6 +164,7 @@ class AgentSession:
         self._approval: asyncio.Future[Decision] | None = None
         self._stopped = False
         self._stop_reason = "stopped by the user"
+        self._said_no_tools = False  # the note on a model without tools, given once
         # the tool loop (models whose chat template takes tools): its limits and the last turn's state
         self.max_steps = max_steps
         self.constrained = constrained
@@ -215,6 +217,9 @@ class AgentSession:
                 yield ev
             yield TurnDone("tools")
             return
+        if not self._said_no_tools:  # once a session: why this agent turn is routed, and what would work
+            self._said_no_tools = True
+            yield Notice(await self._no_tools_note(), "warning")
         try:
             decision = await router.route(self.worker, text)
         except router.RoutingUnavailableError as exc:
@@ -261,6 +266,22 @@ class AgentSession:
         else:
             yield SlashUnhandled(name, arg)
         yield TurnDone(route)
+
+    async def _no_tools_note(self) -> str:
+        try:
+            name = str(await self.worker.acall(lambda b: b.model.name))
+        except Exception:  # noqa: BLE001 - no model: said without its name
+            name = "the loaded model"
+        hint = (
+            f" For the tool loop (files, edits, commands step by step), load {AGENT_MODEL}: the model menu, or "
+            f"/model {AGENT_MODEL}."
+            if name != AGENT_MODEL
+            else ""
+        )
+        return (
+            f"{name} does not take tools, so agent mode routes each message to one of chat, web search or a "
+            f"shell command instead of working on the project step by step.{hint}"
+        )
 
     # ------------------------------------------------------------------ the tool loop
     async def uses_tools(self) -> bool:
