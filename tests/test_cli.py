@@ -100,6 +100,10 @@ def test_bad_sampling_value_is_rejected(model_home):
         (("synth", "tiny", "--layers", "-3"), "'-3' is not a number of layers"),
         (("agent", "--project", ".", "do", "it"), 'goes in quotes: flashcode agent "do it"'),
         (("ask", "say", "hi"), 'goes in quotes: flashcode ask "say hi"'),
+        (("agent", "--max-steps", "0", "--project", ".", "task"), "'0' is not a whole number of 1 or more"),
+        (("agent", "--project", ".", "  "), "the task is empty"),
+        (("ask", ""), "the prompt is empty"),
+        (("agent", "--project", "/etc/hostname", "task"), "is a file, not a directory: pick the folder"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_model_loads(

@@ -79,7 +79,7 @@ def test_ask_approves_the_server_for_the_project_then_asks_for_each_call(
     assert "Approve demo for this project? [y/N]" in err and f"approved demo for {project.resolve()}" in err
     assert 'The agent wants to call the MCP tool: demo__add {"a": 2, "b": 40}' in err
     assert "Its result reaches the model as untrusted data." in err
-    assert "[y]es once, [a]lways in this project, [N]o" in err
+    assert "[y]es once, [a]lways in this project, or no (Enter, or type why not" in err
     out = json.loads(proc.stdout)
     assert [(s["tool"], s["decision"], s["ok"]) for s in out["steps"]] == [("demo__add", "once", True)]
     assert out["answer"] == "The sum is 42." and out["stats"]["project"] == str(project.resolve())

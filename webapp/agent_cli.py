@@ -108,7 +108,11 @@ def terminal_approval(mode: str) -> Any:
         if p.tool == "mcp":
             print("  Its result reaches the model as untrusted data.", file=sys.stderr)
         always = "always_exact" in p.choices
-        prompt = "Allow? [y]es once, [a]lways in this project, [N]o: " if always else "Allow? [y/N] "
+        prompt = (
+            "Allow? [y]es once, [a]lways in this project, or no (Enter, or type why not: the model reads it): "
+            if always
+            else "Allow? [y]es once, or no (Enter, or type why not: the model reads it): "
+        )
         answer = (await asyncio.to_thread(ask_terminal, prompt)).strip()
         if answer.lower() in ("y", "yes"):
             return ev.Decision.once()
@@ -206,10 +210,13 @@ def approve_mcp_servers(
 def cmd_agent(args: argparse.Namespace) -> int:
     if args.data_dir:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
-    project = Path(args.project).expanduser().resolve()
-    if not project.is_dir():
-        print(f"flashcode agent: --project {args.project} is not a directory", file=sys.stderr)
+    if not args.task.strip():
+        print("flashcode agent: the task is empty: say what the agent should do", file=sys.stderr)
         return 2
+    project = cli_projects.project_dir(
+        args
+    )  # checked as `ask --project` checks it (a file, a missing folder)
+    assert project is not None  # --project is required
     db, projects = cli_projects._store()  # the data dir's database: the same registry as `flashcode projects`
     try:
         ref = projects.add(project)
@@ -217,6 +224,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         hidden = hidden_paths(projects.data_dir)
         run_only = approve_mcp_servers(store, ref, hidden, args.approve)
         model = args.model or DEFAULT_AGENT_MODEL
+        if not args.json:  # loading takes a while: say what is happening
+            print(f"loading {model} ({args.backend} backend)…", file=sys.stderr)
         worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, model))
         try:
             backend, loaded = worker.call(lambda b: (b.name, b.model.name if b.model else None))
@@ -280,7 +289,9 @@ def register_agent(sub: Any) -> None:
         help="ask on the terminal (default), approve every edit, command and MCP call (still sandboxed; "
         ".mcp.json servers for this run), or deny all (the project's allow rules still apply)",
     )
-    p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
+    p.add_argument(
+        "--max-steps", type=positive_int, default=DEFAULT_MAX_STEPS, help="tool steps before it stops to ask"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")
     p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)

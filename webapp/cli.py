@@ -31,6 +31,7 @@ from . import agent_cli, cli_bench, cli_projects, preflight
 from .doctor import doctor_report, format_report
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
+from .projects.store import ProjectError
 from .units import non_negative_float, parse_budget, parse_size, port_number, positive_int, probability
 
 __all__ = [
@@ -336,6 +337,8 @@ def _placed_backend(args: argparse.Namespace) -> tuple[str, Any]:
 def cmd_ask(args: argparse.Namespace) -> int:
     from engine.mlx_backend import peak_rss_bytes
 
+    if not args.prompt.strip():
+        raise StartupError("the prompt is empty: say what to ask")
     cli_projects.enter_project(args)
     name, backend = _placed_backend(args)
     try:
@@ -615,9 +618,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _check_environment()
         return int(args.func(args) or 0)
-    except (StartupError, EngineError, RuntimeError, OSError) as exc:
+    except (StartupError, EngineError, RuntimeError, OSError, ProjectError) as exc:
         return _fail(args, str(exc))
     except KeyboardInterrupt:
+        print("\nflashcode: stopped (Ctrl-C)", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback with -v
         return _fail(args, f"unexpected {type(exc).__name__}: {exc} (run again with -v for the traceback)", 1)

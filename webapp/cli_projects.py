@@ -72,7 +72,8 @@ def add_project_arg(p: argparse.ArgumentParser) -> None:
         "--project",
         default=None,
         metavar="DIR",
-        help="the project directory to work in (added to `flashcode projects` if new)",
+        help="the project this conversation belongs to, and the directory it runs in (added to `flashcode "
+        "projects` if new); the model is not shown its files: `flashcode agent` works on a project",
     )
 
 
