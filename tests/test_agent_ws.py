@@ -325,3 +325,28 @@ def test_an_agent_turn_in_a_project_whose_folder_is_gone_says_so(ws, project: Pa
     conversation = re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1)  # type: ignore[union-attr]
     send(ws, type="send", text="/shell ls", conversation_id=conversation)
     assert "is gone (moved or deleted)" in until(ws, r'id="status" class="controls" data-state="idle"')
+
+
+def test_an_agent_step_waiting_for_approval_says_so_and_a_command_shows_its_output_once(
+    tmp_path: Path, project: Path
+) -> None:
+    """While the dialog is open the step card and the status bar say the turn waits for you (they said
+    "Running…" and "Writing…"); a failed command's output shows once, in its command block (the card had
+    it twice more: as the result, lines run together, and folded)."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("run_command", command="echo oops-marker; exit 3").enqueue("It failed.")
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        send(sock, type="send", text="run it", conversation_id=cid)
+        frames = "".join(until(sock, r'id="dialog-[\w-]+"'))
+        dialog = re.search(r'id="dialog-([\w-]+)"', frames).group(1)  # type: ignore[union-attr]
+        step = re.search(r'id="step-([\w-]+)-status"', frames).group(1)  # type: ignore[union-attr]
+        assert f'id="step-{step}-status" hx-swap-oob="true">Waiting for your approval…' in frames
+        assert "Waiting for your approval…</span>" in frames  # the status bar
+        send(sock, type="answer", dialog_id=dialog, choice="once")
+        frames = "".join(until(sock, r'data-state="idle"'))
+    assert f'id="step-{step}-status" hx-swap-oob="true">Running…' in frames
+    assert "exit code 3" in frames and frames.count("oops-marker") == 1, frames.count("oops-marker")
+    assert (
+        'class="step-result"' not in frames.split(f'id="step-{step}-status" hx-swap-oob="true" data-ok')[-1]
+    )
+    assert "Output (" not in frames

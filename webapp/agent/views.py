@@ -27,6 +27,9 @@ class AgentViews:
     def approval_dialog(self, proposal: ev.Proposal, dialog_id: str) -> str:
         return str(self.ui.approval_dialog(proposal, dialog_id))
 
+    def step_waiting(self, call_id: str, waiting: bool) -> str:
+        return str(self.ui.step_waiting(call_id, waiting))
+
     def dialog_closed(self, dialog_id: str) -> str:
         return str(self.ui.dialog_closed(dialog_id))
 

@@ -146,6 +146,7 @@ class AgentTurns:
         self.agents: dict[str, AgentSession] = {}
         self._synced: dict[str, int] = {}  # stored message count after the last agent turn
         self._turn: Turn | None = None  # the turn being run (one at a time per socket)
+        self._step_id: str | None = None  # its tool-loop step running now (its card's id)
 
     def _stored_history(self, conversation_id: str) -> list[dict[str, str]]:
         """The conversation as stored, minus the message of the turn being run."""
@@ -197,10 +198,17 @@ class AgentTurns:
         assert self._turn is not None
         turn, views = self._turn, self.web.views
         dialog_id = f"a{proposal.action_id}-{uuid.uuid4().hex[:8]}"
+        step = self._step_id  # the tool-loop step whose call this is (None: a slash command's)
+        turn.status("Waiting for your approval…")
+        if step:
+            turn.send(views.step_waiting(step, True))
         try:
             answer = await turn.ask(views.approval_dialog(proposal, dialog_id), dialog_id)
         finally:
             turn.send(views.dialog_closed(dialog_id))
+            turn.status(None)
+            if step:
+                turn.send(views.step_waiting(step, False))
         network = answer.network if proposal.tool == "shell" else None
         return ev.Decision.from_answer(answer.choice, answer.note, network)
 
@@ -269,7 +277,7 @@ class AgentTurns:
                     turn.count(e.stats, route)  # a step of calls only: Stats counts it all the same
                 elif fragment := self.web.views.event(e):
                     if isinstance(e, ev.ToolStep):
-                        steps = e.step
+                        steps, self._step_id = e.step, e.call_id
                         turn.send(self.web.views.step_counter(e.step, e.max_steps))
                         if e.context_tokens:
                             turn.context_used(e.context_tokens)  # steps with no words write no reply to count
@@ -304,6 +312,7 @@ class AgentTurns:
             turn.on_stop(None)
             turn.send(self.web.views.step_counter())
             self._turn = None
+            self._step_id = None
             self._synced[conversation_id] = len(db.messages(conversation_id))
             if reply is not None:
                 reply.abandon()  # cut off: keep the text (a no-op once finished)
