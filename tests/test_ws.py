@@ -408,3 +408,32 @@ def test_ws_conversation_moved_to_the_trash_while_its_reply_streams_keeps_the_re
         db = c.app.state.flashcode.db
         reply = db.messages(cid)[-1]
         assert reply.role == "assistant" and reply.content.endswith("t29") and reply.status == "complete"
+
+
+def test_ws_a_stale_tab_is_shown_what_another_added_before_its_message_goes(tmp_path: Path) -> None:
+    """Two tabs on one conversation: tab 2 never saw tab 1's last turn. Its message (sent with the newest
+    message id it shows) is not sent: the missed messages are drawn, an alert says why, nothing is stored;
+    sent again with what it now shows, it goes."""
+    fake = FakeBackend()
+    fake.enqueue("first answer").enqueue("second answer").enqueue("third answer")
+    with served(fake, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as one:
+            send(one, type="send", text="hello")
+            frames = until(one, r'data-state="idle"')
+            cid = conversation_id(frames)
+            seen = max(int(x) for x in re.findall(r'id="seen-message" value="(\d+)"', "".join(frames)))
+            assert seen == db.messages(cid)[-1].id  # the page's newest, kept up to date as messages arrive
+            with connect(c) as two:  # opened now: it shows up to `seen`
+                send(one, type="send", text="from tab one", conversation_id=cid, seen=seen)
+                until(one, r'data-state="idle"')
+                stored = len(db.messages(cid))
+                send(two, type="send", text="from tab two", conversation_id=cid, seen=seen)
+                frames = "".join(until(two, r'role="alert"'))
+                assert "changed in another window: 2 new messages now shown" in frames
+                assert "from tab one" in frames and "second answer" in frames
+                assert len(db.messages(cid)) == stored  # nothing sent
+                newest = db.messages(cid)[-1].id
+                send(two, type="send", text="from tab two", conversation_id=cid, seen=newest)
+                frames = "".join(until(two, r'data-state="idle"'))
+                assert "third answer" in frames and db.messages(cid)[-2].content == "from tab two"

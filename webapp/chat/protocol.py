@@ -33,6 +33,7 @@ class Send:
     temperature: float | None = None
     mode: str | None = None  # chat | agent: the toolbar's mode, for a conversation this message starts
     top_p: float | None = None
+    seen: int | None = None  # the newest message id the page shows (another tab may have added since)
     type: str = "send"
 
 
@@ -133,6 +134,7 @@ def _send(d: dict[str, Any]) -> Send:
         temperature=_number(d, "temperature", float, 0.0, 2.0),
         mode=_mode(d, required=False),
         top_p=_number(d, "top_p", float, 0.01, 1.0),
+        seen=_number(d, "seen", int, 0, 2**63 - 1),
     )
 
 

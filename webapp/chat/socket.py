@@ -184,6 +184,8 @@ class Session:
             else:
                 self.error("that conversation no longer exists: start a new one (File > New Conversation)")
             return
+        if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
+            return
         created = conv is None
         if conv is None:
             title = make_title(msg.text, TITLE_CHARS)
@@ -211,6 +213,20 @@ class Session:
             return
         # the engine starts first; the page is updated while it reads the prompt
         self._start(conv.id, overrides, first=first)
+
+    def _missed(self, conversation_id: str, seen: int) -> bool:
+        """Messages another tab added since this page's newest (`seen`): they are shown here and the message
+        is not sent (it was written without them; it stays in the box, to send again). False: none."""
+        new = [m for m in self.ctx.db.messages(conversation_id) if m.id > seen and m.status != "streaming"]
+        if not new:
+            return False
+        self.send(*(self.views.append_message(m) for m in new))
+        self.error(
+            f"This conversation changed in another window: {len(new)} new message{'' if len(new) == 1 else 's'} "
+            "now shown (reload for their tool steps). Yours was not sent: it is still in the box, to send if it "
+            "still fits."
+        )
+        return True
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.ctx.db
