@@ -285,6 +285,7 @@ class LlamaServerProcess:
 
     def _spawn(self) -> None:
         self.port = free_port(self.host)
+        prune_logs(self.log_dir)
         self.log_path = self.log_dir / f"llama-server-{self.port}.log"
         argv = [str(self.binary), *self.options.to_args(self.host, self.port)]
         log.info("starting %s (log: %s)", " ".join(argv), self.log_path)
@@ -507,6 +508,28 @@ class _StreamCloser:
 
 
 # --------------------------------------------------------------------------- the backend
+KEEP_LOGS = 20  # llama-server-PORT.log files kept (the newest); older ones go once they are a week old
+KEEP_LOG_S = 7 * 86400
+
+
+def prune_logs(log_dir: Path, keep: int = KEEP_LOGS, older_than_s: float = KEEP_LOG_S) -> int:
+    """Delete llama-server logs beyond the `keep` newest that have not been written for `older_than_s`
+    (one per server start: they had piled up, never rotated). Returns how many went."""
+    try:
+        logs = sorted(log_dir.glob("llama-server-*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return 0
+    gone = 0
+    for old in logs[keep:]:
+        try:
+            if time.time() - old.stat().st_mtime > older_than_s:
+                old.unlink()
+                gone += 1
+        except OSError:
+            continue
+    return gone
+
+
 SCORE_TOP_N = (100, 2_000, 50_000, 300_000)  # score_continuations: how many top tokens to ask for, in turn
 
 

@@ -238,7 +238,8 @@ def test_agent_steps_that_only_call_tools_are_counted_in_stats(tmp_path: Path, p
         until(sock, r'data-state="idle"')
         md = client.get(f"/c/{cid}/export.md").text
         rows = app.state.flashcode.db.conn.execute(
-            "SELECT message_id, completion_tokens, model FROM stats_replies WHERE conversation_id = ? ORDER BY id",
+            "SELECT message_id, completion_tokens, model, route FROM stats_replies WHERE conversation_id = ? "
+            "ORDER BY id",
             (cid,),
         ).fetchall()
     at = [
@@ -249,9 +250,9 @@ def test_agent_steps_that_only_call_tools_are_counted_in_stats(tmp_path: Path, p
     (call_stats, call_kw), (answer_stats, answer_kw) = seen
     assert call_kw["message_id"] is None and call_stats["prompt_tokens"] > 0 and call_stats["turn"] == "agent"
     assert answer_kw["message_id"] > 0 and answer_stats["completion_tokens"] == 3
-    assert [(r[0] is None, r[1], r[2]) for r in rows] == [
-        (True, call_stats["completion_tokens"], "fake-model"),
-        (False, 3, "fake-model"),
+    assert [(r[0] is None, r[1], r[2], r[3]) for r in rows] == [
+        (True, call_stats["completion_tokens"], "fake-model", "tools"),  # the tool loop's, not "chat"
+        (False, 3, "fake-model", "tools"),
     ]
 
 

@@ -216,4 +216,5 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
         )
 
     assert not page.errors, page.errors
+    assert (data_dir / "logs" / "serve.log").exists()  # serve's warnings and errors outlive the terminal
     print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")

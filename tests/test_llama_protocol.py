@@ -102,3 +102,21 @@ def test_llama_load_refuses_a_model_without_gguf(tmp_path: Path) -> None:
 
     with pytest.raises(ModelLoadError, match="no GGUF"):
         LlamaServerBackend().load(ModelInfo("m", tmp_path, "llama", 0, gguf_path=None))
+
+
+def test_llama_logs_beyond_the_newest_twenty_go_once_a_week_old(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from engine.llama_server import prune_logs
+
+    now = time.time()
+    for i in range(30):
+        p = tmp_path / f"llama-server-{1000 + i}.log"
+        p.write_text("x")
+        age = (i + 1) * 86400 if i < 25 else 3600  # 25 old ones (1..25 days), 5 recent
+        os.utime(p, (now - age, now - age))
+    (tmp_path / "serve.log").write_text("mine")
+    assert prune_logs(tmp_path) == 10  # beyond the 20 newest: 10, all over a week old
+    left = sorted(tmp_path.glob("llama-server-*.log"))
+    assert len(left) == 20 and (tmp_path / "serve.log").exists()

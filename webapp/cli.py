@@ -155,10 +155,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             ws_max_size=1 << 20,
         )
+        _log_to_file(root)  # after uvicorn set its loggers up: its errors go to the file too
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         worker.close()
     return 0
+
+
+SERVE_LOG = "serve.log"
+
+
+def _log_to_file(root: Path) -> None:
+    """Warnings and errors of this serve (tracebacks included, uvicorn's too) also go to
+    `$FLASHCODE_HOME/logs/serve.log`, rotated at 2 MB with 3 old files kept: what went wrong is still there
+    when the terminal is gone."""
+    from logging.handlers import RotatingFileHandler
+
+    try:
+        handler = RotatingFileHandler(
+            paths.logs_dir(root) / SERVE_LOG, maxBytes=2_000_000, backupCount=3, encoding="utf-8"
+        )
+    except OSError as exc:  # a read-only logs folder: the terminal still has everything
+        print(f"flashcode: not logging to a file: {exc}", file=sys.stderr)
+        return
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("", "uvicorn"):  # uvicorn's own loggers do not reach the root logger
+        logging.getLogger(name).addHandler(handler)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -256,6 +256,8 @@ class AgentTurns:
                     reading = False
                     turn.status(None)
                 limited = limited or isinstance(e, ev.StepLimitReached)
+                if isinstance(e, ev.Generated | ev.ToolStep) and route is None:
+                    route = "tools"  # the tool loop's steps and answer (Stats' grades tell them from chat)
                 if isinstance(e, ev.RouteChosen):
                     route = e.route
                 if isinstance(e, ev.ModeChanged):
