@@ -22,7 +22,8 @@ def test_sizes_in_range_and_refusals() -> None:
 
 
 def test_infinite_max_tokens_is_a_clear_refusal() -> None:
-    with pytest.raises(APIError, match="bad sampling parameter"):
+    with pytest.raises(APIError, match="max_tokens must be an integer") as refused:
         parse_sampling({"messages": [], "max_tokens": float("inf")})
+    assert refused.value.param == "max_tokens"
     with pytest.raises(ProtocolError, match="max_tokens must be a number"):
         parse('{"type": "send", "text": "hi", "max_tokens": 1e400}')
