@@ -212,9 +212,10 @@
   document.body.addEventListener("htmx:wsAfterMessage", (e) => {
     const frame = String((e.detail && e.detail.message) || "");
     const shown = frame.includes('class="msg msg-user');
-    if (sent !== null && (shown || frame.includes('role="alert"'))) {
+    const refused = frame.includes('role="alert"');  // with an alert, a user message shown is another tab's
+    if (sent !== null && (shown || refused)) {
       const p = $("#prompt");
-      if (shown && p && p.value === sent) p.value = "";
+      if (shown && !refused && p && p.value === sent) p.value = "";
       sent = null;
     }
     syncTitle();

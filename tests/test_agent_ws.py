@@ -351,3 +351,14 @@ def test_an_agent_step_waiting_for_approval_says_so_and_a_command_shows_its_outp
         'class="step-result"' not in frames.split(f'id="step-{step}-status" hx-swap-oob="true" data-ok')[-1]
     )
     assert "Output (" not in frames
+
+
+def test_slash_commands_that_write_no_reply_add_no_warning(tmp_path: Path, project: Path) -> None:
+    """/help, /raw, /clear answer in their own way: no "the model ended its turn without an answer"."""
+    fake = FakeBackend(tools=True)
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        for command in ("/help", "/clear", "/raw", "/agent"):
+            send(sock, type="send", text=command, conversation_id=cid)
+            until(sock, r'data-state="idle"')
+        notes = [e.data.get("text") for e in app.state.flashcode.db.events(cid) if e.type == "notice"]
+    assert not [n for n in notes if "without an answer" in str(n) or "ended before" in str(n)], notes

@@ -124,3 +124,29 @@ def test_browser_shift_return_newline_and_regenerate(fake_server, page) -> None:
     )
     assert page.locator(".msg-assistant").count() == 1
     assert not page.errors, page.errors
+
+
+def test_browser_a_stale_tab_keeps_its_text_and_is_shown_what_it_missed(fake_server, page, browser) -> None:
+    """Two tabs on one conversation; tab two missed tab one's turn. Its message is not sent: the missed
+    messages appear, an alert says why, and the text stays in the box (it had been wiped: the other tab's
+    user message was taken for its own coming back)."""
+    url, fake = fake_server
+    fake.enqueue("first answer").enqueue("second answer").enqueue("third answer")
+    page.goto(url)
+    send_and_wait(page, "hello")
+    cid = page.evaluate("() => location.pathname.split('/')[2]")
+    other = browser.new_context(viewport={"width": 1100, "height": 700}).new_page()
+    other.goto(f"{url.rstrip('/')}/c/{cid}")
+    other.wait_for_selector("#messages .msg-assistant")
+    send_and_wait(page, "from tab one")
+    other.fill("#prompt", "from tab two")
+    other.press("#prompt", "Enter")
+    other.locator("#alerts .alert-box", has_text="changed in another window").wait_for(timeout=10_000)
+    assert other.input_value("#prompt") == "from tab two"
+    assert "second answer" in other.inner_text("#messages")
+    other.click("#alerts .alert-ok")
+    other.press("#prompt", "Enter")  # sent again, now that it has seen them: it goes
+    other.wait_for_selector(".msg-assistant:has-text('third answer')", timeout=10_000)
+    assert other.input_value("#prompt") == ""
+    other.context.close()
+    assert not page.errors, page.errors

@@ -606,7 +606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    if not args.verbose:  # Ctrl-C while a command runs: "Loop … that handles pid N is closed" says nothing new
+    if (
+        not args.verbose
+    ):  # Ctrl-C while a command runs: "Loop … that handles pid N is closed" says nothing new
         logging.getLogger("asyncio").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -241,7 +241,7 @@ class AgentTurns:
         self._turn = turn
         reply: ReplyWriter | None = None
         route: str | None = None
-        answered = completed = limited = False  # a reply was written; the turn ran to its end; step limit
+        answered = completed = limited = tool_turn = False  # a reply; ran to its end; step limit; tool loop
         steps = 0
         reading = False  # the status bar says the prompt is being read
         # the user's Stop, or the page going away (then no one decided what the dialog asked)
@@ -256,6 +256,7 @@ class AgentTurns:
                     reading = False
                     turn.status(None)
                 limited = limited or isinstance(e, ev.StepLimitReached)
+                tool_turn = tool_turn or (isinstance(e, ev.TurnDone) and e.route == "tools")
                 if isinstance(e, ev.Generated | ev.ToolStep) and route is None:
                     route = "tools"  # the tool loop's steps and answer (Stats' grades tell them from chat)
                 if isinstance(e, ev.RouteChosen):
@@ -296,11 +297,12 @@ class AgentTurns:
                 # Stop, a closed window, a failure, or a model that ended with no words after its steps: the
                 # transcript says so, or the turn would leave only the user's message behind (the step limit
                 # says so itself, with Continue)
+                said = None  # a slash command answers in its own way (or needs no answer): nothing to say
                 if agent.halted:
                     said = "Stopped before the agent answered."
                 elif not completed:
                     said = "The agent's turn ended before it answered."
-                else:
+                elif tool_turn:
                     said = (
                         f"The model ended its turn after {steps} step{'' if steps == 1 else 's'} without an "
                         "answer. Ask again or more plainly; a larger model follows the tools better."
@@ -308,9 +310,10 @@ class AgentTurns:
                         else "The model ended its turn without an answer (an empty reply). Ask again or more "
                         "plainly."
                     )
-                cut = ev.Notice(said, "warning")
-                db.add_event(conversation_id, cut.type, cut.to_dict())
-                turn.send(self.web.views.event(cut))
+                if said:
+                    cut = ev.Notice(said, "warning")
+                    db.add_event(conversation_id, cut.type, cut.to_dict())
+                    turn.send(self.web.views.event(cut))
             turn.on_stop(None)
             turn.send(self.web.views.step_counter())
             self._turn = None

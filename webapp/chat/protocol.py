@@ -45,6 +45,7 @@ class Stop:
 @dataclass(frozen=True)
 class Regenerate:
     conversation_id: str
+    seen: int | None = None  # the newest message id the page shows (the reply it means to rewrite)
     type: str = "regenerate"
 
 
@@ -163,7 +164,9 @@ def _model(d: dict[str, Any]) -> SwitchModel:
 _PARSERS = {
     "send": _send,
     "stop": lambda d: Stop(),
-    "regenerate": lambda d: Regenerate(conversation_id=_str(d, "conversation_id") or ""),
+    "regenerate": lambda d: Regenerate(
+        conversation_id=_str(d, "conversation_id") or "", seen=_number(d, "seen", int, 0, 2**63 - 1)
+    ),
     "continue": lambda d: Continue(
         conversation_id=_str(d, "conversation_id") or "",
         message_id=_number(d, "message_id", int, 1, 2**62),

@@ -220,12 +220,14 @@ class Session:
         new = [m for m in self.ctx.db.messages(conversation_id) if m.id > seen and m.status != "streaming"]
         if not new:
             return False
-        self.send(*(self.views.append_message(m) for m in new))
-        self.error(
+        said = (
             f"This conversation changed in another window: {len(new)} new message{'' if len(new) == 1 else 's'} "
             "now shown (reload for their tool steps). Yours was not sent: it is still in the box, to send if it "
             "still fits."
         )
+        # one frame, the alert in it: the page keeps the box's text when a frame that shows a user message
+        # also holds an alert (it is not this page's message coming back)
+        self.send(*(self.views.append_message(m) for m in new), self.views.alert(said))
         return True
 
     def _regenerate(self, msg: p.Regenerate) -> None:
@@ -233,6 +235,8 @@ class Session:
         if db.get_conversation(msg.conversation_id) is None:
             self.error("nothing to regenerate: that conversation does not exist")
             return
+        if msg.seen is not None and self._missed(msg.conversation_id, msg.seen):
+            return  # another window added since: the reply this page shows is not the last one any more
         messages = db.messages(msg.conversation_id)
         if not messages or messages[-1].role != "assistant":
             self.error("nothing to regenerate: the last message is not a reply")
