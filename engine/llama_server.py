@@ -830,7 +830,7 @@ class LlamaServerBackend:
         tail = stops.flush()
         if tail:
             turn.text.append(tail)
-            yield TextDelta(tail, ())
+            yield TextDelta(tail, (), n_tokens=turn.new_tokens() if turn.timings else None)
         if not cancel.is_set():
             yield from self._streamed_calls(turn)
         self._fill_stats(stats, turn, t0)

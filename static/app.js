@@ -72,16 +72,17 @@
     if (yes !== null) post(`/c/${id}/delete`, {});
   }
   // the Trash window: one conversation, or all of them, deleted for good (asked first: no undo)
-  const trashPost = (path) => htmx.ajax("POST", path, { values: {}, headers: { "X-CSRF-Token": csrf() }, target: "#trash-pane", swap: "outerHTML" });
+  const trashPost = (path, values = {}) => htmx.ajax("POST", path, { values, headers: { "X-CSRF-Token": csrf() }, target: "#trash-pane", swap: "outerHTML" });
   async function deleteNow(button) {
     const yes = await ask(`Delete “${button.dataset.title}” for good? This cannot be undone.`, { ok: "Delete", safe: true });
     if (yes !== null) trashPost(`/c/${button.dataset.id}/delete-now`);
   }
   async function emptyTrash() {
-    const n = document.querySelectorAll("#trash-pane li[data-id]").length;
+    const ids = [...document.querySelectorAll("#trash-pane li[data-id]")].map((li) => li.dataset.id);
+    const n = ids.length;
     if (!n) return alertBox("The Trash is empty.");
     const yes = await ask(`Delete the ${n === 1 ? "conversation" : n + " conversations"} in the Trash for good? This cannot be undone.`, { ok: "Empty Trash", safe: true });
-    if (yes !== null) trashPost("/trash/empty");
+    if (yes !== null) trashPost("/trash/empty", { ids: ids.join(",") });  // those shown: not one trashed since
   }
   // File › Import Conversation…: a conversation's JSON export (File › Export as JSON) comes back as a new one
   function importConversation() {

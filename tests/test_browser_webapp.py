@@ -215,6 +215,21 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
             db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (cid,)).fetchone()[0] >= 2
         )
 
+    # Special > Empty Trash…: asks, then deletes what the Trash showed
+    page.goto(f"{origin}/c/{cid}")  # put back by the other "tab" above: listed once the page is drawn again
+    page.wait_for_selector(f"#conversation-list li[data-id='{cid}'].selected")
+    page.click("#conversations-window [data-action=delete]")
+    page.click(".alert-box.modal .dialog-ok")
+    page.wait_for_selector(f"#trash-pane li[data-id='{cid}']", state="attached")
+    page.dispatch_event("nav [data-action=empty-trash]", "click")
+    assert "Delete the conversation in the Trash for good?" in page.inner_text(".alert-box.modal .alert-text")
+    page.click(".alert-box.modal .dialog-ok")
+    page.wait_for_selector(
+        "#trash-pane .trash-status:has-text('Deleted 1 conversation for good.')", state="attached"
+    )
+    with sqlite3.connect(data_dir / "flashcode.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM conversations WHERE id = ?", (cid,)).fetchone()[0] == 0
+
     assert not page.errors, page.errors
     assert (data_dir / "logs" / "serve.log").exists()  # serve's warnings and errors outlive the terminal
     print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")

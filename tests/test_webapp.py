@@ -142,9 +142,17 @@ def test_webapp_trash_undo_put_back_delete_now_and_empty(app_parts) -> None:
     assert f'data-id="{second}"' in r.text
     db = client.app.state.flashcode.db
     assert db.get_conversation(first, trashed=True) is None and db.messages(first) == []
-    r = client.post("/trash/empty", headers=h)
-    assert "Deleted 2 conversations for good." in r.text and "The Trash is empty." in r.text
+    assert client.post("/trash/empty", headers=h).status_code == 400  # which ones: those the page showed
+    # the page showed second and third; a fourth trashed meanwhile in another window is not deleted with them
+    fourth = make_conversation(client, "four")
+    client.post(f"/c/{fourth}/delete", headers=h)
+    r = client.post("/trash/empty", headers=h, data={"ids": f"{second},{third}"})
+    assert "Deleted 2 conversations for good." in r.text and f'data-id="{fourth}"' in r.text
     assert db.get_conversation(second, trashed=True) is None
+    assert db.get_conversation(fourth, trashed=True) is not None
+    client.post(f"/c/{fourth}/restore", headers=h)
+    r = client.post("/trash/empty", headers=h, data={"ids": fourth})  # not in the Trash any more: kept
+    assert "Deleted 0 conversations" in r.text and db.get_conversation(fourth) is not None
 
 
 def test_webapp_trash_is_emptied_of_what_went_there_over_30_days_ago(tmp_path: Path) -> None:
@@ -311,3 +319,63 @@ def test_webapp_import_needs_the_token_and_a_listed_project(app_parts) -> None:
     r = client.post("/conversations/import", files={"file": ("a.json", body)}, headers=h)  # no htmx: JSON
     assert r.status_code == 201 and r.json()["messages"] == 1
     assert client.app.state.flashcode.db.get_conversation(r.json()["id"]).project_id == "default"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"messages": [{"role": "user", "content": "hi", "created_at": 10**400}]},
+        {"messages": [{"role": "assistant", "content": "hi", "stats": {"completion_tokens": 10**400}}]},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "events": [{"type": "notice", "after_message": [], "data": {}}],
+        },
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "events": [{"type": "exit", "data": {"action_id": [1]}}],
+        },
+        {"messages": [{"role": "user", "content": "lone \ud800 surrogate"}], "title": "t \udfff"},
+        {"messages": [{"role": "user", "content": "hi", "id": {"a": 1}}]},
+    ],
+)
+def test_webapp_import_of_odd_values_never_fails_the_server(app_parts, bad) -> None:
+    """Values a JSON file may hold that Python or SQLite choke on (huge integers, lists as ids, lone
+    surrogates): imported with them cleaned, or refused in words — never a 500 — and the conversation's
+    page and both exports work."""
+    client, _ = app_parts
+    r = _import(client, json.dumps(bad))
+    assert r.status_code == 200, r.text
+    new = r.headers.get("hx-redirect", "").removeprefix("/c/")
+    assert new, html.unescape(r.text)
+    for path in (f"/c/{new}", f"/c/{new}/export.md", f"/c/{new}/export.json"):
+        assert client.get(path).status_code == 200, path
+
+
+def test_webapp_an_imported_conversation_exports_as_markdown_whatever_its_events_hold(app_parts) -> None:
+    client, _ = app_parts
+    odd = {
+        "messages": [{"id": 1, "role": "user", "content": "hi"}],
+        "events": [
+            {
+                "type": "exit",
+                "after_message": 1,
+                "data": {"action_id": 3, "duration_s": "slow", "description": "ran"},
+            },
+            {"type": "search_results", "after_message": 1, "data": {"query": "q", "results": [1, 2]}},
+            {
+                "type": "proposal",
+                "after_message": 1,
+                "data": {"tool": "shell", "command": "ls", "diff": ["a"]},
+            },
+        ],
+    }
+    new = _import(client, json.dumps(odd)).headers["hx-redirect"].removeprefix("/c/")
+    md = client.get(f"/c/{new}/export.md")
+    assert md.status_code == 200 and "## User" in md.text and "_Event `exit`_" in md.text
+
+
+def test_webapp_import_refuses_an_upload_too_large_before_reading_it(app_parts) -> None:
+    client, _ = app_parts
+    h = {"X-CSRF-Token": csrf(client), "HX-Request": "true", "content-type": "multipart/form-data; boundary=x"}
+    r = client.post("/conversations/import", content=b"--x--", headers=h | {"content-length": str(200 << 20)})
+    assert r.status_code == 413 and "over 64 MB" in r.text

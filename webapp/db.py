@@ -445,8 +445,14 @@ class Database:
         """Delete a conversation for good: its messages and events go with it (cascade)."""
         return self.conn.execute("DELETE FROM conversations WHERE id=?", (conversation_id,)).rowcount == 1
 
-    def purge_trash(self, before: float | None = None) -> int:
-        """Delete for good what is in the Trash (Empty Trash), or what went there before `before`."""
+    def purge_trash(self, before: float | None = None, ids: Sequence[str] | None = None) -> int:
+        """Delete for good from the Trash: those of `ids` still in it (Empty Trash: what the user saw and
+        confirmed), what went there before `before` (the 30-day rule), or all of it (neither given)."""
+        if ids is not None:
+            marks = ",".join("?" * len(ids))
+            return self.conn.execute(
+                f"DELETE FROM conversations WHERE trashed_at IS NOT NULL AND id IN ({marks})", tuple(ids)
+            ).rowcount
         if before is None:
             return self.conn.execute("DELETE FROM conversations WHERE trashed_at IS NOT NULL").rowcount
         return self.conn.execute("DELETE FROM conversations WHERE trashed_at < ?", (before,)).rowcount
@@ -631,6 +637,19 @@ def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
     return []
 
 
+def _safe_event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
+    """`_event_markdown`, or — for an event whose values are not what it expects (an imported file's) —
+    its type and fields as JSON: an export never fails on one event."""
+    try:
+        return _event_markdown(e, output)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError):
+        return [
+            f"_Event `{e.type}`_",
+            *_fenced(json.dumps(e.data, ensure_ascii=False, default=str), "json"),
+            "",
+        ]
+
+
 def _plain_markdown(text: str) -> str:
     """Plain text on one Markdown line, shown as typed: HTML and Markdown's inline marks escaped."""
     text = " ".join(text.split()).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
@@ -648,20 +667,22 @@ def export_markdown(
     output: dict[int, list[str]] = {}
     for e in events:
         if e.type == "output":
-            output.setdefault(int(e.data.get("action_id") or 0), []).append(str(e.data.get("text") or ""))
+            action = e.data.get("action_id")
+            key = action if isinstance(action, int) and not isinstance(action, bool) else 0
+            output.setdefault(key, []).append(str(e.data.get("text") or ""))
     after: dict[int, list[StoredEvent]] = {}
     for e in events:
         after.setdefault(e.after_message, []).append(e)
     for e in after.pop(0, []):
-        lines += _event_markdown(e, output)
+        lines += _safe_event_markdown(e, output)
     for m in messages:
         note = "" if m.status == "complete" else f" _({m.status})_"
         lines += [f"## {m.role.capitalize()}{note}", "", m.content, ""]
         for e in after.pop(m.id, []):
-            lines += _event_markdown(e, output)
+            lines += _safe_event_markdown(e, output)
     for rest in after.values():  # after a message since deleted
         for e in rest:
-            lines += _event_markdown(e, output)
+            lines += _safe_event_markdown(e, output)
     return "\n".join(lines)
 
 
@@ -726,7 +747,21 @@ class Imported:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)  # an integer of 400 digits is too large for a float: not a number here
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _text(value: str) -> str:
+    """A string SQLite can store: JSON's lone surrogates (`"\\ud800"`) become U+FFFD."""
+    return value.encode("utf-8", "replace").decode("utf-8", "replace") if value else value
+
+
+def _key(value: Any) -> int | str | None:
+    """An id from the file, if it can be one (a number or a string; a list or an object cannot)."""
+    return value if isinstance(value, int | str) and not isinstance(value, bool) else None
 
 
 def _imported_stats(stats: Any) -> dict[str, Any]:
@@ -739,7 +774,7 @@ def _imported_stats(stats: Any) -> dict[str, Any]:
             out[key] = int(n) if key.endswith("tokens") or key == "continued" else n
     for key in _STAT_WORDS:
         if isinstance(stats.get(key), str):
-            out[key] = stats[key][:500]
+            out[key] = _text(stats[key][:500])
     return out
 
 
@@ -777,11 +812,11 @@ def import_json(
             status = "incomplete"
         created = _number(m.get("created_at"))
         stats = _imported_stats(m.get("stats")) if role == "assistant" else {}
-        messages.append((m.get("id"), role, m["content"], status, stats, created))
+        messages.append((_key(m.get("id")), role, _text(m["content"]), status, stats, created))
     if not messages:
         raise ConversationImportError("it has no user or assistant messages to import")
     title = data.get("title") if isinstance(data.get("title"), str) else ""
-    title = " ".join(title.split())[:120] or "Imported conversation"
+    title = _text(" ".join(title.split())[:120]) or "Imported conversation"
     events = data.get("events") if isinstance(data.get("events"), list) else []
     mode = data.get("mode") if data.get("mode") in ("chat", "agent") else "chat"
 
@@ -789,7 +824,7 @@ def import_json(
     conv = Conversation(uuid.uuid4().hex[:12], title, None, None, now, now, project_id, mode)
     for key in ("model", "backend"):
         if isinstance(data.get(key), str):
-            setattr(conv, key, data[key][:200])
+            setattr(conv, key, _text(data[key][:200]))
     ids: dict[Any, int] = {}  # the file's message ids -> the new ones
     actions: dict[Any, int] = {}  # the file's action ids -> new ones below zero
     kept = 0
@@ -806,7 +841,7 @@ def import_json(
                 "VALUES (?,?,?,?,?,?)",
                 (conv.id, role, content, status, json.dumps(stats) if stats else None, created or now),
             )
-            if isinstance(old_id, int | str) and not isinstance(old_id, bool):
+            if old_id is not None:
                 ids.setdefault(old_id, int(cur.lastrowid or 0))
         for i, e in enumerate(events, 1):
             if (
@@ -822,8 +857,10 @@ def import_json(
                 continue
             type_, event = converted
             if "action_id" in event:
-                event = event | {"action_id": actions.setdefault(event["action_id"], -1 - len(actions))}
-            after = e.get("after_message")
+                old_action = _key(event["action_id"])
+                new_action = None if old_action is None else actions.setdefault(old_action, -1 - len(actions))
+                event = event | {"action_id": new_action}
+            after = _key(e.get("after_message"))
             if after in (0, None):
                 after_new = 0
             elif after in ids:
@@ -837,13 +874,18 @@ def import_json(
                 (
                     conv.id,
                     after_new,
-                    type_,
+                    _text(type_),
                     json.dumps(event, default=str),
                     _number(e.get("created_at")) or now,
                 ),
             )
             kept += 1
         db.conn.execute("COMMIT")
+    except (sqlite3.Error, ValueError, TypeError) as exc:  # a value nothing above foresaw: nothing is kept
+        db.conn.execute("ROLLBACK")
+        raise ConversationImportError(
+            f"it holds a value flashcode cannot store ({type(exc).__name__}: {exc})"
+        ) from exc
     except BaseException:
         db.conn.execute("ROLLBACK")
         raise

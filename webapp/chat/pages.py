@@ -151,8 +151,16 @@ class ChatPages:
         return HTMLResponse(self.views.trash())
 
     async def empty_trash(self, request: Request) -> HTMLResponse:
-        """POST /trash/empty: everything in the Trash deleted for good (the page asked first)."""
-        n = self.db.purge_trash()
+        """POST /trash/empty (`ids`: the conversations the page showed in its Trash, comma-separated): those
+        deleted for good, the page having asked first — not one another window trashed meanwhile."""
+        ids = [
+            i
+            for i in str((await request.form()).get("ids") or "").split(",")
+            if re.fullmatch(r"[0-9a-f]{1,64}", i)
+        ]
+        if not ids:
+            raise HTTPException(400, "name the conversations to delete for good (ids: those the Trash shows)")
+        n = self.db.purge_trash(ids=ids[:10_000])
         return HTMLResponse(
             self.views.trash(note=f"Deleted {n} conversation{'' if n == 1 else 's'} for good.")
         )
@@ -166,6 +174,11 @@ class ChatPages:
         """POST /conversations/import (multipart: `file`, a conversation's JSON export; `project_id`): a NEW
         conversation in that project (the open one without it). The page goes to it; a bad file is said in
         an alert and nothing is stored."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_IMPORT_BYTES + (1 << 20):  # refused before it is read
+            raise HTTPException(
+                413, f"that file is over {MAX_IMPORT_BYTES >> 20} MB: a conversation export is smaller"
+            )
         form = await request.form(max_part_size=MAX_IMPORT_BYTES)
         upload = form.get("file")
         if upload is None or isinstance(upload, str):

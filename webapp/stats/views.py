@@ -329,7 +329,10 @@ class Stats:
             conversation_id=conversation_id,
             message_id=message_id,
             finish_reason=stats.get("finish_reason"),
-            project_id=conv.project_id if (conv := self.db.get_conversation(conversation_id)) else None,
+            # a reply that ended after its conversation went to the Trash still counts for its project
+            project_id=conv.project_id
+            if (conv := self.db.get_conversation(conversation_id, trashed=True))
+            else None,
         )
 
     def record_api_reply(self, stats: Mapping[str, Any]) -> int | None:
