@@ -376,6 +376,10 @@ def test_webapp_an_imported_conversation_exports_as_markdown_whatever_its_events
 
 def test_webapp_import_refuses_an_upload_too_large_before_reading_it(app_parts) -> None:
     client, _ = app_parts
-    h = {"X-CSRF-Token": csrf(client), "HX-Request": "true", "content-type": "multipart/form-data; boundary=x"}
+    h = {
+        "X-CSRF-Token": csrf(client),
+        "HX-Request": "true",
+        "content-type": "multipart/form-data; boundary=x",
+    }
     r = client.post("/conversations/import", content=b"--x--", headers=h | {"content-length": str(200 << 20)})
     assert r.status_code == 413 and "over 64 MB" in r.text
