@@ -50,7 +50,16 @@ from .mcp import McpTools
 from .runner import CommandRun
 from .search import SearchUnavailableError
 from .shell import check_command
-from .tools import BY_NAME, MAX_RESULT_CHARS, ReadTools, ToolResult, check_arguments, fetch_url, openai_tools
+from .tools import (
+    BY_NAME,
+    MAX_RESULT_CHARS,
+    ReadTools,
+    ToolResult,
+    check_arguments,
+    denied,
+    fetch_url,
+    openai_tools,
+)
 from .visible import touches_git
 
 if TYPE_CHECKING:
@@ -520,9 +529,3 @@ class ToolLoop:
         note = {"role": "user", "content": "Summary of the earlier steps: " + (summary or "(not available)")}
         self.messages[:] = [*head, note, *tail]
         return len(middle)
-
-
-def denied(reason: str) -> str:
-    if reason.startswith("not decided"):  # the page went away while it asked: nobody said no
-        return f"Not run: {reason}."
-    return f"Denied by the user: {reason}" if reason else "Denied by the user."

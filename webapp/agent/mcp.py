@@ -49,7 +49,7 @@ from . import sandbox
 from .events import AgentEvent, Decided, Notice, Proposal
 from .mcp_config import ServerConfig, tool_name
 from .mcp_store import McpStore
-from .tools import ToolResult
+from .tools import ToolResult, denied
 
 if TYPE_CHECKING:
     from .agent import AgentSession
@@ -534,12 +534,6 @@ class _CallStopper:
         self.task.cancel()
 
 
-def _denied(reason: str) -> str:
-    if reason.startswith("not decided"):  # the page went away while it asked: nobody said no
-        return f"Not run: {reason}."
-    return f"Denied by the user: {reason}" if reason else "Denied by the user."
-
-
 # --------------------------------------------------------------------------- one turn
 class McpTools:
     """The MCP tools of one session's turn (the tool loop's view)."""
@@ -655,7 +649,7 @@ class McpTools:
             s.store.record_decision(action_id, decision, saved, reason)
             yield Decided(action_id, decision, saved, reason)
             if decision == "deny":
-                yield ToolResult(False, _denied(reason), decision, action_id=action_id)
+                yield ToolResult(False, denied(reason), decision, action_id=action_id)
                 return
         try:
             handle = await self.servers.handle(launch)

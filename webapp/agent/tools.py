@@ -119,6 +119,13 @@ def check_arguments(spec: ToolSpec, args: dict[str, Any]) -> str | None:
     return None
 
 
+def denied(reason: str) -> str:
+    """What the model is told of a call not approved (an edit, a command, an MCP tool)."""
+    if reason.startswith("not decided"):  # the page went away while it asked: nobody said no
+        return f"Not run: {reason}."
+    return f"Denied by the user: {reason}" if reason else "Denied by the user."
+
+
 @dataclass
 class ToolResult:
     """What one tool call came to: the text for the model, and what the step card shows."""

@@ -472,13 +472,14 @@ class OpenAIAPI:
 
     async def retrieve_model(self, request: Request) -> Response:
         """GET /v1/models/ID: one installed model (`models.retrieve`), or 404 model_not_found."""
-        response = await self.list_models(request)
-        if response.status_code != 200:
-            return response
+        try:
+            check_access(request)
+        except APIError as exc:
+            return exc.response()
         wanted = request.path_params["model_id"]
-        for m in json.loads(bytes(response.body))["data"]:
-            if m["id"] == wanted:
-                return JSONResponse(m)
+        found = next((m for m in self.models() if m["id"] == wanted), None)
+        if found is not None:
+            return JSONResponse(found)
         return APIError(
             404, f"model '{wanted}' does not exist: GET /v1/models lists the installed ones",
             param="model", code="model_not_found",
@@ -529,6 +530,10 @@ class OpenAIAPI:
             check_access(request)
         except APIError as exc:
             return exc.response()
+        return JSONResponse({"object": "list", "data": self.models()})
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every installed model (and the loaded one, if it is not installed) as OpenAI lists models."""
         b = self.worker.backend
         backend = b.name if b is not None else None
         current = b.model.name if b is not None and b.model is not None else None
@@ -537,7 +542,7 @@ class OpenAIAPI:
         created = {m.name: int(m.path.stat().st_mtime) if m.path.exists() else 0 for m in models}
         if current and current not in names:
             names.insert(0, current)
-        data = [
+        return [
             {
                 "id": n,
                 "object": "model",
@@ -547,4 +552,3 @@ class OpenAIAPI:
             }
             for n in names
         ]
-        return JSONResponse({"object": "list", "data": data})
