@@ -232,7 +232,10 @@ def test_stats_a_stopped_llama_reply_keeps_its_numbers(home: Path, model_home: P
             until(ws, r'data-state="idle"', 400)
             db = app.state.flashcode.db
             deadline = time.monotonic() + 20
-            while not (rows := db.conn.execute("SELECT * FROM stats_replies").fetchall()):
+            # the row is written at the stop, and gets the engine's prompt count once its generation ended
+            while not (
+                rows := db.conn.execute("SELECT * FROM stats_replies WHERE prompt_tokens > 0").fetchall()
+            ):
                 assert time.monotonic() < deadline, (
                     f"the stopped reply was never recorded: {db.messages(cid)}"
                 )
