@@ -55,18 +55,47 @@
     const status = $("#status .status-text");
     if (status && down) status.textContent = "Disconnected — reconnecting…";
   }
-  function resync() {
+  function resync(withEngine = true) {
     // what happened while the page was away (a reply finished, another window switched the model):
     // the chat window and the conversation list are drawn again from the server; the typed text stays
-    const typed = ($("#prompt") || {}).value || "";
+    // (the old box is read once the new one is in: what was typed meanwhile is kept, the cursor too)
+    const old = $("#prompt");
+    const had = old && document.activeElement === old;
     const id = conversationId();
-    htmx.ajax("GET", id ? `/c/${id}` : "/", { target: "#chat-window", swap: "outerHTML" }).then(() => {
+    const chat = htmx.ajax("GET", id ? `/c/${id}` : "/", { target: "#chat-window", swap: "outerHTML" }).then(() => {
       const p = $("#prompt");
-      if (p && typed) p.value = typed;
+      if (!p || !old || p === old) return;
+      if (old.value) p.value = old.value;
+      if (had) {
+        p.focus();
+        p.setSelectionRange(old.selectionStart, old.selectionEnd);
+      }
     });
-    htmx.ajax("GET", `/conversations?current=${encodeURIComponent(id)}`, { target: "#conversation-list", swap: "outerHTML" });
-    htmx.ajax("GET", "/engine-state", { target: "#menubar-model", swap: "none" });  // picker, Settings, About
+    const list = refreshList(id);
+    if (withEngine) htmx.ajax("GET", "/engine-state", { target: "#menubar-model", swap: "none" });  // picker, Settings, About
+    return Promise.allSettled([chat, list]);
   }
+  const refreshList = (id) =>
+    htmx.ajax("GET", `/conversations?current=${encodeURIComponent(id)}`, { target: "#conversation-list", swap: "outerHTML" });
+  // another window sent a message or ended a reply: this one, when it shows that conversation and is not
+  // writing itself, is drawn again (what is typed stays); any other one refreshes its conversation list.
+  // Words that come while a redraw is on its way make one more redraw after it (none is lost).
+  const generating = () => ($("#status") || {}).dataset?.state === "generating";
+  let syncing = null;
+  const pending = new Set();
+  function follow() {
+    if (syncing || !pending.size) return;
+    const id = conversationId();
+    const work = pending.has(id) && id && !generating() ? resync(false) : refreshList(id);
+    pending.clear();
+    syncing = Promise.resolve(work).finally(() => { syncing = null; follow(); });
+  }
+  document.body.addEventListener("htmx:wsAfterMessage", (e) => {
+    const frame = String((e.detail && e.detail.message) || "");
+    if (!frame.includes('id="conversation-changed"')) return;
+    pending.add(($("#conversation-changed") || {}).dataset?.conversation || "");
+    follow();
+  });
   document.body.addEventListener("htmx:wsOpen", () => {
     const wasDown = down;
     everOpen = true; down = false;

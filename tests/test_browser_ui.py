@@ -126,27 +126,43 @@ def test_browser_shift_return_newline_and_regenerate(fake_server, page) -> None:
     assert not page.errors, page.errors
 
 
-def test_browser_a_stale_tab_keeps_its_text_and_is_shown_what_it_missed(fake_server, page, browser) -> None:
-    """Two tabs on one conversation; tab two missed tab one's turn. Its message is not sent: the missed
-    messages appear, an alert says why, and the text stays in the box (it had been wiped: the other tab's
-    user message was taken for its own coming back)."""
+def test_browser_a_second_tab_follows_the_conversation_and_a_stale_one_keeps_its_text(
+    fake_server, page, browser
+) -> None:
+    """Two tabs on one conversation. Tab one's turn appears in tab two without a reload, and what tab two
+    has typed stays, focus and all. When tab two has still missed a turn (the word lost or late: here its
+    signal target is taken away), its message is not sent: the missed messages appear, an alert says why,
+    and the text stays in the box (it had been wiped: the other tab's user message was taken for its own)."""
     url, fake = fake_server
-    fake.enqueue("first answer").enqueue("second answer").enqueue("third answer")
+    fake.enqueue("first answer").enqueue("second answer").enqueue("third answer").enqueue("fourth answer")
     page.goto(url)
     send_and_wait(page, "hello")
     cid = page.evaluate("() => location.pathname.split('/')[2]")
     other = browser.new_context(viewport={"width": 1100, "height": 700}).new_page()
+    other_errors: list[str] = []
+    other.on("pageerror", lambda e: other_errors.append(str(e)))
     other.goto(f"{url.rstrip('/')}/c/{cid}")
     other.wait_for_selector("#messages .msg-assistant")
+    other.fill("#prompt", "a draft in tab two")
     send_and_wait(page, "from tab one")
+    other.wait_for_selector(".msg-assistant:has-text('second answer')", timeout=10_000)
+    assert "from tab one" in other.inner_text("#messages")
+    assert other.input_value("#prompt") == "a draft in tab two"
+    assert other.evaluate("() => document.activeElement && document.activeElement.id") == "prompt"
+    other.evaluate(
+        "() => document.getElementById('conversation-changed').remove()"
+    )  # tab two misses the next
+    send_and_wait(page, "from tab one again")
     other.fill("#prompt", "from tab two")
     other.press("#prompt", "Enter")
     other.locator("#alerts .alert-box", has_text="changed in another window").wait_for(timeout=10_000)
     assert other.input_value("#prompt") == "from tab two"
-    assert "second answer" in other.inner_text("#messages")
+    assert "third answer" in other.inner_text("#messages")
     other.click("#alerts .alert-ok")
     other.press("#prompt", "Enter")  # sent again, now that it has seen them: it goes
-    other.wait_for_selector(".msg-assistant:has-text('third answer')", timeout=10_000)
+    other.wait_for_selector(".msg-assistant:has-text('fourth answer')", timeout=10_000)
     assert other.input_value("#prompt") == ""
+    page.wait_for_selector(".msg-assistant:has-text('fourth answer')", timeout=10_000)  # and tab one follows
+    assert not other_errors, other_errors
     other.context.close()
     assert not page.errors, page.errors

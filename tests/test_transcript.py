@@ -122,3 +122,29 @@ def test_titles_cut_at_a_word() -> None:
     title = make_title("please explain how the context gauge is computed for agent turns and slash commands")
     assert title.endswith("…") and len(title) <= 60 and not title[:-1].endswith(" ")
     assert make_title("  \n first line\nsecond") == "first line"
+
+
+def test_the_gauge_of_a_reloaded_agent_turn_without_an_answer_is_its_last_steps(app_client) -> None:
+    """An agent turn of tool calls that ended with no reply: the reloaded page's gauge reads its last step's
+    context (it read 0), a reply after it reads the reply's, and /clear empties it."""
+    client, parts = app_client
+    db = parts.db
+    gauge = lambda: re.search(r'class="gauge-text">(\d+) /', client.get(f"/c/{cid}").text).group(1)  # noqa: E731
+    cid = db.create_conversation("steps only").id
+    db.add_message(cid, "user", "hi")
+    reply = db.add_message(cid, "assistant", "hello")
+    db.finish_message(reply.id, "hello", "complete", {"prompt_tokens": 100, "completion_tokens": 5})
+    assert gauge() == "105"
+    db.add_message(cid, "user", "list the files")
+    for tokens in (180, 260):
+        db.add_event(cid, "tool_step", {"type": "tool_step", "step": 1, "context_tokens": tokens})
+    db.add_event(
+        cid, "tool_step", {"type": "tool_step", "step": 3, "context_tokens": "lots"}
+    )  # imported junk
+    assert gauge() == "260"  # the turn's last step, not the reply before it (nor 0)
+    answer = db.add_message(cid, "assistant", "done")
+    db.finish_message(answer.id, "done", "complete", {"prompt_tokens": 300, "completion_tokens": 9})
+    assert gauge() == "309"
+    db.add_message(cid, "user", "/clear")
+    db.add_event(cid, "clear", {"type": "clear"})
+    assert gauge() == "0"

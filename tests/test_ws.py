@@ -441,3 +441,46 @@ def test_ws_a_stale_tab_is_shown_what_another_added_before_its_message_goes(tmp_
                 send(two, type="send", text="from tab two", conversation_id=cid, seen=newest)
                 frames = "".join(until(two, r'data-state="idle"'))
                 assert "third answer" in frames and db.messages(cid)[-2].content == "from tab two"
+
+
+def test_ws_other_windows_are_told_when_a_conversation_changes_and_wait_while_it_is_written(
+    tmp_path: Path,
+) -> None:
+    """Tab one sends: every other tab is told (the page shows the conversation again, static/trust.js), when
+    the message is sent and when the reply ends; while it is written, tab two cannot send, regenerate or
+    continue in that conversation (nothing stored), and it can once the reply has ended."""
+    slow = FakeBackend(delay=0.02)
+    slow.enqueue("first answer").enqueue(*["x"] * 40).enqueue("third answer")
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as one, connect(c) as two:
+            send(one, type="send", text="hello")
+            frames = until(one, r'data-state="idle"')
+            cid = conversation_id(frames)
+            assert 'id="conversation-changed"' not in "".join(frames)  # a window is not told of its own turn
+            told = until(two, r'id="conversation-changed"')[-1]
+            assert f'data-conversation="{cid}"' in told and 'hx-swap-oob="true"' in told
+            until(two, r'id="conversation-changed"')  # and when the reply ended
+            seen = db.messages(cid)[-1].id
+            send(one, type="send", text="a long one", conversation_id=cid, seen=seen)
+            until(one, r'data-state="generating"')
+            assert f'data-conversation="{cid}"' in until(two, r'id="conversation-changed"')[-1]
+            stored = len(db.messages(cid))
+            newest = max(m.id for m in db.messages(cid))
+            for msg in (
+                {"type": "send", "text": "from tab two", "seen": newest},
+                {"type": "regenerate", "seen": newest},
+                {"type": "continue"},
+            ):
+                send(two, conversation_id=cid, **msg)
+                alert = until(two, r'role="alert"')[-1]
+                assert "being written in this conversation in another window" in alert
+            assert len(db.messages(cid)) == stored
+            until(one, r'data-state="idle"')
+            assert f'data-conversation="{cid}"' in until(two, r'id="conversation-changed"')[-1]
+            newest = db.messages(cid)[-1].id
+            send(two, type="send", text="from tab two", conversation_id=cid, seen=newest)
+            assert "third answer" in "".join(until(two, r'data-state="idle"'))
+            assert db.messages(cid)[-2].content == "from tab two"
+            # tab one is told in turn
+            assert f'data-conversation="{cid}"' in until(one, r'id="conversation-changed"')[-1]

@@ -80,6 +80,25 @@ class ChatContext:
         for session in list(self.sessions):
             session.send(session.views.engine_state())
 
+    def conversation_changed(self, conversation_id: str, source: Session | None = None) -> None:
+        """A message was sent or a reply ended in `conversation_id`: every other window is told (one showing
+        that conversation draws it again, keeping what is typed; the others their conversation list)."""
+        frame = self.views.conversation_changed(conversation_id)
+        for session in list(self.sessions):
+            if session is not source:
+                session.send(frame)
+
+    def writer_of(self, conversation_id: str, source: Session) -> Session | None:
+        """Another window writing a reply (or running an agent turn) in `conversation_id`, if one is."""
+        return next(
+            (
+                s
+                for s in self.sessions
+                if s is not source and s.generating and s.writing_in == conversation_id
+            ),
+            None,
+        )
+
     async def endpoint(self, ws: WebSocket) -> None:
         await ws.accept()
         await Session(ws, self).run()
@@ -97,6 +116,7 @@ class Session:
         self.turns: TurnHandler | None = ctx.turns() if ctx.turns is not None else None
         self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
         self.closing = False  # the page went away (closed, reloaded)
+        self.writing_in: str | None = None  # the conversation of the turn task (other windows wait for it)
 
     # ------------------------------------------------------------------ plumbing
     async def run(self) -> None:
@@ -164,6 +184,10 @@ class Session:
                 conv = self.ctx.db.get_conversation(msg.conversation_id)
                 if conv is not None:
                     self.send(self.views.mode_picker(conv.mode))
+        elif isinstance(msg, (p.Send, p.Regenerate, p.Continue)) and self._busy_elsewhere(
+            msg.conversation_id
+        ):
+            return
         elif isinstance(msg, p.Send):
             self._send(msg)
         elif isinstance(msg, p.Regenerate):
@@ -174,6 +198,22 @@ class Session:
             await self._switch_model(msg)
         elif isinstance(msg, p.SetMode):
             self._set_mode(msg)
+
+    def _busy_elsewhere(self, conversation_id: str | None) -> bool:
+        """Another window is writing in this conversation: nothing is sent here until it has ended."""
+        if not conversation_id or self.ctx.writer_of(conversation_id, self) is None:
+            return False
+        self.error(
+            "a reply is being written in this conversation in another window: wait for it to end (this "
+            "window shows it then), or press Stop there. Your message is still in the box."
+        )
+        return True
+
+    def _turn_began(self, conversation_id: str, task: asyncio.Task[None]) -> None:
+        """The turn task runs: other windows are told now (they show the message sent) and when it ends."""
+        self.task, self.writing_in = task, conversation_id
+        self.ctx.conversation_changed(conversation_id, self)
+        task.add_done_callback(lambda _t: self.ctx.conversation_changed(conversation_id, self))
 
     def _send(self, msg: p.Send) -> None:
         db, views = self.ctx.db, self.views
@@ -209,7 +249,7 @@ class Session:
         if self.turns is not None and not completion and self.turns.wants(conv.id, msg.text):
             self.send(*first)
             sampling = views.sampling(conv.id) | overrides
-            self.task = asyncio.create_task(self._hand_over(conv.id, msg.text, sampling))
+            self._turn_began(conv.id, asyncio.create_task(self._hand_over(conv.id, msg.text, sampling)))
             return
         # the engine starts first; the page is updated while it reads the prompt
         self._start(conv.id, overrides, first=first)
@@ -330,7 +370,7 @@ class Session:
         first: list[str] | None = None,
         continuing: StoredMessage | None = None,
     ) -> None:
-        self.task = asyncio.create_task(
+        task = asyncio.create_task(
             self._generate(
                 conversation_id,
                 self.views.sampling(conversation_id) | (sampling or {}),
@@ -338,7 +378,8 @@ class Session:
                 continuing,
             )
         )
-        self.task.add_done_callback(self._generation_ended)
+        task.add_done_callback(self._generation_ended)
+        self._turn_began(conversation_id, task)
 
     def _generation_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:

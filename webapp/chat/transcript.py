@@ -69,16 +69,26 @@ class TranscriptViews:
         return [html for *_, html in sorted(items, key=lambda i: i[:3])]
 
     def context_used(self, conversation_id: str | None) -> int:
-        """The last prompt's size plus its reply, as the engine counted them; 0 after a /clear."""
+        """The last prompt's size plus its reply, as the engine counted them, or a later agent step's (a turn
+        of tool calls may end with no reply: its steps logged what the gauge showed); 0 after a /clear."""
         if not conversation_id:
             return 0
         start = self.db.context_start(conversation_id)
+        reply_at, used = start, 0
         for m in reversed(self.db.messages(conversation_id)):
             if m.id <= start:
                 break
             if m.role == "assistant" and m.stats.get("prompt_tokens"):
-                return int(m.stats["prompt_tokens"]) + int(m.stats.get("completion_tokens") or 0)
-        return 0
+                reply_at = m.id
+                used = int(m.stats["prompt_tokens"]) + int(m.stats.get("completion_tokens") or 0)
+                break
+        step = 0
+        for e in self.db.events(conversation_id):
+            if e.type == "clear":
+                step = 0
+            elif e.type == "tool_step" and e.after_message >= reply_at:
+                step = _count(e.data.get("context_tokens")) or step
+        return max(used, step)
 
     def generation(self, conversation_id: str | None) -> dict[str, Any]:
         """Generation settings in force: the app's, the Settings window's defaults, the conversation's."""
@@ -131,6 +141,11 @@ def make_title(text: str, limit: int = 60) -> str:
     if " " in cut[limit // 2 :]:
         cut = cut[: cut.rindex(" ")]
     return cut.rstrip(" ,.;:-") + "…"
+
+
+def _count(value: Any) -> int:
+    """A token count from the event log (an imported conversation's may hold anything): 0 if not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31 else 0
 
 
 def _given(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -202,5 +202,9 @@ class ChatViews(TranscriptViews):
         picker = self.ui.model_picker(self.model_choices(), f"{e.backend}:{e.model}", oob=True)
         return str(picker) + str(self.ui.menubar_model(e.model, oob=True))
 
+    def conversation_changed(self, conversation_id: str) -> str:
+        """Told to every other window when a conversation changes (`static/trust.js` acts on it)."""
+        return str(self.ui.conversation_changed(conversation_id, oob=True))
+
     def alert(self, text: str, kind: str = "error") -> str:
         return str(self.ui.alert(text, kind))
