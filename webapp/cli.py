@@ -27,7 +27,7 @@ from engine.flash import cli as flash_cli
 from engine.models import DEFAULT_MODEL
 from engine.placement import is_gguf_path
 
-from . import agent_cli, cli_bench, cli_projects, preflight
+from . import agent_cli, cli_bench, cli_conversations, cli_projects, preflight
 from .doctor import doctor_report, format_report
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
@@ -48,6 +48,7 @@ SUBCOMMANDS = (  # each adds its parsers
     flash_cli.register,
     agent_cli.register,
     cli_projects.register,
+    cli_conversations.register,
 )
 
 

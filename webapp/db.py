@@ -725,6 +725,7 @@ IMPORT_STATUSES = frozenset(
     {"complete", "stopped", "incomplete", "error"}
 )  # "streaming" comes in as incomplete
 MAX_IMPORT_MESSAGES = 20_000
+MAX_IMPORT_BYTES = 64 << 20  # a conversation file to import, at most
 # a reply footer's numbers (the template formats them) and words; anything else in an imported `stats` is dropped
 _STAT_NUMBERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tps", "continued")
 _STAT_WORDS = ("finish_reason", "model", "backend", "turn", "error")
@@ -734,6 +735,16 @@ EventConverter = Callable[[str, dict[str, Any]], "tuple[str, dict[str, Any]] | N
 
 class ConversationImportError(ValueError):
     """The file is not a conversation flashcode can import; the message says what is wrong."""
+
+
+def parse_import(body: bytes) -> Any:
+    """A conversation file's JSON (a BOM allowed), or ConversationImportError saying why it is not."""
+    if len(body) > MAX_IMPORT_BYTES:
+        raise ConversationImportError(f"it is over {MAX_IMPORT_BYTES >> 20} MB")
+    try:
+        return json.loads(body.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ConversationImportError(f"it is not JSON ({exc})") from None
 
 
 @dataclass

@@ -58,13 +58,7 @@ class AgentViews:
             return str(self.ui.stored_event(type, data))
 
     def importable(self, type: str, data: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
-        """An event from an imported conversation file, as it may be logged here (`webapp.db.import_json`).
-        The file is untrusted: a slash command's logged HTML comes in as its plain text (a notice); every
-        other event is redrawn by `stored`, through the autoescaping templates."""
-        if type == SLASH_OUTPUT:
-            text = " ".join(Markup(str(data.get("html", ""))).striptags().split())  # noqa: S704 - text out
-            return ("notice", ev.Notice(text[:20_000]).to_dict()) if text else None
-        return type, dict(data)
+        return importable(type, data)
 
     def event(self, e: ev._Event) -> str:
         """The fragment for one event; "" for those the web app draws itself (answer text, turn end)."""
@@ -121,6 +115,16 @@ class AgentViews:
 
 
 SLASH_OUTPUT = "slash_output"  # the logged fragment of a slash command another feature answered
+
+
+def importable(type: str, data: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """An event from an imported conversation file, as it may be logged here (`webapp.db.import_json`).
+    The file is untrusted: a slash command's logged HTML comes in as its plain text (a notice); every
+    other event is redrawn by `AgentViews.stored`, through the autoescaping templates."""
+    if type == SLASH_OUTPUT:
+        text = " ".join(Markup(str(data.get("html", ""))).striptags().split())  # noqa: S704 - text out
+        return ("notice", ev.Notice(text[:20_000]).to_dict()) if text else None
+    return type, dict(data)
 
 
 def event_classes() -> dict[str, type[ev._Event]]:

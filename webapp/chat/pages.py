@@ -18,6 +18,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from ..db import (
+    MAX_IMPORT_BYTES,
     Conversation,
     ConversationImportError,
     Database,
@@ -25,6 +26,7 @@ from ..db import (
     export_json,
     export_markdown,
     import_json,
+    parse_import,
 )
 from ..engine_host import EngineState
 from ..render import pygments_css
@@ -33,7 +35,6 @@ from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
 
 MAX_TITLE_CHARS = 120
-MAX_IMPORT_BYTES = 64 << 20  # a conversation file to import, at most
 log = logging.getLogger(__name__)
 
 
@@ -188,13 +189,7 @@ class ChatPages:
         body = await upload.read(MAX_IMPORT_BYTES + 1)
         await form.close()
         try:
-            if len(body) > MAX_IMPORT_BYTES:
-                raise ConversationImportError(f"it is over {MAX_IMPORT_BYTES >> 20} MB")
-            try:
-                data = json.loads(body.decode("utf-8-sig"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-                raise ConversationImportError(f"it is not JSON ({exc})") from None
-            done = import_json(self.db, data, project, self.import_event)
+            done = import_json(self.db, parse_import(body), project, self.import_event)
         except ConversationImportError as exc:
             text = f"Could not import {name}: {exc}."
             if not request.headers.get("hx-request"):

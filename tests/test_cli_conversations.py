@@ -1,0 +1,98 @@
+"""`flashcode conversations`: list, export and import from a terminal, run as a user would (the installed
+script in a subprocess) on a real SQLite database — beside a web app's own export and import."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from starlette.testclient import TestClient
+
+from tests.test_cli import flashcode
+from webapp.app import create_app
+from webapp.db import Database
+from webapp.settings import Settings
+
+
+def lines(out: str) -> list[list[str]]:
+    return [line.split("\t") for line in out.splitlines() if line]
+
+
+def test_conversations_list_export_and_import_round_trip(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    project = tmp_path / "work"
+    project.mkdir()
+    db = Database(home / "flashcode.db")
+    conv = db.create_conversation("Fix the <b>parser</b>", "qwen", "mlx")
+    db.add_message(conv.id, "user", "why does it fail?")
+    reply = db.add_message(conv.id, "assistant", "an off-by-one", status="streaming")
+    db.finish_message(reply.id, "an off-by-one", "complete", {"completion_tokens": 5, "decode_tps": 9.5})
+    db.add_event(
+        conv.id, "slash_output", {"type": "slash_output", "html": "<b>shell</b> <script>x()</script>"}
+    )
+    db.close()
+
+    listed = flashcode("conversations", home=home)
+    assert listed.returncode == 0, listed.stderr
+    [[cid, _when, count, project_name, title]] = lines(listed.stdout)
+    assert (cid, count, project_name, title) == (conv.id, "2", "Default", "Fix the <b>parser</b>")
+
+    out = tmp_path / "backup.json"
+    done = flashcode("conversations", "export", cid[:5], "-o", str(out), home=home)  # a unique start will do
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["messages"][1]["content"] == "an off-by-one"
+    again = flashcode("conversations", "export", cid, "-o", str(out), home=home)
+    assert (
+        again.returncode != 0 and "--force replaces it" in again.stderr
+    )  # a file is never overwritten unasked
+    md = flashcode("conversations", "export", cid, "--format", "md", home=home)
+    assert "## Assistant\n\nan off-by-one" in md.stdout
+
+    assert flashcode("projects", "add", str(project), "--name", "work", home=home).returncode == 0
+    imported = flashcode("conversations", "import", str(out), "--project", "work", home=home)
+    assert imported.returncode == 0, imported.stderr
+    new_id = imported.stdout.strip()
+    assert new_id != cid and "as a new conversation (2 messages" in imported.stderr
+    assert [row[0] for row in lines(flashcode("conversations", "--project", "work", home=home).stdout)] == [
+        new_id
+    ]
+    assert {row[0] for row in lines(flashcode("conversations", "--all", home=home).stdout)} == {cid, new_id}
+
+    db = Database(home / "flashcode.db")
+    try:
+        assert [m.content for m in db.messages(new_id)] == ["why does it fail?", "an off-by-one"]
+        assert db.messages(new_id)[1].stats["decode_tps"] == 9.5
+        [event] = db.events(new_id)  # the logged HTML came in as plain text, as the web app's import has it
+        assert event.type == "notice" and "<" not in json.dumps(event.data)
+        assert [m.content for m in db.messages(cid)] == ["why does it fail?", "an off-by-one"]  # untouched
+    finally:
+        db.close()
+
+    # the web app opens what the terminal imported
+    with TestClient(
+        create_app(Settings(data_dir=home, load_model=False)), base_url="http://127.0.0.1:8000"
+    ) as c:
+        page = c.get(f"/c/{new_id}")
+        assert page.status_code == 200 and "an off-by-one" in page.text
+
+
+def test_conversations_bad_input_is_one_sentence_and_nothing_stored(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("these are my notes")
+    no_messages = tmp_path / "other.json"
+    no_messages.write_text('{"hello": 1}')
+    for args, said in (
+        (("import", str(not_json)), "it is not JSON"),
+        (("import", str(no_messages)), "expected a JSON object with a 'messages' list"),
+        (("import", str(tmp_path / "missing.json")), "could not read"),
+        (("import", str(tmp_path)), "is a directory"),
+        (("import", str(no_messages), "--project", "nowhere"), "there is no project named 'nowhere'"),
+        (("export", "abc123"), "there is no conversation 'abc123'"),
+    ):
+        done = flashcode("conversations", *args, home=home)
+        assert done.returncode != 0 and said in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert flashcode("conversations", "--all", home=home).stdout == ""

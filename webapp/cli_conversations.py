@@ -1,0 +1,173 @@
+"""`flashcode conversations [--project NAME | --all | --trash]`, `... export ID [--format md|json] [-o FILE]`,
+`... import FILE [--project NAME]`: the web app's conversations from a terminal (a backup, a script, another
+machine's export), on the same database — `flashcode serve` may be running.
+
+Output of the list: one line per conversation, tab-separated: id, updated (local time), messages, project,
+title. Import makes a NEW conversation and never replaces one (`webapp.db.import_json`: the file is
+untrusted). What it knows: the command line's forms and messages. The store is `webapp.db`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import preflight
+from .agent.views import importable
+from .db import (
+    MAX_IMPORT_BYTES,
+    Conversation,
+    ConversationImportError,
+    Database,
+    export_json,
+    export_markdown,
+    import_json,
+    parse_import,
+)
+from .projects.store import ProjectStore
+
+
+def _open() -> tuple[Database, ProjectStore]:
+    root = preflight.check_data_dir(preflight.data_dir())
+    preflight.check_database(root)
+    db = Database(root / "flashcode.db")
+    return db, ProjectStore(db.conn, root)
+
+
+def _project_id(store: ProjectStore, name: str | None) -> str:
+    """The project `name` names (its name, folder or id), or the open one (None)."""
+    if name is None:
+        return store.current().id
+    found = store.resolve(name)
+    if found is None:
+        names = ", ".join(p.name for p in store.all())
+        raise preflight.StartupError(f"there is no project named {name!r} (projects: {names})")
+    return found.id
+
+
+def _conversation(db: Database, wanted: str) -> Conversation:
+    """A conversation by its id (or a unique start of it, as `flashcode conversations` lists them)."""
+    wanted = wanted.strip().removeprefix("/c/")
+    every = db.list_conversations() + db.trashed_conversations()
+    found = [c for c in every if c.id == wanted] or [c for c in every if wanted and c.id.startswith(wanted)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise preflight.StartupError(
+            f"there is no conversation {wanted!r}: `flashcode conversations --all` lists them with their ids"
+        )
+    raise preflight.StartupError(f"{wanted!r} starts {len(found)} conversation ids: give more of it")
+
+
+def cmd_conversations(args: argparse.Namespace) -> int:
+    db, store = _open()
+    try:
+        action = getattr(args, "action", None)
+        if action == "export":
+            return _export(db, args)
+        if action == "import":
+            return _import(db, store, args)
+        if args.trash:
+            shown = db.trashed_conversations()
+        else:
+            shown = db.list_conversations(None if args.all else _project_id(store, args.project))
+        names = {p.id: p.name for p in store.all()}
+        counts = dict(
+            db.conn.execute(
+                "SELECT conversation_id, COUNT(*) FROM messages GROUP BY conversation_id"
+            ).fetchall()
+        )
+        for c in shown:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated_at))
+            title = " ".join(c.title.split())
+            print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{names.get(c.project_id, c.project_id)}\t{title}")
+        if not shown and sys.stderr.isatty():
+            print("no conversations here (--all lists every project's, --trash the Trash's)", file=sys.stderr)
+    finally:
+        db.close()
+    return 0
+
+
+def _export(db: Database, args: argparse.Namespace) -> int:
+    conv = _conversation(db, args.id)
+    messages, events = db.messages(conv.id), db.events(conv.id)
+    if args.format == "md":
+        text = export_markdown(conv, messages, events)
+    else:
+        text = json.dumps(export_json(conv, messages, events), indent=2, ensure_ascii=False)
+    if args.output in (None, "-"):
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return 0
+    out = Path(args.output).expanduser()
+    if out.is_dir():
+        raise preflight.StartupError(f"-o {args.output}: that is a directory; give a file name")
+    if out.exists() and not args.force:
+        raise preflight.StartupError(f"-o {args.output}: the file exists; --force replaces it")
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise preflight.StartupError(
+            f"-o {args.output}: could not write it ({exc.strerror or exc})"
+        ) from None
+    print(f"wrote {conv.title!r} ({len(messages)} messages) to {out}", file=sys.stderr)
+    return 0
+
+
+def _import(db: Database, store: ProjectStore, args: argparse.Namespace) -> int:
+    path = Path(args.file).expanduser()
+    try:
+        if path.is_dir():
+            raise preflight.StartupError(f"{args.file} is a directory: give a conversation's JSON file")
+        if path.stat().st_size > MAX_IMPORT_BYTES:
+            raise preflight.StartupError(
+                f"could not import {args.file}: it is over {MAX_IMPORT_BYTES >> 20} MB (a conversation export is smaller)"
+            )
+        body = path.read_bytes()
+    except OSError as exc:
+        raise preflight.StartupError(f"could not read {args.file}: {exc.strerror or exc}") from None
+    project = _project_id(store, args.project)
+    try:
+        done = import_json(db, parse_import(body), project, importable)
+    except ConversationImportError as exc:
+        raise preflight.StartupError(f"could not import {args.file}: {exc}") from None
+    left_out = f"; left out: {'; '.join(done.skipped)}" if done.skipped else ""
+    print(done.conversation.id)
+    print(
+        f"imported {done.conversation.title!r} as a new conversation ({done.messages} messages, "
+        f"{done.events} steps{left_out}); the web app shows it at /c/{done.conversation.id}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "conversations",
+        help="list the web app's conversations; export one (Markdown or JSON) or import a JSON export",
+        description="Lines: id, updated, messages, project, title (tab-separated). Without an option: the "
+        "open project's (the one the web app shows).",
+    )
+    p.add_argument("--data-dir", default=None)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--project", default=None, metavar="NAME", help="that project's (name, folder or id)")
+    which.add_argument("--all", action="store_true", help="every project's")
+    which.add_argument("--trash", action="store_true", help="those in the Trash")
+    p.set_defaults(func=cmd_conversations, action=None)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    e = actions.add_parser("export", help="write one conversation as JSON (import reads it back) or Markdown")
+    e.add_argument("id", metavar="ID", help="its id (or a unique start of it), as listed")
+    e.add_argument("--format", choices=("json", "md"), default="json")
+    e.add_argument("-o", "--output", default=None, metavar="FILE", help="a file (default: standard output)")
+    e.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    e.set_defaults(func=cmd_conversations)
+    i = actions.add_parser(
+        "import", help="add a conversation from a JSON export as a new one (nothing stored is replaced)"
+    )
+    i.add_argument("file", metavar="FILE")
+    i.add_argument(
+        "--project", default=None, metavar="NAME", help="into that project (default: the open one)"
+    )
+    i.set_defaults(func=cmd_conversations)
