@@ -89,6 +89,17 @@ async def http_error(request: Request, exc: Exception) -> PlainTextResponse:
     return PlainTextResponse(f"{exc.status_code}: {exc.detail}", status_code=exc.status_code)
 
 
+async def server_error(request: Request, exc: Exception) -> PlainTextResponse:
+    """A 500: one plain sentence (the traceback goes to the log, as uvicorn writes it), and the security
+    headers too, which the middleware inside Starlette's error handler never gets to add."""
+    response = PlainTextResponse(
+        "500: flashcode failed to answer this request; its log (flashcode serve's output, logs/serve.log) "
+        "says why",
+        status_code=500,
+    )
+    return security.with_security_headers(response)
+
+
 def _quote_file(source: str, text: str) -> str:
     """An attached file, quoted for the model as untrusted data (the agent's quoting)."""
     return quote_untrusted(source, text, limit=len(text) + 1)
@@ -176,7 +187,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
             Mount("/static", StaticFiles(directory=find_dir("static")), name="static"),
         ],
         middleware=security.middleware(settings, csrf_token),
-        exception_handlers={HTTPException: http_error},
+        exception_handlers={HTTPException: http_error, 500: server_error},
         lifespan=lifespan,
     )
     app.state.settings = settings

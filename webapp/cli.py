@@ -157,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_size=1 << 20,
         )
         _log_to_file(root)  # after uvicorn set its loggers up: its errors go to the file too
+        logging.getLogger("uvicorn.access").addFilter(security.MaskToken())  # `?token=…` in the access log
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         worker.close()

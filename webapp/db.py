@@ -29,6 +29,7 @@ makes them on the event loop (local file, small rows).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -829,7 +830,9 @@ def import_json(
     title = data.get("title") if isinstance(data.get("title"), str) else ""
     title = _text(" ".join(title.split())[:120]) or "Imported conversation"
     events = data.get("events") if isinstance(data.get("events"), list) else []
-    mode = data.get("mode") if data.get("mode") in ("chat", "agent") else "chat"
+    # always chat mode: continued, the file's messages are the model's context as they are, so the tools
+    # (and this project's allow rules) wait until the user switches it to agent mode
+    mode = "chat"
 
     now = time.time()
     conv = Conversation(uuid.uuid4().hex[:12], title, None, None, now, now, project_id, mode)
@@ -838,6 +841,7 @@ def import_json(
             setattr(conv, key, _text(data[key][:200]))
     ids: dict[Any, int] = {}  # the file's message ids -> the new ones
     actions: dict[Any, int] = {}  # the file's action ids -> new ones below zero
+    known: list[int] | None = None  # the file's integer message ids, sorted (for events after a missing one)
     kept = 0
     db.conn.execute("BEGIN")
     try:
@@ -877,8 +881,10 @@ def import_json(
             elif after in ids:
                 after_new = ids[after]
             else:  # a message left out or since deleted: after the newest one before it
-                olds = [k for k in ids if isinstance(k, int) and isinstance(after, int) and k <= after]
-                after_new = ids[max(olds)] if olds else 0
+                if known is None:  # once, sorted: a file of many such events is not events x messages
+                    known = sorted(k for k in ids if isinstance(k, int) and not isinstance(k, bool))
+                at = bisect.bisect_right(known, after) if isinstance(after, int) else 0
+                after_new = ids[known[at - 1]] if at else 0
             db.conn.execute(
                 "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
                 "VALUES (?,?,?,?,?)",

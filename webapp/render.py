@@ -23,6 +23,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markdown_it import MarkdownIt
 from markdown_it.common.utils import unescapeAll
+from markdown_it.rules_block.table import table as _gfm_table
 from markupsafe import Markup
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
@@ -102,6 +103,7 @@ def make_environment() -> Environment:
     env.filters["human_size"] = human_size
     env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
     env.filters["when"] = when
+    env.filters["web_url"] = web_url  # an untrusted link: http(s) only
     return env
 
 
@@ -138,6 +140,7 @@ def _highlight(code: str, lang: str, _attrs: str) -> str:
 def _md() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
     md.enable("table")
+    md.block.ruler.at("table", _bounded_table, {"alt": ["paragraph", "reference"]})
     md.enable("strikethrough")
 
     def link_open(renderer, tokens, idx, options, env):  # type: ignore[no-untyped-def]
@@ -156,6 +159,32 @@ def _code_macros() -> Any:
     return make_environment().get_template("markdown.html").module
 
 
+# A table's cells in one message, at most: markdown-it fills every row out to the header's width (a 1.5 KB
+# table of 256 columns becomes 65,000 cells and 0.7 MB of HTML, ~1.5 s here), so untrusted text could
+# stall the server. A table that would pass the budget is shown as the text it is.
+MAX_TABLE_CELLS = 10_000
+
+
+def _bounded_table(state: Any, start: int, end: int, silent: bool) -> bool:
+    """markdown-it's table rule, under MAX_TABLE_CELLS for the whole text (`state.env` counts them): the
+    header's width times the rows up to the next blank line, counted before the table is built."""
+    if start + 2 > end:
+        return False
+    delimiter = state.src[state.bMarks[start + 1] + state.tShift[start + 1] : state.eMarks[start + 1]]
+    width = len(delimiter.strip().strip("|").split("|"))
+    rows, line = 0, start + 2  # the header, then each line up to a blank one (the delimiter line is none)
+    while line < end and state.bMarks[line] + state.tShift[line] < state.eMarks[line]:
+        rows, line = rows + 1, line + 1
+    rows += 1
+    used = int(state.env.get("table_cells", 0))
+    if used + width * rows > MAX_TABLE_CELLS:
+        return False
+    found = bool(_gfm_table(state, start, end, silent))
+    if found and not silent:
+        state.env["table_cells"] = used + width * rows
+    return found
+
+
 def _fence(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
     """A fenced block, highlighted when its language (or a guess) is known (`templates/markdown.html`)."""
     token = tokens[idx]
@@ -170,9 +199,18 @@ def _code_block(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) ->
     return str(_code_macros().code_block(tokens[idx].content))
 
 
+def web_url(url: object) -> str | None:
+    """An untrusted address (a search result, an imported one) as a link target: http and https only, else
+    None (the template shows it as text). A `javascript:` or `data:` link would otherwise be stopped only
+    by the CSP."""
+    text = str(url or "").strip()
+    scheme = text.split(":", 1)[0].lower() if ":" in text else ""
+    return text if scheme in ("http", "https") and not any(c in text for c in "\x00\n\r\t") else None
+
+
 def render_markdown(text: str) -> str:
     """Untrusted markdown -> HTML safe to insert into the page."""
-    return _md().render(text)
+    return _md().render(text, {})  # env: this text's own table budget
 
 
 def markdown_markup(text: str) -> Markup:

@@ -66,7 +66,10 @@ SECURITY_HEADERS = {
 
 # --------------------------------------------------------------------------- hosts
 def allowed_hosts(settings: Settings) -> list[str]:
-    return sorted({urlsplit(o).hostname or "" for o in settings.allowed_origins} - {""})
+    """The Host names a request may carry; an IPv6 address both bare and as a browser sends it, `[::1]`
+    (Starlette compares the Host header without its port, brackets kept)."""
+    names = {urlsplit(o).hostname or "" for o in settings.allowed_origins} - {""}
+    return sorted(names | {f"[{n}]" for n in names if ":" in n})
 
 
 # --------------------------------------------------------------------------- the token
@@ -198,6 +201,28 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class MaskToken(logging.Filter):
+    """Log lines (uvicorn's access log) show `?token=…`, never the token: a terminal's scrollback or a
+    copied log must not hand out access."""
+
+    PATTERN = re.compile(r"((?:^|[?&])" + QUERY_PARAM + r"=)[^&\s\"]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.PATTERN.sub(r"\1…", a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = self.PATTERN.sub(r"\1…", record.msg)
+        return True
+
+
+def with_security_headers(response: Response) -> Response:
+    """`response` with the headers `SecurityHeaders` adds, for an answer made outside it (a 500, which
+    Starlette's outermost error middleware writes)."""
+    for k, v in SECURITY_HEADERS.items():
+        response.headers.setdefault(k, v)
+    return response
+
+
 # --------------------------------------------------------------------------- cross-site requests
 class CsrfMiddleware:
     """The Origin of the websocket and of `/v1`, and token + Origin on every other change (module doc)."""
@@ -258,7 +283,11 @@ async def _form_token(scope: Scope, receive: Receive) -> tuple[str | None, Recei
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    form = await Request(scope, replay).form()
+    try:
+        form = await Request(scope, replay).form()
+    except Exception:  # noqa: BLE001 - a malformed body (bad multipart, too many fields): no token in it
+        sent = False
+        return None, replay
     value = form.get(CSRF_FIELD)
     await form.close()
     sent = False

@@ -39,7 +39,9 @@ from typing import Any, Literal
 
 CONFIG_FILE = ".mcp.json"
 MAX_CONFIG_BYTES = 256_000
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+NAME_RE = re.compile(
+    r"[A-Za-z0-9_-]{1,40}"
+)  # a whole name (fullmatch: with "$", a name ending in a newline passed)
 TOOL_NAME_MAX = 64  # OpenAI-style function names: [A-Za-z0-9_-]{1,64}
 SEP = "__"
 Transport = Literal["stdio", "http"]
@@ -218,7 +220,7 @@ def _mapping(value: Any, what: str) -> tuple[tuple[str, str], ...]:
 
 
 def _parse(name: str, entry: Any, source: Source) -> ServerConfig:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise McpConfigError("a server name is 1-40 letters, digits, '_' or '-'")
     if not isinstance(entry, dict):
         raise McpConfigError("the entry must be a JSON object")

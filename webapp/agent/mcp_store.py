@@ -78,7 +78,7 @@ class McpStore:
         return cfg
 
     def _upsert(self, project: str, name: str, column: str, value: object) -> None:
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise McpConfigError("a server name is 1-40 letters, digits, '_' or '-'")
         now = time.time()
         self.conn.execute(
@@ -125,6 +125,8 @@ class McpStore:
         return found
 
     def remove_tool_rule(self, project: str, rule_id: int) -> bool:
+        if not 0 < rule_id < 2**63:  # no such row (SQLite's ids are 64-bit: a larger one would not bind)
+            return False
         cur = self.conn.execute(
             "DELETE FROM agent_allow_rules WHERE project = ? AND id = ? AND kind = 'tool'", (project, rule_id)
         )

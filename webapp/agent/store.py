@@ -88,6 +88,8 @@ class AgentStore:
         return [Rule(kind, pattern, int(id_)) for id_, kind, pattern in rows]
 
     def remove_rule(self, project: str, rule_id: int) -> bool:
+        if not 0 < rule_id < 2**63:  # no such row (SQLite's ids are 64-bit: a larger one would not bind)
+            return False
         cur = self.conn.execute(
             "DELETE FROM agent_allow_rules WHERE project = ? AND id = ?", (project, rule_id)
         )

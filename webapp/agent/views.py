@@ -14,13 +14,14 @@ from typing import Any
 from jinja2 import Environment
 from markupsafe import Markup
 
-from ..render import invisible_parts
+from ..render import invisible_parts, web_url
 from . import events as ev
 
 
 class AgentViews:
     def __init__(self, env: Environment) -> None:
         env.filters.setdefault("invisible_parts", invisible_parts)  # an environment not from make_environment
+        env.filters.setdefault("web_url", web_url)
         self.ui: Any = env.get_template("agent/fragments.html").module
         self.toolbar: Any = env.get_template("transcript.html").module
 

@@ -12,6 +12,7 @@ import json
 import logging
 import re
 
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -94,19 +95,21 @@ class ChatPages:
         return conv
 
     # ------------------------------------------------------------------ pages
-    def _page(self, request: Request, conversation_id: str | None) -> HTMLResponse:
+    async def _page(self, request: Request, conversation_id: str | None) -> HTMLResponse:
+        """The page, or the chat window alone (htmx): drawn off the event loop — a long conversation's
+        markdown takes a while, and every other request (Stop, an approval, the other windows) goes on."""
         if request.headers.get("hx-request") and request.headers.get("hx-target") == "chat-window":
-            return HTMLResponse(self.views.chat_window(conversation_id))
-        return HTMLResponse(self.views.page(conversation_id))
+            return HTMLResponse(await run_in_threadpool(self.views.chat_window, conversation_id))
+        return HTMLResponse(await run_in_threadpool(self.views.page, conversation_id))
 
     async def index(self, request: Request) -> HTMLResponse:
         trashed = self.db.get_conversation(request.query_params.get("trashed") or "", trashed=True)
         if trashed is not None and trashed.trashed_at is not None and not request.headers.get("hx-request"):
             return HTMLResponse(self.views.page(None, undo=trashed))  # after Move to Trash: Undo offered
-        return self._page(request, None)
+        return await self._page(request, None)
 
     async def conversation_page(self, request: Request) -> HTMLResponse:
-        return self._page(request, self._conversation(request).id)
+        return await self._page(request, self._conversation(request).id)
 
     async def conversation_list(self, request: Request) -> HTMLResponse:
         current = request.query_params.get("current")

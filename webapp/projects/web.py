@@ -21,6 +21,7 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import TextLexer, guess_lexer_for_filename
 from pygments.util import ClassNotFound
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
@@ -197,7 +198,10 @@ class ProjectsWeb:
             lexer = guess_lexer_for_filename(rel, text[:4096])
         except ClassNotFound:
             lexer = TextLexer()
-        code = highlight(text, lexer, HtmlFormatter(cssclass="highlight", linenos=False))
+        # off the event loop: highlighting a large file takes seconds, which would hold every other request
+        code = await run_in_threadpool(
+            highlight, text, lexer, HtmlFormatter(cssclass="highlight", linenos=False)
+        )
         return HTMLResponse(str(self.ui.file_view(rel, size, code, "")))  # pygments escapes the text
 
     # ------------------------------------------------------------------ attachments
