@@ -176,6 +176,7 @@ def approve_mcp_servers(
         if cfg.source != "file" or cfg.error or not cfg.enabled or cfg.approved:
             continue
         where, _ = Launch(ref.id, ref.path, cfg, network, hidden).describe_sandbox()
+        more = "".join(f"\n  {line}" for line in cfg.details())  # env, headers, variables it reads
         if mode == "none":
             print(
                 f"MCP server {cfg.name} from .mcp.json is not approved, and --approve none approves "
@@ -188,13 +189,13 @@ def approve_mcp_servers(
             run_only.add((cfg.name, cfg.fingerprint))
             print(
                 f"MCP server {cfg.name} from .mcp.json approved for this run (--approve all): it runs "
-                f"`{cfg.describe()}` ({where})",
+                f"`{cfg.describe()}` ({where}){more}",
                 file=sys.stderr,
             )
         else:
             print(
                 f"\nThe project's .mcp.json names the MCP server {cfg.name}, not approved yet. It would run:\n"
-                f"  {cfg.describe()}\n  ({where})\n"
+                f"  {cfg.describe()}{more}\n  ({where})\n"
                 "A .mcp.json comes with the project's files: approve it only if you trust this command.",
                 file=sys.stderr,
             )

@@ -598,3 +598,67 @@ def test_a_commands_own_env_is_set_inside_and_never_on_a_command_line(scratch: S
             done.stdout + done.stderr
         )
         assert done.stdout.count(SECRET) == 1, done.stdout
+
+
+def _plant(folder: Path, name: str, marker: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(f'#!/bin/sh\necho planted > {marker}\nexec /usr/bin/{name} "$@"\n')
+    (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_the_sandbox_shell_and_rg_are_never_programs_found_in_the_project(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch, network: bool
+) -> None:
+    """A server started from a virtual environment inside the project has its bin on PATH: a command
+    (allowed by a rule) writes `bwrap`, `bash` or `rg` there, and flashcode would run it, unsandboxed, at
+    the next command or search. The programs flashcode runs outside the sandbox come from elsewhere."""
+    from webapp.agent.files import ProjectFiles
+    from webapp.agent.sandbox import system_program
+    from webapp.agent.tools import ReadTools
+
+    venv_bin = scratch.project / ".venv" / "bin"
+    marker = scratch.outside / "ESCAPED"
+    for name in ("bwrap", "bash", "rg", "slirp4netns", "python3"):
+        _plant(venv_bin, name, marker)
+    monkeypatch.setenv("PATH", f"{venv_bin}{os.pathsep}{os.environ['PATH']}")
+    for name in ("bwrap", "bash", "rg"):
+        found = system_program(name, scratch.project)
+        assert found is None or not Path(found).resolve().is_relative_to(scratch.project.resolve()), found
+    ran = run_command("echo inside", scratch.project, network=network)
+    assert "inside" in ran.output and not marker.exists(), ran.output
+    ReadTools(ProjectFiles(scratch.project)).search_text("victim")
+    assert not marker.exists()
+
+
+def test_flashcode_own_environment_in_the_project_is_read_only_for_commands_and_file_tools(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flashcode's own virtual environment inside the project: a `.pth` file written there would run at its
+    next start (or its next network-on command, through usernet.py), outside the sandbox."""
+    from webapp.agent import files as files_mod
+    from webapp.agent import sandbox as sandbox_mod
+    from webapp.agent.files import FileToolError, ProjectFiles
+
+    site = scratch.project / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    own = [(scratch.project / ".venv").resolve()]
+    monkeypatch.setattr(sandbox_mod, "own_paths", lambda: own)
+    monkeypatch.setattr(files_mod, "own_paths", lambda: own)
+    ran = run_command(
+        "echo 'import os' > .venv/lib/site-packages/zz.pth; echo ok > inside.txt", scratch.project
+    )
+    assert not (site / "zz.pth").exists(), ran.output
+    assert (scratch.project / "inside.txt").read_text() == "ok\n", ran.output  # the rest stays writable
+    tools = ProjectFiles(scratch.project)
+    with pytest.raises(FileToolError, match="own Python environment"):
+        tools.propose_write(".venv/lib/site-packages/zz.pth", "import os\n")
+
+
+def test_hugging_face_stored_tokens_and_codex_credentials_are_hidden(scratch: Scratch) -> None:
+    for relative in (".cache/huggingface/stored_tokens", ".codex/auth.json"):
+        path = scratch.home / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(SECRET + "\n")
+    ran = run_command("cat ~/.cache/huggingface/stored_tokens ~/.codex/auth.json", scratch.project)
+    assert SECRET not in ran.output, ran.output

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .sandbox import own_paths, secret_paths
+
 MAX_READ_BYTES = 200_000
 MAX_SEARCH_BYTES = 8 << 20  # search_text reads this much of a file at most
 MAX_EDIT_BYTES = 5 << 20  # the file tools diff and rewrite text files up to this size
@@ -122,6 +124,15 @@ class ProjectFiles:
         self.hidden = tuple(
             h for h in (Path(p).resolve() for p in hidden) if h != self.root and h.is_relative_to(self.root)
         )
+        # the user's secrets the sandbox hides from commands, when the project holds them (one opened at a
+        # folder such as ~/.config): hidden from the file tools too
+        self.secrets = tuple(
+            h for h in (p.resolve() for p in secret_paths()) if h != self.root and h.is_relative_to(self.root)
+        )
+        # flashcode's own Python environment and source, when they lie in the project: they run outside the
+        # sandbox (a `.pth` file there would run at flashcode's next start), so the agent never writes there
+        self.own = tuple(p for p in own_paths() if p != self.root and p.is_relative_to(self.root))
+        self.hidden += self.secrets  # left out of listings and searches too
 
     def resolve(self, path: str | Path) -> Path:
         """The real path of `path` (relative to the root, or absolute); refused if outside."""
@@ -137,6 +148,11 @@ class ProjectFiles:
         if full != self.root and not full.is_relative_to(self.root):
             raise PathOutsideProjectError(
                 f"{shown(raw)} resolves to {shown(str(full))}, outside the project {self.root}: refused"
+            )
+        if any(full == h or full.is_relative_to(h) for h in self.secrets):
+            raise PathOutsideProjectError(
+                f"{shown(raw)} holds credentials (one of the paths the sandbox hides), which are out of bounds "
+                "for the agent"
             )
         if any(full == h or full.is_relative_to(h) for h in self.hidden):
             raise PathOutsideProjectError(
@@ -224,7 +240,14 @@ class ProjectFiles:
                     f"{shown(rel)} is {st.st_size:,} bytes; the file tools edit text files "
                     f"up to {MAX_EDIT_BYTES:,} bytes"
                 )
-            return f.read(MAX_EDIT_BYTES + 1).decode("utf-8", errors="replace"), st.st_mode
+            data = f.read(MAX_EDIT_BYTES + 1)
+        try:
+            return data.decode("utf-8"), st.st_mode
+        except UnicodeDecodeError as exc:  # a lossy text would write bytes the diff does not show
+            raise FileToolError(
+                f"{shown(rel)} is not UTF-8 text (byte {exc.start:,}): the file tools change only UTF-8 text "
+                "files, so a diff shows every byte written; run a command to change it"
+            ) from None
 
     # ------------------------------------------------------------------ the tools
     def read(self, path: str, max_bytes: int = MAX_READ_BYTES) -> str:
@@ -269,8 +292,16 @@ class ProjectFiles:
             fd = self._open_target(full)
             return None if fd is None else self._text(fd, rel)[0]
 
+    def _writable(self, full: Path, path: str) -> None:
+        if any(full == p or full.is_relative_to(p) for p in self.own):
+            raise FileToolError(
+                f"{shown(path)} is in flashcode's own Python environment or source, which runs outside the "
+                "sandbox: the agent does not write there"
+            )
+
     def propose_write(self, path: str, content: str) -> FileChange:
         full = self.resolve(path)
+        self._writable(full, path)
         if full == self.root:
             raise FileToolError("cannot write the project directory itself")
         old = self._current(full)
@@ -278,6 +309,7 @@ class ProjectFiles:
 
     def propose_edit(self, path: str, find: str, replace: str) -> FileChange:
         full = self.resolve(path)
+        self._writable(full, path)
         if full == self.root:
             raise FileToolError(f"{shown(path)} is the project directory, not a file")
         old = self._current(full)
@@ -295,6 +327,7 @@ class ProjectFiles:
         """Write an approved change. Everything is checked again, on descriptors: no folder on the
         way is a symlink, the file is not a symlink nor hard-linked, and its text is still `old`."""
         full = self.resolve(change.path)
+        self._writable(full, change.path)
         parts = full.relative_to(self.root).parts
         if not parts:
             raise FileToolError("cannot write the project directory itself")

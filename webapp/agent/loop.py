@@ -39,6 +39,7 @@ from .events import (
     Decided,
     FileWritten,
     Generated,
+    Notice,
     Proposal,
     Reading,
     StepLimitReached,
@@ -406,6 +407,7 @@ class ToolLoop:
         policy, changed = s._command_policy(proposal, box)
         if changed is not None:
             yield changed
+        had_git = (s.project_dir / ".git").exists()
         run = CommandRun(verdict.command, s.project_dir, s.shell_timeout_s, s.output_cap, policy)
         s._run = run
         exit_ev: ActionExit | None = None
@@ -420,6 +422,10 @@ class ToolLoop:
         assert exit_ev is not None
         s.store.record_result(action_id, exit_ev.exit_code, exit_ev.description)
         yield exit_ev
+        if policy is not None and not had_git and (s.project_dir / ".git").exists():
+            yield Notice(
+                sandbox.GIT_CREATED, "warning"
+            )  # hooks in a new .git would run at the user's next git
         output = run.transcript() or "(no output)"
         ok = exit_ev.exit_code == 0
         yield ToolResult(

@@ -33,7 +33,6 @@ import ipaddress
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -275,7 +274,14 @@ class ServerHandle:
                     self._fd_files = files
                     opens = " ".join(f'{n}<"${i}"' for i, n in enumerate(range(3, 3 + len(files)), start=1))
                     script = f'exec {opens}; shift {len(files)}; exec "$@"'
-                    argv = [shutil.which("bash") or "/bin/bash", "-c", script, "flashcode-mcp", *files, *argv]
+                    argv = [
+                        sandbox.system_program("bash", project) or "/bin/bash",
+                        "-c",
+                        script,
+                        "flashcode-mcp",
+                        *files,
+                        *argv,
+                    ]
         params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(project))
         return stdio_client(params, errlog=self.errlog)
 
@@ -685,6 +691,7 @@ def summary(cfg: ServerConfig) -> dict[str, Any]:
         "source": ".mcp.json" if cfg.source == "file" else "settings",
         "transport": None if cfg.error else cfg.transport,  # an entry that could not be read has none
         "runs": cfg.describe(),
+        "details": cfg.details(),  # env, headers, and the environment variables it reads (as written)
         "status": cfg.status(),
         "enabled": cfg.enabled,
         "approved": cfg.approved,

@@ -92,6 +92,19 @@ class ServerConfig:
             return self.url
         return " ".join([self.command, *(_shell_word(a) for a in self.args)])
 
+    def details(self) -> list[str]:
+        """What an approval shows besides `describe()`, as written (`${VAR}` unexpanded): the environment a
+        stdio server gets, the headers sent to an HTTP one, and which of flashcode's own environment
+        variables the config reads (a `.mcp.json` could send an API key of yours to its own URL)."""
+        raw = self.raw or {}
+        env = raw["env"] if isinstance(raw.get("env"), dict) else dict(self.env)
+        headers = raw["headers"] if isinstance(raw.get("headers"), dict) else dict(self.headers)
+        lines = [f"env {k}={v}" for k, v in env.items()] + [f"header {k}: {v}" for k, v in headers.items()]
+        names = sorted({m.split(":-", 1)[0] for m in VAR_RE.findall(json.dumps(raw, default=str))})
+        if names:
+            lines.append("reads from flashcode's environment: " + ", ".join(f"${n}" for n in names))
+        return lines
+
     def status(self) -> str:
         if self.error:
             return f"not usable: {self.error}"

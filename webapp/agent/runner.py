@@ -13,7 +13,6 @@ import asyncio
 import codecs
 import contextlib
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -29,6 +28,7 @@ from .sandbox import (
     command_env,
     detect,
     launch,
+    system_program,
 )
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -63,8 +63,9 @@ class CommandExit:
         return f"exit code {self.exit_code}"
 
 
-def shell_path() -> str:
-    return shutil.which("bash") or "/bin/sh"
+def shell_path(project_dir: Path | None = None) -> str:
+    """bash as the command runs it: never a program found in the project (`system_program`)."""
+    return system_program("bash", project_dir) or "/bin/sh"
 
 
 class CommandRun:
@@ -100,7 +101,7 @@ class CommandRun:
     def launch(self, tmp_dir: Path | None = None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
         """What is executed, `bash -c COMMAND` inside the sandbox unless none was asked for, and the
         descriptors to pass to it; spawn inside the `with`."""
-        argv = [shell_path(), "-c", self.command]
+        argv = [shell_path(self.sandbox.project_dir if self.sandbox else self.cwd), "-c", self.command]
         if self.sandbox is None:
             yield argv, ()
             return

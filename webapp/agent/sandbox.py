@@ -90,12 +90,17 @@ SECRET_PATHS = (
     ".config/containers/auth.json",
     ".config/rclone",
     ".cache/huggingface/token",
+    ".cache/huggingface/stored_tokens",  # huggingface_hub >= 0.25 keeps every saved token here
     ".huggingface/token",
     ".terraform.d/credentials.tfrc.json",
     ".vault-token",
     ".pgpass",
     ".my.cnf",
     ".claude",
+    ".claude.json",
+    ".codex",
+    ".config/anthropic",
+    ".config/openai",
 )
 # Environment variables a command keeps; everything else (API keys, tokens) is dropped.
 KEEP_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ")
@@ -143,6 +148,47 @@ def command_env(env: dict[str, str] | None = None, project_dir: Path | None = No
     return {**kept, **COMMAND_ENV}
 
 
+# Where flashcode looks for the programs it runs itself, outside the sandbox: the system's folders, never
+# the server's PATH, which may hold a project's folder (a server started from a virtual environment in a
+# project has its bin first) — a program a sandboxed command wrote there would run unsandboxed next time.
+SYSTEM_DIRS = (
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+    "/opt/homebrew/bin",
+)
+
+
+def system_program(name: str, project_dir: Path | str | None = None) -> str | None:
+    """`name` as flashcode itself runs it outside the sandbox (bubblewrap, the shell, slirp4netns,
+    ripgrep): from SYSTEM_DIRS only, and never a file that resolves into the project."""
+    project = Path(project_dir).resolve() if project_dir is not None else None
+    dirs = [d for d in SYSTEM_DIRS if project is None or not Path(d).resolve().is_relative_to(project)]
+    found = shutil.which(name, path=os.pathsep.join(dirs))
+    if found and project is not None and Path(found).resolve().is_relative_to(project):
+        return None
+    return found
+
+
+def own_paths() -> list[Path]:
+    """What flashcode runs outside the sandbox from its own install: the Python environment (its
+    interpreter and site-packages, `.pth` files included) and flashcode's source. Inside a project they
+    are kept read-only for commands (`_bwrap_argv`), and the file tools do not write there."""
+    here = Path(__file__).resolve().parents[2]  # the checkout or the installed package's root
+    roots = {
+        Path(sys.prefix).resolve(),
+        Path(sys.base_prefix).resolve(),
+        Path(sys.executable).resolve().parent,
+    }
+    if (here / "webapp").is_dir() and (here / "engine").is_dir():
+        roots.add(here / "webapp")
+        roots.add(here / "engine")
+    return sorted(roots)
+
+
 PROBE_TIMEOUT_S = 60.0  # a loaded machine can take seconds to start bubblewrap: slow is not absent
 
 
@@ -168,7 +214,7 @@ def _detect() -> SandboxStatus:
         return _probe("sandbox-exec", _seatbelt_argv(["/usr/bin/true"], SandboxPolicy(Path("/tmp"))))
     if system != "Linux":
         return SandboxStatus(False, "none", f"no sandbox is implemented for {system}")
-    if not shutil.which("bwrap"):
+    if not system_program("bwrap"):
         return SandboxStatus(
             False, "none", "bubblewrap is not installed (Debian/Ubuntu: `sudo apt-get install bubblewrap`)"
         )
@@ -221,7 +267,7 @@ def launch(
     status = detect()
     if not status.available:
         raise SandboxUnavailableError(status.reason)
-    if policy.network and status.kind == "bubblewrap" and not shutil.which("slirp4netns"):
+    if policy.network and status.kind == "bubblewrap" and not system_program("slirp4netns"):
         raise NetworkUnavailableError(NO_SLIRP)
     if status.kind == "sandbox-exec":
         if env:  # set by env(1) inside the profile; then a shell execs the command (a name with = is no assignment)
@@ -330,14 +376,25 @@ NO_SLIRP = (
 )
 
 
-def _secret_paths(policy: SandboxPolicy) -> list[Path]:
+def secret_paths(existing: bool = True) -> list[Path]:
+    """The user's secrets (SECRET_PATHS under $HOME): hidden from commands and from the file tools."""
     home = Path(os.environ.get("HOME") or Path.home())
-    paths = [home / p for p in SECRET_PATHS] + [Path(p) for p in policy.hidden]
+    return [home / p for p in SECRET_PATHS if not existing or os.path.lexists(home / p)]
+
+
+def _secret_paths(policy: SandboxPolicy) -> list[Path]:
+    paths = secret_paths() + [Path(p) for p in policy.hidden]
     return [p for p in paths if os.path.lexists(p)]
 
 
 # /proc files that stay writable for uid 0 without capabilities (what Docker makes read-only)
 _PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+
+
+GIT_CREATED = (
+    "The command created .git in the project. The sandbox keeps an existing .git read-only, but not one "
+    "made during the command: look at .git/hooks and .git/config before you use git outside flashcode."
+)
 
 
 def git_dirs(project: Path) -> list[Path]:
@@ -381,7 +438,8 @@ def _bwrap_argv(
     argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None = None, env_fd: int | None = None
 ) -> list[str]:
     project = Path(policy.project_dir).resolve()
-    args = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    bwrap = system_program("bwrap", project) or "/usr/bin/bwrap"  # never one found in the project
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for path in _PROC_READ_ONLY:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
@@ -398,14 +456,15 @@ def _bwrap_argv(
     args += ["--bind", str(project), str(project)]
     hidden = [real for real in secrets if real != project and real not in holders]  # the project itself stays
     gits = git_dirs(project)
-    for folder in _pins(project, hidden + gits):
+    own = [p for p in own_paths() if p.is_relative_to(project) and p != project and p.exists()]
+    for folder in _pins(project, hidden + gits + own):
         args += ["--bind", str(folder), str(folder)]
     for real in hidden:
         if real.is_dir():
             args += ["--tmpfs", str(real)]
         else:
             args += ["--ro-bind", "/dev/null", str(real)]
-    for real in gits:
+    for real in gits + own:  # flashcode's own environment too, when it lies in the project
         args += ["--ro-bind", str(real), str(real)]
     git = project / ".git"
     if os.path.lexists(git) and (git.is_symlink() or git.is_file()):

@@ -30,7 +30,7 @@ import functools
 import shlex
 import unicodedata
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import tree_sitter_bash
@@ -50,7 +50,7 @@ _DEV_NULL = "/dev/null"
 STATEFUL_BUILTINS = frozenset(
     ". alias bind builtin command compgen complete declare enable eval exec export fc getopts hash history "
     "let local mapfile printf read readarray readonly set shift shopt source test trap typeset ulimit umask "
-    "unalias unset [".split()
+    "unalias unset [ cd pushd popd".split()  # cd & co.: a rule for `make` is not a rule for `make` elsewhere
 )
 
 
@@ -97,7 +97,11 @@ class ProgramSpec:
                 options_end = True
             elif arg.startswith("--"):
                 name = arg[2:].split("=", 1)[0]
-                hit = next((o for o in self.deny_long if name and o.startswith(name)), None)
+                # an abbreviation of a denied option, or a longer option that begins with one (`file
+                # --uncompress-noreport` is -Z, as `--uncompress` is -z): either may be the dangerous one
+                hit = next(
+                    (o for o in self.deny_long if name and (o.startswith(name) or name.startswith(o))), None
+                )
                 if hit:
                     return f"`{program} {arg}` (--{hit}) can run programs or write files"
             elif arg.startswith("-") and len(arg) > 1:
@@ -149,6 +153,7 @@ class Part:
 
     argv: tuple[str, ...]
     redirects: tuple[str, ...] = ()  # as written: `2>/dev/null`, `2>&1`
+    piped: bool = False  # its input comes from the part before it (`a | b`: b), which the model chose
 
     @property
     def text(self) -> str:
@@ -285,16 +290,20 @@ def _grammar_parts(command: str) -> list[Part]:
     return parts
 
 
-def _lexer_parts(command: str) -> list[tuple[str, ...]]:
-    """The argv of each part by a strict lexer of the plain subset: the grammar's cross-check."""
+def _lexer_parts(command: str, piped: list[bool] | None = None) -> list[tuple[str, ...]]:
+    """The argv of each part by a strict lexer of the plain subset: the grammar's cross-check. `piped`
+    gets, for each part, whether a `|` comes before it (its input is the part before's output)."""
     parts: list[tuple[str, ...]] = []
     words: list[str] = []
     i, n = 0, len(command)
+    flags = piped if piped is not None else []
+    after_pipe = False
 
     def end_part() -> None:
         if not words:
             raise ShellParseError("an operator has no command before it")
         parts.append(tuple(words))
+        flags.append(after_pipe)
         words.clear()
 
     while i < n:
@@ -304,12 +313,15 @@ def _lexer_parts(command: str) -> list[tuple[str, ...]]:
         elif ch == "\n" or ch == ";":
             if words:
                 end_part()
+            after_pipe = False
             i += 1
         elif command.startswith(("&&", "||"), i):
             end_part()
+            after_pipe = False
             i += 2
         elif ch == "|":
             end_part()
+            after_pipe = True
             i += 1
         elif ch in "<>&" or (ch.isdigit() and _redirect_at(command, i)):
             i = _skip_redirect(command, i)
@@ -318,6 +330,7 @@ def _lexer_parts(command: str) -> list[tuple[str, ...]]:
             words.append(word)
     if words:
         parts.append(tuple(words))
+        flags.append(after_pipe)
     return parts
 
 
@@ -375,9 +388,10 @@ def parse_command(command: str) -> list[Part]:
     """The parts of a provably plain command; ShellParseError (with the reason) for anything else."""
     _check_characters(command)
     parts = _grammar_parts(command)
-    if [p.argv for p in parts] != _lexer_parts(command):
+    piped: list[bool] = []
+    if [p.argv for p in parts] != _lexer_parts(command, piped):
         raise ShellParseError("the bash grammar and the strict lexer read it differently")
-    return parts
+    return [replace(p, piped=f) for p, f in zip(parts, piped, strict=True)]
 
 
 # --------------------------------------------------------------------------- rules
@@ -494,7 +508,11 @@ def check_command(command: str, rules: Iterable[Rule], *, sandboxed: bool = True
     missing: list[Part] = []
     per_part = not any(p.program in STATEFUL_BUILTINS for p in v.parts) or len(v.parts) == 1
     for part in v.parts:
-        hit = next((r for r in rules if per_part and exact_matches(r, command, part)), None)
+        # an exact rule covers a part as it was approved alone: with its input from /dev/null, not from a
+        # pipe whose contents the model chose (`echo 'import os…' | python3 manage.py shell`)
+        hit = next(
+            (r for r in rules if per_part and not part.piped and exact_matches(r, command, part)), None
+        )
         hit = hit or next((r for r in rules if r.kind == "prefix" and prefix_matches(r, part)), None)
         if hit is None:
             missing.append(part)

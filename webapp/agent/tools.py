@@ -14,7 +14,6 @@ import asyncio
 import fnmatch
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import httpcore
 import httpx
 
 from .files import FileToolError, ProjectFiles
+from .sandbox import system_program
 
 Effect = Literal["none", "write", "shell", "network"]
 MAX_LIST = 400  # entries list_files returns
@@ -234,7 +234,7 @@ class ReadTools:
         except re.error as exc:
             raise FileToolError(f"not a regular expression: {exc}") from exc
         start = self.files.resolve(path or ".")
-        rg = shutil.which("rg")
+        rg = system_program("rg", self.files.root)  # runs here, unsandboxed: never one found in the project
         hits = self._rg(rg, pattern, start) if rg else self._python(regex, start)
         if not hits:
             return "(no matches)"
@@ -278,15 +278,26 @@ class ReadTools:
 
 
 # --------------------------------------------------------------------------- the web
+# clouds' instance-metadata services outside the link-local range (169.254.169.254 and fe80::/10 are in it):
+# AWS's IPv6 one, Alibaba's, and Oracle's alias
+METADATA_ADDRESSES = frozenset({"fd00:ec2::254", "100.100.100.200", "192.0.0.192"})
+
+
 def _out_of_bounds(host: str, address: str) -> str | None:
     import ipaddress
 
     ip = ipaddress.ip_address(address.split("%")[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped  # ::ffff:127.0.0.1
-    if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
+    if (
+        ip.is_loopback
+        or ip.is_link_local
+        or ip.is_unspecified
+        or ip.is_multicast
+        or str(ip) in METADATA_ADDRESSES
+    ):
         return (
-            f"fetch_url does not fetch from {host} ({ip}): this machine's own or link-local addresses are "
+            f"fetch_url does not fetch from {host} ({ip}): this machine's own, link-local and cloud-metadata addresses are "
             "out of bounds for the agent"
         )
     return None

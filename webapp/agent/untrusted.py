@@ -75,10 +75,26 @@ def _picture(ch: str) -> str:
     return chr(0x2421) if code == 0x7F else chr(0x2400 + code)  # ␀ ␁ … ␟, ␡
 
 
+# A chat template's control tokens, as a model's tokenizer reads them from text: `<|im_end|>` (ChatML),
+# `<|eot_id|>` (Llama 3), `<|end|>` (Phi), `<end_of_turn>` (Gemma), `</s>` and `[INST]` (Llama 2, Mistral),
+# Qwen's `<tool_call>` and `<think>`. Quoted data holding one could end its turn and forge a system or
+# user turn (llama-server tokenizes a rendered prompt with special tokens parsed; so do Hugging Face
+# tokenizers): each is broken, its "<" escaped or its bracket drawn as a look-alike.
+_CONTROL_TOKENS = re.compile(
+    r"<(?=\|)|<(?=/?(?:tool_call|tool_response|think|start_of_turn|end_of_turn|s|eos|bos|pad|unk|"
+    r"\|[^|<>\s]{1,40}\|)>)|\[(?=/?INST\]|/?SYS\]|AVAILABLE_TOOLS\]|TOOL_CALLS\]|TOOL_RESULTS\])",
+    re.IGNORECASE,
+)
+
+
 def neutralise(text: str) -> str:
-    """`text` with every tag-like `<untrusted` escaped and C0 controls drawn as control pictures."""
-    starts = _tag_starts(text)
-    return "".join("&lt;" if i in starts else _picture(ch) for i, ch in enumerate(text))
+    """`text` with every tag-like `<untrusted` escaped, a chat template's control tokens broken, and C0
+    controls drawn as control pictures."""
+    starts = _tag_starts(text) | {m.start() for m in _CONTROL_TOKENS.finditer(text) if text[m.start()] == "<"}
+    brackets = {m.start() for m in _CONTROL_TOKENS.finditer(text) if text[m.start()] == "["}
+    return "".join(
+        "&lt;" if i in starts else "［" if i in brackets else _picture(ch) for i, ch in enumerate(text)
+    )
 
 
 def attribute(value: str, limit: int = 200) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,11 @@ import tempfile
 import time
 
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's resolver inside the namespace
+# from the system's folders only, as sandbox.SYSTEM_DIRS (this script runs isolated, -I, and imports nothing
+# of flashcode): never one a command could have written into a project on the PATH
+SLIRP4NETNS = (
+    shutil.which("slirp4netns", path="/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin") or "slirp4netns"
+)
 LOOPBACK_WAIT_S = 10.0  # bubblewrap sets the sandbox's loopback up (a loaded machine may be slow)
 READY_WAIT_S = 30.0
 NOT_STARTED = 126  # the shell's "found but could not run"
@@ -119,7 +125,7 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryFile() as log:
             try:
                 slirp = subprocess.Popen(
-                    ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+                    [SLIRP4NETNS, "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
                      "--enable-seccomp", "--ready-fd", str(ready_w), "--exit-fd", str(exit_r), str(pid), "tap0"],
                     pass_fds=(ready_w, exit_r), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 )  # fmt: skip

@@ -72,9 +72,36 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
             f"{text} is {what}: the agent's commands may write anywhere in a project, so pick the folder of "
             "one project inside it, e.g. ~/code/myapp"
         )
+    _check_not_shared(resolved, home, text)
     if data_dir is not None:
         check_apart_from_data(resolved, data_dir, text)
     return resolved
+
+
+# folders under $HOME that hold other programs' settings and credentials (git's global config, the gh CLI's
+# token, the shell's), and folders of credentials: as a project, commands could write what runs later outside
+# the sandbox, and the project itself is never hidden from them (webapp.agent.sandbox hides what is inside it)
+SHARED_FOLDERS = (".config", ".local", ".local/share", ".local/bin", ".cache", ".var", "Library")
+CREDENTIAL_FOLDERS = (".ssh", ".gnupg", ".aws", ".azure", ".docker", ".kube", ".password-store", ".config/gh",
+                      ".config/gcloud", ".local/share/keyrings", ".mozilla", ".claude", ".codex")  # fmt: skip
+
+
+def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
+    if any(resolved == home / f for f in SHARED_FOLDERS):
+        raise ProjectError(
+            f"{text} holds the settings of many programs (git's, your shell's) and credentials: a command could "
+            "change what runs outside the sandbox later. Pick the folder of one thing, e.g. ~/.config/nvim"
+        )
+    if any(resolved == home / f or resolved.is_relative_to(home / f) for f in CREDENTIAL_FOLDERS):
+        raise ProjectError(
+            f"{text} holds credentials: it cannot be a project, whose commands could read them"
+        )
+    on_path = {Path(d).resolve() for d in os.environ.get("PATH", "").split(os.pathsep) if os.path.isabs(d)}
+    if resolved in on_path:
+        raise ProjectError(
+            f"{text} is on your PATH: a program a command wrote there would run, outside the sandbox, the next "
+            "time you or flashcode type its name. Pick a project folder that is not on PATH"
+        )
 
 
 def check_apart_from_data(resolved: Path, data_dir: Path, text: str | None = None) -> None:
