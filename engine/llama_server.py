@@ -1026,13 +1026,15 @@ class LlamaServerBackend:
         """Save slot 0 through the server, then move the file to `path` (+ `path`.json metadata)."""
         client, slot_dir = self._slot_dir()
         name = f"flashcode-{os.getpid()}-{time.monotonic_ns()}.bin"
-        res = client.slot_action(0, "save", name)
-        if not int(res.get("n_saved", 0)):
+        try:
+            res = client.slot_action(0, "save", name)
+            if not int(res.get("n_saved", 0)):
+                raise EngineError("there is no context to save yet: send a message first")
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(slot_dir / name), path)
+        finally:  # a failed save (a full disk, a server error) leaves nothing behind in the slot folder
             (slot_dir / name).unlink(missing_ok=True)
-            raise EngineError("there is no context to save yet: send a message first")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(slot_dir / name), path)
         meta = {
             **metadata,
             "token_count": str(res["n_saved"]),
@@ -1074,6 +1076,9 @@ class LlamaServerBackend:
                 "saved contexts need the llama-server's --slot-save-path: pass slot_save_path= "
                 "(the directory the attached server uses)"
             )
+        # the folder may have been removed since the server started (the data directory's README says
+        # flashcode rebuilds it): made again, so a save or a resume works
+        Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)
         return client, self.slot_save_path
 
     # ------------------------------------------------------------------ scoring

@@ -51,15 +51,21 @@ def home(override: str | Path | None = None) -> Path:
         root = Path(os.environ[ENV_HOME])
     else:
         root = Path.home() / ".local" / "share" / "flashcode"
-    root = root.expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    return _made(root.expanduser().resolve())
+
+
+def _made(d: Path) -> Path:
+    """`d`, made if missing; one that exists is returned as it is (a read-only disk can still be read)."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        if not d.is_dir():
+            raise
+    return d
 
 
 def models_dir(root: Path | None = None) -> Path:
-    d = (root or home()) / "models"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return _made((root or home()) / "models")
 
 
 def gguf_dir(root: Path | None = None) -> Path:

@@ -737,3 +737,10 @@ def try_resume(store: ContextStore, backend: Any, project_id: str, context_id: s
         return ResumeResult(
             False, f"{exc}. The conversation is kept; its next reply re-reads it from the start.", None
         )
+    except OSError as exc:  # a file the resume needed could not be read or copied (removed, a full disk)
+        return ResumeResult(
+            False,
+            f"could not resume the saved context ({exc.strerror or exc}). The conversation is kept; its "
+            "next reply re-reads it from the start.",
+            None,
+        )

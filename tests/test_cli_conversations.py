@@ -96,3 +96,26 @@ def test_conversations_bad_input_is_one_sentence_and_nothing_stored(tmp_path: Pa
         assert done.returncode != 0 and said in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr
     assert flashcode("conversations", "--all", home=home).stdout == ""
+
+
+def test_conversations_export_and_import_keep_its_generation_settings_and_say_so(tmp_path: Path) -> None:
+    """A conversation's own settings (a system prompt, temperature, max tokens) travel with it; the imported
+    system prompt is said at the top of the transcript (the model reads it first); odd values are left out."""
+    from webapp.db import export_json, import_json
+
+    db = Database(tmp_path / "f.db")
+    conv = db.create_conversation("tuned")
+    db.add_message(conv.id, "user", "hi")
+    db.set_generation(conv.id, {"system": "Answer in French.", "temperature": 0.2, "max_tokens": 77})
+    data = export_json(db.get_conversation(conv.id), db.messages(conv.id), db.events(conv.id))
+    assert data["generation"] == {"system": "Answer in French.", "temperature": 0.2, "max_tokens": 77}
+    done = import_json(db, json.loads(json.dumps(data)), "default")
+    assert db.get_conversation(done.conversation.id).generation_settings == data["generation"]
+    [notice] = db.events(done.conversation.id)
+    assert notice.type == "notice" and "Answer in French." in notice.data["text"]
+    odd = {
+        "messages": data["messages"],
+        "generation": {"temperature": 9, "max_tokens": 2.5, "top_p": "1", "x": 1},
+    }
+    assert db.get_conversation(import_json(db, odd, "default").conversation.id).generation_settings == {}
+    db.close()

@@ -221,3 +221,21 @@ def test_db_refuses_a_database_from_a_newer_flashcode(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(dbmod.NewerDatabaseError, match="newer flashcode"):
         Database(tmp_path / "f.db")
+
+
+def test_db_a_command_line_tool_beside_a_running_server_leaves_its_reply_streaming(tmp_path: Path) -> None:
+    """`flashcode projects` or `conversations` while `serve` writes a reply: the reply stays `streaming` and
+    keeps being saved as it grows (it was marked cut, and every partial save after that was lost)."""
+    path = tmp_path / "flashcode.db"
+    server = Database(path)
+    conv = server.create_conversation("t")
+    server.add_message(conv.id, "user", "tell me a story")
+    reply = server.add_message(conv.id, "assistant", "", status="streaming")
+    server.save_partial(reply.id, "Once")
+    cli = Database(path, recover=False)
+    assert cli.recovered == 0 and cli.messages(conv.id)[-1].status == "streaming"
+    cli.close()
+    server.save_partial(reply.id, "Once upon a time")
+    assert server.messages(conv.id)[-1].content == "Once upon a time"
+    server.close()
+    assert Database(path).recovered == 1  # the next server start marks it, as after a crash

@@ -5,6 +5,7 @@ and the command line. Real SQLite, real files, the app in-process (TestClient) w
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -594,3 +595,58 @@ def test_projects_put_back_from_the_trash_after_its_project_was_removed_lands_in
     r = client.post(f"/c/{conv}/restore")
     assert r.status_code == 200 and f'href="/c/{conv}"' in r.text
     assert client.app.state.flashcode.db.get_conversation(conv).project_id == store.current().id
+
+
+def test_projects_data_kept_under_a_folders_second_id_comes_back_when_the_folder_is_added(
+    tmp_path: Path,
+) -> None:
+    """A project moved away, a second one made in its old folder (the folder's second id), both removed with
+    their data kept: adding the folder again brings the second one's conversations back (they were kept
+    under an id no project would ever get: stranded)."""
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    app, old = tmp_path / "app", tmp_path / "app-old"
+    app.mkdir()
+    first = store.add(str(app))
+    app.rename(old)
+    store.move(first.id, str(old))
+    app.mkdir()
+    second = store.add(str(app))
+    conv = d.create_conversation("in app 2", project_id=second.id)
+    (tmp_path / "data" / "projects" / second.id / "contexts").mkdir(parents=True)
+    store.remove(second.id)
+    store.remove(first.id)
+    again = store.add(str(app))
+    assert [c.id for c in d.list_conversations(again.id)] == [conv.id]
+    assert (tmp_path / "data" / "projects" / again.id / "contexts").is_dir()
+    assert d.list_conversations(store.add(str(old)).id) == []
+
+
+def test_projects_a_file_name_that_is_not_utf8_is_listed_not_a_500(client, two) -> None:
+    a, _ = two
+    os.close(os.open(os.fsencode(a) + b"/caf\xe9.txt", os.O_CREAT | os.O_WRONLY, 0o644))
+    _open(client, a)
+    listing = client.get("/files/window")
+    assert listing.status_code == 200 and "caf\ufffd.txt" in listing.text
+    assert client.get("/files/list", params={"dir": ""}).status_code == 200
+
+
+def test_projects_odd_folder_names_are_refused_in_words_and_a_path_names_the_project_at_it(
+    tmp_path: Path,
+) -> None:
+    bad = os.fsencode(tmp_path) + b"/bad\xffname"
+    os.mkdir(bad)
+    with pytest.raises(ProjectError, match="not UTF-8 text"):
+        check_directory(os.fsdecode(bad))
+    (tmp_path / "tab\tx").mkdir()
+    with pytest.raises(ProjectError, match="a tab or a line break"):
+        check_directory(str(tmp_path / "tab\tx"))
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    p1, p3 = tmp_path / "p1", tmp_path / "p3"
+    p1.mkdir()
+    p3.mkdir()
+    at_p1 = store.add(str(p1))
+    named_like_p1 = store.add(str(p3), name=str(p1))  # a name that looks like the other's path
+    assert store.resolve(str(p1)).id == at_p1.id  # the path names the project at that folder
+    assert store.resolve(str(p3)).id == named_like_p1.id

@@ -136,5 +136,35 @@ def test_projects_autoresume_llama_same_greedy_tokens_as_reprefill(
     worker = Worker(make)
     try:
         _scenario(home, worker)
+        _slot_folder_removed(home, worker)
     finally:
         worker.close()
+
+
+def _slot_folder_removed(home: Path, worker: Worker) -> None:
+    """The llama-slots folder removed while the server runs (the data directory's README says flashcode
+    rebuilds it): a conversation coming back is resumed all the same, and a save that cannot be written
+    costs a note, never the reply (it was "the reply failed: FileNotFoundError")."""
+    import shutil
+
+    db = Database(home / "g.db")
+    resume = AutoResume(home, worker, db, idle_s=3600)
+
+    async def run() -> None:
+        a, b = db.create_conversation("a").id, db.create_conversation("b").id
+        await _turn(resume, db, worker, a, "What is 2+2?")
+        await _turn(resume, db, worker, b, "Name a colour.")  # a saved
+        slots = await worker.acall(lambda be: be.slot_save_path)
+        shutil.rmtree(slots)
+        done = await _turn(resume, db, worker, a, "And 3+3?")
+        assert done.text and Path(slots).is_dir()
+
+        async def broken() -> None:
+            raise OSError(28, "No space left on device")
+
+        resume._save_live = broken  # type: ignore[method-assign]
+        note = await resume.before_reply(b)
+        assert note is not None and "No space left on device" in note and "re-reads" in note
+
+    asyncio.run(run())
+    db.close()

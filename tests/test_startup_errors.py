@@ -225,6 +225,35 @@ def test_serve_damaged_model_directory(tmp_path: Path) -> None:
     )
 
 
+def test_doctor_names_a_damaged_model_and_its_fix(tmp_path: Path) -> None:
+    """A cut weights file, or a GGUF (what llama-server loads) no longer the size it was imported from:
+    doctor said "all set"."""
+    home = tmp_path / "home"
+    d, size, full = broken_model(home)
+    proc = flashcode("doctor", "--data-dir", str(home))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if " models " in ln)
+    assert (
+        f"broken: model.safetensors is truncated: {size} of {full} bytes" in line
+        and "import the model again" in line
+    )
+    d.rename(home / "models" / "gone")
+    import shutil as _shutil
+
+    _shutil.rmtree(home / "models" / "gone")
+    from tests.gguf_factory import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    done = flashcode("import", str(tmp_path / "tiny.gguf"), "--name", "tiny", "--data-dir", str(home))
+    assert done.returncode == 0, done.stderr
+    assert flashcode("doctor", "--data-dir", str(home)).returncode == 0
+    gguf = Path(json.loads((home / "models" / "tiny" / "flashcode.json").read_text())["source_gguf"])
+    with gguf.open("r+b") as fh:
+        fh.truncate(gguf.stat().st_size // 2)
+    proc = flashcode("doctor", "--data-dir", str(home))
+    assert proc.returncode == 1 and "which llama-server loads" in proc.stdout
+
+
 def test_serve_memory_budget_below_the_model(tmp_path: Path) -> None:
     from tests.gguf_factory import write_tiny_gguf
 
@@ -406,3 +435,25 @@ def test_doctor_text_names_what_is_missing_and_the_fix(tmp_path: Path) -> None:
     assert re.search(r"^ok\s+python\s+\d", proc.stdout, re.M)
     assert lines[-1] == "flashcode cannot serve yet: fix the MISSING lines above"
     assert not home.exists()  # doctor looks, never creates
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+def test_a_data_directory_on_a_read_only_mount_is_said_so(tmp_path: Path) -> None:
+    """chmod cannot help a read-only mount: the sentence says what can (it said "fix its permissions");
+    listing models there still works (it failed with a bare [Errno 30])."""
+    home = tmp_path / "ro"
+    home.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(home)], check=True)
+    try:
+        (home / "models").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(home)], check=True)
+        for args in (("serve", "--port", "0"), ("projects",)):
+            sentence = one_sentence(flashcode(*args, "--data-dir", str(home)))
+            assert "mounted read-only" in sentence and "writable disk" in sentence, (args, sentence)
+        listed = flashcode("models", "--data-dir", str(home))
+        assert (
+            "Errno" not in listed.stdout + listed.stderr
+            and "no models installed" in listed.stdout + listed.stderr
+        )
+    finally:
+        subprocess.run(["umount", str(home)], check=False)

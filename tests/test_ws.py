@@ -484,3 +484,28 @@ def test_ws_other_windows_are_told_when_a_conversation_changes_and_wait_while_it
             assert db.messages(cid)[-2].content == "from tab two"
             # tab one is told in turn
             assert f'data-conversation="{cid}"' in until(one, r'id="conversation-changed"')[-1]
+
+
+def test_ws_storage_failures_and_broken_characters_are_said_in_words(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk, a database another program holds, a lone surrogate in the text: each alert says what to
+    do (they read "internal error: OperationalError: database or disk is full")."""
+    import sqlite3
+
+    db = client.app.state.flashcode.db
+    with connect(client) as ws:
+        ws.send_text('{"type": "send", "text": "half \\ud800 a pair"}')
+        assert "broken character" in until(ws, r'role="alert"')[-1]
+        for message, said in (
+            ("database or disk is full", "the disk is full. Free some space there"),
+            ("database is locked", "held busy by another program"),
+        ):
+
+            def failing(*a, _m=message, **k):
+                raise sqlite3.OperationalError(_m)
+
+            monkeypatch.setattr(db, "add_message", failing)
+            send(ws, type="send", text="hello")
+            alert = until(ws, r'role="alert"')[-1]
+            assert said in alert and str(db.path) in alert and "internal error" not in alert

@@ -42,6 +42,9 @@ from .units import non_negative_float, positive_int
 
 
 def cmd_route(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        print("flashcode route: the prompt is empty: give the message to route", file=sys.stderr)
+        return 2
     if args.data_dir:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
     backend = engine_host.make_loaded_backend(args.backend, args.model)

@@ -32,7 +32,15 @@ from .doctor import doctor_report, format_report
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
 from .projects.store import ProjectError
-from .units import non_negative_float, parse_budget, parse_size, port_number, positive_int, probability
+from .units import (
+    non_negative_float,
+    non_negative_int,
+    parse_budget,
+    parse_size,
+    port_number,
+    positive_int,
+    probability,
+)
 
 __all__ = [
     "backend_options",
@@ -283,8 +291,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="llama: V cache type (quantized V needs --flash-attn on)",
     )
-    g.add_argument("--parallel", type=int, default=None, help="llama: parallel slots")
-    g.add_argument("--n-gpu-layers", type=int, default=None, help="llama: layers offloaded to the GPU")
+    g.add_argument("--parallel", type=positive_int, default=None, help="llama: parallel slots")
+    g.add_argument(
+        "--n-gpu-layers", type=non_negative_int, default=None, help="llama: layers offloaded to the GPU"
+    )
     g.add_argument(
         "--n-cpu-moe", type=int, default=None, help="llama: keep the experts of the first N layers on the CPU"
     )

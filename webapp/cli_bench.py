@@ -125,7 +125,7 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
         results = bench.run_sync(worker, args.max_tokens)
     finally:
         worker.close()
-    db = Database(paths.database_path(paths.home()))
+    db = Database(paths.database_path(paths.home()), recover=False)  # a server may be writing a reply
     try:
         earlier = store.bench_runs(db.conn, limit=1)
         run = store.record_bench_run(

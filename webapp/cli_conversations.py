@@ -33,7 +33,7 @@ from .projects.store import ProjectStore
 def _open() -> tuple[Database, ProjectStore]:
     root = preflight.check_data_dir(preflight.data_dir())
     preflight.check_database(root)
-    db = Database(root / "flashcode.db")
+    db = Database(root / "flashcode.db", recover=False)  # `flashcode serve` may be writing a reply
     return db, ProjectStore(db.conn, root)
 
 

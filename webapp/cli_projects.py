@@ -20,7 +20,7 @@ from .turns import ProjectRef
 def _store() -> tuple[Database, ProjectStore]:
     root = preflight.check_data_dir(preflight.data_dir())
     preflight.check_database(root)
-    db = Database(root / "flashcode.db")
+    db = Database(root / "flashcode.db", recover=False)  # `flashcode serve` may be writing a reply
     return db, ProjectStore(db.conn, root)
 
 

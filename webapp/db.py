@@ -355,7 +355,11 @@ class StoredMessage:
 class Database:
     """One connection, used from the event loop thread only."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, recover: bool = True) -> None:
+        """`recover`: mark replies still `streaming` as cut by a crash — for the server only, which opens the
+        database before it answers anything (serve.lock keeps a second one out). A command-line tool opening
+        it beside a running server passes False: that server's reply is streaming, and would stop being
+        saved as it grows (`save_partial` writes only `streaming` rows)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -365,7 +369,7 @@ class Database:
         self.conn.execute("PRAGMA synchronous=NORMAL")
         check_version(self.conn, path)
         migrate(self.conn)
-        self.recovered = self._mark_interrupted()
+        self.recovered = self._mark_interrupted() if recover else 0
         self.purged = self.purge_trash(time.time() - TRASH_DAYS * 86400)
 
     def close(self) -> None:
@@ -698,6 +702,7 @@ def export_json(
         "model": conv.model,
         "backend": conv.backend,
         "mode": conv.mode,
+        "generation": conv.generation_settings,  # its own max_tokens, temperature, top_p, system prompt
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
         "messages": [
@@ -776,6 +781,30 @@ def _key(value: Any) -> int | str | None:
     return value if isinstance(value, int | str) and not isinstance(value, bool) else None
 
 
+# a conversation's own generation settings as a file may give them: (cast, least, most) per number
+_GENERATION_NUMBERS = {
+    "max_tokens": (int, 1, 32768),
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 0.01, 1.0),
+}
+
+
+def _imported_generation(values: Any) -> dict[str, Any]:
+    """Only settings the Generation Settings window could have saved: numbers in their ranges, a system
+    prompt of at most 8,000 characters; anything else is left out."""
+    if not isinstance(values, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, (cast, low, high) in _GENERATION_NUMBERS.items():
+        n = _number(values.get(key))
+        if n is not None and low <= n <= high and (cast is float or float(n).is_integer()):
+            out[key] = cast(n)
+    system = values.get("system")
+    if isinstance(system, str) and system.strip() and len(system) <= 8000:
+        out["system"] = _text(system.strip())
+    return out
+
+
 def _imported_stats(stats: Any) -> dict[str, Any]:
     if not isinstance(stats, dict):
         return {}
@@ -833,6 +862,7 @@ def import_json(
     # always chat mode: continued, the file's messages are the model's context as they are, so the tools
     # (and this project's allow rules) wait until the user switches it to agent mode
     mode = "chat"
+    generation = _imported_generation(data.get("generation"))
 
     now = time.time()
     conv = Conversation(uuid.uuid4().hex[:12], title, None, None, now, now, project_id, mode)
@@ -846,10 +876,21 @@ def import_json(
     db.conn.execute("BEGIN")
     try:
         db.conn.execute(
-            "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode) "
-            "VALUES (?,?,?,?,?,?,?,?)",
-            (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode),
-        )
+            "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode, "
+            "generation) VALUES (?,?,?,?,?,?,?,?,?)",
+            (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode,
+             json.dumps(generation) if generation else None),
+        )  # fmt: skip
+        if generation.get("system"):  # the model reads it first: the transcript says so, at the top
+            said = (
+                "Imported with its own system prompt, which the model reads before every message (Special › "
+                f"Generation Settings… shows and changes it): “{generation['system'][:400]}”"
+            )
+            db.conn.execute(
+                "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                "VALUES (?,0,'notice',?,?)",
+                (conv.id, json.dumps({"type": "notice", "text": said, "level": "warning"}), now),
+            )
         for old_id, role, content, status, stats, created in messages:
             cur = db.conn.execute(
                 "INSERT INTO messages (conversation_id, role, content, status, stats, created_at) "

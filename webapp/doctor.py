@@ -8,6 +8,7 @@ parts are used (engines, sandbox, tests).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -25,7 +26,7 @@ from engine.models import human_size, list_models
 
 from .db import SCHEMA_VERSION, stored_version
 from .engine_host import default_backend
-from .preflight import database_problem, quick_check
+from .preflight import database_problem, model_dir_problem, quick_check
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -228,11 +229,34 @@ def check_models(root: Path) -> Check:
     models = list_models(root) if (root / "models").is_dir() else []
     if not models:
         return Check(False, f"none in {root / 'models'}", f"flashcode setup --data-dir {root}", required=True)
+    damaged = [f"{m.name}: {problem}" for m in models if (problem := _model_problem(m))]
+    if damaged:
+        return Check(
+            False,
+            "damaged: " + "; ".join(damaged),
+            f"import the model again (`flashcode import FILE.gguf`, or `flashcode setup --data-dir {root}` for "
+            "the default ones), or delete its folder under models/",
+            required=True,
+        )
     return Check(
         True,
         ", ".join(f"{m.name} ({m.architecture}, {human_size(m.size_bytes)})" for m in models),
         required=True,
     )
+
+
+def _model_problem(m: Any) -> str | None:
+    """What is wrong with an installed model: its weights cut short, or the GGUF llama-server loads."""
+    problem = model_dir_problem(m.path)
+    if problem is None and m.gguf_path is not None:  # its size as imported (a full parse takes seconds)
+        try:
+            meta = json.loads((m.path / "flashcode.json").read_text())
+            want, have = int(meta.get("source_size") or 0), m.gguf_path.stat().st_size
+        except (OSError, ValueError, TypeError):
+            return None
+        if want and have != want:
+            problem = f"{m.gguf_path} (which llama-server loads) is {have:,} bytes, not the {want:,} it was imported from"
+    return problem
 
 
 # --------------------------------------------------------------------------- the report

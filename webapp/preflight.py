@@ -67,6 +67,15 @@ def check_data_dir(root: Path) -> Path:
             f"cannot create the data directory {root} ({exc.strerror}): create it yourself, "
             "or pass another --data-dir"
         ) from exc
+    try:
+        read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    if read_only:
+        raise StartupError(
+            f"the data directory {root} is on a file system mounted read-only: flashcode writes its database "
+            "and logs there, so pass one on a writable disk (--data-dir or FLASHCODE_HOME)"
+        )
     denied = [
         what
         for what, mode in (("readable", os.R_OK | os.X_OK), ("writable", os.W_OK))

@@ -53,6 +53,10 @@ def positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "a whole number of 1 or more")
 
 
+def non_negative_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 0, "a whole number of 0 or more")
+
+
 def non_negative_float(text: str) -> float:
     return _checked(text, float, lambda v: 0 <= v < float("inf"), "a number of 0 or more, e.g. 1.0")
 

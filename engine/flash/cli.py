@@ -69,6 +69,8 @@ def cmd_split(args: argparse.Namespace) -> int:
 
     from .split import split_model
 
+    if not args.model.strip():  # "" would name the models folder's default: say which one instead
+        raise SystemExit("flashcode split: name the model to split (see `flashcode models`)")
     info = find_model(args.model, paths.home(args.data_dir))
     out = split_model(info.path, Path(args.out) if args.out else None, copy=args.copy)
     print(f"split written to {out}")

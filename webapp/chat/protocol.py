@@ -100,6 +100,13 @@ def _str(d: dict[str, Any], key: str, *, required: bool = True, limit: int = MAX
         raise ProtocolError(f"{key} must be a string")
     if len(value) > limit:
         raise ProtocolError(f"{key} is longer than {limit} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's "\ud800" alone: no character, and SQLite cannot store it
+        raise ProtocolError(
+            f"{key} holds a broken character (half of a UTF-16 pair, as a bad paste can leave): remove it and "
+            "send again"
+        ) from None
     return value
 
 

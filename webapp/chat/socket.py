@@ -21,10 +21,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -53,6 +55,26 @@ ENGINE_NUMBERS = (
     "peak_rss_bytes",
     "extra",
 )
+
+
+def explain(exc: BaseException, db_path: Path) -> str | None:
+    """A storage failure in words that say what to do (None: not one of them)."""
+    text = str(exc).lower()
+    if isinstance(exc, sqlite3.OperationalError) and ("disk is full" in text or "disk i/o" in text):
+        return (
+            f"flashcode could not save to its database ({db_path}): the disk is full. Free some space there, "
+            "then send again (what you typed is still in the box)"
+        )
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
+        return (
+            f"flashcode's database ({db_path}) is held busy by another program (a sqlite3 shell, a backup "
+            "tool?): close it, then send again (what you typed is still in the box)"
+        )
+    if isinstance(exc, sqlite3.OperationalError) and "readonly" in text.replace("-", "").replace(" ", ""):
+        return f"flashcode's database ({db_path}) cannot be written (a read-only disk or folder): fix that, then restart it"
+    if isinstance(exc, OSError) and exc.errno == 28:
+        return "the disk is full: free some space, then send again (what you typed is still in the box)"
+    return None
 
 
 @dataclass
@@ -157,7 +179,7 @@ class Session:
                 self.error(str(exc))
             except Exception as exc:  # noqa: BLE001 - one bad message must not end the session
                 log.exception("websocket message failed")
-                self.error(f"internal error: {type(exc).__name__}: {exc}")
+                self.error(explain(exc, self.ctx.db.path) or f"internal error: {type(exc).__name__}: {exc}")
 
     def send(self, *fragments: str) -> None:
         self.outbox.put_nowait("".join(fragments))
@@ -387,7 +409,8 @@ class Session:
         exc = task.exception()
         log.error("generation failed", exc_info=exc)
         self.send(self.views.controls(generating=False, can_regenerate=True))
-        self.error(f"the reply failed: {type(exc).__name__}: {exc}")
+        said = explain(exc, self.ctx.db.path) if exc is not None else None
+        self.error(said or f"the reply failed: {type(exc).__name__}: {exc}")
 
     async def _stop_turn(self) -> None:
         self.closing = True  # the socket closed: what the turn was waiting for, nobody decided

@@ -125,7 +125,11 @@ class ProjectTree:
             is_dir = stat.S_ISDIR(st.st_mode)
             if spec.match_file(rel + ("/" if is_dir else "")):
                 continue
-            out.append(Entry(child.name, rel, is_dir, 0 if is_dir else st.st_size, st.st_mtime))
+            name = child.name
+            if not _utf8(name):  # a name that is not UTF-8 (bytes from another system): shown with � for them
+                name = _shown(name)
+                rel = _shown(rel)
+            out.append(Entry(name, rel, is_dir, 0 if is_dir else st.st_size, st.st_mtime))
             if len(out) >= MAX_ENTRIES:
                 break
         return sorted(out, key=lambda e: (not e.is_dir, e.name.lower()))
@@ -145,3 +149,15 @@ class ProjectTree:
             return data.decode("utf-8"), size
         except UnicodeDecodeError as exc:
             raise FilesError(f"{rel} is not UTF-8 text: not shown") from exc
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.scandir gives undecodable bytes as lone surrogates
+        return False
+    return True
+
+
+def _shown(name: str) -> str:
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

@@ -140,9 +140,21 @@ class AutoResume:
         async with self.lock:
             if self.live == conversation_id:
                 return None
-            await self._save_live()
-            self.live, self.dirty = None, False
-            return await self._resume(conversation_id)
+            try:
+                await self._save_live()
+                self.live, self.dirty = None, False
+                return await self._resume(conversation_id)
+            except Exception as exc:  # noqa: BLE001 - a save or resume that failed (a full disk) costs a re-read, never the reply
+                log.warning("automatic save/resume before a reply failed", exc_info=True)
+                self.live, self.dirty = None, False
+                why = (
+                    exc.strerror
+                    if isinstance(exc, OSError) and exc.strerror
+                    else str(exc) or type(exc).__name__
+                )
+                return (
+                    f"The saved cache of this conversation could not be used ({why}): this reply re-reads it."
+                )
 
     def generating(self, _request: Any = None) -> None:
         """A generation was queued (a chat reply, an agent step, an API request, a benchmark): until its

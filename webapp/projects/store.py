@@ -63,6 +63,17 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
     if not os.access(path, os.R_OK | os.X_OK):
         raise ProjectError(f"{text} is not readable by flashcode (permissions): pick a folder you own")
     resolved = path.resolve()
+    try:
+        str(resolved).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProjectError(
+            f"{_shown(text)} has bytes in its name that are not UTF-8 text (from another system?): rename the "
+            "folder, then add it"
+        ) from None
+    if any(c in str(resolved) for c in "\t\n\r"):
+        raise ProjectError(
+            f"{_shown(text)} has a tab or a line break in its name: rename the folder, then add it"
+        )
     if resolved == Path(resolved.anchor):
         raise ProjectError("the root directory cannot be a project: pick a folder of your own")
     home = Path(os.environ.get("HOME") or Path.home()).resolve()
@@ -104,6 +115,15 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
         )
 
 
+def _shown(text: str) -> str:
+    return (
+        text.encode("utf-8", "surrogateescape")
+        .decode("utf-8", "replace")
+        .replace("\n", "\\n")
+        .replace("\t", "\\t")
+    )
+
+
 def check_apart_from_data(resolved: Path, data_dir: Path, text: str | None = None) -> None:
     """A new project is neither flashcode's data directory, nor inside it, nor holding it: its commands
     and file tools could reach every conversation and saved context there."""
@@ -143,6 +163,7 @@ def project_id_for(path: Path, n: int = 1) -> str:
     return f"{stem}-{digest}"
 
 
+MAX_FOLDER_IDS = 20  # a folder's ids looked at for kept data when it is added (`project_id_for`'s n)
 PROJECT_DATA = (  # (table, column) of what flashcode keeps about a project beside the projects table
     ("conversations", "project_id"),
     ("agent_allow_rules", "project"),
@@ -257,9 +278,38 @@ class ProjectStore:
             "INSERT INTO projects (id, name, path, created_at) VALUES (?, ?, ?, ?)",
             (pid, final, str(path), time.time()),
         )
+        self._adopt_kept(path, pid)
         found = self.get(pid)
         assert found is not None
         return found
+
+    def _adopt_kept(self, path: Path, pid: str) -> None:
+        """Data kept for this folder under an id no listed project has — that of a second project once made
+        in the same folder (its `n`th id), removed while another still held the folder's first — joins the
+        new project: adding a folder again brings back everything kept for it."""
+        for n in range(1, MAX_FOLDER_IDS + 1):
+            other = project_id_for(path, n)
+            if other == pid or self.get(other) is not None or not self._has_data(other):
+                continue
+            self.conn.execute("BEGIN")
+            try:
+                for table, column in PROJECT_DATA:  # beside what is there: the new project's settings win
+                    self.conn.execute(
+                        f"UPDATE OR IGNORE {table} SET {column} = ? WHERE {column} = ?", (pid, other)
+                    )
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            self._merge_folder(other, pid)
+
+    def _has_data(self, project_id: str) -> bool:
+        if self.data_folder(project_id).is_dir():
+            return True
+        return any(
+            self.conn.execute(f"SELECT 1 FROM {table} WHERE {column} = ? LIMIT 1", (project_id,)).fetchone()
+            for table, column in PROJECT_DATA
+        )
 
     def _free_name(self, name: str) -> str:
         n, candidate = 2, name
@@ -336,13 +386,16 @@ class ProjectStore:
 
     def resolve(self, key: str) -> ProjectRef | None:
         """A project by name, id or directory (what the command line takes)."""
-        found = self.by_name(key) or self.get(key)
-        if found is None and (key.startswith(("/", "~"))):
+        if key.startswith(
+            ("/", "~")
+        ):  # a path names the project at that folder first (a name may look like one)
             try:
-                found = self.by_path(Path(key).expanduser())
-            except OSError:
-                return None
-        return found
+                at = self.by_path(Path(key).expanduser())
+            except (OSError, ValueError):
+                at = None
+            if at is not None:
+                return at
+        return self.by_name(key) or self.get(key)
 
     def remove(self, project_id: str, delete_data: bool = False) -> ProjectRef:
         """Take a project off the list; its directory is never touched. With `delete_data`, also
