@@ -55,7 +55,7 @@
     const status = $("#status .status-text");
     if (status && down) status.textContent = "Disconnected — reconnecting…";
   }
-  function resync(withEngine = true) {
+  function resync() {
     // what happened while the page was away (a reply finished, another window switched the model):
     // the chat window and the conversation list are drawn again from the server; the typed text stays
     // (the old box is read once the new one is in: what was typed meanwhile is kept, the cursor too)
@@ -72,7 +72,7 @@
       }
     });
     const list = refreshList(id);
-    if (withEngine) htmx.ajax("GET", "/engine-state", { target: "#menubar-model", swap: "none" });  // picker, Settings, About
+    htmx.ajax("GET", "/engine-state", { target: "#menubar-model", swap: "none" });  // picker, Settings, About
     return Promise.allSettled([chat, list]);
   }
   const refreshList = (id) =>
@@ -86,7 +86,11 @@
   function follow() {
     if (syncing || !pending.size) return;
     const id = conversationId();
-    const work = pending.has(id) && id && !generating() ? resync(false) : refreshList(id);
+    // the window showing it gets the transcript, controls, gauge and list (out of band): what is typed,
+    // attachments, window positions and zoom stay as they are
+    const work = pending.has(id) && id && !generating()
+      ? htmx.ajax("GET", `/c/${encodeURIComponent(id)}/sync`, { target: "#conversation-changed", swap: "none" })
+      : refreshList(id);
     pending.clear();
     syncing = Promise.resolve(work).finally(() => { syncing = null; follow(); });
   }

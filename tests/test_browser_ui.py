@@ -144,11 +144,14 @@ def test_browser_a_second_tab_follows_the_conversation_and_a_stale_one_keeps_its
     other.goto(f"{url.rstrip('/')}/c/{cid}")
     other.wait_for_selector("#messages .msg-assistant")
     other.fill("#prompt", "a draft in tab two")
+    other.click("#chat-window [data-zoom]")  # the window as the user arranged it
+    other.focus("#prompt")
     send_and_wait(page, "from tab one")
     other.wait_for_selector(".msg-assistant:has-text('second answer')", timeout=10_000)
     assert "from tab one" in other.inner_text("#messages")
     assert other.input_value("#prompt") == "a draft in tab two"
     assert other.evaluate("() => document.activeElement && document.activeElement.id") == "prompt"
+    assert "zoomed" in (other.get_attribute("#chat-window", "class") or "")  # only what changed was redrawn
     other.evaluate(
         "() => document.getElementById('conversation-changed').remove()"
     )  # tab two misses the next

@@ -57,7 +57,16 @@ def test_conversations_list_export_and_import_round_trip(tmp_path: Path) -> None
     assert [row[0] for row in lines(flashcode("conversations", "--project", "work", home=home).stdout)] == [
         new_id
     ]
-    assert {row[0] for row in lines(flashcode("conversations", "--all", home=home).stdout)} == {cid, new_id}
+    # the option before the action names the project too (the action's own default had replaced it)
+    before = flashcode("conversations", "--project", "work", "import", str(out), home=home)
+    assert before.returncode == 0, before.stderr
+    second = before.stdout.strip()
+    assert len(lines(flashcode("conversations", "--project", "work", home=home).stdout)) == 2
+    assert {row[0] for row in lines(flashcode("conversations", "--all", home=home).stdout)} == {
+        cid,
+        new_id,
+        second,
+    }
 
     db = Database(home / "flashcode.db")
     try:

@@ -650,3 +650,5 @@ def test_projects_odd_folder_names_are_refused_in_words_and_a_path_names_the_pro
     named_like_p1 = store.add(str(p3), name=str(p1))  # a name that looks like the other's path
     assert store.resolve(str(p1)).id == at_p1.id  # the path names the project at that folder
     assert store.resolve(str(p3)).id == named_like_p1.id
+    tilde = store.add(str(tmp_path / "p4" if (tmp_path / "p4").mkdir() is None else ""), name="~nosuchuser")
+    assert store.resolve("~nosuchuser").id == tilde.id  # a name like `~user` (no such user) is a name

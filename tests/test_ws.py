@@ -475,6 +475,9 @@ def test_ws_other_windows_are_told_when_a_conversation_changes_and_wait_while_it
                 send(two, conversation_id=cid, **msg)
                 alert = until(two, r'role="alert"')[-1]
                 assert "being written in this conversation in another window" in alert
+            send(two, type="mode", mode="agent", conversation_id=cid)  # nor switch its mode mid-turn
+            assert "being written in this conversation in another window" in until(two, r'role="alert"')[-1]
+            assert db.get_conversation(cid).mode == "chat"
             assert len(db.messages(cid)) == stored
             until(one, r'data-state="idle"')
             assert f'data-conversation="{cid}"' in until(two, r'id="conversation-changed"')[-1]
@@ -509,3 +512,18 @@ def test_ws_storage_failures_and_broken_characters_are_said_in_words(
             send(ws, type="send", text="hello")
             alert = until(ws, r'role="alert"')[-1]
             assert said in alert and str(db.path) in alert and "internal error" not in alert
+
+
+def test_sync_sends_only_what_another_window_changed(client: TestClient, fake: FakeBackend) -> None:
+    """GET /c/ID/sync: the transcript, newest message id, controls, gauge, title, mode and list, out of band;
+    never the composer (what the other window has typed) or the window itself."""
+    fake.enqueue("an answer")
+    with connect(client) as ws:
+        send(ws, type="send", text="hello")
+        cid = conversation_id(until(ws, r'data-state="idle"'))
+    body = client.get(f"/c/{cid}/sync").text
+    for part in ('id="transcript" hx-swap-oob="true"', 'id="seen-message"', 'id="status"', 'id="context-gauge"',
+                 'id="chat-title"', 'id="mode-picker"', 'id="conversation-list"', "an answer"):  # fmt: skip
+        assert part in body, part
+    assert 'id="prompt"' not in body and 'id="chat-window"' not in body
+    assert "deleted or moved to the Trash" in client.get("/c/000000000000/sync").text

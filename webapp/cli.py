@@ -33,8 +33,8 @@ from .engine_host import backend_options, make_loaded_backend, place_model, reso
 from .preflight import StartupError, data_dir
 from .projects.store import ProjectError
 from .units import (
+    gpu_layers,
     non_negative_float,
-    non_negative_int,
     parse_budget,
     parse_size,
     port_number,
@@ -165,7 +165,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_size=1 << 20,
         )
         _log_to_file(root)  # after uvicorn set its loggers up: its errors go to the file too
-        logging.getLogger("uvicorn.access").addFilter(security.MaskToken())  # `?token=…` in the access log
+        for name in (
+            "uvicorn.access",
+            "uvicorn.error",
+        ):  # `?token=…` in request lines and websocket handshakes
+            logging.getLogger(name).addFilter(security.MaskToken())
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         worker.close()
@@ -293,7 +297,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--parallel", type=positive_int, default=None, help="llama: parallel slots")
     g.add_argument(
-        "--n-gpu-layers", type=non_negative_int, default=None, help="llama: layers offloaded to the GPU"
+        "--n-gpu-layers", type=gpu_layers, default=None, help="llama: layers offloaded to the GPU (-1: all)"
     )
     g.add_argument(
         "--n-cpu-moe", type=int, default=None, help="llama: keep the experts of the first N layers on the CPU"

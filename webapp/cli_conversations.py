@@ -168,6 +168,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     i.add_argument("file", metavar="FILE")
     i.add_argument(
-        "--project", default=None, metavar="NAME", help="into that project (default: the open one)"
+        # SUPPRESS: `conversations --project X import FILE` keeps X (a default here would overwrite it)
+        "--project",
+        default=argparse.SUPPRESS,
+        metavar="NAME",
+        help="into that project (default: the open one)",
     )
     i.set_defaults(func=cmd_conversations)

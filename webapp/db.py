@@ -353,7 +353,10 @@ class StoredMessage:
 
 
 class Database:
-    """One connection, used from the event loop thread only."""
+    """One connection, used from the event loop thread — and read from a worker thread while a page is drawn
+    (`ChatPages._page`). SQLite's serialized mode makes the calls themselves safe; being one connection, a
+    read there may see a transaction the loop thread has open (an import half-stored): a page drawn at that
+    moment may show it so. Nothing is written from there but the Default project's row (INSERT OR IGNORE)."""
 
     def __init__(self, path: Path, recover: bool = True) -> None:
         """`recover`: mark replies still `streaming` as cut by a crash — for the server only, which opens the

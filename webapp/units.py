@@ -53,8 +53,9 @@ def positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "a whole number of 1 or more")
 
 
-def non_negative_int(text: str) -> int:
-    return _checked(text, int, lambda v: v >= 0, "a whole number of 0 or more")
+def gpu_layers(text: str) -> int:
+    """llama.cpp's --n-gpu-layers: a count of layers, or -1 for all of them."""
+    return _checked(text, int, lambda v: v >= -1, "a number of layers (0 or more), or -1 for all")
 
 
 def non_negative_float(text: str) -> float:

@@ -175,7 +175,7 @@ def system_program(name: str, project_dir: Path | str | None = None) -> str | No
 
 def own_paths() -> list[Path]:
     """What flashcode runs outside the sandbox from its own install: the Python environment (its
-    interpreter and site-packages, `.pth` files included) and flashcode's source. Inside a project they
+    interpreter and site-packages, `.pth` files included), flashcode's source, templates and scripts. Inside a project they
     are kept read-only for commands (`_bwrap_argv`), and the file tools do not write there."""
     here = Path(__file__).resolve().parents[2]  # the checkout or the installed package's root
     roots = {
@@ -186,6 +186,9 @@ def own_paths() -> list[Path]:
     if (here / "webapp").is_dir() and (here / "engine").is_dir():
         roots.add(here / "webapp")
         roots.add(here / "engine")
+        # the templates (Jinja2 code, reloaded when they change) and the page's scripts, where a checkout
+        # keeps them (render.find_dir): a change there runs in the server or as the page's own script
+        roots.update(d for name in ("templates", "static") if (d := here / name).is_dir())
     return sorted(roots)
 
 

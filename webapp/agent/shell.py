@@ -97,10 +97,11 @@ class ProgramSpec:
                 options_end = True
             elif arg.startswith("--"):
                 name = arg[2:].split("=", 1)[0]
-                # an abbreviation of a denied option, or a longer option that begins with one (`file
-                # --uncompress-noreport` is -Z, as `--uncompress` is -z): either may be the dangerous one
+                # an abbreviation of a denied option, or a longer one that extends it with a dash (`file
+                # --uncompress-noreport` is -Z, as `--uncompress` is -z); `rg --pretty` is not `--pre`
                 hit = next(
-                    (o for o in self.deny_long if name and (o.startswith(name) or name.startswith(o))), None
+                    (o for o in self.deny_long if name and (o.startswith(name) or name.startswith(o + "-"))),
+                    None,
                 )
                 if hit:
                     return f"`{program} {arg}` (--{hit}) can run programs or write files"
@@ -311,9 +312,9 @@ def _lexer_parts(command: str, piped: list[bool] | None = None) -> list[tuple[st
         if ch in " \t":
             i += 1
         elif ch == "\n" or ch == ";":
-            if words:
+            if words:  # a part ends here: the next one reads no pipe (a line break right after `|` keeps it)
                 end_part()
-            after_pipe = False
+                after_pipe = False
             i += 1
         elif command.startswith(("&&", "||"), i):
             end_part()

@@ -76,15 +76,15 @@ def _picture(ch: str) -> str:
 
 
 # A chat template's control tokens, as a model's tokenizer reads them from text: `<|im_end|>` (ChatML),
-# `<|eot_id|>` (Llama 3), `<|end|>` (Phi), `<end_of_turn>` (Gemma), `</s>` and `[INST]` (Llama 2, Mistral),
+# `<|eot_id|>` (Llama 3), `<|end|>` (Phi), `<｜end▁of▁sentence｜>` (DeepSeek), `<end_of_turn>` (Gemma),
+# `</s>` and `[INST]` (Llama 2, Mistral),
 # Qwen's `<tool_call>` and `<think>`. Quoted data holding one could end its turn and forge a system or
 # user turn (llama-server tokenizes a rendered prompt with special tokens parsed; so do Hugging Face
 # tokenizers): each is broken, its "<" escaped or its bracket drawn as a look-alike.
 _CONTROL_TOKENS = re.compile(
-    r"<(?=\|)|<(?=/?(?:tool_call|tool_response|think|start_of_turn|end_of_turn|s|eos|bos|pad|unk|"
-    r"\|[^|<>\s]{1,40}\|)>)|\[(?=/?INST\]|/?SYS\]|AVAILABLE_TOOLS\]|TOOL_CALLS\]|TOOL_RESULTS\])",
-    re.IGNORECASE,
-)
+    r"<(?=[|｜])|<(?=/?(?:tool_call|tool_response|think|start_of_turn|end_of_turn|s|eos|bos|pad|unk)>)"
+    r"|\[(?=/?[A-Z][A-Z_]{2,30}\])",  # Mistral's [INST], [SYSTEM_PROMPT], [TOOL_CONTENT]; Llama 2's [/INST]
+)  # `<|…|>` and DeepSeek's full-width `<｜…｜>` by their opening
 
 
 def neutralise(text: str) -> str:

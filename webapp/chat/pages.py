@@ -62,6 +62,7 @@ class ChatPages:
             Route("/health", self.health),
             Route("/conversations", self.conversation_list),
             Route("/c/{conversation_id:str}", self.conversation_page),
+            Route("/c/{conversation_id:str}/sync", self.sync),
             Route("/c/{conversation_id:str}/rename", self.rename, methods=["POST"]),
             Route("/c/{conversation_id:str}/delete", self.delete, methods=["POST"]),
             Route("/c/{conversation_id:str}/restore", self.restore, methods=["POST"]),
@@ -110,6 +111,12 @@ class ChatPages:
 
     async def conversation_page(self, request: Request) -> HTMLResponse:
         return await self._page(request, self._conversation(request).id)
+
+    async def sync(self, request: Request) -> HTMLResponse:
+        """GET /c/ID/sync: what another window changed in the conversation, as out-of-band fragments (a
+        window showing it asks when told over its socket; `static/trust.js`)."""
+        cid = str(request.path_params["conversation_id"])
+        return HTMLResponse(await run_in_threadpool(self.views.sync, cid))
 
     async def conversation_list(self, request: Request) -> HTMLResponse:
         current = request.query_params.get("current")

@@ -60,7 +60,12 @@ ENGINE_NUMBERS = (
 def explain(exc: BaseException, db_path: Path) -> str | None:
     """A storage failure in words that say what to do (None: not one of them)."""
     text = str(exc).lower()
-    if isinstance(exc, sqlite3.OperationalError) and ("disk is full" in text or "disk i/o" in text):
+    if isinstance(exc, sqlite3.OperationalError) and "disk i/o" in text:
+        return (
+            f"flashcode could not read or write its database ({db_path}): a disk I/O error (a failing or "
+            "removed disk, or a file beside the database deleted?). Check the disk, then restart flashcode"
+        )
+    if isinstance(exc, sqlite3.OperationalError) and "disk is full" in text:
         return (
             f"flashcode could not save to its database ({db_path}): the disk is full. Free some space there, "
             "then send again (what you typed is still in the box)"
@@ -147,8 +152,10 @@ class Session:
         try:
             await self._read()
         finally:
+            await (
+                self._stop_turn()
+            )  # still listed meanwhile: no other window starts a turn here before it ends
             self.ctx.sessions.discard(self)
-            await self._stop_turn()
             for fut in self.dialogs.values():
                 fut.cancel()
             self.outbox.put_nowait(None)
@@ -206,9 +213,15 @@ class Session:
                 conv = self.ctx.db.get_conversation(msg.conversation_id)
                 if conv is not None:
                     self.send(self.views.mode_picker(conv.mode))
-        elif isinstance(msg, (p.Send, p.Regenerate, p.Continue)) and self._busy_elsewhere(
-            msg.conversation_id
+        elif isinstance(msg, (p.Send, p.Regenerate, p.Continue, p.SetMode)) and self._busy_elsewhere(
+            msg.conversation_id, kept=isinstance(msg, p.Send)
         ):
+            if (
+                isinstance(msg, p.SetMode) and msg.conversation_id
+            ):  # the picker goes back to the conversation's
+                conv = self.ctx.db.get_conversation(msg.conversation_id)
+                if conv is not None:
+                    self.send(self.views.mode_picker(conv.mode))
             return
         elif isinstance(msg, p.Send):
             self._send(msg)
@@ -221,13 +234,15 @@ class Session:
         elif isinstance(msg, p.SetMode):
             self._set_mode(msg)
 
-    def _busy_elsewhere(self, conversation_id: str | None) -> bool:
-        """Another window is writing in this conversation: nothing is sent here until it has ended."""
+    def _busy_elsewhere(self, conversation_id: str | None, kept: bool = False) -> bool:
+        """Another window is writing in this conversation: nothing changes it from here until it has ended
+        (`kept`: a message, which stays in the box)."""
         if not conversation_id or self.ctx.writer_of(conversation_id, self) is None:
             return False
         self.error(
             "a reply is being written in this conversation in another window: wait for it to end (this "
-            "window shows it then), or press Stop there. Your message is still in the box."
+            "window shows it then), or press Stop there."
+            + (" Your message is still in the box." if kept else "")
         )
         return True
 

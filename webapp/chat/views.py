@@ -202,6 +202,26 @@ class ChatViews(TranscriptViews):
         picker = self.ui.model_picker(self.model_choices(), f"{e.backend}:{e.model}", oob=True)
         return str(picker) + str(self.ui.menubar_model(e.model, oob=True))
 
+    def sync(self, conversation_id: str) -> str:
+        """What another window changed in a conversation, as out-of-band fragments for a window that shows it:
+        the transcript, the newest message id, the controls, the gauge, the title, the mode and the list — and
+        nothing else of the window (its position, what is typed, attachments stay as they are)."""
+        conv = self.db.get_conversation(conversation_id)
+        if conv is None:
+            return self.alert("this conversation was deleted or moved to the Trash in another window")
+        messages = self.db.messages(conv.id)
+        return "".join(
+            (
+                str(self.ui.transcript_pane(self.transcript(conv.id), oob=True)),
+                str(self.ui.seen_field(messages[-1].id if messages else 0, oob=True)),
+                self.controls(generating=False, can_regenerate=can_regenerate(messages)),
+                self.gauge_for(conv.id),
+                self.chat_title(conv.title),
+                self.mode_picker(conv.mode),
+                self.conversation_list(conv.id),
+            )
+        )
+
     def conversation_changed(self, conversation_id: str) -> str:
         """Told to every other window when a conversation changes (`static/trust.js` acts on it)."""
         return str(self.ui.conversation_changed(conversation_id, oob=True))

@@ -140,21 +140,20 @@ class AutoResume:
         async with self.lock:
             if self.live == conversation_id:
                 return None
+            notes = []
             try:
                 await self._save_live()
+            except Exception as exc:  # noqa: BLE001 - a failed save (a full disk) costs that save, never this reply
+                log.warning("automatic save before a reply failed", exc_info=True)
+                notes.append(f"The cache of the conversation before could not be saved ({_why(exc)}).")
+            self.live, self.dirty = None, False
+            try:
+                note = await self._resume(conversation_id)
+            except Exception as exc:  # noqa: BLE001 - a resume that failed costs a re-read, never the reply
+                log.warning("automatic resume before a reply failed", exc_info=True)
                 self.live, self.dirty = None, False
-                return await self._resume(conversation_id)
-            except Exception as exc:  # noqa: BLE001 - a save or resume that failed (a full disk) costs a re-read, never the reply
-                log.warning("automatic save/resume before a reply failed", exc_info=True)
-                self.live, self.dirty = None, False
-                why = (
-                    exc.strerror
-                    if isinstance(exc, OSError) and exc.strerror
-                    else str(exc) or type(exc).__name__
-                )
-                return (
-                    f"The saved cache of this conversation could not be used ({why}): this reply re-reads it."
-                )
+                note = f"The saved cache of this conversation could not be used ({_why(exc)}): this reply re-reads it."
+            return " ".join([*notes, note] if note else notes) or None
 
     def generating(self, _request: Any = None) -> None:
         """A generation was queued (a chat reply, an agent step, an API request, a benchmark): until its
@@ -276,3 +275,7 @@ class AutoResume:
         log.debug("autosave %s %s at %.0f", kind, cid, time.time())
         if self.on_event is not None:
             self.on_event(kind, cid)
+
+
+def _why(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__

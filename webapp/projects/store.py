@@ -391,7 +391,7 @@ class ProjectStore:
         ):  # a path names the project at that folder first (a name may look like one)
             try:
                 at = self.by_path(Path(key).expanduser())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RuntimeError):  # RuntimeError: `~name` of no such user
                 at = None
             if at is not None:
                 return at
