@@ -23,6 +23,12 @@
     });
   }
   htmx.onLoad(replay);
+  // a transcript sent again out of band (GET /c/ID/sync) is replayed at once, not after htmx's settle
+  // delay: the window never shows it empty in between
+  document.body.addEventListener("htmx:oobAfterSwap", (e) => {
+    const t = e.detail && (e.detail.target || e.detail.elt);
+    if (t && t.id === "transcript") replay(document.getElementById("transcript"));
+  });
 
   // ---------------------------------------------------------------- the approval dialog
   // The page's CSP has no 'unsafe-eval', which htmx's hx-on attributes and trigger filters need: they
@@ -83,8 +89,11 @@
   const generating = () => ($("#status") || {}).dataset?.state === "generating";
   let syncing = null;
   const pending = new Set();
+  // body[data-following]: "busy" while a word from another window is being acted on, "idle" after
   function follow() {
-    if (syncing || !pending.size) return;
+    if (syncing) return;
+    if (!pending.size) { document.body.dataset.following = "idle"; return; }
+    document.body.dataset.following = "busy";
     const id = conversationId();
     // the window showing it gets the transcript, controls, gauge and list (out of band): what is typed,
     // attachments, window positions and zoom stay as they are

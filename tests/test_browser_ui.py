@@ -152,6 +152,8 @@ def test_browser_a_second_tab_follows_the_conversation_and_a_stale_one_keeps_its
     assert other.input_value("#prompt") == "a draft in tab two"
     assert other.evaluate("() => document.activeElement && document.activeElement.id") == "prompt"
     assert "zoomed" in (other.get_attribute("#chat-window", "class") or "")  # only what changed was redrawn
+    # (what it was told is all acted on, a redraw still on its way included, before its signal is taken away)
+    other.wait_for_selector("body[data-following=idle]", timeout=10_000)
     other.evaluate(
         "() => document.getElementById('conversation-changed').remove()"
     )  # tab two misses the next

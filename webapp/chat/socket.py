@@ -390,6 +390,7 @@ class Session:
             await self.turns.run(turn, text)
         finally:
             self.cancel = None
+            self.writing_in = None  # before the page says Ready: another window may write here from then on
             conv = self.ctx.db.get_conversation(conversation_id)
             # an agent turn's prompt (its last reply's, or its last tool step's when that came later), 0 after /clear
             used = self.views.context_used(conversation_id)
@@ -564,6 +565,7 @@ class Session:
 
     def _finish(self, stream: ReplyStream, done: Done, history: list[Message], gen: Generation) -> None:
         views = self.views
+        self.writing_in = None  # from the page's Ready on, another window may write here (the task ends after)
         then = [views.controls(generating=False, can_regenerate=True)]
         if done.stats.prompt_tokens:
             then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
