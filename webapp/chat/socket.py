@@ -565,7 +565,8 @@ class Session:
 
     def _finish(self, stream: ReplyStream, done: Done, history: list[Message], gen: Generation) -> None:
         views = self.views
-        self.writing_in = None  # from the page's Ready on another window may write here (before the task ends)
+        # from the page's Ready on, another window may write here (the task itself ends just after)
+        self.writing_in = None
         then = [views.controls(generating=False, can_regenerate=True)]
         if done.stats.prompt_tokens:
             then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
