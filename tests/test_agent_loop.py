@@ -302,7 +302,14 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
     events = asyncio.run(collect(session, "hi"))
     assert not of(events, ev.RouteChosen) and of(events, ev.AnswerDone)[0].text == "raw reply"
     assert fake.history[-1].messages[0]["role"] == "user"  # no agent system prompt in raw mode
-    assert of(asyncio.run(collect(session, "/agent")), ev.ModeChanged)[0].mode == "agent"
+    mode = of(asyncio.run(collect(session, "/agent")), ev.ModeChanged)[0]
+    assert (
+        mode.mode == "agent" and "does not take tools" in mode.no_tools
+    )  # said at the switch, not "works with tools"
+    fake.enqueue_route("chat").enqueue("chat")
+    assert not [
+        n for n in of(asyncio.run(collect(session, "hello")), ev.Notice) if "take tools" in n.text
+    ]  # not twice
     assert session.history
     assert of(asyncio.run(collect(session, "/clear")), ev.Cleared) and session.history == []
     assert of(asyncio.run(collect(session, "/model other-model")), ev.ModelRequested)[0].name == "other-model"

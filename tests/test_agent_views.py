@@ -88,6 +88,7 @@ def test_every_forwarded_event_renders(views: AgentViews) -> None:
         ev.HelpShown("/help"),
         ev.Notice("hi"),
         ev.ModeChanged("raw"),
+        ev.ModeChanged("agent", "<m> does not take tools"),
         ev.Cleared(),
         ev.ModelRequested("m"),
         ev.SlashUnhandled("stats", ""),

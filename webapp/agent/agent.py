@@ -236,7 +236,11 @@ class AgentSession:
                 yield ev
         elif name in ("agent", "raw"):
             self.mode = name  # type: ignore[assignment]
-            yield ModeChanged(self.mode)
+            note = ""
+            if name == "agent" and not await self.uses_tools():
+                self._said_no_tools = True  # said here, not again at the first turn
+                note = await self._no_tools_note()
+            yield ModeChanged(self.mode, note)
         elif name == "help":
             yield HelpShown(self.commands.help_text())
         elif name == "clear":

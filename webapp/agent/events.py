@@ -41,6 +41,7 @@ class Notice(_Event):
 @dataclass(frozen=True)
 class ModeChanged(_Event):
     mode: Literal["agent", "raw"]
+    no_tools: str = ""  # agent mode on a model without tools: why its turns are routed, and what would work
     type: str = "mode"
 
 

@@ -90,12 +90,18 @@ class AgentViews:
             case ev.Notice():
                 return str(ui.notice(e.text, e.level))
             case ev.ModeChanged():
+                if e.mode != "agent":
+                    return str(
+                        ui.notice("Chat mode: messages go straight to the model, which has no tools here.")
+                    )
+                if e.no_tools:
+                    return str(
+                        ui.notice(f"Agent mode: {e.no_tools} Anything with a side effect asks you first.")
+                    )
                 return str(
                     ui.notice(
                         "Agent mode: the model works on the project with tools (files, commands, web search); "
                         "anything with a side effect asks you first."
-                        if e.mode == "agent"
-                        else "Chat mode: messages go straight to the model, which has no tools here."
                     )
                 )
             case ev.Cleared():
