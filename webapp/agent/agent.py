@@ -193,6 +193,7 @@ class AgentSession:
 
     # ------------------------------------------------------------------ a turn
     async def run_turn(self, text: str) -> AsyncIterator[AgentEvent]:
+        self._halt = False  # a Stop belongs to the turn it was pressed in
         try:
             call = self.commands.parse(text)
         except SlashError as exc:
@@ -520,6 +521,8 @@ class AgentSession:
     async def _ask(self, proposal: Proposal) -> Decision:
         if self.request_approval is None:
             return Decision.deny("no one is there to approve it")
+        if self._halt:  # Stop was pressed in this turn: nothing more is asked (or run)
+            return Decision.deny(self._stop_reason)
         self._stopped = False
         self._approval = asyncio.ensure_future(self.request_approval(proposal))
         try:

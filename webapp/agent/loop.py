@@ -165,6 +165,9 @@ class ToolLoop:
                 yield Generated(self.last_stats)
             self.messages.append(assistant_message(text, calls))
             for call in calls:
+                if self.s.halted:  # Stop ends the reply's other calls too: none runs or asks after it
+                    self.messages.append(tool_message(call, "Not run: the user pressed Stop"))
+                    continue
                 if self.steps >= self.limit:
                     self.messages.append(tool_message(call, "Error: the step limit was reached"))
                     continue
