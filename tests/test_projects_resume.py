@@ -53,10 +53,16 @@ async def _turn(resume: AutoResume, db: Database, worker: Worker, cid: str, text
     return done
 
 
-def _scenario(tmp_path: Path, worker: Worker) -> None:
+def _saves_of(resume: AutoResume, cid: str) -> list[Path]:
+    return [p for p in resume.store.root.glob("*/autosave/*/conversation.json") if cid in p.read_text()]
+
+
+def _scenario(tmp_path: Path, worker: Worker) -> list[str]:
+    """The scenario; the saves' meta.json as they were before the deletes at its end."""
     db = Database(tmp_path / "f.db")
     resume = AutoResume(tmp_path, worker, db, idle_s=3600)
     events: list[tuple[str, str]] = []
+    metas: list[str] = []
     resume.on_event = lambda kind, cid: events.append((kind, cid))
 
     async def run() -> None:
@@ -92,9 +98,17 @@ def _scenario(tmp_path: Path, worker: Worker) -> None:
         db.add_message(a, "assistant", "Edited answer.")
         note = await resume.before_reply(a)
         assert note is not None and "no longer matches" in note and ("mismatch", a) in events
+        # a conversation deleted for good takes its saved cache (its tokens) along; one in the Trash keeps it
+        assert ("saved", other) in events  # saved when a came back
+        metas.extend(p.read_text() for p in resume.store.root.glob("*/autosave/*/meta.json"))
+        db.trash_conversation(other)
+        assert await resume.forget_deleted() == 0 and _saves_of(resume, other)
+        db.delete_conversation(other)
+        assert await resume.forget_deleted() == 1 and not _saves_of(resume, other)
 
     asyncio.run(run())
     db.close()
+    return metas
 
 
 def test_projects_autoresume_mlx_same_greedy_tokens_as_reprefill(tmp_path: Path, default_model) -> None:
@@ -107,11 +121,10 @@ def test_projects_autoresume_mlx_same_greedy_tokens_as_reprefill(tmp_path: Path,
 
     worker = Worker(make)
     try:
-        _scenario(tmp_path, worker)
+        metas = _scenario(tmp_path, worker)
     finally:
         worker.close()
-    saves = list((tmp_path / "projects" / "default" / "autosave").glob("*/meta.json"))
-    assert saves and all('"kv_bits": 8' in p.read_text() for p in saves)
+    assert metas and all('"kv_bits": 8' in m for m in metas)
 
 
 @pytest.mark.llama

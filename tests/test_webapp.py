@@ -110,6 +110,61 @@ def test_webapp_rename_and_delete_need_csrf_token(app_parts) -> None:
         assert client.post(path).status_code == 403, path  # no token: nothing restored or deleted
 
 
+def plant_autosave(home: Path, project_id: str, cid: str) -> Path:
+    """An automatic save of conversation `cid` as AutoResume leaves one (meta.json, sidecar, cache)."""
+    folder = home / "projects" / project_id / "autosave" / f"20261128-000000-{cid[:6]}"
+    folder.mkdir(parents=True)
+    (folder / "cache.bin").write_bytes(b"tokens of " + cid.encode())
+    meta = {"name": f"auto {cid}", "model": "m", "model_sha256": "0", "backend": "llama", "token_count": 3}
+    meta |= {"kv_bits": 16, "flashcode_version": "0", "created": "2026-11-28T00:00:00+00:00"}
+    meta |= {
+        "cache_file": "cache.bin",
+        "cache_bytes": (folder / "cache.bin").stat().st_size,
+        "cache_crc32": 0,
+    }
+    (folder / "meta.json").write_text(json.dumps(meta | {"conversation_id": cid}))
+    (folder / "conversation.json").write_text(
+        json.dumps({"conversation_id": cid, "messages": 2, "digest": "x"})
+    )
+    return folder
+
+
+def test_webapp_a_conversation_deleted_for_good_takes_its_saved_cache_along(tmp_path: Path) -> None:
+    """A conversation's automatic save holds its tokens: Delete Now and Empty Trash delete it with the
+    conversation, one in the Trash keeps it (Put Back resumes it), and a start sweeps the saves of those
+    deleted meanwhile (the 30-day rule, a crash between the two)."""
+    fake = FakeBackend()
+    worker = Worker(lambda: fake)
+    try:
+        with TestClient(
+            create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+        ) as client:
+            db = client.app.state.flashcode.db
+            first, second, third = (make_conversation(client, t) for t in ("one", "two", "three"))
+            saves = {
+                c: plant_autosave(tmp_path, db.get_conversation(c).project_id, c)
+                for c in (first, second, third)
+            }
+            h = {"X-CSRF-Token": csrf(client)}
+            for cid in (first, second):
+                client.post(f"/c/{cid}/delete", headers=h)
+            assert all(p.is_dir() for p in saves.values())  # in the Trash: kept
+            client.post(f"/c/{first}/delete-now", headers=h)
+            assert not saves[first].exists() and saves[second].is_dir()
+            client.post("/trash/empty", headers=h, data={"ids": second})
+            assert not saves[second].exists() and saves[third].is_dir()
+            project = db.get_conversation(third).project_id
+        gone = plant_autosave(
+            tmp_path, project, "0123456789ab"
+        )  # a conversation deleted while flashcode was off
+        with TestClient(
+            create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
+        ):
+            assert not gone.exists() and saves[third].is_dir()
+    finally:
+        worker.close()
+
+
 def test_webapp_trash_undo_put_back_delete_now_and_empty(app_parts) -> None:
     """Move to Trash hides a conversation (list, page, socket) but keeps it whole: Undo and Put Back
     restore it with its messages; only Delete Now and Empty Trash delete for good, and only from the Trash."""

@@ -152,6 +152,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     pages = ChatPages(db, engine, views)
     views.render_event = agent.views.stored  # the transcript replays the agent's logged events
     pages.import_event = agent.views.importable  # an imported conversation's events, checked
+    pages.on_deleted = resume.forget_deleted  # a conversation deleted for good takes its saved cache along
     views.slash_commands = tuple(
         {"name": c.name, "usage": c.usage, "help": c.help}
         for c in sorted(commands.commands.values(), key=lambda c: c.name)
@@ -165,6 +166,10 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.refresh()
+        try:  # the saved caches of conversations deleted for good meanwhile (30 days in the Trash, a crash)
+            await resume.forget_deleted()
+        except Exception:  # noqa: BLE001 - a leftover cache must not stop the server
+            log.warning("removing deleted conversations' saved caches failed", exc_info=True)
         try:
             yield
         finally:

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import re
+from collections.abc import Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -54,6 +55,8 @@ class ChatPages:
         self.import_event: EventConverter | None = (
             None  # set by create_app: an imported event, as logged here
         )
+        # set by create_app: after a delete for good, what belonged to the deleted conversations (saved caches)
+        self.on_deleted: Callable[[], Awaitable[object]] | None = None
 
     @property
     def routes(self) -> list[Route]:
@@ -156,6 +159,7 @@ class ChatPages:
         """POST /c/ID/delete-now: delete one conversation in the Trash for good (the page asked first)."""
         conv = self._trashed(request)
         self.db.delete_conversation(conv.id)
+        await self._deleted()
         return HTMLResponse(self.views.trash(note=f"Deleted “{conv.title}” for good."))
 
     async def trash(self, request: Request) -> HTMLResponse:
@@ -172,9 +176,18 @@ class ChatPages:
         if not ids:
             raise HTTPException(400, "name the conversations to delete for good (ids: those the Trash shows)")
         n = self.db.purge_trash(ids=ids[:10_000])
+        await self._deleted()
         return HTMLResponse(
             self.views.trash(note=f"Deleted {n} conversation{'' if n == 1 else 's'} for good.")
         )
+
+    async def _deleted(self) -> None:
+        if self.on_deleted is None:
+            return
+        try:
+            await self.on_deleted()
+        except Exception:  # noqa: BLE001 - the conversation is deleted; a leftover cache is swept at the next start
+            log.warning("removing a deleted conversation's saved cache failed", exc_info=True)
 
     def _current(self, request: Request) -> str | None:
         """The conversation the page that asked shows (its list keeps it selected)."""

@@ -268,6 +268,30 @@ class AutoResume:
         self._event("resumed", cid)
         return None
 
+    async def forget_deleted(self) -> int:
+        """Delete the automatic saves of conversations deleted for good (Delete Now, Empty Trash, the 30-day
+        rule): a saved cache holds the conversation's tokens, and nothing could resume it any more. A
+        conversation in the Trash keeps its save (Put Back resumes it). How many were deleted."""
+        async with self.lock:
+            gone = 0
+            root = self.store.root
+            for folder in sorted(root.iterdir()) if root.is_dir() else ():
+                if not (folder / "autosave").is_dir():
+                    continue
+                try:
+                    saves = self.saved(folder.name)
+                except (OSError, ValueError):  # a folder that is no project's (check_id refuses its name)
+                    continue
+                for s in saves:
+                    cid = s.context.conversation_id
+                    if cid and self.db.get_conversation(cid, trashed=True) is None:
+                        self.store.delete(folder.name, s.context.id)
+                        self._event("forgotten", cid)
+                        gone += 1
+                        if self.live == cid:
+                            self.live, self.dirty = None, False
+            return gone
+
     def forget_project(self, project: str) -> None:
         shutil.rmtree(self.store.root / check_id(project) / "autosave", ignore_errors=True)
 
