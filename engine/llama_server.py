@@ -545,6 +545,8 @@ class _Turn:
     n_deltas: int = 0
     ended: bool = False  # the server said the reply ended (a finish reason, or a native chunk's stop)
     counted: int = 0  # generated tokens given to deltas so far (the chat endpoint's per-token timings)
+    eos: bool = False  # the reply ended on the model's end token, which the server counts as generated
+    held_ids: tuple[int, ...] = ()  # native chunks' token ids with no text yet
 
     def new_tokens(self) -> int:
         """Tokens generated since the last delta, by the server's running count (`timings_per_token`);
@@ -874,16 +876,26 @@ class LlamaServerBackend:
                         yield TextDelta(piece, (), n_tokens=turn.new_tokens())
                 if choice.get("finish_reason"):
                     turn.ended = True
+                    # the end token has no text, so its chunk carries no timings; a stop string's last token does
+                    turn.eos = choice["finish_reason"] == "stop" and "timings" not in chunk and not d
                     turn.finish = "length" if choice["finish_reason"] == "length" else "stop"
             return
         # native /completion chunk
-        piece = stops.feed(chunk.get("content", ""))
-        if piece or chunk.get("tokens"):
-            turn.text.append(piece)
-            turn.n_deltas += 1
-            yield TextDelta(piece, tuple(chunk.get("tokens") or ()))
+        content, ids = chunk.get("content", ""), tuple(chunk.get("tokens") or ())
+        if ids and not content and not chunk.get("stop"):
+            turn.held_ids += ids  # no text: a character's first bytes, or the end token (known at the stop)
+            return
         if chunk.get("stop"):
             turn.ended = True
+            turn.eos = chunk.get("stop_type") == "eos"
+            if turn.eos:
+                turn.held_ids = ()  # the end token is not the reply's (as on MLX)
+        ids, turn.held_ids = turn.held_ids + ids, ()
+        piece = stops.feed(content)
+        if piece or ids:
+            turn.text.append(piece)
+            turn.n_deltas += 1
+            yield TextDelta(piece, ids)
             turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
 
     def _stream_tools(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
@@ -996,6 +1008,8 @@ class LlamaServerBackend:
         stats.completion_tokens = int(
             t.get("predicted_n", turn.usage.get("completion_tokens", turn.n_deltas))
         )
+        if turn.eos and stats.completion_tokens > 0:  # the end token is not part of the reply (as on MLX)
+            stats.completion_tokens -= 1
         stats.prompt_tps = float(t.get("prompt_per_second", 0.0))
         stats.decode_tps = float(t.get("predicted_per_second", 0.0))
         stats.total_s = time.perf_counter() - t0

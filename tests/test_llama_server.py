@@ -101,6 +101,27 @@ def test_llama_raw_prompt_streams_token_ids_and_honours_stop(llama) -> None:
     assert done.finish_reason == "stop" and "return" not in done.text
 
 
+def test_llama_a_reply_ended_by_the_model_counts_no_end_token(llama) -> None:
+    """The server counts the end token it sampled as generated; flashcode counts the reply's tokens, as on
+    MLX ("Yes." is 2 tokens, not 3): the stats, the cost estimate and /v1's usage agree across engines."""
+    short = SamplingParams(temperature=0.0, max_tokens=40)
+    ask = ({"role": "user", "content": "Say only the word yes."},)
+    _, chat = run(llama, GenerationRequest(messages=ask, sampling=short))
+    assert chat.finish_reason == "stop" and chat.text.strip()
+    assert chat.stats.completion_tokens == len(llama.tokenize(chat.text))
+    prompt = llama.client.apply_template(ask)
+    deltas, raw = run(llama, GenerationRequest(prompt=prompt, sampling=short))
+    assert raw.finish_reason == "stop" and raw.text == chat.text
+    assert (
+        raw.stats.completion_tokens == sum(len(d.token_ids) for d in deltas) == chat.stats.completion_tokens
+    )
+    cut = SamplingParams(temperature=0.0, max_tokens=3)  # cut at the limit: every token is the reply's
+    _, limited = run(
+        llama, GenerationRequest(messages=({"role": "user", "content": "Write a long poem."},), sampling=cut)
+    )
+    assert limited.finish_reason == "length" and limited.stats.completion_tokens == 3
+
+
 def test_llama_repeated_turn_reuses_the_prompt_cache(llama) -> None:
     req = GenerationRequest(messages=CHAT, sampling=SamplingParams(temperature=0, max_tokens=4))
     run(llama, req)
@@ -141,10 +162,7 @@ def test_llama_chat_reply_stopped_or_cut_keeps_its_token_counts(llama) -> None:
     whole_deltas, whole = run(llama, GenerationRequest(messages=long, sampling=greedy))
     assert whole.stats.completion_tokens >= 40 and whole.stats.prompt_tokens > 20
     counts = [d.count for d in whole_deltas]
-    assert all(n >= 1 for n in counts) and sum(counts) in (
-        whole.stats.completion_tokens,
-        whole.stats.completion_tokens - 1,
-    )
+    assert all(n >= 1 for n in counts) and sum(counts) == whole.stats.completion_tokens
     cancel = threading.Event()
     events = llama.stream(GenerationRequest(messages=long, sampling=greedy), cancel)
     got = []
