@@ -189,8 +189,16 @@ def test_in_place_split_detects_changed_weights(imported: Path, tmp_path: Path) 
         byte = f.read(1)
         f.seek(ref.offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
+    info = ModelInfo("m", model, "llama", 0, split_path=model / "split")
+    with pytest.raises(SplitError, match=r"unit layers.2.mlp .*import the model again"):
+        FlashBackend(runtime_bytes=0).load(info)
+    # splitting again would take the damage's checksums: refused, and the last split still refuses to load
+    with pytest.raises(SplitError, match=r"no longer match .*layers.2.mlp.*Import the model again.*--force"):
+        split_model(model, progress=False)
     with pytest.raises(SplitError, match="unit layers.2.mlp"):
-        FlashBackend(runtime_bytes=0).load(ModelInfo("m", model, "llama", 0, split_path=model / "split"))
+        FlashBackend(runtime_bytes=0).load(info)
+    split_model(model, progress=False, force=True)  # changed on purpose: the user says so
+    FlashBackend(runtime_bytes=0).load(info)
 
 
 # --------------------------------------------------------------------------- under a cgroup 2.5x smaller than the GGUF

@@ -29,6 +29,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--copy", action="store_true", help="copy the weights into units.bin + a pinned file (twice on disk)"
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="split again even where the weights no longer match the last split's checksums (changed on purpose)",
+    )
     p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
     p.set_defaults(func=cmd_split)
 
@@ -72,7 +77,7 @@ def cmd_split(args: argparse.Namespace) -> int:
     if not args.model.strip():  # "" would name the models folder's default: say which one instead
         raise SystemExit("flashcode split: name the model to split (see `flashcode models`)")
     info = find_model(args.model, paths.home(args.data_dir))
-    out = split_model(info.path, Path(args.out) if args.out else None, copy=args.copy)
+    out = split_model(info.path, Path(args.out) if args.out else None, copy=args.copy, force=args.force)
     print(f"split written to {out}")
     return 0
 

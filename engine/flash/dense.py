@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .reader import AlignedBuffer, UnitReader
-from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor, first_layer
+from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor, first_layer, unit_damaged
 
 _NP = {
     "U32": np.uint32,
@@ -156,10 +156,7 @@ class LayerStream:
             return
         self.crc.pop(layer, None)
         if crc != p.unit.crc32:
-            raise SplitError(
-                f"the split at {self.man.root} is damaged: unit {p.unit.key} (offset {p.unit.offset}) "
-                "fails its checksum; run `flashcode split MODEL` again"
-            )
+            raise SplitError(unit_damaged(self.man, p.unit))
         self.verify_left.discard(layer)
 
     def pieces_of(self, layer: int) -> list[Piece]:

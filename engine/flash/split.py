@@ -202,10 +202,15 @@ def _copy_range(ref: TensorRef, start: int, nbytes: int, out: Any, crc: int) -> 
     return crc
 
 
-def split_model(model_dir: Path, out: Path | None = None, progress: bool = True, copy: bool = False) -> Path:
+def split_model(
+    model_dir: Path, out: Path | None = None, progress: bool = True, copy: bool = False, force: bool = False
+) -> Path:
     """Write the split layout for `model_dir` into `out` (default model_dir/split); returns `out`.
     In place (the default) it writes only the manifest and small files; `copy` writes units.bin and the
-    pinned file (weights twice on disk: for a split on another disk than the model)."""
+    pinned file (weights twice on disk: for a split on another disk than the model). An in-place split
+    made again over weights whose bytes no longer match the last one's checksums is refused unless
+    `force`: taking the new checksums would make damaged weights pass (an import replaces the folder,
+    split included, so unchanged weights are the only case here)."""
     from tqdm import tqdm
 
     model_dir = Path(model_dir)
@@ -226,11 +231,21 @@ def split_model(model_dir: Path, out: Path | None = None, progress: bool = True,
             f"cannot split {model_dir}: streamed FFN weights must be MLX-quantized (uint32 packed)"
         )
     out.mkdir(parents=True, exist_ok=True)
+    before = _previous_in_place(out) if not copy and not force else None
     (out / "manifest.json").unlink(missing_ok=True)  # an interrupted re-split must not look complete
     total = sum(r.nbytes for r in refs.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"split {model_dir.name}", disable=not progress)
     if not copy:
         manifest = _split_in_place(model_dir, out, config, refs, plan, streamed, bar)
+        if before is not None and (changed := _changed_units(before, manifest)):
+            (out / "manifest.json").write_text(
+                json.dumps(before, indent=1)
+            )  # the last split stays, and refuses
+            raise SplitError(
+                f"the weights in {model_dir} no longer match the checksums of their last split ({changed}): "
+                "they are damaged or were changed. Import the model again (`flashcode import FILE.gguf`); "
+                "weights you changed on purpose: `flashcode split MODEL --force`"
+            )
         _copy_small_files(model_dir, out)
         (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
         for old in ("units.bin", "model-pinned.safetensors"):  # a copied split made before: its space back
@@ -285,6 +300,26 @@ def split_model(model_dir: Path, out: Path | None = None, progress: bool = True,
     log.info("split %s: %d units, %.1f MB streamed, %.1f MB pinned", model_dir.name, len(units),
              sum(u["length"] for u in units) / 1e6, manifest["pinned"]["bytes"] / 1e6)  # fmt: skip
     return out
+
+
+def _previous_in_place(out: Path) -> dict[str, Any] | None:
+    try:
+        m = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and m.get("layout") == "in_place" else None
+
+
+def _changed_units(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What of the same bytes (unit key and length, or the pinned tensors) has another checksum now."""
+    old = {(u["key"], u["length"]): u["crc32"] for u in before.get("units", ())}
+    changed = [u["key"] for u in after["units"] if old.get((u["key"], u["length"]), u["crc32"]) != u["crc32"]]
+    b, a = before.get("pinned", {}), after["pinned"]
+    if b.get("tensors") == a["tensors"] and b.get("crc32") != a["crc32"]:
+        changed.append("the pinned weights")
+    if not changed:
+        return ""
+    return ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
 
 
 def _copy_small_files(model_dir: Path, out: Path) -> None:
@@ -419,18 +454,28 @@ def verify_pinned(man: Manifest) -> None:
         for name in sorted(man.pinned_tensors):
             crc = _crc_range(refs[name].path, refs[name].offset, refs[name].nbytes, crc)
         if crc != man.pinned_crc32:
-            raise SplitError(f"the weights of {man.weights_dir} changed or are damaged since the split at {man.root}: "
-                             "run `flashcode split MODEL` again (or import the model again)")  # fmt: skip
+            raise SplitError(damaged(man, "the pinned weights fail their checksum"))
         return
     if crc_file(man.root / man.pinned_file) != man.pinned_crc32:
-        raise SplitError(f"the split at {man.root} is damaged: {man.pinned_file} fails its checksum; "
-                         "run `flashcode split MODEL` again")  # fmt: skip
+        raise SplitError(damaged(man, f"{man.pinned_file} fails its checksum"))
 
 
 def check_unit(man: Manifest, unit: Unit, data: memoryview) -> None:
     if zlib.crc32(data[: unit.length]) != unit.crc32:
-        raise SplitError(f"the split at {man.root} is damaged: unit {unit.key} (offset {unit.offset}) fails its "
-                         "checksum; run `flashcode split MODEL` again")  # fmt: skip
+        raise SplitError(unit_damaged(man, unit))
+
+
+def unit_damaged(man: Manifest, unit: Unit) -> str:
+    return damaged(man, f"unit {unit.key} (offset {unit.offset}) fails its checksum")
+
+
+def damaged(man: Manifest, what: str) -> str:
+    """What to do about bytes that fail their checksum. In place, the bytes are the model's own files, so
+    splitting again would only take the damage's checksums: the model is imported again instead."""
+    if man.in_place:
+        return (f"the model's weights in {man.weights_dir} are damaged (or changed since they were split): {what}; "
+                "import the model again (`flashcode import FILE.gguf`): its split is made again at its next load")  # fmt: skip
+    return f"the split at {man.root} is damaged: {what}; run `flashcode split MODEL` again"
 
 
 def dtype_size(dtype: str) -> int:
