@@ -26,7 +26,7 @@ from typing import Any
 from .. import cpu_fast
 from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
-from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, plan_budget, plan_residency
+from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, plan_budget, plan_residency
 from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
 from .moe import expert_floor, has_experts, load_experts, moe_counters, moe_extra
@@ -99,6 +99,17 @@ def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan
             stream = LayerStream(man, reader, depth=prefetch, verify=verify, units=streamed)
         attach(model, stream, set(experts.layers) if experts is not None else set(), resident)
     return stream, experts
+
+
+def _under_cgroup(exc: BudgetError, cgroup: int | None) -> BudgetError:
+    """Under a memory cgroup a larger --memory-budget is no fix (the kernel kills the process at the cgroup's
+    limit): the refusal says that the cgroup's limit is what must be raised."""
+    if cgroup is None or "raise --memory-budget" not in str(exc):
+        return exc
+    return BudgetError(
+        f"{exc}; this process's memory cgroup allows {fmt(cgroup)}, so raise the cgroup's limit first "
+        "(or use a smaller model)"
+    )
 
 
 class FlashBackend(MLXBackend):
@@ -180,6 +191,16 @@ class FlashBackend(MLXBackend):
             auto = auto_budget()
             self.memory_budget, self.auto_budget = auto.budget, auto.as_dict()
             log.info("flash: --memory-budget auto = %.2f GB (%s)", auto.budget / 1e9, auto.detail)
+        from .memory import cgroup_limit
+
+        cgroup = cgroup_limit() if self.memory_budget else None
+        # (the kernel keeps a cgroup's limit in whole pages: a budget equal to the cap is a few KB above it)
+        if cgroup is not None and self.budget_setting != "auto" and self.memory_budget > cgroup + (1 << 20):  # type: ignore[operator]
+            raise BudgetError(
+                f"the memory budget {fmt(self.memory_budget)} is more than this process's memory cgroup allows "  # type: ignore[arg-type]
+                f"({fmt(cgroup)}): the kernel would kill it before the budget is reached; use --memory-budget auto "
+                f"(the cgroup's limit) or at most {fmt(cgroup)}, or raise the cgroup's limit"
+            )
         if self.memory_budget:
             reset_peak_rss()  # peak RSS is reported against the budget from here, the tokenizer's load included
         # the tokenizer first: it is part of the runtime the budget pays before the engine
@@ -196,20 +217,23 @@ class FlashBackend(MLXBackend):
         try:
             plan = plan_budget(man, self.memory_budget, self.prefetch, *args, runtime=runtime,
                                reserve=self._expert_floor(man, self.prefetch), scratch=scratch)  # fmt: skip
-        except BudgetError:
+        except BudgetError as exc:
             if self.prefetch <= 1:
-                raise
+                raise _under_cgroup(exc, cgroup) from exc
             log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
             self.prefetch = 1
-            plan = plan_budget(
-                man,
-                self.memory_budget,
-                1,
-                *args,
-                runtime=runtime,
-                reserve=self._expert_floor(man, 1),
-                scratch=scratch,
-            )
+            try:
+                plan = plan_budget(
+                    man,
+                    self.memory_budget,
+                    1,
+                    *args,
+                    runtime=runtime,
+                    reserve=self._expert_floor(man, 1),
+                    scratch=scratch,
+                )
+            except BudgetError as exc:
+                raise _under_cgroup(exc, cgroup) from exc
         if self.memory_budget and self.residency and not has_experts(man):
             # keep what the budget allows; stream only the rest
             plan_residency(plan, man.dense_units(), float_bytes=float_bytes)
