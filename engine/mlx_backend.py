@@ -310,7 +310,10 @@ class MLXBackend:
                 f"model files missing in {model.path}: re-import it with `flashcode import`"
             ) from exc
         except Exception as exc:
-            raise ModelLoadError(f"could not load {model.name} from {model.path}: {exc}") from exc
+            hint = ""
+            if isinstance(exc, UnicodeDecodeError | ValueError | RuntimeError):  # a cut or overwritten weights file
+                hint = ": its files may be damaged (`flashcode doctor` checks them); import the model again"
+            raise ModelLoadError(f"could not load {model.name} from {model.path}: {exc}{hint}") from exc
         cast_for_device(obj)
         self.model_obj, self.tokenizer, self.config = obj, tok, cfg
         self._model_info = model

@@ -268,3 +268,39 @@ def test_synth_gguf_export_holds_the_same_weights(tiny: Path, tmp_path: Path) ->
             np.array(g[f"blk.0.attn_q.{leaf}"]),
             _permute(np.array(s[f"model.layers.0.self_attn.q_proj.{leaf}"]), 4),
         )
+
+
+def test_a_damaged_safetensors_header_is_said_in_words(tiny: Path, tmp_path: Path) -> None:
+    """A flipped byte in a weights file's JSON header: one sentence that names the file and the fix (it was an
+    unexpected UnicodeDecodeError)."""
+    from engine.base import ModelLoadError
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    path = model / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[40] = 0xFF  # inside the header: not UTF-8 any more
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        ModelLoadError, match=r"model.safetensors is damaged: its safetensors header .*import the model"
+    ):
+        read_model_tensors(model)
+    with pytest.raises(SplitError, match="not an mlx-lm model directory"):
+        split_model(model, tmp_path / "split", progress=False)
+
+
+def test_an_in_place_split_over_other_weights_is_refused_in_words(tiny: Path, tmp_path: Path) -> None:
+    from engine.flash.split import verify_pinned
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    man = load_manifest(split_model(model, progress=False))
+    man.pinned_tensors["model.layers.99.input_layernorm.weight"] = {
+        "dtype": "F32",
+        "shape": [4],
+        "nbytes": 16,
+    }
+    with pytest.raises(
+        SplitError, match=r"no tensor model.layers.99.input_layernorm.weight.*import the model again"
+    ):
+        verify_pinned(man)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..base import ModelLoadError
+
 DTYPE_SIZES = {
     "U8": 1,
     "I8": 1,
@@ -43,17 +45,35 @@ class TensorRef:
     nbytes: int
 
 
+class DamagedHeaderError(ModelLoadError, ValueError):
+    """A weights file whose safetensors header cannot be read (cut, overwritten, not safetensors)."""
+
+
 def read_header(path: Path) -> dict[str, TensorRef]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    base = 8 + n
-    out = {}
-    for name, h in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = h["data_offsets"]
-        out[name] = TensorRef(name, h["dtype"], tuple(h["shape"]), path, base + start, end - start)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 << 20:
+                raise ValueError(f"a header of {n} bytes")
+            header = json.loads(f.read(n))
+        base = 8 + n
+        out = {}
+        for name, h in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = h["data_offsets"]
+            out[name] = TensorRef(name, h["dtype"], tuple(h["shape"]), path, base + start, end - start)
+    except (
+        struct.error,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as exc:  # UnicodeDecodeError: a ValueError
+        raise DamagedHeaderError(
+            f"{path} is damaged: its safetensors header cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
+            "import the model again (`flashcode import FILE.gguf`)"
+        ) from exc
     return out
 
 

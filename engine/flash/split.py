@@ -452,6 +452,10 @@ def verify_pinned(man: Manifest) -> None:
         refs = read_model_tensors(man.weights_dir)
         crc = 0
         for name in sorted(man.pinned_tensors):
+            if name not in refs:  # another model's weights where this split's were
+                raise SplitError(
+                    damaged(man, f"the weights have no tensor {name}, which this split was made for")
+                )
             crc = _crc_range(refs[name].path, refs[name].offset, refs[name].nbytes, crc)
         if crc != man.pinned_crc32:
             raise SplitError(damaged(man, "the pinned weights fail their checksum"))
