@@ -46,6 +46,11 @@ def test_projects_check_directory_says_why_a_path_is_refused(
         (str(tmp_path / "missing"), "does not exist"),
         (str(tmp_path / "file.txt"), "is a file, not a directory"),
         ("/", "root directory cannot be a project"),
+        *(
+            [("/proc/self", "kernel's view"), ("/sys/kernel", "kernel's view"), ("/dev/shm", "kernel's view")]
+            if sys.platform.startswith("linux")
+            else []
+        ),  # fmt: skip
         (str(tmp_path / "home" / "me"), "is your home folder"),
         ("~", "is your home folder"),
         (str(tmp_path / "home"), "holds your home folder"),

@@ -188,6 +188,25 @@ def test_ws_a_refused_switch_while_writing_puts_the_controls_back(tmp_path: Path
     assert "press Stop first" in moded and '<option value="chat" selected>' in moded
 
 
+def test_ws_a_new_conversation_starts_in_the_mode_last_chosen(client: TestClient) -> None:
+    """Agent stays Agent after Ctrl+N (a new conversation had silently gone back to Chat): the new page, and a
+    conversation sent from it, take the mode last picked."""
+    assert '<option value="chat" selected>' in client.get("/").text
+    with connect(client) as ws:
+        send(ws, type="mode", mode="agent")
+        until(ws, r'id="mode-switch"')
+    page = client.get("/").text
+    assert '<option value="agent" selected>' in page and '<option value="chat" selected>' not in page
+    with connect(client) as ws:
+        send(ws, type="send", text="/help", mode="agent")
+        cid = conversation_id(until(ws, r'data-state="idle"'))
+    assert client.app.state.flashcode.db.get_conversation(cid).mode == "agent"
+    with connect(client) as ws:
+        send(ws, type="mode", mode="chat", conversation_id=cid)
+        until(ws, r'id="mode-switch"')
+    assert '<option value="chat" selected>' in client.get("/").text
+
+
 def test_ws_answer_without_dialog_is_an_error(client: TestClient) -> None:
     with connect(client) as ws:
         send(ws, type="answer", dialog_id="d1", choice="deny")

@@ -39,7 +39,7 @@ from ..engine_host import EngineState
 from ..turns import DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
 from .pipeline import ReplyStream
-from .transcript import CHAT_MODE_SYSTEM, make_title
+from .transcript import CHAT_MODE_SYSTEM, NEW_MODE_KEY, make_title
 from .views import ChatViews
 
 log = logging.getLogger(__name__)
@@ -349,12 +349,13 @@ class Session:
         self.send(
             views.controls(generating=False),
             views.gauge_for(msg.conversation_id),
-            views.mode_picker(conv.mode if conv else "chat"),
+            views.mode_picker(conv.mode if conv else views.new_mode()),
             views.engine_meter(None),
         )
 
     def _set_mode(self, msg: p.SetMode) -> None:
         db = self.ctx.db
+        db.set_setting(NEW_MODE_KEY, msg.mode)  # new conversations start in the mode last chosen
         if msg.conversation_id and db.get_conversation(msg.conversation_id) is not None:
             db.set_mode(msg.conversation_id, msg.mode)
             data = {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"}
@@ -397,7 +398,7 @@ class Session:
             self.send(
                 self.views.controls(generating=False, can_regenerate=False),
                 self.views.gauge(max(used, turn.context) if used else turn.context),
-                self.views.mode_picker(conv.mode if conv else "chat"),
+                self.views.mode_picker(conv.mode if conv else self.views.new_mode()),
             )
 
     # ------------------------------------------------------------------ a chat reply

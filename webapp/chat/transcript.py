@@ -19,6 +19,9 @@ from ..settings import Settings
 from ..turns import EventRenderer
 
 DEFAULTS_KEY = "generation_defaults"  # app_settings: the generation defaults (the Settings window)
+NEW_MODE_KEY = (
+    "new_conversation_mode"  # app_settings: the mode last chosen, which a new conversation starts in
+)
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "system")
 MODES = ("chat", "agent")
 CHAT_MODE_SYSTEM = (
@@ -48,7 +51,7 @@ class TranscriptViews:
         conv = self.db.get_conversation(conversation_id) if conversation_id else None
         return {
             "transcript": self.transcript(conv.id) if conv else [],
-            "mode": conv.mode if conv else "chat",
+            "mode": conv.mode if conv else self.new_mode(),
             "generation": self.generation(conv.id if conv else None),
             "generation_defaults": self.generation(None),
             "base_model": self.engine.is_base_model,
@@ -106,6 +109,11 @@ class TranscriptViews:
     # ------------------------------------------------------------------ fragments
     def gauge_for(self, conversation_id: str | None) -> str:
         return str(self.ui.gauge(self.context_used(conversation_id), self.engine.context_length, oob=True))
+
+    def new_mode(self) -> str:
+        """The mode a new conversation starts in: the one last chosen (Agent stays Agent after Ctrl+N)."""
+        mode = self.db.get_setting(NEW_MODE_KEY, "chat")
+        return mode if mode in MODES else "chat"
 
     def mode_picker(self, mode: str) -> str:
         return str(self.tx.mode_picker(mode, self.engine.is_base_model, oob=True))

@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import sqlite3
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +77,11 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
         )
     if resolved == Path(resolved.anchor):
         raise ProjectError("the root directory cannot be a project: pick a folder of your own")
+    if resolved.parts[1:2] in (("proc",), ("sys",), ("dev",)) and sys.platform.startswith("linux"):
+        raise ProjectError(
+            f"{_shown(text)} is in /{resolved.parts[1]}, the kernel's view of the system (not files of your own; "
+            "/proc/self is a running process): pick a folder of your own"
+        )
     home = Path(os.environ.get("HOME") or Path.home()).resolve()
     if resolved == home or resolved in home.parents:
         what = "your home folder" if resolved == home else "a folder that holds your home folder"
