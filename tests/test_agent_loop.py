@@ -314,6 +314,15 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
     assert of(asyncio.run(collect(session, "/clear")), ev.Cleared) and session.history == []
     assert of(asyncio.run(collect(session, "/model other-model")), ev.ModelRequested)[0].name == "other-model"
     assert seen == ["other-model"]
+
+    async def fails(name: str) -> str:
+        return f"Could not load {name}: model {name!r} not found"
+
+    session.on_model = fails  # the transcript keeps why, under its "Switching to …"
+    events = asyncio.run(collect(session, "/model nosuch"))
+    assert (
+        isinstance(events[0], ev.ModelRequested) and "Could not load nosuch" in of(events, ev.Notice)[0].text
+    )
     assert "unknown command" in of(asyncio.run(collect(session, "/nope")), ev.Notice)[0].text
     assert "needs" in of(asyncio.run(collect(session, "/shell")), ev.Notice)[0].text
 

@@ -646,6 +646,16 @@ def test_toolloop_cli_json(
     out = json.loads(capsys.readouterr().out)
     assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
 
+    fake.enqueue_call("list_files").enqueue_call(
+        "read_file", path="cli.txt"
+    )  # the task is not done at the limit
+    code = cli.main(
+        ["agent", "--project", str(project), "--approve", "all", "--max-steps", "1", "--json", "go"]
+    )
+    captured = capsys.readouterr()
+    assert code == 3 and json.loads(captured.out)["stats"]["step_limit_reached"]  # a script sees it failed
+    assert "reached the step limit (1 steps)" in captured.err and "--max-steps" in captured.err
+
 
 def test_toolloop_step_cards_are_redrawn_from_the_event_log() -> None:
     import json

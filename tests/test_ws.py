@@ -207,6 +207,16 @@ def test_ws_a_new_conversation_starts_in_the_mode_last_chosen(client: TestClient
     assert '<option value="chat" selected>' in client.get("/").text
 
 
+def test_ws_a_model_that_cannot_load_says_so_in_the_transcript(client: TestClient) -> None:
+    """/model NAME that fails: the transcript keeps why under its "Switching to …" (it kept only that line)."""
+    with connect(client) as ws:
+        send(ws, type="send", text="/model no-such-model", mode="agent")
+        frames = "".join(until(ws, r'data-state="idle"'))
+        cid = conversation_id([frames])
+    assert "Switching to no-such-model" in frames and "Could not load no-such-model" in frames
+    assert "Could not load no-such-model" in client.get(f"/c/{cid}").text  # kept: a reload shows it too
+
+
 def test_ws_answer_without_dialog_is_an_error(client: TestClient) -> None:
     with connect(client) as ws:
         send(ws, type="answer", dialog_id="d1", choice="deny")

@@ -271,7 +271,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     st = result["stats"]
     if st["finish_reason"] == "error":
         return 1
-    if not result["answer"].strip() and not st["step_limit_reached"]:
+    if st["step_limit_reached"]:  # the task was not finished: a script must not take it as done
+        print(
+            f"flashcode: the agent reached the step limit ({st['steps']} steps) before answering; "
+            "run again with a larger --max-steps",
+            file=sys.stderr,
+        )
+        return 3
+    if not result["answer"].strip():
         # the model ended the task with no words (a small model that gave up): not a success
         print(f"flashcode: the agent ended after {st['steps']} step(s) without an answer", file=sys.stderr)
         return 1

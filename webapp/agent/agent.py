@@ -131,7 +131,7 @@ class AgentSession:
         approval_timeout_s: float = 300.0,
         output_cap: int = DEFAULT_OUTPUT_CAP,
         history: list[Message] | None = None,
-        on_model: Callable[[str], Awaitable[None]] | None = None,
+        on_model: Callable[[str], Awaitable[str | None]] | None = None,  # /model: None, or why it failed
         hidden: tuple[Path, ...] = (),
         commands: SlashCommands = DEFAULT,
         max_steps: int = DEFAULT_MAX_STEPS,
@@ -249,8 +249,8 @@ class AgentSession:
             yield Cleared()
         elif name == "model":
             yield ModelRequested(arg)
-            if self.on_model is not None:
-                await self.on_model(arg)
+            if self.on_model is not None and (failed := await self.on_model(arg)):
+                yield Notice(failed, "warning")  # in the transcript, after its "Switching to …"
         elif name in ("search", "shell"):
             route = name
             yield RouteChosen(name, {}, {}, forced=True)

@@ -212,14 +212,17 @@ class AgentTurns:
         network = answer.network if proposal.tool == "shell" else None
         return ev.Decision.from_answer(answer.choice, answer.note, network)
 
-    async def _switch_model(self, name: str) -> None:
+    async def _switch_model(self, name: str) -> str | None:
+        """/model NAME: None when loaded; else why not, which the transcript keeps under "Switching to …"."""
         engine, turn = self.web.engine, self._turn
         assert turn is not None
+        failed = None
         try:
             await engine.switch(engine.backend or "mlx", name)
         except Exception as exc:  # noqa: BLE001 - shown; the engine keeps or restores a model
-            turn.error(f"could not load {name}: {exc}")
+            failed = f"Could not load {name}: {exc}"
         turn.model_changed()
+        return failed
 
     async def run(self, turn: Turn, text: str) -> None:
         """One agent turn for a user message already stored and shown."""
