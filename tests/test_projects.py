@@ -548,6 +548,14 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
     assert _cli(home, "projects", "add", str(work), "--name", "Work").returncode == 0
     lines = _cli(home, "projects").stdout.splitlines()
     assert f"Work\t{work.resolve()}\t0" in lines and len(lines) == 2
+    again = _cli(
+        home, "projects", "add", str(work), "--name", "Dup"
+    )  # a folder already listed: said, not silent
+    assert (
+        again.returncode == 0
+        and f"{work.resolve()} was already a project (Dup, renamed from Work)" in again.stderr
+    )
+    assert _cli(home, "projects", "add", str(work), "--name", "Work").returncode == 0
     (tmp_path / "here").mkdir()
     here = _cli(home, "projects", "add", ".", cwd=tmp_path / "here")  # from where you are
     assert here.returncode == 0, here.stderr

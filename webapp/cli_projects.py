@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from . import preflight
@@ -37,7 +38,18 @@ def cmd_projects(args: argparse.Namespace) -> int:
     try:
         action = getattr(args, "action", None)
         if action == "add":
-            project = store.add(_absolute(args.dir), args.name)
+            folder = _absolute(args.dir)
+            try:
+                before = store.by_path(Path(folder).resolve())
+            except OSError:
+                before = None
+            project = store.add(folder, args.name)
+            if before is not None and before.id == project.id:  # said, so a rename is never silent
+                renamed = f", renamed from {before.name}" if before.name != project.name else ""
+                print(
+                    f"flashcode: {project.path} was already a project ({project.name}{renamed})",
+                    file=sys.stderr,
+                )
             print(f"{project.name}\t{project.path}")
         elif action == "move":
             found = _named(store, args.name)
