@@ -12,6 +12,7 @@ deliver into an asyncio loop with `call_soon_threadsafe` (the web app). Cancella
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -63,6 +64,19 @@ class Generation:
                 stats = GenerationStats(completion_tokens=self._tokens)
                 self._deliver(Done(stats, "cancelled", "".join(self._text)))
         self.cancel_event.set()  # after our Done is queued, so the engine's own Done cannot overtake it
+
+    async def with_engine_numbers(self, cancelled: Done, wait_s: float = 1.0) -> Done:
+        """A cancel's `Done` (text and token count so far, nothing else) with the engine's own numbers once its
+        Done arrives, waiting at most `wait_s` (it stops at its next token boundary): prompt and cache counts,
+        TTFT, rates, memory. The text and token count stay the cancel's, which the consumer showed."""
+        deadline = time.monotonic() + wait_s
+        while self.engine_done is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        own = self.engine_done
+        if own is None or own is cancelled:
+            return cancelled
+        stats = dataclasses.replace(own.stats, completion_tokens=cancelled.stats.completion_tokens)
+        return dataclasses.replace(cancelled, stats=stats)
 
     def _put(self, event: Event) -> None:
         """Called on the worker thread."""

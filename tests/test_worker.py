@@ -85,3 +85,39 @@ def test_no_backend_gives_clear_error():
         assert done.finish_reason == "error" and "no backend" in done.error
     finally:
         w.close()
+
+
+def test_a_cancel_gets_the_engine_numbers_once_it_stops():
+    """Stop answers at once with the text so far and nothing else (no prompt count, TTFT 0: the agent's stopped
+    replies showed "TTFT 0 ms" and counted no prompt); `with_engine_numbers` adds the engine's own once its
+    Done arrives, keeping the cancel's text and token count."""
+    fake = FakeBackend(delay=0.02)
+    fake.enqueue(*[f" w{i}" for i in range(200)])
+    worker = Worker(lambda: fake)
+
+    async def main() -> tuple[Done, Done]:
+        gen = worker.submit(
+            GenerationRequest(
+                messages=({"role": "user", "content": "one two three four"},),
+                sampling=SamplingParams(max_tokens=200),
+            ),
+            loop=asyncio.get_running_loop(),
+        )
+        async for ev in gen:
+            if isinstance(ev, TextDelta) and ev.text == " w5":
+                gen.cancel()
+            if isinstance(ev, Done):
+                return ev, await gen.with_engine_numbers(ev)
+        raise AssertionError("no Done")
+
+    try:
+        cancelled, merged = asyncio.run(main())
+    finally:
+        worker.close()
+    assert cancelled.finish_reason == merged.finish_reason == "cancelled"
+    assert cancelled.stats.prompt_tokens == 0 and cancelled.stats.ttft_s == 0
+    assert merged.stats.prompt_tokens > 0 and merged.stats.ttft_s > 0 and merged.stats.total_s > 0
+    assert (
+        merged.text == cancelled.text
+        and merged.stats.completion_tokens == cancelled.stats.completion_tokens == 6
+    )

@@ -204,6 +204,8 @@ class ToolLoop:
         self.s._gen = gen
         try:
             async for ev in gen:
+                if isinstance(ev, Done) and ev.finish_reason == "cancelled":  # Stop: the engine's numbers too
+                    ev = await gen.with_engine_numbers(ev)
                 yield ev
         finally:
             self.s._gen = None
