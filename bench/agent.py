@@ -68,7 +68,9 @@ def check(task: dict[str, Any], repo: Path) -> bool:
     return proc.returncode == 0
 
 
-def run_one(worker: Worker, task: dict[str, Any], constrained: bool, max_steps: int) -> dict[str, Any]:
+def run_one(
+    worker: Worker, task: dict[str, Any], constrained: bool, max_steps: int, project_files: bool = True
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flashcode-agent-bench-") as tmp:
         repo = make_repo(task, Path(tmp))
         session = AgentSession(
@@ -80,6 +82,7 @@ def run_one(worker: Worker, task: dict[str, Any], constrained: bool, max_steps: 
             max_steps=max_steps,
             constrained=constrained,
             approve_edits=True,
+            project_files=project_files,
             sampling=SamplingParams(temperature=0.0, max_tokens=384),
         )
         t0 = time.perf_counter()
@@ -137,7 +140,12 @@ def write(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", action="append", choices=["llama", "mlx"], help="default: llama and mlx")
-    ap.add_argument("--mode", action="append", choices=["constrained", "unconstrained"])
+    ap.add_argument(
+        "--mode",
+        action="append",
+        choices=["constrained", "unconstrained", "constrained-nofiles"],
+        help="constrained-nofiles: without the project's files in the system prompt (as before that change)",
+    )
     ap.add_argument("--model", default=DEFAULT_AGENT_MODEL)
     ap.add_argument("--max-steps", type=int, default=5)
     ap.add_argument("--tasks", type=int, default=None, help="run only the first N tasks (every backend)")
@@ -174,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for mode in modes:
                 for task in chosen:
-                    r = run_one(worker, task, mode == "constrained", args.max_steps)
+                    r = run_one(
+                        worker, task, mode != "unconstrained", args.max_steps, mode != "constrained-nofiles"
+                    )
                     runs.append({"backend": backend, "mode": mode, **r})
                     print(f"{backend:5} {mode:13} {task['name']:20} {'PASS' if r['success'] else 'fail'} "
                           f"{r['steps']} steps {r['seconds']:.0f} s", flush=True)  # fmt: skip

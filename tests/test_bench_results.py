@@ -47,6 +47,7 @@ RAW = {
     "projects.json": "backends",
     "agent.json": "raw_runs",
     "agent-constraint.json": "raw_runs",
+    "agent-files.json": "raw_runs",
     "distributed.json": "configs",
     "distributed-flash.json": "configs",
 }

@@ -75,6 +75,7 @@ ApprovalCallback = Callable[[Proposal], Awaitable[Decision]]
 Mode = Literal["agent", "raw"]
 HISTORY_MESSAGES = 12  # context kept from earlier turns
 UNTRUSTED_CHARS = 6000  # how much quoted data one prompt carries
+LISTED = 60  # project files the tool loop's system prompt names
 
 CHAT_SYSTEM = "You are flashcode, a concise coding assistant."
 SEARCH_SYSTEM = (
@@ -137,6 +138,7 @@ class AgentSession:
         max_steps: int = DEFAULT_MAX_STEPS,
         constrained: bool = True,
         approve_edits: bool = False,
+        project_files: bool = True,
     ) -> None:
         self.worker = worker
         self.files = ProjectFiles(Path(project_dir), hidden)
@@ -165,6 +167,7 @@ class AgentSession:
         self.max_steps = max_steps
         self.constrained = constrained
         self.approve_edits = approve_edits  # "auto-approve file edits in this project"
+        self.project_files = project_files  # the tool loop's system prompt lists the project's files
         self.loop: ToolLoop | None = None
         self._halt = False  # Stop was pressed during this turn
 
@@ -300,7 +303,10 @@ class AgentSession:
     async def _tool_turn(self, text: str) -> AsyncIterator[AgentEvent]:
         self._halt = False
         self.loop = ToolLoop(self, max_steps=self.max_steps, constrained=self.constrained)
-        messages: list[Message] = [{"role": "system", "content": LOOP_SYSTEM}, *self._recent()]
+        system = LOOP_SYSTEM
+        if self.project_files and (listing := await asyncio.to_thread(self._listing)):
+            system += f"\n\nThe project's files, as list_files gives them:\n{quote_untrusted('list_files', listing)}"
+        messages: list[Message] = [{"role": "system", "content": system}, *self._recent()]
         messages.append({"role": "user", "content": text})
         answer = ""
         async for ev in self.loop.run(messages):
@@ -308,6 +314,18 @@ class AgentSession:
                 answer = ev.text or answer
             yield ev
         self._remember(text, answer or f"(worked for {self.loop.steps} steps)")
+
+    def _listing(self) -> str:
+        """The project's files for the tool loop's system prompt (ignored and hidden ones left out, at most
+        LISTED of them): a small model otherwise guesses paths (`/path/to/app.py`). File names are data."""
+        from .tools import walk
+
+        try:
+            names = walk(self.files.root, self.files.root, self.files.hidden)
+        except OSError:
+            return ""
+        more = f"\n[... {len(names) - LISTED} more: list_files shows them]" if len(names) > LISTED else ""
+        return "\n".join(names[:LISTED]) + more
 
     async def _continue(self) -> AsyncIterator[AgentEvent]:
         if self.loop is None:
