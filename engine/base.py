@@ -44,13 +44,13 @@ class ModelLoadError(EngineError):
 class ContextLimitError(EngineError):
     """The prompt (plus the reply budget) does not fit the model's context window."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int, fix: str = "") -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_length = context_length
         super().__init__(
             f"the prompt is {prompt_tokens} tokens and the model's context is {context_length}: "
-            f"start a new conversation, shorten the message, or load the model with a larger context"
+            f"start a new conversation, shorten the message, or {fix or 'load the model with a larger context'}"
         )
 
 

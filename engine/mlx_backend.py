@@ -364,8 +364,12 @@ class MLXBackend:
         """The reply budget that fits; raises when the prompt itself does not fit."""
         ctx = self.context_length
         if n_prompt >= ctx:
-            raise ContextLimitError(n_prompt, max_tokens, ctx)
+            raise ContextLimitError(n_prompt, max_tokens, ctx, self.context_fix())
         return min(max_tokens, ctx - n_prompt)
+
+    def context_fix(self) -> str:
+        """How to get a larger context, as a prompt too long for it is told ("" : load the model with one)."""
+        return ""
 
     def stream(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
         try:

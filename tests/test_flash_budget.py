@@ -194,3 +194,32 @@ def test_a_budget_above_the_memory_cgroup_is_refused(tiny_split: Path) -> None:
     assert p.returncode == 1, p.stderr[-2000:]
     assert "is more than this process's memory cgroup allows (400.0 MB)" in p.stderr, p.stderr[-2000:]
     assert "--memory-budget auto" in p.stderr
+
+
+def test_a_context_cut_by_the_budget_says_to_raise_the_budget(tiny_split: Path, caplog) -> None:
+    """The budget leaves room for a shorter context than the model's: said at load, and a prompt too long for it
+    is told to raise --memory-budget (it was told to "load the model with a larger context")."""
+    import logging
+
+    from engine.base import ContextLimitError
+    from engine.flash.backend import FlashBackend
+
+    info = ModelInfo("tiny", tiny_split, "llama", 0)
+    roomy = FlashBackend(memory_budget=4_000_000_000, runtime_bytes=0)
+    roomy.load(info)
+    plan = roomy.plan
+    roomy.close()
+    assert plan is not None
+    tight = FlashBackend(memory_budget=plan.fixed + 300 * plan.per_token, runtime_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        tight.load(info)
+    try:
+        assert MIN_CONTEXT <= tight.context_length < 8192
+        assert f"leaves room for a {tight.context_length}-token context" in caplog.text
+        req = GenerationRequest(
+            prompt="word " * (tight.context_length + 50), sampling=SamplingParams(max_tokens=4)
+        )
+        with pytest.raises(ContextLimitError, match=r"raise --memory-budget \(the budget of"):
+            list(tight.stream(req, threading.Event()))
+    finally:
+        tight.close()

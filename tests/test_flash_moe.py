@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,8 @@ def test_moe_gguf_export_has_the_same_weights(tiny_moe: Path, tmp_path: Path) ->
     from engine.flash.synth_moe import export_gguf_moe
 
     gguf = export_gguf_moe(tiny_moe, tmp_path / "m.gguf", progress=False)
+    meta = json.loads((tiny_moe / "flashcode.json").read_text())
+    assert meta["source_gguf"] == str(gguf.resolve())  # --backend llama serves the model from it
     g = mx.load(str(gguf))
     src = mx.load(str(tiny_moe / "model.safetensors"))
     for name, mod in (

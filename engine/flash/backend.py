@@ -137,6 +137,7 @@ class FlashBackend(MLXBackend):
         self.budget_setting = memory_budget
         self.memory_budget: int | None = None if memory_budget == "auto" else memory_budget  # type: ignore[assignment]
         self.auto_budget: dict[str, Any] | None = None
+        self._budget_cut_context = False  # the budget left room for less context than the model's
         self.io_threads = io_threads
         self.prefetch = prefetch
         self.verify_limit = verify_limit
@@ -271,11 +272,22 @@ class FlashBackend(MLXBackend):
         self.expert_stream = experts
         if self.memory_budget:
             self._context_override = plan.context
+            self._budget_cut_context = plan.context < ctx
+            if (
+                plan.context < ctx
+            ):  # said: a prompt too long for it is told to raise the budget, not the context
+                log.warning("flash: the memory budget of %s leaves room for a %d-token context of the %d asked; "
+                            "raise --memory-budget for more", fmt(self.memory_budget), plan.context, ctx)  # fmt: skip
         self._model_info = model
         self.prompt_cache.reset()
         log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s, runtime %.1f MB",
                  model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct,
                  self.runtime.get("rss_bytes", 0) / 1e6)  # fmt: skip
+
+    def context_fix(self) -> str:
+        if self._budget_cut_context and self.memory_budget:
+            return f"raise --memory-budget (the budget of {fmt(self.memory_budget)} leaves room for this context)"
+        return ""
 
     def _layer_span(self, man: Manifest) -> tuple[int, int] | None:
         """The layers [start, end) this process holds: None for all (a pipeline rank overrides both)."""

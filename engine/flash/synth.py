@@ -305,11 +305,16 @@ def export_gguf(
         else:
             w.write_tensor_data(f.get_tensor(f"{mod}.weight").astype(np.float32))
     w.close()
-    meta_path = model_dir / "flashcode.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta["source_gguf"] = str(Path(out).resolve())
-    meta_path.write_text(json.dumps(meta))
+    record_source_gguf(model_dir, Path(out))
     return Path(out)
+
+
+def record_source_gguf(model_dir: Path, gguf_path: Path) -> None:
+    """flashcode.json names the GGUF of the same weights: `--backend llama` serves the model from it."""
+    meta_path = Path(model_dir) / "flashcode.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta["source_gguf"] = str(gguf_path.resolve())
+    meta_path.write_text(json.dumps(meta))
 
 
 def _gguf_order(mod: str) -> tuple[int, str]:

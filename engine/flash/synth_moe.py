@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .safetensors_io import TensorSpec
-from .synth import VOCAB, write_model_dir
+from .synth import VOCAB, record_source_gguf, write_model_dir
 from .synth import gguf_name as dense_gguf_name
 
 GROUP, BITS = 64, 4
@@ -314,6 +314,7 @@ def export_gguf_moe(
         else:
             w.write_tensor_data(f.get_tensor(f"{mod}.weight").astype(np.float32))
     w.close()
+    record_source_gguf(model_dir, Path(out))
     return Path(out)
 
 
