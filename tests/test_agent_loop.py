@@ -102,6 +102,7 @@ def test_agent_shell_run_once_runs_in_the_project_dir(worker, fake, project, sto
     events = asyncio.run(collect(make_session(worker, project, store, approver), "show hello.txt"))
     (proposal,) = approver.asked
     assert proposal.command == "cat hello.txt && pwd" and proposal.cwd == str(project.resolve())
+    assert not proposal.typed  # the model wrote it
     assert proposal.timeout_s == 30 and "no allow rule" in proposal.rule_text
     assert of(events, ev.Decided)[0].decision == "once"
     out = "".join(e.text for e in of(events, ev.ActionOutput))
@@ -117,7 +118,7 @@ def test_agent_shell_deny_runs_nothing_and_keeps_the_reason(worker, fake, projec
     approver = Approver(ev.Decision.deny("not now"))
     session = make_session(worker, project, store, approver)
     events = asyncio.run(collect(session, "/shell touch made.txt"))
-    assert not (project / "made.txt").exists()
+    assert not (project / "made.txt").exists() and approver.asked[0].typed  # the user typed it
     assert not of(events, ev.ActionExit)
     assert "not now" in of(events, ev.AnswerDone)[0].text and "not now" in session.history[-1]["content"]
     (row,) = store.actions()

@@ -58,6 +58,12 @@ def test_approval_dialog_shows_command_cwd_timeout_rule_and_buttons(views: Agent
     assert "<code>git status</code>" in html and "Always allow this exact command in this project" in html
 
 
+def test_approval_dialog_says_who_asked_for_the_command(views: AgentViews) -> None:
+    assert "The agent wants to run this command" in views.approval_dialog(proposal("ls"), "d1")
+    typed = views.approval_dialog(proposal("ls", typed=True), "d1")
+    assert "You asked to run this command (/shell)" in typed and "The agent wants" not in typed
+
+
 def test_approval_dialog_disables_prefix_for_wrappers_and_escapes(views: AgentViews) -> None:
     html = views.approval_dialog(proposal("sh -c '<script>alert(1)</script>'"), "d2")
     assert "<script>" not in html and "&lt;script&gt;" in html

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -372,6 +373,7 @@ class AgentSession:
             yield ev
 
     async def _shell(self, text: str, command: str | None = None) -> AsyncIterator[AgentEvent]:
+        typed = command is not None
         if command is None:
             command = await self._propose_command(text)
             if not command:
@@ -384,6 +386,8 @@ class AgentSession:
         verdict = check_command(command, rules, sandboxed=box.available)
         action_id = self.store.record_proposal(self.project, "shell", verdict.command, self.conversation_id)
         proposal = self._shell_proposal(action_id, verdict, box)
+        if typed:
+            proposal = replace(proposal, typed=True)
         yield proposal
         decided = await self._decide(proposal, verdict)
         yield decided

@@ -112,6 +112,7 @@ class Proposal(_Event):
     sandbox: str = ""  # "sandboxed: writes only in <project>, network off", or why it is not sandboxed
     sandboxed: bool = True
     network: bool = False  # whether the project's commands may use the network
+    typed: bool = False  # the user typed it (/shell COMMAND), not the model
     type: str = "proposal"
 
     def __post_init__(self) -> None:
