@@ -887,6 +887,7 @@ class LlamaServerBackend:
             return
         if chunk.get("stop"):
             turn.ended = True
+            turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
             turn.eos = chunk.get("stop_type") == "eos"
             if turn.eos:
                 turn.held_ids = ()  # the end token is not the reply's (as on MLX)
@@ -896,7 +897,6 @@ class LlamaServerBackend:
             turn.text.append(piece)
             turn.n_deltas += 1
             yield TextDelta(piece, ids)
-            turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
 
     def _stream_tools(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[Event]:
         """Native tool calls through the server's own chat template (`/apply-template` with the tools),

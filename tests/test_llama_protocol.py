@@ -120,3 +120,19 @@ def test_llama_logs_beyond_the_newest_twenty_go_once_a_week_old(tmp_path: Path) 
     assert prune_logs(tmp_path) == 10  # beyond the 20 newest: 10, all over a week old
     left = sorted(tmp_path.glob("llama-server-*.log"))
     assert len(left) == 20 and (tmp_path / "serve.log").exists()
+
+
+def test_llama_completion_end_token_is_no_reply_token() -> None:
+    """The native stream sends the end token as a chunk with no text before its stop chunk: its id is held, then
+    dropped at a stop of type eos (as MLX leaves it out), and kept when text follows (a character's first bytes)."""
+    b, turn, stops = LlamaServerBackend(), _Turn(), StopFilter(())
+    chunks = [
+        {"content": "Yes", "tokens": [10], "stop": False},
+        {"content": "", "tokens": [11], "stop": False},  # the first bytes of a character
+        {"content": "é", "tokens": [12], "stop": False},
+        {"content": "", "tokens": [2], "stop": False},  # the end token
+        {"content": "", "tokens": [], "stop": True, "stop_type": "eos"},
+    ]
+    events = [e for c in chunks for e in b._deltas(c, turn, stops)]
+    assert [(e.text, e.token_ids) for e in events] == [("Yes", (10,)), ("é", (11, 12))]
+    assert turn.finish == "stop" and turn.eos
