@@ -835,6 +835,10 @@ class LlamaServerBackend:
             yield TextDelta(tail, (), n_tokens=turn.new_tokens() if turn.timings else None)
         if not cancel.is_set():
             yield from self._streamed_calls(turn)
+        if request.sampling.stop and path == "/v1/chat/completions":
+            turn.eos = (
+                False  # its finish chunk looks the same after a stop string, whose tokens count (as on MLX)
+            )
         self._fill_stats(stats, turn, t0)
         yield Done(stats, "error" if error else turn.finish, "".join(turn.text), error=error)  # type: ignore[arg-type]
 
@@ -890,7 +894,7 @@ class LlamaServerBackend:
             turn.finish = "length" if chunk.get("stop_type") == "limit" else "stop"
             turn.eos = chunk.get("stop_type") == "eos"
             if turn.eos:
-                turn.held_ids = ()  # the end token is not the reply's (as on MLX)
+                turn.held_ids = turn.held_ids[:-1]  # the end token is not the reply's (as on MLX)
         ids, turn.held_ids = turn.held_ids + ids, ()
         piece = stops.feed(content)
         if piece or ids:

@@ -311,9 +311,8 @@ class MLXBackend:
             ) from exc
         except Exception as exc:
             hint = ""
-            if isinstance(
-                exc, ValueError | RuntimeError
-            ):  # a cut or overwritten weights file (UnicodeDecodeError too)
+            damaged = isinstance(exc, UnicodeDecodeError) or "safetensors" in str(exc).lower()
+            if damaged:  # a cut or overwritten weights file
                 hint = ": its files may be damaged (`flashcode doctor` checks them); import the model again"
             raise ModelLoadError(f"could not load {model.name} from {model.path}: {exc}{hint}") from exc
         cast_for_device(obj)

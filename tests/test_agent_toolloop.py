@@ -483,6 +483,8 @@ def test_toolloop_stop_while_the_context_is_summarised(project: Path) -> None:
         w.close()
     assert of(events, ev.AnswerDone)[-1].finish_reason == "cancelled"
     assert len(fake.history) == 1  # the summary only: it stopped, and nothing came after it
+    assert len(loop.messages) == 2 + len(middle) + len(recent)  # no step folded away for an unwritten summary
+    assert not of(events, ev.ContextTrimmed)
 
 
 def s_quote(text: str) -> str:

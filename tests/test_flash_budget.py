@@ -223,3 +223,15 @@ def test_a_context_cut_by_the_budget_says_to_raise_the_budget(tiny_split: Path, 
             list(tight.stream(req, threading.Event()))
     finally:
         tight.close()
+
+
+def test_the_cgroup_advice_comes_only_when_the_budget_is_at_the_cgroup_limit() -> None:
+    """Raising --memory-budget is the fix unless the budget already is the cgroup's limit (auto takes it): only
+    then does the refusal say to raise the cgroup's limit (it said so under a 64 GB cgroup too)."""
+    from engine.flash.backend import _under_cgroup
+
+    exc = BudgetError("… 157.6 MB short; raise --memory-budget to at least 257.6 MB")
+    assert _under_cgroup(exc, 64_000_000_000, 100_000_000) is exc  # room to raise the budget
+    assert _under_cgroup(exc, None, 100_000_000) is exc
+    at_limit = str(_under_cgroup(exc, 600_000_000, 599_998_976))
+    assert at_limit.startswith(str(exc)) and "raise the cgroup's limit first" in at_limit

@@ -115,6 +115,12 @@ def test_llama_a_reply_ended_by_the_model_counts_no_end_token(llama) -> None:
     assert (
         raw.stats.completion_tokens == sum(len(d.token_ids) for d in deltas) == chat.stats.completion_tokens
     )
+    stop = SamplingParams(
+        temperature=0.0, max_tokens=40, stop=(".",)
+    )  # a stop string's tokens count (as on MLX)
+    _, stopped = run(llama, GenerationRequest(messages=ask, sampling=stop))
+    assert stopped.finish_reason == "stop" and stopped.text + "." == chat.text
+    assert stopped.stats.completion_tokens == len(llama.tokenize(chat.text))
     cut = SamplingParams(temperature=0.0, max_tokens=3)  # cut at the limit: every token is the reply's
     _, limited = run(
         llama, GenerationRequest(messages=({"role": "user", "content": "Write a long poem."},), sampling=cut)

@@ -154,9 +154,9 @@ def test_webapp_a_conversation_deleted_for_good_takes_its_saved_cache_along(tmp_
             client.post("/trash/empty", headers=h, data={"ids": second})
             assert not saves[second].exists() and saves[third].is_dir()
             project = db.get_conversation(third).project_id
-        gone = plant_autosave(
-            tmp_path, project, "0123456789ab"
-        )  # a conversation deleted while flashcode was off
+        # a conversation deleted while flashcode was off; a folder that is no project's is skipped, not fatal
+        gone = plant_autosave(tmp_path, project, "0123456789ab")
+        (tmp_path / "projects" / "a.bak" / "autosave").mkdir(parents=True)
         with TestClient(
             create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker), base_url=BASE
         ):
@@ -438,3 +438,25 @@ def test_webapp_import_refuses_an_upload_too_large_before_reading_it(app_parts) 
     }
     r = client.post("/conversations/import", content=b"--x--", headers=h | {"content-length": str(200 << 20)})
     assert r.status_code == 413 and "over 64 MB" in r.text
+
+
+def test_an_agent_turn_that_ran_no_generation_leaves_the_live_cache_to_its_conversation(
+    tmp_path: Path,
+) -> None:
+    """A denied /shell runs no generation: the engine's cache is still the chat conversation's, so it is saved when
+    another takes the engine (it had been dropped as the agent's); one that generated takes it (`generating`)."""
+    from webapp.projects.resume import AutoResume
+
+    worker = Worker(FakeBackend)
+    db = Database(tmp_path / "f.db")
+    try:
+        resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+        resume.note_reply({}, conversation_id="a", message_id=1)
+        resume.note_reply({}, conversation_id="b", message_id=2, route="shell")  # no generation ran
+        assert (resume.live, resume.dirty) == ("a", True)
+        resume.generating()  # an agent turn that generated
+        resume.note_reply({}, conversation_id="b", message_id=3, route="shell")
+        assert (resume.live, resume.dirty) == (None, False)
+    finally:
+        db.close()
+        worker.close()

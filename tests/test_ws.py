@@ -205,6 +205,10 @@ def test_ws_a_new_conversation_starts_in_the_mode_last_chosen(client: TestClient
         send(ws, type="mode", mode="chat", conversation_id=cid)
         until(ws, r'id="mode-switch"')
     assert '<option value="chat" selected>' in client.get("/").text
+    with connect(client) as ws:  # typed, /agent chooses it as the picker does
+        send(ws, type="send", text="/agent", conversation_id=cid, mode="chat")
+        until(ws, r'data-state="idle"')
+    assert '<option value="agent" selected>' in client.get("/").text
 
 
 def test_ws_a_model_that_cannot_load_says_so_in_the_transcript(client: TestClient) -> None:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+# app_settings: the mode last chosen (picker or /agent, /raw), which a new conversation starts in
+NEW_MODE_KEY = "new_conversation_mode"
+
 
 class ReplyHook(Protocol):
     """Called once a chat reply is stored (`stats` holds the engine's numbers, finish_reason, model

@@ -101,10 +101,11 @@ def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan
     return stream, experts
 
 
-def _under_cgroup(exc: BudgetError, cgroup: int | None) -> BudgetError:
-    """Under a memory cgroup a larger --memory-budget is no fix (the kernel kills the process at the cgroup's
-    limit): the refusal says that the cgroup's limit is what must be raised."""
-    if cgroup is None or "raise --memory-budget" not in str(exc):
+def _under_cgroup(exc: BudgetError, cgroup: int | None, budget: int | None) -> BudgetError:
+    """A budget already at its memory cgroup's limit (`auto` takes it) cannot be raised: the kernel kills the
+    process at the cgroup's limit, so the refusal says that the cgroup's limit is what must be raised."""
+    at_limit = cgroup is not None and budget is not None and budget >= cgroup - (1 << 20)
+    if not at_limit or "raise --memory-budget" not in str(exc):
         return exc
     return BudgetError(
         f"{exc}; this process's memory cgroup allows {fmt(cgroup)}, so raise the cgroup's limit first "
@@ -220,7 +221,7 @@ class FlashBackend(MLXBackend):
                                reserve=self._expert_floor(man, self.prefetch), scratch=scratch)  # fmt: skip
         except BudgetError as exc:
             if self.prefetch <= 1:
-                raise _under_cgroup(exc, cgroup) from exc
+                raise _under_cgroup(exc, cgroup, self.memory_budget) from exc
             log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
             self.prefetch = 1
             try:
@@ -234,7 +235,7 @@ class FlashBackend(MLXBackend):
                     scratch=scratch,
                 )
             except BudgetError as exc:
-                raise _under_cgroup(exc, cgroup) from exc
+                raise _under_cgroup(exc, cgroup, self.memory_budget) from exc
         if self.memory_budget and self.residency and not has_experts(man):
             # keep what the budget allows; stream only the rest
             plan_residency(plan, man.dense_units(), float_bytes=float_bytes)

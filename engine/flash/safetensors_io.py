@@ -72,7 +72,7 @@ def read_header(path: Path) -> dict[str, TensorRef]:
     ) as exc:  # UnicodeDecodeError: a ValueError
         raise DamagedHeaderError(
             f"{path} is damaged: its safetensors header cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
-            "import the model again (`flashcode import FILE.gguf`)"
+            "import the model again (`flashcode import --force FILE.gguf`)"
         ) from exc
     return out
 

@@ -243,7 +243,7 @@ def split_model(
             )  # the last split stays, and refuses
             raise SplitError(
                 f"the weights in {model_dir} no longer match the checksums of their last split ({changed}): "
-                "they are damaged or were changed. Import the model again (`flashcode import FILE.gguf`); "
+                "they are damaged or were changed. Import the model again (`flashcode import --force FILE.gguf`); "
                 "weights you changed on purpose: `flashcode split MODEL --force`"
             )
         _copy_small_files(model_dir, out)
@@ -478,7 +478,7 @@ def damaged(man: Manifest, what: str) -> str:
     splitting again would only take the damage's checksums: the model is imported again instead."""
     if man.in_place:
         return (f"the model's weights in {man.weights_dir} are damaged (or changed since they were split): {what}; "
-                "import the model again (`flashcode import FILE.gguf`): its split is made again at its next load")  # fmt: skip
+                "import the model again (`flashcode import --force FILE.gguf`): its split is made again at its next load")  # fmt: skip
     return f"the split at {man.root} is damaged: {what}; run `flashcode split MODEL` again"
 
 

@@ -302,7 +302,6 @@ class AgentSession:
             return False
 
     async def _tool_turn(self, text: str) -> AsyncIterator[AgentEvent]:
-        self._halt = False
         self.loop = ToolLoop(self, max_steps=self.max_steps, constrained=self.constrained)
         system = LOOP_SYSTEM
         if self.project_files and (listing := await asyncio.to_thread(self._listing)):
@@ -332,7 +331,6 @@ class AgentSession:
         if self.loop is None:
             yield Notice("there is no agent task to continue", "warning")
             return
-        self._halt = False
         async for ev in self.loop.resume():
             yield ev
 

@@ -501,6 +501,8 @@ class ToolLoop:
         summarised = 0
         if self._estimate() > budget:
             summarised = await self._summarise()
+            if self.s.halted:  # stopped while it summarised: the steps stay as they were
+                return
         cut = 0
         for m in reversed(self.messages):  # still too long: the latest results themselves are cut
             if self._estimate() <= budget:
@@ -556,6 +558,8 @@ class ToolLoop:
         finally:
             self.s._gen = None
             gen.cancel()
+        if self.s.halted:  # Stop: nothing is folded away for a summary that was not written
+            return 0
         # written from tool output (files, pages, command output): quoted as data like the outputs themselves
         note = {
             "role": "user",

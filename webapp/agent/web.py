@@ -31,7 +31,7 @@ from engine.base import SamplingParams
 from ..db import Database
 from ..engine_host import EngineState
 from ..settings import Settings
-from ..turns import ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
+from ..turns import NEW_MODE_KEY, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
 from . import events as ev
 from .agent import AgentSession
 from .sandbox import detect
@@ -266,6 +266,9 @@ class AgentTurns:
                     route = e.route
                 if isinstance(e, ev.ModeChanged):
                     db.set_mode(conversation_id, "agent" if e.mode == "agent" else "chat")
+                    db.set_setting(
+                        NEW_MODE_KEY, "agent" if e.mode == "agent" else "chat"
+                    )  # as the picker does
                 if isinstance(e, ev.SlashUnhandled) and e.name in self.web.slash_handlers:
                     html = await self.web.slash_handlers[e.name](e.name, e.arg, conversation_id)
                     db.add_event(conversation_id, SLASH_OUTPUT, {"type": SLASH_OUTPUT, "html": html})

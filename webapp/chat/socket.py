@@ -36,10 +36,10 @@ from engine.worker import Generation
 
 from ..db import Database, StoredMessage
 from ..engine_host import EngineState
-from ..turns import DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
+from ..turns import NEW_MODE_KEY, DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
 from .pipeline import ReplyStream
-from .transcript import CHAT_MODE_SYSTEM, NEW_MODE_KEY, make_title
+from .transcript import CHAT_MODE_SYSTEM, make_title
 from .views import ChatViews
 
 log = logging.getLogger(__name__)

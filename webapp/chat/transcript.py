@@ -16,12 +16,9 @@ from typing import Any
 from ..db import Database
 from ..engine_host import EngineState
 from ..settings import Settings
-from ..turns import EventRenderer
+from ..turns import NEW_MODE_KEY, EventRenderer
 
 DEFAULTS_KEY = "generation_defaults"  # app_settings: the generation defaults (the Settings window)
-NEW_MODE_KEY = (
-    "new_conversation_mode"  # app_settings: the mode last chosen, which a new conversation starts in
-)
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "system")
 MODES = ("chat", "agent")
 CHAT_MODE_SYSTEM = (

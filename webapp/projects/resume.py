@@ -130,8 +130,8 @@ class AutoResume:
             return
         if route is None:
             self.live, self.dirty = conversation_id, True
-        else:
-            self.live, self.dirty = None, False
+        # an agent turn: a generation it ran already took the cache from its conversation (`generating`); one
+        # that ran none (a denied /shell) left the cache as it was, still the conversation's before
         self._arm_idle()
 
     async def before_reply(self, conversation_id: str) -> str | None:
@@ -280,16 +280,26 @@ class AutoResume:
                     continue
                 try:
                     saves = self.saved(folder.name)
-                except (OSError, ValueError):  # a folder that is no project's (check_id refuses its name)
+                except (OSError, ValueError, EngineError):  # a folder that is no project's (a.bak: check_id)
                     continue
                 for s in saves:
                     cid = s.context.conversation_id
-                    if cid and self.db.get_conversation(cid, trashed=True) is None:
+                    if not cid or self.db.get_conversation(cid, trashed=True) is not None:
+                        continue
+                    try:
                         self.store.delete(folder.name, s.context.id)
-                        self._event("forgotten", cid)
-                        gone += 1
-                        if self.live == cid:
-                            self.live, self.dirty = None, False
+                    except (
+                        OSError,
+                        EngineError,
+                    ):  # gone meanwhile, or not removable: the next sweep tries again
+                        log.warning(
+                            "removing the saved cache of deleted conversation %s failed", cid, exc_info=True
+                        )
+                        continue
+                    self._event("forgotten", cid)
+                    gone += 1
+                    if self.live == cid:
+                        self.live, self.dirty = None, False
             return gone
 
     def forget_project(self, project: str) -> None:
