@@ -159,7 +159,9 @@ def test_browser_transcript_mode_gauge_and_connection_survive(served, browser, a
 
         page.click("a.new-link")  # reopen: another conversation, then this one from the list
         page.locator("#chat-title", has_text="New Conversation").wait_for()
-        assert page.input_value("#mode-picker") == "chat"
+        assert (
+            page.input_value("#mode-picker") == "agent"
+        )  # a new conversation starts in the mode last chosen
         page.locator("#conversation-list li a").first.click()
         page.locator(".agent-action.tool-shell").wait_for()
         check_command_block(page, "reopen")
