@@ -59,7 +59,12 @@ class BackendUnavailableError(EngineError):
 
 
 class BudgetError(EngineError):
-    """A memory budget cannot be met."""
+    """A memory budget cannot be met. `need` is the least --memory-budget that would run, when raising it is the
+    fix (None when it is not, or not known: a budget above the memory cgroup, say)."""
+
+    def __init__(self, message: str, need: int | None = None) -> None:
+        super().__init__(message)
+        self.need = need
 
 
 class CacheMismatchError(EngineError):

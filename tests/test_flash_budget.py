@@ -52,6 +52,7 @@ def test_plan_refuses_a_budget_below_the_runtime_with_the_shortfall(tiny_split: 
     assert (
         least * 1e6 >= need + runtime // 10 > (least - 0.1) * 1e6
     )  # headroom for the runtime's next measure
+    assert err.value.need == need + runtime // 10  # the figure quoted, in bytes, for callers to act on
     plan = plan_budget(man, int(least * 1e6), 2, 8192, 128, runtime=runtime)  # the named budget is enough
     assert plan.context >= MIN_CONTEXT and plan.total <= int(least * 1e6) and plan.runtime == runtime
 
@@ -230,8 +231,13 @@ def test_the_cgroup_advice_comes_only_when_the_budget_is_at_the_cgroup_limit() -
     then does the refusal say to raise the cgroup's limit (it said so under a 64 GB cgroup too)."""
     from engine.flash.backend import _under_cgroup
 
-    exc = BudgetError("… 157.6 MB short; raise --memory-budget to at least 257.6 MB")
+    exc = BudgetError("… 157.6 MB short; raise --memory-budget to at least 257.6 MB", need=257_600_000)
     assert _under_cgroup(exc, 64_000_000_000, 100_000_000) is exc  # room to raise the budget
     assert _under_cgroup(exc, None, 100_000_000) is exc
     at_limit = str(_under_cgroup(exc, 600_000_000, 599_998_976))
-    assert at_limit.startswith(str(exc)) and "raise the cgroup's limit first" in at_limit
+    assert at_limit.startswith(str(exc)) and "raise the cgroup's limit to at least 257.6 MB first" in at_limit
+    # a refusal whose fix is not a larger budget gets no cgroup advice, whatever its words
+    other = BudgetError(
+        "the memory budget is more than this process's memory cgroup allows; raise --memory-budget"
+    )
+    assert _under_cgroup(other, 600_000_000, 599_998_976) is other

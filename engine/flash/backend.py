@@ -26,7 +26,7 @@ from typing import Any
 from .. import cpu_fast
 from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
-from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, plan_budget, plan_residency
+from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, fmt_up, plan_budget, plan_residency
 from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
 from .moe import expert_floor, has_experts, load_experts, moe_counters, moe_extra
@@ -105,11 +105,12 @@ def _under_cgroup(exc: BudgetError, cgroup: int | None, budget: int | None) -> B
     """A budget already at its memory cgroup's limit (`auto` takes it) cannot be raised: the kernel kills the
     process at the cgroup's limit, so the refusal says that the cgroup's limit is what must be raised."""
     at_limit = cgroup is not None and budget is not None and budget >= cgroup - (1 << 20)
-    if not at_limit or "raise --memory-budget" not in str(exc):
+    if not at_limit or exc.need is None:  # `need`: raising --memory-budget is the fix
         return exc
     return BudgetError(
-        f"{exc}; this process's memory cgroup allows {fmt(cgroup)}, so raise the cgroup's limit first "
-        "(or use a smaller model)"
+        f"{exc}; this process's memory cgroup allows {fmt(cgroup)}, so raise the cgroup's limit to at least "
+        f"{fmt_up(exc.need)} first (or use a smaller model)",
+        need=exc.need,
     )
 
 

@@ -143,7 +143,8 @@ def plan_budget(
     if pinned > budget:
         raise BudgetError(
             f"the pinned weights alone need {fmt(pinned)} but the memory budget is {fmt(budget)}: "
-            f"{fmt(pinned - budget)} over; raise --memory-budget to at least {fmt_up(need + runtime // 10)}"
+            f"{fmt(pinned - budget)} over; raise --memory-budget to at least {fmt_up(need + runtime // 10)}",
+            need=need + runtime // 10,
         )
     if runtime + pinned > budget:
         raise BudgetError(
@@ -151,7 +152,8 @@ def plan_budget(
             f"room for transient buffers) and the pinned weights need {fmt(pinned)}: with the streaming buffers"
             f"{', the smallest expert cache' if reserve else ''} and a {MIN_CONTEXT}-token context the memory budget "
             f"of {fmt(budget)} is {fmt(need - budget)} short; "
-            f"raise --memory-budget to at least {fmt_up(need + runtime // 10)}"
+            f"raise --memory-budget to at least {fmt_up(need + runtime // 10)}",
+            need=need + runtime // 10,
         )
     room = budget - plan.fixed
     if room < reserve + MIN_CONTEXT * plan.per_token:
@@ -160,7 +162,8 @@ def plan_budget(
         raise BudgetError(
             f"the memory budget {fmt(budget)} covers {runtime_part}the pinned weights ({fmt(pinned)}) but not the "
             f"streaming buffers ({fmt(buffers + in_flight)}), activations ({fmt(activations)}){experts} and a "
-            f"{MIN_CONTEXT}-token context: {fmt(need - budget)} short; raise --memory-budget to at least {fmt_up(need + runtime // 10)}"
+            f"{MIN_CONTEXT}-token context: {fmt(need - budget)} short; raise --memory-budget to at least {fmt_up(need + runtime // 10)}",
+            need=need + runtime // 10,
         )
     plan.context = min(context_length, room // plan.per_token)
     return plan

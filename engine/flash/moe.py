@@ -882,7 +882,7 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
             raise BudgetError(f"the expert cache needs {k} experts x {n_layers} layers = {fmt(k * n_layers * resident)} "
                               f"but the memory budget {fmt(budget)} leaves {fmt(max(0, left))} for it (runtime, pinned "
                               f"weights, staging and a {MIN_CONTEXT}-token context come first): {fmt(short)} short; "
-                              f"raise --memory-budget to at least {fmt_up(budget + short)}")  # fmt: skip
+                              f"raise --memory-budget to at least {fmt_up(budget + short)}", need=budget + short)  # fmt: skip
         cache = ExpertCache.for_budget(left, n_layers, n_experts, resident, min_slots=k, policy=policy)
         plan.context = ctx
         plan.experts = cache.capacity_bytes + staging

@@ -575,7 +575,14 @@ class AgentSession:
     async def _stream(
         self, messages: list[Message], sampling: SamplingParams
     ) -> AsyncIterator[TextDelta | PrefillProgress | Done]:
-        request = GenerationRequest(messages=tuple(messages), sampling=sampling, progress=True)
+        async for ev in self.generate(
+            GenerationRequest(messages=tuple(messages), sampling=sampling, progress=True)
+        ):
+            yield ev
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
+        """The engine's events for `request`, on the session's worker; Stop (`self._gen.cancel()`) ends it with the
+        engine's numbers on its Done, and a consumer that goes away stops the engine."""
         gen = self.worker.submit(request, loop=asyncio.get_running_loop())
         self._gen = gen
         try:

@@ -200,16 +200,8 @@ class ToolLoop:
             tool_choice=choice,  # type: ignore[arg-type]
             progress=True,
         )
-        gen = self.s.worker.submit(request, loop=asyncio.get_running_loop())
-        self.s._gen = gen
-        try:
-            async for ev in gen:
-                if isinstance(ev, Done) and ev.finish_reason == "cancelled":  # Stop: the engine's numbers too
-                    ev = await gen.with_engine_numbers(ev)
-                yield ev
-        finally:
-            self.s._gen = None
-            gen.cancel()
+        async for ev in self.s.generate(request):
+            yield ev
 
     # ------------------------------------------------------------------ one step
     async def _step(self, call: ToolCall) -> AsyncIterator[AgentEvent]:
@@ -549,15 +541,9 @@ class ToolLoop:
             sampling=SamplingParams(temperature=0.0, max_tokens=200),
         )
         summary = ""
-        gen = self.s.worker.submit(request, loop=asyncio.get_running_loop())
-        self.s._gen = gen  # Stop cancels it like any generation of the turn
-        try:
-            async for ev in gen:
-                if isinstance(ev, Done) and ev.finish_reason not in ("error", "cancelled"):
-                    summary = ev.text.strip()
-        finally:
-            self.s._gen = None
-            gen.cancel()
+        async for ev in self.s.generate(request):  # Stop cancels it like any generation of the turn
+            if isinstance(ev, Done) and ev.finish_reason not in ("error", "cancelled"):
+                summary = ev.text.strip()
         if self.s.halted:  # Stop: nothing is folded away for a summary that was not written
             return 0
         # written from tool output (files, pages, command output): quoted as data like the outputs themselves
