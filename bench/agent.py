@@ -39,7 +39,7 @@ from bench.provenance import provenance  # noqa: E402
 from engine.base import SamplingParams  # noqa: E402
 from engine.worker import Worker  # noqa: E402
 from webapp import engine_host  # noqa: E402
-from webapp.agent.agent import AgentSession  # noqa: E402
+from webapp.agent.agent import AgentSession, FilesAt  # noqa: E402
 from webapp.agent.loop import DEFAULT_AGENT_MODEL  # noqa: E402
 from webapp.agent.search import LocalSearchProvider  # noqa: E402
 from webapp.agent.store import AgentStore  # noqa: E402
@@ -48,6 +48,8 @@ from webapp.db import connect_memory  # noqa: E402
 
 TASKS = ROOT / "tests" / "data" / "agent"
 OUT = ROOT / "bench" / "results" / "agent.json"
+# where each mode lists the project's files for the model (`AgentSession(project_files=…)`)
+FILES_AT: dict[str, FilesAt] = {"constrained-nofiles": None, "constrained-filesys": "system"}
 
 
 def load_tasks() -> list[dict[str, Any]]:
@@ -69,7 +71,7 @@ def check(task: dict[str, Any], repo: Path) -> bool:
 
 
 def run_one(
-    worker: Worker, task: dict[str, Any], constrained: bool, max_steps: int, project_files: bool = True
+    worker: Worker, task: dict[str, Any], constrained: bool, max_steps: int, project_files: FilesAt = "task"
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flashcode-agent-bench-") as tmp:
         repo = make_repo(task, Path(tmp))
@@ -143,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--mode",
         action="append",
-        choices=["constrained", "unconstrained", "constrained-nofiles"],
-        help="constrained-nofiles: without the project's files in the system prompt (as before that change)",
+        choices=["constrained", "unconstrained", "constrained-nofiles", "constrained-filesys"],
+        help="constrained-nofiles: without the project's file list; constrained-filesys: the list in the system "
+        "prompt (where it was first; default: in the task's message)",
     )
     ap.add_argument("--model", default=DEFAULT_AGENT_MODEL)
     ap.add_argument("--max-steps", type=int, default=5)
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 for task in chosen:
                     r = run_one(
-                        worker, task, mode != "unconstrained", args.max_steps, mode != "constrained-nofiles"
+                        worker, task, mode != "unconstrained", args.max_steps, FILES_AT.get(mode, "task")
                     )
                     runs.append({"backend": backend, "mode": mode, **r})
                     print(f"{backend:5} {mode:13} {task['name']:20} {'PASS' if r['success'] else 'fail'} "

@@ -48,6 +48,7 @@ RAW = {
     "agent.json": "raw_runs",
     "agent-constraint.json": "raw_runs",
     "agent-files.json": "raw_runs",
+    "agent-files-at.json": "raw_runs",
     "distributed.json": "configs",
     "distributed-flash.json": "configs",
 }
@@ -211,3 +212,17 @@ def test_expert_copy_summary_recomputes() -> None:
     assert d["speedup_direct_pinned"] == round(
         d["mx_array_update_median_ms"] / d["direct_pinned_median_ms"], 2
     )
+
+
+@pytest.mark.parametrize("name", [f for f in FILES if f.startswith("agent") and f != "agent-constraint.json"])
+def test_agent_success_rates_recompute(name: str) -> None:
+    """bench/agent.py: each backend and mode's success rate is its raw runs' share of passed tasks."""
+    result = load(name)
+    groups: dict[tuple[str, str], list[bool]] = {}
+    for r in result["raw_runs"]:
+        groups.setdefault((r["backend"], r["mode"]), []).append(r["success"])
+    assert {b: set(m) for b, m in result["success_rate"].items()} == {
+        b: {m for bb, m in groups if bb == b} for b, _ in groups
+    }
+    for (backend, mode), ok in groups.items():
+        assert result["success_rate"][backend][mode] == pytest.approx(round(sum(ok) / len(ok), 3), abs=1e-9)

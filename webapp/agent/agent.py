@@ -76,7 +76,8 @@ ApprovalCallback = Callable[[Proposal], Awaitable[Decision]]
 Mode = Literal["agent", "raw"]
 HISTORY_MESSAGES = 12  # context kept from earlier turns
 UNTRUSTED_CHARS = 6000  # how much quoted data one prompt carries
-LISTED = 60  # project files the tool loop's system prompt names
+LISTED = 60  # project files the tool loop names at the start of a task
+FilesAt = Literal["task", "system"] | None  # where: the task's message (default), the system prompt, nowhere
 
 CHAT_SYSTEM = "You are flashcode, a concise coding assistant."
 SEARCH_SYSTEM = (
@@ -139,7 +140,7 @@ class AgentSession:
         max_steps: int = DEFAULT_MAX_STEPS,
         constrained: bool = True,
         approve_edits: bool = False,
-        project_files: bool = True,
+        project_files: FilesAt = "task",
     ) -> None:
         self.worker = worker
         self.files = ProjectFiles(Path(project_dir), hidden)
@@ -168,7 +169,7 @@ class AgentSession:
         self.max_steps = max_steps
         self.constrained = constrained
         self.approve_edits = approve_edits  # "auto-approve file edits in this project"
-        self.project_files = project_files  # the tool loop's system prompt lists the project's files
+        self.project_files = project_files  # where the tool loop lists the project's files
         self.loop: ToolLoop | None = None
         self._halt = False  # Stop was pressed during this turn
 
@@ -303,11 +304,19 @@ class AgentSession:
 
     async def _tool_turn(self, text: str) -> AsyncIterator[AgentEvent]:
         self.loop = ToolLoop(self, max_steps=self.max_steps, constrained=self.constrained)
-        system = LOOP_SYSTEM
+        system, task = LOOP_SYSTEM, text
         if self.project_files and (listing := await asyncio.to_thread(self._listing)):
-            system += f"\n\nThe project's files, as list_files gives them:\n{quote_untrusted('list_files', listing)}"
+            files = (
+                f"The project's files, as list_files gives them:\n{quote_untrusted('list_files', listing)}"
+            )
+            # in the task's message, the system prompt and the history before it stay the same from turn to
+            # turn, so the engine's prompt cache still holds them after a turn that made or removed files
+            if self.project_files == "system":
+                system = f"{system}\n\n{files}"
+            else:
+                task = f"{files}\n\n{text}"
         messages: list[Message] = [{"role": "system", "content": system}, *self._recent()]
-        messages.append({"role": "user", "content": text})
+        messages.append({"role": "user", "content": task})
         answer = ""
         async for ev in self.loop.run(messages):
             if isinstance(ev, AnswerDone):
@@ -316,7 +325,7 @@ class AgentSession:
         self._remember(text, answer or f"(worked for {self.loop.steps} steps)")
 
     def _listing(self) -> str:
-        """The project's files for the tool loop's system prompt (ignored and hidden ones left out, at most
+        """The project's files for the start of a tool-loop task (ignored and hidden ones left out, at most
         LISTED of them): a small model otherwise guesses paths (`/path/to/app.py`). File names are data."""
         from .tools import walk
 
