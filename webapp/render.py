@@ -73,6 +73,14 @@ def marker(ch: str) -> str:
     return f"<U+{ord(ch):04X}>"
 
 
+def visible_text(text: str) -> str:
+    """`text` for a terminal: each character a reader cannot see as itself — control characters (a terminal's
+    escape sequences, carriage return, backspace), bidi controls, zero-width ones — as a `<U+…>` marker; tab
+    and newline kept. Untrusted text (a proposed command, a diff, command output, a `.mcp.json`) could
+    otherwise redraw the approval prompt it is printed in."""
+    return _CANDIDATE.sub(lambda m: marker(m.group()) if is_invisible(m.group()) else m.group(), text)
+
+
 def hidden_chars(text: str) -> list[str]:
     """The characters of `text` a reader cannot see, in order (repeats kept)."""
     return [m.group() for m in _CANDIDATE.finditer(text) if is_invisible(m.group())]

@@ -29,6 +29,7 @@ from .agent.mcp_store import McpStore
 from .agent.store import AgentStore
 from .agent.tools import SPECS
 from .agent.web import hidden_paths
+from .render import visible_text
 
 BUILTIN_APPROVAL = {
     "none": (False, "no"),
@@ -103,7 +104,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
                     f"--approve-server: there is no usable .mcp.json server {name!r}"
                 )
             mstore.approve(ref.id, name, found.fingerprint)
-            print(f"approved {name}: {found.describe()}", file=sys.stderr)
+            print(visible_text(f"approved {name}: {found.describe()}"), file=sys.stderr)
         hidden = hidden_paths(projects.data_dir)
         result = asyncio.run(collect(store, ref.id, ref.path, hidden))
     finally:
@@ -111,10 +112,12 @@ def cmd_tools(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"project": {"id": ref.id, "name": ref.name, "path": str(ref.path)}, **result}))
         return 0
+    # MCP servers name and describe their own tools: their hidden characters are marked, one line each
     for note in result["notices"]:
-        print(f"# {note}", file=sys.stderr)
+        print(visible_text(f"# {note}"), file=sys.stderr)
     for row in result["tools"]:
-        print(f"{row['name']}\t{row['source']}\t{row['approval']}\t{row['description']}")
+        cells = (row["name"], row["source"], row["approval"], row["description"])
+        print("\t".join(visible_text(str(c)).replace("\t", " ").replace("\n", " ") for c in cells))
     return 0
 
 

@@ -247,9 +247,6 @@ class ExpertCache:
         n = h + sum(s.misses for s in self.stats)
         return h / n if n else 0.0
 
-    def reset_stats(self) -> None:
-        self.stats = [LayerStats() for _ in range(self.n_layers)]
-
     def report(self) -> dict[str, Any]:
         return {
             "policy": self.policy,

@@ -232,10 +232,6 @@ class ExpertStream:
         if self.pf_k:
             copier.register(buffer_address(self.pf_staging.view), self.pf_staging.size)
 
-    @property
-    def bank_bytes(self) -> int:
-        return sum(a.nbytes for b in self.banks for a in b.values())
-
     def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None) -> None:
         """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
         `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued)."""

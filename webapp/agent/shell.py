@@ -461,10 +461,6 @@ class Verdict:
     def can_always_exact(self) -> bool:
         return self.parse_error is None
 
-    @property
-    def can_always_prefix(self) -> bool:
-        return self.prefix is not None
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "command": self.command,

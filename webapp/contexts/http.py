@@ -49,11 +49,11 @@ STATUS_OF_ERROR: list[tuple[type[EngineError], int]] = [
     (CacheMismatchError, 409),
     (EngineError, 409),
 ]
-PRECISIONS = [  # MLX and flash requantize the cache when they save it; the first is the default
-    ("8", "8-bit KV (half the size of 16-bit, near-lossless)"),
-    ("16", "16-bit KV"),
-    ("native", "KV as the engine holds it (float32 on a CPU: the largest)"),
-    ("4", "4-bit KV (smallest; lossy on small models)"),
+PRECISIONS = [  # MLX and flash requantize the cache when they save it; the first is the default: exact
+    ("native", "KV as the engine holds it (exact; float32 on a CPU: the largest)"),
+    ("16", "16-bit KV (half of float32; the same replies in our benchmark)"),
+    ("8", "8-bit KV (lossy: changed a long conversation's reply)"),
+    ("4", "4-bit KV (smallest; changes replies at once)"),
 ]
 LLAMA_PRECISIONS = [  # llama-server saves its slot as it is (--cache-type-k/v decides)
     ("native", "KV as llama-server holds it (its --cache-type, f16 unless set)"),
