@@ -417,9 +417,9 @@ def test_toolloop_auto_approved_edits_never_cover_a_git_dir_named_by_a_git_file(
 def test_toolloop_context_trim_elides_old_outputs(worker: Worker, project: Path) -> None:
     fake = FakeBackend(tools=True, context_length=2500)
     w = Worker(lambda: fake)
-    (project / "big.txt").write_text("word " * 2000)
-    for _ in range(4):
-        fake.enqueue_call("read_file", path="big.txt")
+    for i in range(4):  # four files: the same read four times would be refused repeats (and stop the turn)
+        (project / f"big{i}.txt").write_text("word " * 2000)
+        fake.enqueue_call("read_file", path=f"big{i}.txt")
     fake.enqueue("short summary")  # the summary request, if it comes to that
     fake.enqueue("done")
     s = session(w, project)
@@ -598,8 +598,10 @@ def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_cha
 ) -> None:
     """A small model repeating a write: the refused repeats do not push the write it repeats out of the look-back
     (step 5 was asked again before), and a write that would leave the file as it is needs no approval."""
-    for _ in range(5):
-        fake.enqueue_call("write_file", path="hello.txt", content="hi")  # step 1 writes; 2-5 are refused
+    for _ in range(3):
+        fake.enqueue_call("write_file", path="hello.txt", content="hi")  # step 1 writes; 2-3 are refused
+    fake.enqueue_call("list_files")
+    fake.enqueue_call("write_file", path="hello.txt", content="hi")  # still refused: 2-3 did not run
     fake.enqueue_call("write_file", path="./hello.txt", content="hi")  # another call, the same bytes
     fake.enqueue("Done.")
     approver = Approver(ev.Decision.once())
@@ -608,8 +610,43 @@ def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_cha
     results = [d.result for d in of(events, ev.ToolStepDone)]
     assert len(approver.asked) == 1 and len(of(events, ev.Proposal)) == 1
     assert (project / "hello.txt").read_text() == "hi"
-    assert all("step 1 already did exactly this" in r for r in results[1:5]), results
+    assert all("step 1 already did exactly this" in results[i] for i in (1, 2, 4)), results
     assert "already holds exactly this content" in results[5]
+    assert not of(events, ev.StepLimitReached)
+
+
+def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Three refused repeats in a row end the turn with the reason and the Continue button (a 0.5B model
+    otherwise spends every remaining step on the same call); /continue gives it its steps back."""
+    for _ in range(4):
+        fake.enqueue_call("read_file", path="app.py")  # step 1 reads; 2-4 are refused
+    fake.enqueue_call(
+        "read_file", path="app.py"
+    )  # after /continue: refused once more, and not stopped for it
+    fake.enqueue("It prints hello.")
+    s = session(worker, project)
+    events = asyncio.run(collect(s, "what does app.py do?"))
+    limit = of(events, ev.StepLimitReached)
+    assert [(e.steps, e.why) for e in limit] == [(4, "the model made a refused call 3 times in a row")]
+    assert len(fake.history) == 4  # no fifth generation
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    from webapp.agent.views import AgentViews
+    from webapp.render import find_dir
+
+    views = AgentViews(
+        Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape())
+    )
+    card = views.event(limit[0])
+    assert (
+        "stopped after 4 steps: the model made a refused call 3 times in a row." in card
+        and "Continue" in card
+    )
+    events = asyncio.run(collect(s, "/continue"))
+    assert not of(events, ev.StepLimitReached) and s.loop.steps == 5
+    assert of(events, ev.AnswerDone)[-1].text == "It prints hello."
 
 
 def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path, project: Path) -> None:

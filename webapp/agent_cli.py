@@ -144,17 +144,18 @@ def _progress(e: ev._Event) -> None:
         print(f"    -> {'ok' if e.ok else 'failed'} ({e.decision}{code}) {e.result[:160]!r}", file=sys.stderr)
     elif isinstance(e, ev.ActionOutput):
         sys.stderr.write(visible_text(e.text))  # command output: untrusted, its escape sequences marked
-    elif isinstance(e, ev.Notice | ev.StepLimitReached):
-        print(
-            visible_text(f"    {getattr(e, 'text', '') or f'step limit reached ({e.steps})'}"),
-            file=sys.stderr,
-        )
+    elif isinstance(e, ev.StepLimitReached):
+        print(f"    stopped: {e.why}" if e.why else f"    step limit reached ({e.steps})", file=sys.stderr)
+    elif isinstance(e, ev.Notice):
+        print(visible_text(f"    {e.text}"), file=sys.stderr)
 
 
 async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    answer, finish, stats, error = "", None, {}, None
+    answer, finish, stats, error, stalled = "", None, {}, None, ""
     async for e in session.run_turn(task):
+        if isinstance(e, ev.StepLimitReached):
+            stalled = e.why
         if echo:
             _progress(e)
             if isinstance(e, ev.AnswerDelta):
@@ -169,6 +170,7 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
         "stats": {
             "steps": loop.steps if loop else 0,
             "step_limit_reached": bool(loop and loop.steps >= loop.limit),
+            "stalled": stalled,  # why it stopped before its limit (a refused call made again and again)
             "time_s": round(time.perf_counter() - t0, 3),
             "finish_reason": finish,
             "error": error,
@@ -293,11 +295,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if st["finish_reason"] == "error":
         return 1
     if st["step_limit_reached"]:  # the task was not finished: a script must not take it as done
-        print(
-            f"flashcode: the agent reached the step limit ({st['steps']} steps) before answering; "
-            "run again with a larger --max-steps",
-            file=sys.stderr,
+        why = (
+            f"stopped after {st['steps']} steps: {st['stalled']}; say the task another way"
+            if st.get("stalled")
+            else f"reached the step limit ({st['steps']} steps) before answering; run again with a larger "
+            "--max-steps"
         )
+        print(f"flashcode: the agent {why}", file=sys.stderr)
         return 3
     if not result["answer"].strip():
         # the model ended the task with no words (a small model that gave up): not a success

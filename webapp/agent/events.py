@@ -272,10 +272,12 @@ class ToolStepDone(_Event):
 
 @dataclass(frozen=True)
 class StepLimitReached(_Event):
-    """The loop stopped after `steps` steps; `/continue` (the Continue button) gives it more."""
+    """The loop stopped after `steps` steps; `/continue` (the Continue button) gives it more. `why`: set when
+    it stopped before its limit (the model repeating a refused call), in words."""
 
     steps: int
     max_steps: int
+    why: str = ""
     type: str = "step_limit"
 
 

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from .agent import AgentSession
 
 DEFAULT_MAX_STEPS = 25
+STALLED = 3  # refused repeats in a row that end the turn (the user can /continue or say it another way)
 # the agent's default model (`make setup` installs it): Qwen2.5-Coder-0.5B-Instruct, Q4_K_M
 DEFAULT_AGENT_MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 CHARS_PER_TOKEN = 3.0  # a cautious estimate for code and JSON (no tokenizer call per step)
@@ -121,6 +122,7 @@ class ToolLoop:
         self.last_stats: dict[str, Any] = {}
         self.mcp: McpTools | None = None  # the project's MCP servers' tools (mcp.py), loaded by run()
         self._refused: set[int] = set()  # indexes of records that were refused repeats
+        self._stall_from = 0  # the first record a stall counts (after /continue: the first new one)
 
     # ------------------------------------------------------------------ the loop
     async def run(self, messages: list[Message]) -> AsyncIterator[AgentEvent]:
@@ -135,6 +137,7 @@ class ToolLoop:
     async def resume(self, more_steps: int | None = None) -> AsyncIterator[AgentEvent]:
         """Continue after the step limit: `more_steps` more (default: the loop's max_steps)."""
         self.limit = self.steps + (more_steps or self.max_steps)
+        self._stall_from = len(self.records)
         async for ev in self._loop():
             yield ev
 
@@ -182,6 +185,14 @@ class ToolLoop:
             if self.steps >= self.limit:
                 yield StepLimitReached(self.steps, self.limit)
                 return
+            if (
+                self._stalled()
+            ):  # a small model that keeps making a refused call: say so rather than burn steps
+                self.limit = self.steps  # /continue gives it max_steps more, as at the limit
+                yield StepLimitReached(
+                    self.steps, self.limit, f"the model made a refused call {STALLED} times in a row"
+                )
+                return
 
     def _sampling(self) -> SamplingParams:
         """The session's sampling; after a refused repeat, warmer (seeded by the step, so a run can be
@@ -202,6 +213,10 @@ class ToolLoop:
         )
         async for ev in self.s.generate(request):
             yield ev
+
+    def _stalled(self) -> bool:
+        first = len(self.records) - STALLED
+        return first >= self._stall_from and all(i in self._refused for i in range(first, len(self.records)))
 
     # ------------------------------------------------------------------ one step
     async def _step(self, call: ToolCall) -> AsyncIterator[AgentEvent]:
