@@ -160,7 +160,9 @@ class GenerationStats:
 @dataclass(frozen=True)
 class PrefillProgress:
     """How much of the prompt the engine has read before its first token: `processed` of `total`
-    prompt tokens (tokens served from a cache count as read). Sent only when the request asks."""
+    prompt tokens (tokens served from a cache count as read). Sent only when the request asks; the last
+    one is (total, total), once the prompt is read: from there the model writes (a tool call being
+    written sends nothing else until it is whole)."""
 
     processed: int
     total: int

@@ -547,6 +547,8 @@ class _Turn:
     counted: int = 0  # generated tokens given to deltas so far (the chat endpoint's per-token timings)
     eos: bool = False  # the reply ended on the model's end token, which the server counts as generated
     held_ids: tuple[int, ...] = ()  # native chunks' token ids with no text yet
+    prompt_total: int | None = None  # the prompt's size, from the server's progress (progress asked for)
+    read: bool = False  # (total, total) was sent: the prompt is read
 
     def new_tokens(self) -> int:
         """Tokens generated since the last delta, by the server's running count (`timings_per_token`);
@@ -853,10 +855,18 @@ class LlamaServerBackend:
         self, chunk: dict[str, Any], turn: _Turn, stops: StopFilter
     ) -> Iterator[TextDelta | PrefillProgress]:
         if progress := chunk.get("prompt_progress"):  # {"total", "cache", "processed" (cache included)}
-            if int(progress.get("processed", 0)) < int(progress.get("total", 0)):
-                yield PrefillProgress(int(progress["processed"]), int(progress["total"]))
+            done, total = int(progress.get("processed", 0)), int(progress.get("total", 0))
+            turn.prompt_total = total
+            if not turn.read:
+                turn.read = done >= total
+                yield PrefillProgress(min(done, total), total)
             if "choices" not in chunk and not chunk.get("content") and not chunk.get("stop"):
                 return  # a native progress chunk: its "tokens": [0] is no token
+        if (
+            turn.prompt_total is not None and not turn.read
+        ):  # the first token, with no (total, total) before it
+            turn.read = True
+            yield PrefillProgress(turn.prompt_total, turn.prompt_total)
         if "timings" in chunk:
             turn.timings = chunk["timings"]
         if chunk.get("usage"):
@@ -961,6 +971,8 @@ class LlamaServerBackend:
         for ev in self.stream(replace(raw, prompt=prompt + TOOL_OPEN + "\n"), cancel, json_schema=schema):
             if isinstance(ev, TextDelta):
                 text += ev.text
+            elif isinstance(ev, PrefillProgress):
+                yield ev  # the prompt being read (all of it when the call is required), then (total, total)
             elif isinstance(ev, Done):
                 done = ev
         assert done is not None

@@ -397,7 +397,7 @@ class MLXBackend:
         def on_prefill(done: int, total: int) -> None:
             if cancel.is_set():
                 raise _Cancelled
-            if request.progress and done < total:  # (total, total) comes with the first token
+            if request.progress:  # (total, total) once, with the first token: the prompt is read
                 emit(PrefillProgress(cached + done, cached + total))
 
         stats = GenerationStats(prompt_tokens=len(prompt), cached_tokens=cached)

@@ -315,6 +315,29 @@ def test_an_agent_step_says_while_the_engine_reads_its_prompt(tmp_path: Path, pr
         assert at >= 0, x  # each after the one before
 
 
+def test_an_agent_step_that_writes_a_tool_call_says_the_prompt_is_read(tmp_path: Path, project: Path) -> None:
+    """A tool call shows nothing until it is whole (a minute of decoding for the 0.5B model here): once the
+    engine says the prompt is read, the status bar says the model writes; it said "Reading the prompt…
+    918 / 971 tokens" for the whole minute (a new user's walkthrough)."""
+    from engine.base import PrefillProgress
+
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("list_files")
+    fake.replies[-1][:0] = [PrefillProgress(918, 971), PrefillProgress(971, 971)]
+    fake.enqueue("Two files.")
+    with agent_conversation(tmp_path, project, fake) as (_, _, sock, cid):
+        send(sock, type="send", text="what is here?", conversation_id=cid)
+        frames = until(sock, r'data-state="idle"')
+    at = 0
+    for x in (
+        "Reading the prompt… 918 / 971 tokens",
+        "Writing… (the 971-token prompt is read)",
+        "list_files",
+    ):
+        at = frames.find(x, at)
+        assert at >= 0, x  # each after the one before
+
+
 def test_an_agent_turn_in_a_project_whose_folder_is_gone_says_so(ws, project: Path) -> None:
     """Moved or deleted on disk: nothing can run there. Before, the turn died silently (the user's message,
     then nothing); now the transcript says what happened and how to point the project at its new place."""

@@ -76,6 +76,14 @@ QUOTES: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
         "agent-files.json",
         lambda r: f"{r['success_rate']['llama']['constrained']} of the tasks",
     ),
+    (
+        "docs/agent.md",
+        "agent-files-at.json",
+        lambda r: (
+            f"**{r['success_rate']['llama']['constrained']}** of the tasks in the task's message and "
+            f"{r['success_rate']['llama']['constrained-filesys']} in the system prompt"
+        ),
+    ),
 ]
 
 

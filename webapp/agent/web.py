@@ -253,7 +253,12 @@ class AgentTurns:
             async for e in agent.run_turn(text):
                 if isinstance(e, ev.Reading):
                     reading = True
-                    turn.status(f"Reading the prompt… {e.processed:,} / {e.total:,} tokens")
+                    turn.status(
+                        f"Reading the prompt… {e.processed:,} / {e.total:,} tokens"
+                        if e.processed
+                        < e.total  # then the prompt is read: a tool call shows nothing until whole
+                        else f"Writing… (the {e.total:,}-token prompt is read)"
+                    )
                     continue
                 if reading:  # the model writes (words, or a tool call that follows)
                     reading = False

@@ -123,6 +123,8 @@ class ReplyStream:
         """The engine has read `processed` of `total` prompt tokens: shown in the reply until its first
         token, the first report at once, then at most one every PROGRESS_SECONDS."""
         self.prompt_total = total  # the context gauge counts it while the reply is written
+        if processed >= total and self.last_progress is None:
+            return  # read at once (the engine's last report says the prompt is read): nothing to show
         now = time.monotonic()
         if self.first is not None or (
             self.last_progress is not None and now - self.last_progress < PROGRESS_SECONDS
