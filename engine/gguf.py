@@ -732,12 +732,12 @@ def import_gguf(
     from tqdm import tqdm
 
     path = Path(path).expanduser().resolve()
-    gf = read_gguf(path)
-    spec = check_supported(gf)
-    name = validate_name(name or default_name(path))
+    name = validate_name(name or default_name(path))  # before the file is read: seconds for a large one
     target = models_root / name
     if target.exists() and not overwrite:
         raise GGUFImportError(f"a model named {name!r} already exists in {models_root}: pass --name NEW_NAME")
+    gf = read_gguf(path)
+    spec = check_supported(gf)
     shapes = {n.rsplit(".", 1)[0]: tuple(int(d) for d in reversed(t.shape)) for n, t in gf.tensors.items()}
     assert spec.build is not None
     config = spec.build(gf.metadata, gf.architecture, shapes)

@@ -197,10 +197,13 @@ def test_mcp_call_approved_and_denied_in_chromium(browser, tmp_path: Path) -> No
             card = page.locator('.agent-step[data-tool="demo__add"]')
             assert card.locator(".step-args").inner_text().split() == ["a", "2", "b", "40"]
             page.screenshot(path=str(ARTIFACTS / "mcp_result.png"), full_page=True)
-            run_turn(page, "echo <b>hi</b>", deny("not now, thanks"), seen)
+            run_turn(page, "echo <b>hi</b>", deny("not now, thanks" + ", really" * 40), seen)
             no = step_status(page, "demo__echo")
             assert no.get_attribute("data-ok") == "false" and no.get_attribute("data-decision") == "deny"
             assert "Denied" in no.inner_text() and "Denied by the user: not now, thanks" in no.inner_text()
+            # one long line wraps inside its card (it ran out of the window, cut off: a walkthrough)
+            result = no.locator("pre.step-result")
+            assert result.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), result.bounding_box()
             until(lambda: "OK, I did not echo it." in page.locator("#messages").inner_text(), "the answer")
             page.screenshot(path=str(ARTIFACTS / "mcp_denied.png"), full_page=True)
     finally:

@@ -75,6 +75,14 @@ def test_import_prints_name_and_bad_file_exits_with_message(tmp_path, model_home
     (tmp_path / "notes.txt").write_text("hello")
     proc = flashcode("import", str(tmp_path / "notes.txt"), home=home)
     assert proc.returncode == 2 and "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+    # a name taken is refused before the file is read (here: a file that is no GGUF, which would say so)
+    proc = flashcode("import", str(tmp_path / "notes.txt"), "--name", "other", home=home)
+    assert proc.returncode == 2 and "a model named 'other' already exists" in proc.stderr
+    # a damaged model says so in the list (llama-server would load its intact GGUF and answer regardless)
+    weights = next((home / "models" / "other").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    rows = {r.split("\t")[0]: r for r in flashcode("models", home=home).stdout.splitlines()}
+    assert "\tDAMAGED: " in rows["other"] and "DAMAGED" not in rows["tiny-model-q8_0"]
 
 
 def test_unknown_model_says_how_to_fix(model_home):
@@ -104,6 +112,7 @@ def test_bad_sampling_value_is_rejected(model_home):
         (("agent", "--project", ".", "  "), "the task is empty"),
         (("ask", ""), "the prompt is empty"),
         (("agent", "--project", "/etc/hostname", "task"), "is a file, not a directory: pick the folder"),
+        (("ask", "--seed", "x", "hi"), "'x' is not a seed: a whole number, 0 or more"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_model_loads(
@@ -115,6 +124,9 @@ def test_bad_arguments_are_refused_before_any_model_loads(
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr and "unexpected" not in proc.stderr
     assert not (tmp_path / "models").exists() and not proc.stdout
+    assert (
+        "usage:" not in proc.stderr and len(proc.stderr.splitlines()) <= 2
+    )  # the error, not 16 lines of usage
 
 
 @pytest.mark.slow

@@ -104,3 +104,7 @@ def test_format_usd_keeps_small_amounts_visible() -> None:
     assert costs.format_usd(0.0026) == "$0.0026"
     assert costs.format_usd(0.0000425) == "<$0.0001"
     assert costs.format_usd(1234.5) == "$1,234.50"
+    # below a dollar, two significant digits: rows that differ read differently (a walkthrough saw $0.01 twice)
+    assert [costs.format_usd(x) for x in (0.0146, 0.0136, 0.0095, 0.123, 0.5)] == [
+        "$0.015", "$0.014", "$0.0095", "$0.12", "$0.50"
+    ]  # fmt: skip

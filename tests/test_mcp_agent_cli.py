@@ -198,4 +198,4 @@ def test_real_model_flashcode_agent_asks_for_the_server_and_the_call(
     assert proc.returncode == 0 or "reached the step limit (1 steps) before answering" in err
     assert "names the MCP server calc, not approved yet" in err and "approved calc for" in err
     assert 'The agent wants to call the MCP tool: calc__add {"a": 1234, "b": 4321}' in err
-    assert "-> ok (once) '5555'" in err, err[-3000:]
+    assert "-> ok (approved) '5555'" in err, err[-3000:]

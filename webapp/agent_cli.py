@@ -39,7 +39,7 @@ from .agent.store import AgentStore
 from .agent.web import hidden_paths
 from .projects.store import ProjectRef
 from .render import visible_text
-from .units import non_negative_float, positive_int
+from .units import non_negative_float, positive_int, seed
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -136,12 +136,24 @@ def terminal_approval(mode: str) -> Any:
     return approve
 
 
+DECISION_WORDS = {  # a step's decision, as the transcript's cards say it
+    "none": "nothing to approve",
+    "rule": "allowed by a rule or auto-approved",
+    "once": "approved",
+    "always_exact": "approved, rule saved",
+    "always_prefix": "approved, rule saved",
+    "deny": "denied",
+    "timeout": "no answer: denied",
+}
+
+
 def _progress(e: ev._Event) -> None:
     if isinstance(e, ev.ToolStep):
         print(f"[{e.step}/{e.max_steps}] {e.tool} {json.dumps(e.arguments)[:200]}", file=sys.stderr)
     elif isinstance(e, ev.ToolStepDone):
-        code = f" exit {e.exit_code}" if e.exit_code is not None else ""
-        print(f"    -> {'ok' if e.ok else 'failed'} ({e.decision}{code}) {e.result[:160]!r}", file=sys.stderr)
+        code = f", exit {e.exit_code}" if e.exit_code is not None else ""
+        how = DECISION_WORDS.get(e.decision, e.decision)
+        print(f"    -> {'ok' if e.ok else 'failed'} ({how}{code}) {e.result[:160]!r}", file=sys.stderr)
     elif isinstance(e, ev.ActionOutput):
         sys.stderr.write(visible_text(e.text))  # command output: untrusted, its escape sequences marked
     elif isinstance(e, ev.StepLimitReached):
@@ -332,6 +344,6 @@ def register_agent(sub: Any) -> None:
     p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--max-tokens", type=positive_int, default=512, help="reply budget of each step")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed, default=None)
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_agent)

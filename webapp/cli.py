@@ -19,7 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from engine import paths
 from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
@@ -28,7 +28,7 @@ from engine.models import DEFAULT_MODEL
 from engine.placement import is_gguf_path
 
 from . import agent_cli, cli_bench, cli_conversations, cli_projects, preflight
-from .doctor import doctor_report, format_report
+from .doctor import doctor_report, format_report, model_problem
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
 from .projects.store import ProjectError
@@ -40,6 +40,7 @@ from .units import (
     port_number,
     positive_int,
     probability,
+    seed,
 )
 
 __all__ = [
@@ -252,8 +253,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     if not models:
         print("no models installed: run `flashcode setup` or `flashcode import FILE.gguf`", file=sys.stderr)
         return 0
-    for m in models:
-        print(f"{m.name}\t{m.architecture}\t{human_size(m.size_bytes)}")
+    for m in models:  # a damaged one says so (doctor's check): `ask` on llama-server would not notice
+        problem = model_problem(m)
+        print(
+            f"{m.name}\t{m.architecture}\t{human_size(m.size_bytes)}"
+            + (f"\tDAMAGED: {problem}" if problem else "")
+        )
     return 0
 
 
@@ -488,7 +493,7 @@ def add_generation_args(
     p.add_argument("--max-tokens", type=positive_int, default=512)
     p.add_argument("--temperature", type=non_negative_float, default=0.7)
     p.add_argument("--top-p", type=probability, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
     add_engine_args(p)
@@ -510,10 +515,16 @@ def _add_verbose(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its error first and alone: the whole usage block (16 lines for `serve`) buried the one line
+    that says what is wrong. The subcommands' parsers are of this class too (argparse makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists its options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="flashcode", description="A local LLM coding agent with a classic-Mac UI."
-    )
+    parser = _Parser(prog="flashcode", description="A local LLM coding agent with a classic-Mac UI.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

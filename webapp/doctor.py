@@ -229,7 +229,7 @@ def check_models(root: Path) -> Check:
     models = list_models(root) if (root / "models").is_dir() else []
     if not models:
         return Check(False, f"none in {root / 'models'}", f"flashcode setup --data-dir {root}", required=True)
-    damaged = [f"{m.name}: {problem}" for m in models if (problem := _model_problem(m))]
+    damaged = [f"{m.name}: {problem}" for m in models if (problem := model_problem(m))]
     if damaged:
         return Check(
             False,
@@ -245,7 +245,7 @@ def check_models(root: Path) -> Check:
     )
 
 
-def _model_problem(m: Any) -> str | None:
+def model_problem(m: Any) -> str | None:
     """What is wrong with an installed model: its weights cut short, or the GGUF llama-server loads."""
     problem = model_dir_problem(m.path)
     if problem is None and m.gguf_path is not None:  # its size as imported (a full parse takes seconds)

@@ -53,6 +53,11 @@ def positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "a whole number of 1 or more")
 
 
+def seed(text: str) -> int:
+    """A sampling seed: a whole number, 0 or more (MLX takes 64 bits unsigned)."""
+    return _checked(text, int, lambda v: 0 <= v < 2**64, "a seed: a whole number, 0 or more, e.g. 42")
+
+
 def gpu_layers(text: str) -> int:
     """llama.cpp's --n-gpu-layers: a count of layers, or -1 for all of them."""
     return _checked(text, int, lambda v: v >= -1, "a number of layers (0 or more), or -1 for all")

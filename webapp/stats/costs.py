@@ -168,11 +168,13 @@ def prices_from_form(
 
 
 def format_usd(amount: float) -> str:
-    """$12.34, or more digits for small amounts so a few replies do not read as $0.00."""
+    """$12.34; below a dollar two significant digits (up to four decimals), so a few replies do not read as
+    $0.00 and the rows of one table compare: $0.015 and $0.014, not $0.01 twice next to $0.0095."""
     if amount == 0:
         return "$0.00"
     if 0 < abs(amount) < 0.0001:
         return "<$0.0001"
-    if abs(amount) < 0.01:
-        return f"${amount:.4f}"
+    if abs(amount) < 1:
+        decimals = min(4, max(2, 1 - math.floor(math.log10(abs(amount)))))
+        return f"${amount:.{decimals}f}"
     return f"${amount:,.2f}"
