@@ -158,3 +158,24 @@ def test_flash_moe_options_reach_the_engine(model_home, tmp_path):
     assert proc.returncode == 2 and "not a number of 0 or more" in proc.stderr
     proc = flashcode("ask", "--backend", "llama", "--routing-bias", "1", "hi", home=model_home)
     assert proc.returncode != 0 and "applies to the flash backend, not llama" in proc.stderr
+
+
+def test_ctrl_c_while_the_command_line_loads_says_one_line(tmp_path: Path) -> None:
+    """Importing the command line (MLX, transformers) takes a second or so: a Ctrl-C then printed the import's
+    traceback (37 lines); it says one line, as a Ctrl-C later does. (Measured with the old entry point: at
+    0.1 and 0.25 s a traceback, at 0.5 s the command's own line.)"""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [FLASHCODE, "serve", "--port", "0"],
+        env={**os.environ, "FLASHCODE_HOME": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.25)  # past the interpreter's start, inside the imports
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err and err.strip() == "flashcode: stopped (Ctrl-C)", err
+    assert proc.returncode == 130
