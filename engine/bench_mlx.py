@@ -352,7 +352,8 @@ def _threads_label(threads: int | None) -> str:
 def _start_llama(model: Any, threads: int | None) -> Any:
     from .llama_server import LlamaServerBackend
 
-    server = LlamaServerBackend(context_length=2048, threads=threads)
+    # None: llama.cpp's own choice (-t -1), not flashcode's default of a core fewer
+    server = LlamaServerBackend(context_length=2048, threads=threads if threads is not None else -1)
     server.load(model)
     return server
 

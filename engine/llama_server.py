@@ -560,6 +560,26 @@ class _Turn:
         return n
 
 
+def default_threads(logical: int | None = None, physical: int | None = None) -> int | None:
+    """llama-server's threads: one core fewer than the physical ones this process may use, at least one. llama.cpp
+    takes every physical core, and every token waits at a barrier for its slowest thread: one core busy with
+    anything else (the browser, this web server, a build) stalls them all. In bench/results/mlx.json, on this
+    2-core machine under a load of 3, llama.cpp's own choice (2 threads) decoded at 3.1, 2.1 and 58 tok/s
+    against 42, 59 and 57 with one thread. None on macOS: Metal does the work, llama.cpp picks its cores."""
+    if sys.platform == "darwin" and logical is None:
+        return None
+    if logical is None:
+        try:
+            logical = len(os.sched_getaffinity(0))  # a cpuset (container, taskset) counts
+        except AttributeError:
+            logical = os.cpu_count() or 1
+    if physical is None:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False) or logical
+    return max(1, min(logical, physical) - 1)
+
+
 class LlamaServerBackend:
     """Backend protocol over llama-server: spawned for the model's GGUF, or attached with url=."""
 
@@ -674,6 +694,8 @@ class LlamaServerBackend:
             rpc = self.cluster.start(Path(self._model_info.gguf_path), settings.pop("n_gpu_layers", None))
             settings["extra_args"] = (*settings["extra_args"], *rpc)
             settings["n_gpu_layers"] = None
+        elif settings.get("threads") is None:  # (the workers' rpc-servers pick their own)
+            settings["threads"] = default_threads()
         gguf = Path(self._model_info.gguf_path)
         cache_ram = None
         if not {"--cache-ram", "-cram"} & set(settings["extra_args"]) and server_supports(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,19 @@ def test_llama_options_map_to_flags() -> None:
         "1",
     ]
     assert "--metrics" in args and args[args.index("--slot-save-path") + 1] == "/s"
+
+
+def test_llama_threads_leave_a_core_free() -> None:
+    """llama.cpp takes every physical core; one busy with anything else stalled every token (mlx.json: 2-3
+    tok/s against 42-59 with one thread on this 2-core machine under load): a core fewer, at least one."""
+    from engine.llama_server import default_threads
+
+    assert default_threads(logical=2, physical=2) == 1
+    assert default_threads(logical=16, physical=8) == 7  # hyperthreads do not count
+    assert default_threads(logical=4, physical=8) == 3  # a cpuset of 4 cores
+    assert default_threads(logical=1, physical=1) == 1
+    auto = default_threads()
+    assert auto is None if sys.platform == "darwin" else auto >= 1
 
 
 def test_llama_options_refuse_a_quantized_v_cache_without_flash_attention() -> None:
