@@ -119,6 +119,9 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     menu(page, "View", "[data-open=files-window]")
     wait_for(page, "#files-window tr[data-path='app.py']")
     assert page.locator("#files-window tr[data-path='keys.secret']").count() == 0
+    # it opens on the right: it had opened in the top-left corner, over the chat window's title and model menu
+    files, model = page.locator("#files-window").bounding_box(), page.locator("#model-picker").bounding_box()
+    assert files and model and files["x"] > model["x"] + model["width"], (files, model)
     page.locator("#files-window tr[data-path='app.py'] .file-name").click()
     code = wait_for(page, "#file-view .highlight")
     assert "def greet" in code.inner_text()
