@@ -615,6 +615,17 @@ def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_cha
     assert not of(events, ev.StepLimitReached)
 
 
+def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """A call the user denied, made again three times (each refused without asking): the turn ends too."""
+    for _ in range(5):
+        fake.enqueue_call("run_command", command="rm -rf build")
+    approver = Approver(ev.Decision.deny("no"))
+    events = asyncio.run(collect(session(worker, project, approver), "clean up"))
+    assert [e.steps for e in of(events, ev.StepLimitReached)] == [4] and len(approver.asked) == 1
+
+
 def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:

@@ -185,9 +185,7 @@ class ToolLoop:
             if self.steps >= self.limit:
                 yield StepLimitReached(self.steps, self.limit)
                 return
-            if (
-                self._stalled()
-            ):  # a small model that keeps making a refused call: say so rather than burn steps
+            if self._stalled():  # a small model that keeps making a refused call: say so, not burn steps
                 self.limit = self.steps  # /continue gives it max_steps more, as at the limit
                 yield StepLimitReached(
                     self.steps, self.limit, f"the model made a refused call {STALLED} times in a row"
@@ -237,7 +235,7 @@ class ToolLoop:
             result = ToolResult(False, f"Error: {type(exc).__name__}: {exc}")
         content = result.content
         self.messages.append(tool_message(call, self._quote(call, content)))
-        if content.startswith("Error: step "):
+        if content.startswith(("Error: step ", "Error: the user denied exactly this call")):
             self._refused.add(len(self.records))  # a refused repeat: never the call matched next time
         self.records.append(
             {
