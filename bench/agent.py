@@ -39,6 +39,7 @@ from bench.provenance import provenance  # noqa: E402
 from engine.base import SamplingParams  # noqa: E402
 from engine.worker import Worker  # noqa: E402
 from webapp import engine_host  # noqa: E402
+from webapp.agent import files as agent_files  # noqa: E402
 from webapp.agent.agent import AgentSession, FilesAt  # noqa: E402
 from webapp.agent.loop import DEFAULT_AGENT_MODEL  # noqa: E402
 from webapp.agent.search import LocalSearchProvider  # noqa: E402
@@ -145,9 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--mode",
         action="append",
-        choices=["constrained", "unconstrained", "constrained-nofiles", "constrained-filesys"],
+        choices=[
+            "constrained",
+            "unconstrained",
+            "constrained-nofiles",
+            "constrained-filesys",
+            "constrained-noshow",
+        ],
         help="constrained-nofiles: without the project's file list; constrained-filesys: the list in the system "
-        "prompt (where it was first; default: in the task's message)",
+        "prompt (where it was first; default: in the task's message); constrained-noshow: an edit whose text is "
+        "not in the file fails without the file's lines (as before they were shown)",
     )
     ap.add_argument("--model", default=DEFAULT_AGENT_MODEL)
     ap.add_argument("--max-steps", type=int, default=5)
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(lambda b=backend: engine_host.make_loaded_backend(b, args.model))
         try:
             for mode in modes:
+                agent_files.SHOW_ON_MISS = mode != "constrained-noshow"
                 for task in chosen:
                     r = run_one(
                         worker, task, mode != "unconstrained", args.max_steps, FILES_AT.get(mode, "task")

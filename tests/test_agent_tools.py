@@ -127,6 +127,29 @@ def test_files_write_and_edit_produce_diffs(proj: Path) -> None:
         files.propose_edit("src/a.py", "nothing", "x")
 
 
+def test_an_edit_whose_text_is_not_there_shows_the_lines_to_copy_it_from(proj: Path) -> None:
+    """The 0.5B model invented `old_text` (`return add(a, b)` for `return a - b`) and made the call again and
+    again: the error now carries the file's lines, numbered as read_file numbers them."""
+    files = ProjectFiles(proj)
+    (proj / "ops.py").write_text("def add(a, b):\n    return a - b\n")
+    with pytest.raises(FileToolError) as err:
+        files.propose_edit("ops.py", "return add(a, b)", "return a + b")
+    assert str(err.value).endswith(
+        "without the line numbers):\n    1  def add(a, b):\n    2      return a - b"
+    )
+    big = "".join(f"x{i} = {i}\n" for i in range(200)).replace("x150 = 150", "total = a - b")
+    (proj / "big.py").write_text(big)
+    with pytest.raises(FileToolError) as err:
+        files.propose_edit("big.py", "total = a + b", "total = a + b + 1")
+    shown = str(err.value)
+    assert "Lines 131-170 of 200" in shown and "  151  total = a - b" in shown and "x10 =" not in shown
+    with pytest.raises(
+        FileToolError
+    ) as err:  # twice there: no lines (the model knows its text is in the file)
+        files.propose_edit("big.py", "= 1", "= 2")
+    assert "occurs" in str(err.value) and "Lines" not in str(err.value)
+
+
 # --------------------------------------------------------------------------- search
 def test_search_ddgs_without_network_says_so_plainly() -> None:
     provider = DDGSProvider(timeout_s=3, min_interval_s=0)

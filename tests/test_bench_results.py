@@ -49,6 +49,7 @@ RAW = {
     "agent-constraint.json": "raw_runs",
     "agent-files.json": "raw_runs",
     "agent-files-at.json": "raw_runs",
+    "agent-edit-hint.json": "raw_runs",
     "distributed.json": "configs",
     "distributed-flash.json": "configs",
 }

@@ -37,6 +37,11 @@ MAX_EDIT_BYTES = 5 << 20  # the file tools diff and rewrite text files up to thi
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux (1024 on macOS is checked by the system itself)
 MAX_NAME_BYTES = 255
 MAX_DEPTH = 64  # names in a path, counted from /
+# an edit whose text does not occur: the error shows the file's lines (all of a short file; else those around
+# the closest line) to copy `old_text` from. A small model otherwise invents it (`return add(a, b)` for
+# `return a - b`) and repeats the call; bench/agent.py --mode constrained-noshow turns this off to measure it
+SHOW_ON_MISS = True
+SHOWN_LINES = 40
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
 
@@ -61,6 +66,27 @@ class FileChange:
     new: str
     diff: str
     type: str = "file_change"
+
+
+def _near(text: str, find: str) -> str:
+    """The lines of `text` to copy an edit's `old_text` from: all of them when there are at most SHOWN_LINES,
+    else SHOWN_LINES around the line most like `find`'s first line; numbered as read_file numbers them."""
+    lines = text.splitlines()
+    start = 0
+    if len(lines) > SHOWN_LINES:
+        first = next((ln.strip() for ln in find.splitlines() if ln.strip()), find.strip())
+        best = max(
+            range(len(lines)), key=lambda i: difflib.SequenceMatcher(None, lines[i].strip(), first).ratio()
+        )
+        start = max(0, min(best - SHOWN_LINES // 2, len(lines) - SHOWN_LINES))
+    part = lines[start : start + SHOWN_LINES]
+    what = (
+        "The file's text"
+        if len(part) == len(lines)
+        else f"Lines {start + 1}-{start + len(part)} of {len(lines)}"
+    )
+    body = "\n".join(f"{start + i + 1:>5}  {ln}" for i, ln in enumerate(part))
+    return f"{what} (old_text must be copied from it exactly, without the line numbers):\n{body}"
 
 
 def shown(path: str, limit: int = 120) -> str:
@@ -317,8 +343,9 @@ class ProjectFiles:
             raise FileToolError(f"{shown(path)}: no such file in the project")
         count = old.count(find) if find else 0
         if count != 1:
+            hint = f"\n{_near(old, find)}" if count == 0 and find and SHOW_ON_MISS else ""
             raise FileToolError(
-                f"{shown(path)}: the text to replace occurs {count} times; it must occur exactly once"
+                f"{shown(path)}: the text to replace occurs {count} times; it must occur exactly once{hint}"
             )
         new = old.replace(find, replace, 1)
         return FileChange(self.relative(full), old, new, unified_diff(self.relative(full), old, new))
