@@ -64,7 +64,12 @@ class ContextNotFoundError(EngineError):
 
 
 class QuotaExceededError(EngineError):
-    pass
+    """`adding`: the bytes the refused save needed; `quota`: the project's quota. A save larger than the whole
+    quota cannot be made room for."""
+
+    def __init__(self, message: str, adding: int = 0, quota: int = 0) -> None:
+        super().__init__(message)
+        self.adding, self.quota = adding, quota
 
 
 class ContextImportError(EngineError):
@@ -547,7 +552,9 @@ class ContextStore:
         need = f"; this context needs {_human(adding)}" if adding else ""
         raise QuotaExceededError(
             f"project {project_id}'s saved contexts use {_human(used)} of its {_human(self.quota_bytes)} quota{need}: "
-            f"delete or export older contexts{hint} (the quota is FLASHCODE_CONTEXT_QUOTA_MB)"
+            f"delete or export older contexts{hint} (the quota is FLASHCODE_CONTEXT_QUOTA_MB)",
+            adding,
+            self.quota_bytes,
         )
 
     @staticmethod

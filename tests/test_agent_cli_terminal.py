@@ -56,6 +56,20 @@ def test_a_proposed_command_cannot_redraw_the_prompt(
     assert not (tmp_path / "marker.txt").exists()
 
 
+def test_a_tool_name_the_model_wrote_is_printed_with_markers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call(
+        "\x1b]52;c;cHduZWQ=\x07\x1b[8m"
+    )  # a clipboard write, then "conceal" (a review found it)
+    fake.enqueue("done")
+    err = _ask(tmp_path, fake, "", monkeypatch, capsys)
+    assert (
+        "\x1b" not in err and "\x07" not in err and "[1/25] <U+001B>]52;c;cHduZWQ=<U+0007><U+001B>[8m" in err
+    )
+
+
 def test_a_diff_and_command_output_are_printed_with_markers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
+from engine.sessions import QuotaExceededError
 from engine.worker import Worker
 from webapp.contexts.http import SavedContexts
 from webapp.db import Database
@@ -58,7 +59,7 @@ class FakeCacheBackend:
             from engine.base import EngineError
 
             raise EngineError("there is no context to save yet: send a message first")
-        Path(path).write_bytes(b"kv" * 1000)
+        Path(path).write_bytes(b"k" * getattr(self, "size", 2000))
         return {"tokens": list(self.prompt_cache.tokens), "metadata": {"kv_bits": str(kv_bits or 32)}}
 
     def load_prompt_cache(self, path: Path, tokens: list[int] | None = None) -> dict[str, Any]:
@@ -260,3 +261,28 @@ def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path:
             assert r.status_code == 404 and not (data_dir / "projects" / "no-such-project").exists()
     finally:
         worker.close()
+
+
+def test_an_automatic_save_larger_than_the_quota_evicts_nothing(tmp_path, default_model):
+    """A conversation whose cache alone is over the autosave quota (a long one, saved as the engine holds it):
+    it is not saved, and the project's other saves stay. Before, each was evicted in turn (the file written
+    again each time) and the save failed anyway."""
+    from webapp.projects.resume import AutoResume
+
+    fake = FakeCacheBackend(default_model)  # writes a 2,000-byte cache (`size`)
+    worker = Worker(lambda: fake)
+    db = Database(tmp_path / "flashcode.db")
+    try:
+        fake.run([{"role": "user", "content": "first"}])
+        roomy = AutoResume(tmp_path, worker, db, quota_bytes=1 << 20)
+        roomy._save(fake, "p1", "conv-a", [{"role": "user", "content": "first"}])
+        assert [s.context.conversation_id for s in roomy.saved("p1")] == ["conv-a"]
+        tight = AutoResume(tmp_path, worker, db, quota_bytes=4_000)  # holds conv-a's save
+        fake.run([{"role": "user", "content": "second"}])
+        fake.size = 5_000  # conv-b's cache alone is over the quota
+        with pytest.raises(QuotaExceededError):
+            tight._save(fake, "p1", "conv-b", [{"role": "user", "content": "second"}])
+        assert [s.context.conversation_id for s in tight.saved("p1")] == ["conv-a"]  # still there
+    finally:
+        worker.close()
+        db.close()

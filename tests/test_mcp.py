@@ -148,6 +148,7 @@ def test_mcp_json_shapes(tmp_path: Path) -> None:
     assert tool_name("demo", "get.thing/v2") == "demo__get_thing_v2"
     # `a__b` + tool `c` and `a` + tool `b__c` would be one tool name, and one allow rule
     assert "cannot contain '__'" in (parse_entry("a__b", {"command": "x"}).error or "")
+    assert "nor end in '_'" in (parse_entry("a_", {"command": "x"}).error or "")  # `a_`+`x` = `a`+`_x`
     assert parse_entry("a_b", {"command": "x"}).error is None
     (tmp_path / ".mcp.json").write_text("{not json")
     assert "cannot be read" in (read_file_config(tmp_path)[1] or "")

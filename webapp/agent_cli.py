@@ -149,7 +149,11 @@ DECISION_WORDS = {  # a step's decision, as the transcript's cards say it
 
 def _progress(e: ev._Event) -> None:
     if isinstance(e, ev.ToolStep):
-        print(f"[{e.step}/{e.max_steps}] {e.tool} {json.dumps(e.arguments)[:200]}", file=sys.stderr)
+        # the tool's name is the model's text too (an unconstrained call names any tool): marked like the rest
+        print(
+            visible_text(f"[{e.step}/{e.max_steps}] {e.tool} {json.dumps(e.arguments)[:200]}"),
+            file=sys.stderr,
+        )
     elif isinstance(e, ev.ToolStepDone):
         code = f", exit {e.exit_code}" if e.exit_code is not None else ""
         how = DECISION_WORDS.get(e.decision, e.decision)

@@ -245,11 +245,14 @@ def _mapping(value: Any, what: str) -> tuple[tuple[str, str], ...]:
 def _parse(name: str, entry: Any, source: Source) -> ServerConfig:
     if not NAME_RE.fullmatch(name):
         raise McpConfigError("a server name is 1-40 letters, digits, '_' or '-'")
-    if (
-        SEP in name
-    ):  # `a__b` + `c` and `a` + `b__c` would both be the tool `a__b__c`, and share its allow rule
-        raise McpConfigError(f"a server name cannot contain {SEP!r}: it separates the server from the tool in "
-                             f"`server{SEP}tool` (rename it, say to {name.replace(SEP, '_')!r})")  # fmt: skip
+    # `a__b` + `c` and `a` + `b__c` would both be the tool `a__b__c` and share its allow rule; so would `a_` + `x`
+    # and `a` + `_x`: with no `__` inside and no `_` at its end, a name's first `__` ends the server's name
+    if SEP in name or name.endswith("_"):
+        better = name.replace(SEP, "_").rstrip("_") or "server"
+        raise McpConfigError(
+            f"a server name cannot contain {SEP!r} nor end in '_': {SEP!r} separates the server from the tool in "
+            f"`server{SEP}tool` (rename it, say to {better!r})"
+        )
     if not isinstance(entry, dict):
         raise McpConfigError("the entry must be a JSON object")
     kind = entry.get("type")

@@ -222,9 +222,9 @@ class AutoResume:
             try:
                 ctx = self.store.save(backend, project, f"auto {cid}", kv_bits=kv_bits, conversation_id=cid)
                 break
-            except QuotaExceededError:
+            except QuotaExceededError as exc:
                 victims = self.saved(project)
-                if not victims:
+                if not victims or exc.adding > exc.quota:  # larger than the whole quota: no room to make
                     raise
                 self.store.delete(project, victims[-1].context.id)
                 self._event("evicted", victims[-1].context.conversation_id or "")
