@@ -84,6 +84,14 @@ QUOTES: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
             f"{r['success_rate']['llama']['constrained-filesys']} in the system prompt"
         ),
     ),
+    (
+        "docs/agent.md",
+        "agent-edit-hint.json",
+        lambda r: (
+            f"**{r['success_rate']['llama']['constrained']}** with the lines and "
+            f"{r['success_rate']['llama']['constrained-noshow']} without"
+        ),
+    ),
 ]
 
 
