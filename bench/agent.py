@@ -39,7 +39,6 @@ from bench.provenance import provenance  # noqa: E402
 from engine.base import SamplingParams  # noqa: E402
 from engine.worker import Worker  # noqa: E402
 from webapp import engine_host  # noqa: E402
-from webapp.agent import files as agent_files  # noqa: E402
 from webapp.agent.agent import AgentSession, FilesAt  # noqa: E402
 from webapp.agent.loop import DEFAULT_AGENT_MODEL  # noqa: E402
 from webapp.agent.search import LocalSearchProvider  # noqa: E402
@@ -72,7 +71,12 @@ def check(task: dict[str, Any], repo: Path) -> bool:
 
 
 def run_one(
-    worker: Worker, task: dict[str, Any], constrained: bool, max_steps: int, project_files: FilesAt = "task"
+    worker: Worker,
+    task: dict[str, Any],
+    constrained: bool,
+    max_steps: int,
+    project_files: FilesAt = "task",
+    show_on_miss: bool = True,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flashcode-agent-bench-") as tmp:
         repo = make_repo(task, Path(tmp))
@@ -88,6 +92,7 @@ def run_one(
             project_files=project_files,
             sampling=SamplingParams(temperature=0.0, max_tokens=384),
         )
+        session.files.show_on_miss = show_on_miss
         t0 = time.perf_counter()
         try:
             result = asyncio.run(run_agent_task(session, task["instruction"], echo=False))
@@ -192,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(lambda b=backend: engine_host.make_loaded_backend(b, args.model))
         try:
             for mode in modes:
-                agent_files.SHOW_ON_MISS = mode != "constrained-noshow"
                 for task in chosen:
                     r = run_one(
-                        worker, task, mode != "unconstrained", args.max_steps, FILES_AT.get(mode, "task")
+                        worker,
+                        task,
+                        mode != "unconstrained",
+                        args.max_steps,
+                        FILES_AT.get(mode, "task"),
+                        show_on_miss=mode != "constrained-noshow",
                     )
                     runs.append({"backend": backend, "mode": mode, **r})
                     print(f"{backend:5} {mode:13} {task['name']:20} {'PASS' if r['success'] else 'fail'} "

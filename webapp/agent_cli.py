@@ -136,17 +136,6 @@ def terminal_approval(mode: str) -> Any:
     return approve
 
 
-DECISION_WORDS = {  # a step's decision, as the transcript's cards say it
-    "none": "nothing to approve",
-    "rule": "allowed by a rule or auto-approved",
-    "once": "approved",
-    "always_exact": "approved, rule saved",
-    "always_prefix": "approved, rule saved",
-    "deny": "denied",
-    "timeout": "no answer: denied",
-}
-
-
 def _progress(e: ev._Event) -> None:
     if isinstance(e, ev.ToolStep):
         # the tool's name is the model's text too (an unconstrained call names any tool): marked like the rest
@@ -156,7 +145,7 @@ def _progress(e: ev._Event) -> None:
         )
     elif isinstance(e, ev.ToolStepDone):
         code = f", exit {e.exit_code}" if e.exit_code is not None else ""
-        how = DECISION_WORDS.get(e.decision, e.decision)
+        how = e.decision_words
         print(f"    -> {'ok' if e.ok else 'failed'} ({how}{code}) {e.result[:160]!r}", file=sys.stderr)
     elif isinstance(e, ev.ActionOutput):
         sys.stderr.write(visible_text(e.text))  # command output: untrusted, its escape sequences marked

@@ -81,6 +81,12 @@ def visible_text(text: str) -> str:
     return _CANDIDATE.sub(lambda m: marker(m.group()) if is_invisible(m.group()) else m.group(), text)
 
 
+def visible_line(value: Any) -> str:
+    """`value` as text on one line, for a line of an approval prompt or dialog: `visible_text`, and tab
+    and newline as markers too (a config value must not start a line of its own under the prompt)."""
+    return visible_text(str(value)).replace("\t", marker("\t")).replace("\n", marker("\n"))
+
+
 def hidden_chars(text: str) -> list[str]:
     """The characters of `text` a reader cannot see, in order (repeats kept)."""
     return [m.group() for m in _CANDIDATE.finditer(text) if is_invisible(m.group())]

@@ -154,7 +154,7 @@ def test_an_mcp_approval_shows_headers_env_and_the_variables_it_reads() -> None:
     assert "env TOKEN=${HOME}" in stdio.details()
     # a value cannot redraw the terminal prompt it is shown in; a Settings server's typed tokens are not shown
     sneaky = parse_entry("x", {"command": "npx", "env": {"A": "\x1b[2A\x1b[2Kok\nmore"}}, "file")
-    assert sneaky.details() == ["env A=\\x1b[2A\\x1b[2Kok\\nmore"]
+    assert sneaky.details() == ["env A=<U+001B>[2A<U+001B>[2Kok<U+000A>more"]
     mine = parse_entry("mine", {"command": "npx", "env": {"TOKEN": "sk-typed"}}, "settings")
     assert mine.details() == ["env TOKEN=…"]
 

@@ -252,6 +252,17 @@ class ToolStep(_Event):
     type: str = "tool_step"
 
 
+DECISION_WORDS = {  # a step's decision in words: the transcript's step cards and `flashcode agent` say it so
+    "none": "nothing to approve",
+    "rule": "allowed by rule",  # a saved rule, or the project's auto-approve of file edits
+    "once": "approved",
+    "always_exact": "approved, rule saved",
+    "always_prefix": "approved, rule saved",
+    "deny": "denied",
+    "timeout": "no answer: denied",
+}
+
+
 @dataclass(frozen=True)
 class ToolStepDone(_Event):
     """What the call came to: the result the model gets back (`result`, quoted to it as untrusted
@@ -268,6 +279,10 @@ class ToolStepDone(_Event):
     action_id: int | None = None
     duration_s: float = 0.0
     type: str = "tool_step_done"
+
+    @property
+    def decision_words(self) -> str:
+        return DECISION_WORDS.get(self.decision, self.decision)
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,7 @@ MAX_EDIT_BYTES = 5 << 20  # the file tools diff and rewrite text files up to thi
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux (1024 on macOS is checked by the system itself)
 MAX_NAME_BYTES = 255
 MAX_DEPTH = 64  # names in a path, counted from /
-# an edit whose text does not occur: the error shows the file's lines (all of a short file; else those around
-# the closest line) to copy `old_text` from. A small model otherwise invents it (`return add(a, b)` for
-# `return a - b`) and repeats the call; bench/agent.py --mode constrained-noshow turns this off to measure it
-SHOW_ON_MISS = True
-SHOWN_LINES = 40
+SHOWN_LINES = 40  # an edit whose text does not occur: at most this many of the file's lines in the error
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
 
@@ -159,6 +155,10 @@ class ProjectFiles:
         # sandbox (a `.pth` file there would run at flashcode's next start), so the agent never writes there
         self.own = tuple(p for p in own_paths() if p != self.root and p.is_relative_to(self.root))
         self.hidden += self.secrets  # left out of listings and searches too
+        # an edit whose text does not occur: the error shows the file's lines (all of a short file; else those
+        # around the closest line) to copy `old_text` from. A small model otherwise invents it (`return add(a, b)`
+        # for `return a - b`) and repeats the call; bench/agent.py --mode constrained-noshow turns it off
+        self.show_on_miss = True
 
     def resolve(self, path: str | Path) -> Path:
         """The real path of `path` (relative to the root, or absolute); refused if outside."""
@@ -343,7 +343,7 @@ class ProjectFiles:
             raise FileToolError(f"{shown(path)}: no such file in the project")
         count = old.count(find) if find else 0
         if count != 1:
-            hint = f"\n{_near(old, find)}" if count == 0 and find and SHOW_ON_MISS else ""
+            hint = f"\n{_near(old, find)}" if count == 0 and find and self.show_on_miss else ""
             raise FileToolError(
                 f"{shown(path)}: the text to replace occurs {count} times; it must occur exactly once{hint}"
             )

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from ..render import visible_line
+
 CONFIG_FILE = ".mcp.json"
 MAX_CONFIG_BYTES = 256_000
 NAME_RE = re.compile(
@@ -100,12 +102,14 @@ class ServerConfig:
         env = raw["env"] if isinstance(raw.get("env"), dict) else dict(self.env)
         headers = raw["headers"] if isinstance(raw.get("headers"), dict) else dict(self.headers)
         # a server added in Settings is the user's: its values (tokens typed there) are not shown again
-        value = (lambda v: "…") if self.source == "settings" else _visible
-        lines = [f"env {_visible(k)}={value(v)}" for k, v in env.items()]
-        lines += [f"header {_visible(k)}: {value(v)}" for k, v in headers.items()]
+        value = (lambda v: "…") if self.source == "settings" else visible_line
+        lines = [f"env {visible_line(k)}={value(v)}" for k, v in env.items()]
+        lines += [f"header {visible_line(k)}: {value(v)}" for k, v in headers.items()]
         names = sorted({m.split(":-", 1)[0] for m in VAR_RE.findall(json.dumps(raw, default=str))})
         if names:
-            lines.append("reads from flashcode's environment: " + ", ".join(f"${_visible(n)}" for n in names))
+            lines.append(
+                "reads from flashcode's environment: " + ", ".join(f"${visible_line(n)}" for n in names)
+            )
         return lines
 
     def status(self) -> str:
@@ -211,13 +215,6 @@ def parse_entry(
         return replace(cfg, written=written, raw=entry)
     except McpConfigError as exc:
         return ServerConfig(name, "stdio", source=source, error=str(exc), enabled=False, raw=_dict(entry))
-
-
-def _visible(value: Any) -> str:
-    """A config value on one line, as text: control characters (a terminal's escape sequences, line
-    breaks) shown as `\\x1b`, `\\n` — a `.mcp.json` must not redraw the approval prompt it is shown in."""
-    text = str(value)
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _dict(entry: Any) -> dict[str, Any]:
