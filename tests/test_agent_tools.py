@@ -323,3 +323,76 @@ def test_fetch_url_connects_only_to_the_address_it_checked() -> None:
         server.shutdown()
         server.server_close()
     assert hits == []
+
+
+def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY/HTTPS_PROXY are honoured (a network whose only way out is a proxy), NO_PROXY too; through a
+    proxy the target is still checked here first: a loopback address, literal or by name, never reaches it."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from webapp.agent import tools as agent_tools
+
+    proxied: list[str] = []
+    direct: list[str] = []
+
+    class Proxy(BaseHTTPRequestHandler):  # a forward proxy that answers itself: the request line is the URL
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            proxied.append(self.path)
+            body = f"via proxy: {self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    class Page(Proxy):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            direct.append(self.path)
+            body = b"direct page"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # a route lookup only: this machine's network address
+        address = s.getsockname()[0]
+    proxy, page = ThreadingHTTPServer(("127.0.0.1", 0), Proxy), ThreadingHTTPServer((address, 0), Page)
+    for server in (proxy, page):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    real_resolve = agent_tools._resolve
+
+    async def resolve(host: str, port: int) -> list[str]:  # no DNS here: one public name, the rest as is
+        return ["93.184.215.14"] if host == "example.test" else await real_resolve(host, port)
+
+    monkeypatch.setattr(agent_tools, "_resolve", resolve)
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setenv(
+        "HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}"
+    )  # a proxy on loopback is fine
+    monkeypatch.setenv("NO_PROXY", address)
+    try:
+        assert (
+            asyncio.run(fetch_url("http://example.test/page?q=1"))
+            == "via proxy: http://example.test/page?q=1"
+        )
+        for url in (f"http://127.0.0.1:{page.server_address[1]}/secret", "http://localhost/secret",
+                    "http://169.254.169.254/latest/meta-data/"):  # fmt: skip
+            with pytest.raises(FileToolError, match="out of bounds"):
+                asyncio.run(fetch_url(url))
+        # NO_PROXY: straight to the page, through the direct path's own checks
+        assert asyncio.run(fetch_url(f"http://{address}:{page.server_address[1]}/here")) == "direct page"
+    finally:
+        for server in (proxy, page):
+            server.shutdown()
+            server.server_close()
+    assert proxied == ["http://example.test/page?q=1"]
+    assert direct == ["/here"]

@@ -365,13 +365,54 @@ def _public_transport() -> httpx.AsyncHTTPTransport:
     return transport
 
 
+def _proxy_for(url: httpx.URL) -> str | None:
+    """The proxy the user named for `url` (`HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY`, in either case, less the
+    hosts `NO_PROXY` names; on macOS the system's settings too), or None to connect directly."""
+    import urllib.request
+
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(url.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(url.host):
+        return None
+    return proxy if "://" in proxy else f"http://{proxy}"
+
+
+class _Routed(httpx.AsyncBaseTransport):
+    """Each request (each redirect's too) goes directly, through `_PublicAddresses`, or through the proxy the
+    user named for its URL. Through a proxy the proxy connects, so the target is checked here first: a literal
+    address, and every address its name resolves to on this machine, must be in bounds. A name this machine
+    cannot resolve (a network where only the proxy resolves outside names) is left to the proxy."""
+
+    def __init__(self) -> None:
+        self.direct = _public_transport()
+        self.proxied: dict[str, httpx.AsyncHTTPTransport] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        proxy = _proxy_for(request.url)
+        if proxy is None:
+            return await self.direct.handle_async_request(request)
+        host = request.url.host
+        try:
+            addresses = await _resolve(host, request.url.port or 443)
+        except OSError:
+            addresses = []
+        for address in addresses:
+            if (refused := _out_of_bounds(host, address)) is not None:
+                raise httpx.ConnectError(refused, request=request) from _PublicAddresses.Refused(refused)
+        if proxy not in self.proxied:
+            self.proxied[proxy] = httpx.AsyncHTTPTransport(proxy=proxy)
+        return await self.proxied[proxy].handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for transport in (self.direct, *self.proxied.values()):
+            await transport.aclose()
+
+
 async def fetch_url(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
     """The page at `url` as readable text (trafilatura's main-content extraction; plain text as is)."""
     if not re.match(r"^https?://", url):
         raise FileToolError("fetch_url takes an http:// or https:// address")
-    async with httpx.AsyncClient(
-        follow_redirects=True, timeout=timeout_s, transport=_public_transport()
-    ) as client:
+    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s, transport=_Routed()) as client:
         try:
             resp = await client.get(url, headers={"User-Agent": "flashcode"})
         except httpx.ConnectError as exc:
