@@ -368,16 +368,19 @@ def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pyt
         threading.Thread(target=server.serve_forever, daemon=True).start()
     real_resolve = agent_tools._resolve
 
-    async def resolve(host: str, port: int) -> list[str]:  # no DNS here: one public name, the rest as is
-        return ["93.184.215.14"] if host == "example.test" else await real_resolve(host, port)
+    names = {"example.test": "93.184.215.14", "fass.de": "93.184.215.14", "xn--fa-hia.de": "127.0.0.1"}
+    asked: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:  # no DNS here: a few names, the rest as is
+        asked.append(host)
+        return [names[host]] if host in names else await real_resolve(host, port)
 
     monkeypatch.setattr(agent_tools, "_resolve", resolve)
     for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.upper(), raising=False)
-    monkeypatch.setenv(
-        "HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}"
-    )  # a proxy on loopback is fine
+    for name in ("HTTP_PROXY", "HTTPS_PROXY"):  # a proxy on loopback is fine
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.server_address[1]}")
     monkeypatch.setenv("NO_PROXY", address)
     try:
         assert (
@@ -385,9 +388,18 @@ def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pyt
             == "via proxy: http://example.test/page?q=1"
         )
         for url in (f"http://127.0.0.1:{page.server_address[1]}/secret", "http://localhost/secret",
-                    "http://169.254.169.254/latest/meta-data/"):  # fmt: skip
+                    "http://169.254.169.254/latest/meta-data/", "http://localhost./", "http://127.0.0.1./",
+                    "http://169.254.169.254./latest/", "http://foo.localhost/", "https://localhost./",
+                    "http://[::ffff:127.0.0.1]/", "http://2130706433/",
+                    # the proxy is sent the IDNA name: checked as that, not as Python's `fass.de`
+                    "http://faß.de/secret"):  # fmt: skip
             with pytest.raises(FileToolError, match="out of bounds"):
                 asyncio.run(fetch_url(url))
+        assert "fass.de" not in asked
+        with pytest.raises(
+            FileToolError, match="could not resolve"
+        ):  # unchecked: could answer 127.0.0.1 there
+            asyncio.run(fetch_url("http://nowhere.invalid/"))
         # NO_PROXY: straight to the page, through the direct path's own checks
         assert asyncio.run(fetch_url(f"http://{address}:{page.server_address[1]}/here")) == "direct page"
     finally:

@@ -379,9 +379,11 @@ def _proxy_for(url: httpx.URL) -> str | None:
 
 class _Routed(httpx.AsyncBaseTransport):
     """Each request (each redirect's too) goes directly, through `_PublicAddresses`, or through the proxy the
-    user named for its URL. Through a proxy the proxy connects, so the target is checked here first: a literal
-    address, and every address its name resolves to on this machine, must be in bounds. A name this machine
-    cannot resolve (a network where only the proxy resolves outside names) is left to the proxy."""
+    user named for its URL. Through a proxy the proxy connects, so the target is checked here first, by the
+    name the proxy is sent (IDNA-encoded: `faß.de` is `xn--fa-hia.de`, not the `fass.de` Python's resolver
+    would make of it; a trailing dot dropped): `localhost` and `*.localhost` are refused by name, and a
+    literal address and every address the name resolves to on this machine must be in bounds. A name this
+    machine cannot resolve is refused too: unchecked, it could be one that answers 127.0.0.1 at the proxy."""
 
     def __init__(self) -> None:
         self.direct = _public_transport()
@@ -391,11 +393,21 @@ class _Routed(httpx.AsyncBaseTransport):
         proxy = _proxy_for(request.url)
         if proxy is None:
             return await self.direct.handle_async_request(request)
-        host = request.url.host
+        host = request.url.raw_host.decode("ascii").strip("[]")
+        name = host[:-1] if host.endswith(".") else host
+        if name.lower() == "localhost" or name.lower().endswith(".localhost"):
+            refused = f"fetch_url does not fetch from {host}: this machine's own addresses are out of bounds"
+            raise httpx.ConnectError(refused, request=request) from _PublicAddresses.Refused(refused)
         try:
-            addresses = await _resolve(host, request.url.port or 443)
-        except OSError:
-            addresses = []
+            addresses = await _resolve(
+                name, request.url.port or (443 if request.url.scheme == "https" else 80)
+            )
+        except (OSError, UnicodeError) as exc:
+            refused = (
+                f"fetch_url could not resolve {host} on this machine ({exc}), so it cannot check where the proxy "
+                "would connect: not fetched"
+            )
+            raise httpx.ConnectError(refused, request=request) from _PublicAddresses.Refused(refused)
         for address in addresses:
             if (refused := _out_of_bounds(host, address)) is not None:
                 raise httpx.ConnectError(refused, request=request) from _PublicAddresses.Refused(refused)
