@@ -159,6 +159,33 @@ def test_search_ddgs_without_network_says_so_plainly() -> None:
     assert str(info.value).startswith("web search is unavailable: ") and time.monotonic() - t0 < 10
 
 
+def test_search_ddgs_goes_through_the_proxy_the_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real ddgs client, HTTPS_PROXY set: its requests go to that proxy (here one that hears them and hangs
+    up), as fetch_url's do. (ddgs passes no proxy of its own to primp, whose client reads the environment.)"""
+    import socketserver
+    import threading
+
+    heard: list[str] = []
+
+    class Proxy(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            heard.append(self.rfile.readline().decode("latin-1").strip())
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "DDGS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        with pytest.raises(SearchUnavailableError):
+            asyncio.run(DDGSProvider(timeout_s=3, min_interval_s=0).search("flashcode local llm"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert heard and all(line.startswith("CONNECT ") for line in heard), heard
+
+
 def test_search_ddgs_caches_and_throttles(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[float] = []
     provider = DDGSProvider(timeout_s=3, min_interval_s=0.3)
