@@ -615,6 +615,23 @@ def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_cha
     assert not of(events, ev.StepLimitReached)
 
 
+def test_toolloop_a_stalled_model_is_asked_to_answer_with_what_it_has(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen with the 0.5B agent model: it reads the file, then reads it again three times (each refused) and
+    the task ended with no answer. Now it is asked once more, without tools, and its words are the answer;
+    the request that asked is not kept in the conversation."""
+    for _ in range(4):
+        fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue("It prints", " hello.")
+    s = session(worker, project)
+    events = asyncio.run(collect(s, "what does app.py do?"))
+    assert not of(events, ev.StepLimitReached)
+    assert [e.text for e in of(events, ev.AnswerDone)] == ["It prints hello."]
+    assert s.loop.messages[-1] == {"role": "assistant", "content": "It prints hello."}
+    assert not [m for m in s.loop.messages if m.get("role") == "user" and "Stop calling tools" in str(m)]
+
+
 def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
@@ -629,10 +646,15 @@ def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
 def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
-    """Three refused repeats in a row end the turn with the reason and the Continue button (a 0.5B model
-    otherwise spends every remaining step on the same call); /continue gives it its steps back."""
+    """Three refused repeats in a row end the steps (a 0.5B model otherwise spends every remaining step on the
+    same call). The model is asked once more, offered no tools, to answer; when that gives no words either (a
+    call written as text) the turn ends with the reason and the Continue button; /continue gives it its steps
+    back."""
+    from webapp.agent.loop import ANSWER_SYSTEM
+
     for _ in range(4):
         fake.enqueue_call("read_file", path="app.py")  # step 1 reads; 2-4 are refused
+    fake.enqueue('{"name": "read_file", "arguments": {"path": "app.py"}}')  # asked to answer: a call as text
     fake.enqueue_call(
         "read_file", path="app.py"
     )  # after /continue: refused once more, and not stopped for it
@@ -641,7 +663,12 @@ def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
     events = asyncio.run(collect(s, "what does app.py do?"))
     limit = of(events, ev.StepLimitReached)
     assert [(e.steps, e.why) for e in limit] == [(4, "the model made a refused call 3 times in a row")]
-    assert len(fake.history) == 4  # no fifth generation
+    assert len(fake.history) == 5 and not of(events, ev.AnswerDone)  # the fifth: the answer that was none
+    last = fake.history[4]
+    assert last.tools == () and last.messages[0] == {"role": "system", "content": ANSWER_SYSTEM}
+    ask = str(last.messages[1]["content"])  # the task, then the result that was read, not the refusals
+    assert ask.startswith("what does app.py do?\n") and "return a - b" in ask and "already did" not in ask
+    assert "asked to answer" in of(events, ev.Notice)[-1].text
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
     from webapp.agent.views import AgentViews

@@ -435,3 +435,20 @@ def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pyt
             server.server_close()
     assert proxied == ["http://example.test/page?q=1"]
     assert direct == ["/here"]
+
+
+def test_list_files_takes_a_glob_as_the_folder_before_it_filtered(tmp_path: Path) -> None:
+    """A small model asks for `./*` (seen: four times in a row, each refused as "not a folder"): a path with a
+    glob lists the folder before its first glob part, filtered by the whole pattern, still inside the project."""
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    for name in ("a.py", "README.md", "src/b.py", "src/sub/c.txt"):
+        (tmp_path / name).write_text("x\n")
+    tools = ReadTools(ProjectFiles(tmp_path))
+    every = ["README.md", "a.py", "src/b.py", "src/sub/c.txt"]
+    assert tools.list_files("./*").splitlines() == every == tools.list_files("*").splitlines()
+    assert tools.list_files("src/*.py").splitlines() == ["src/b.py"]
+    assert tools.list_files("./src/*").splitlines() == ["src/b.py", "src/sub/c.txt"]
+    assert tools.list_files("*.md").splitlines() == ["README.md"]
+    assert tools.list_files("*.rs") == "(no files)"
+    with pytest.raises(PathOutsideProjectError):
+        tools.list_files("../*")

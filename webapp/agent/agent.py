@@ -318,7 +318,7 @@ class AgentSession:
         messages: list[Message] = [{"role": "system", "content": system}, *self._recent()]
         messages.append({"role": "user", "content": task})
         answer = ""
-        async for ev in self.loop.run(messages):
+        async for ev in self.loop.run(messages, task=text):
             if isinstance(ev, AnswerDone):
                 answer = ev.text or answer
             yield ev

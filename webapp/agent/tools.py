@@ -81,7 +81,13 @@ SPECS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "list_files",
         "List the files of the project (or of one folder in it), skipping what .gitignore ignores.",
-        _params([], path={**_STR, "description": "folder relative to the project root; default ."}),
+        _params(
+            [],
+            path={
+                **_STR,
+                "description": "folder relative to the project root (src/*.py filters it); default .",
+            },
+        ),
     ),
     ToolSpec(
         "search_text",
@@ -206,10 +212,21 @@ class ReadTools:
         self.files = files
 
     def list_files(self, path: str = ".") -> str:
-        start = self.files.resolve(path or ".")
+        path = (path or ".").strip()
+        pattern = None
+        if any(
+            c in path for c in "*?["
+        ):  # a small model's `./*` or `src/*.py`: the folder before it, filtered
+            parts = Path(path).parts
+            cut = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+            path = str(Path(*parts[:cut])) if cut else "."
+            pattern = str(Path(*parts)).removeprefix("./")
+        start = self.files.resolve(path)
         if not start.is_dir():
             raise FileToolError(f"{path} is not a folder of the project")
         names = walk(self.files.root, start, self.files.hidden)
+        if pattern is not None:
+            names = [n for n in names if fnmatch.fnmatch(n, pattern) or fnmatch.fnmatch(n, f"{pattern}/*")]
         if not names:
             return "(no files)"
         more = f"\n[... {len(names) - MAX_LIST} more]" if len(names) > MAX_LIST else ""
