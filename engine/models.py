@@ -78,7 +78,8 @@ def list_models(root: Path | None = None) -> list[ModelInfo]:
 
 
 def find_model(name: str | None = None, root: Path | None = None) -> ModelInfo:
-    """By name, or a path to a model directory; None means the default model."""
+    """By name (or the start of one installed name), or a path to a model directory; None means the default
+    model."""
     name = name or DEFAULT_MODEL
     as_path = Path(name).expanduser()
     if as_path.is_dir() and (as_path / "config.json").exists():
@@ -86,7 +87,15 @@ def find_model(name: str | None = None, root: Path | None = None) -> ModelInfo:
     d = paths.models_dir(root) / name
     if d.is_dir() and (d / "config.json").exists():
         return model_info(d)
-    installed = ", ".join(m.name for m in list_models(root)) or "none"
+    models = list_models(root)
+    # the start of one installed name is enough (`qwen`, `smollm2`), as a picker would complete it
+    starts = [m for m in models if m.name.lower().startswith(name.lower())]
+    if len(starts) == 1:
+        return starts[0]
+    if len(starts) > 1:
+        names = ", ".join(m.name for m in starts)
+        raise ModelNotFoundError(f"model {name!r} could be any of {names}: give more of the name")
+    installed = ", ".join(m.name for m in models) or "none"
     hint = (
         "run `flashcode setup`"
         if name in (DEFAULT_MODEL, AGENT_MODEL)

@@ -179,3 +179,20 @@ def test_ctrl_c_while_the_command_line_loads_says_one_line(tmp_path: Path) -> No
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err and err.strip() == "flashcode: stopped (Ctrl-C)", err
     assert proc.returncode == 130
+
+
+def test_a_model_is_found_by_the_start_of_its_name(tmp_path: Path) -> None:
+    """`/model qwen`, `--model qwen`: the start of one installed name is enough (a new user typed it and was told
+    to import a model they had); the start of several names asks for more; anything else says how to fix it."""
+    from engine.models import ModelNotFoundError, find_model
+
+    for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "smollm2-360m"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "config.json").write_text('{"model_type": "llama"}')
+    assert find_model("qwen", tmp_path).name == "qwen2.5-coder-0.5b"
+    assert find_model("Qwen2.5", tmp_path).name == "qwen2.5-coder-0.5b"
+    assert find_model("smollm2-360m", tmp_path).name == "smollm2-360m"  # a whole name that starts another's
+    with pytest.raises(ModelNotFoundError, match="could be any of smollm2-135m, smollm2-360m: give more"):
+        find_model("smollm2", tmp_path)
+    with pytest.raises(ModelNotFoundError, match="not found .*`flashcode import"):
+        find_model("llama", tmp_path)
