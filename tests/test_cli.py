@@ -196,3 +196,24 @@ def test_a_model_is_found_by_the_start_of_its_name(tmp_path: Path) -> None:
         find_model("smollm2", tmp_path)
     with pytest.raises(ModelNotFoundError, match="not found .*`flashcode import"):
         find_model("llama", tmp_path)
+
+
+def test_every_option_says_what_it_is_for() -> None:
+    """`flashcode X --help` explains each argument (a new user found `task`, `--backend` and `--temperature`
+    bare in `flashcode agent --help`)."""
+    import argparse
+
+    from webapp import cli
+
+    bare: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    walk(p, f"{name} {sub}")
+            elif action.help is None:
+                bare.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(cli.build_parser(), "flashcode")
+    assert bare == []

@@ -39,7 +39,7 @@ from .agent.store import AgentStore
 from .agent.web import hidden_paths
 from .projects.store import ProjectRef
 from .render import visible_text
-from .units import non_negative_float, positive_int, seed
+from .units import HELP, non_negative_float, positive_int, seed
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -71,7 +71,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "route", help="show how the agent routes PROMPT (chat, search or shell) and the label scores"
     )
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the message to route, in one quoted argument")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--model", default=None, help="installed model name (default: the default model)")
     p.add_argument(
@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
         choices=["mlx", "llama"],
         help="engine that scores the labels (default mlx; llama uses llama-server's token probabilities)",
     )
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_route)
     register_agent(sub)
     tools_cli.register(sub)  # flashcode tools
@@ -319,10 +319,12 @@ def register_agent(sub: Any) -> None:
     p = sub.add_parser(
         "agent", help="run one agent task in a project: the model reads, edits and runs, you approve"
     )
-    p.add_argument("task")
+    p.add_argument("task", help="what the agent should do, in one quoted argument")
     p.add_argument("--project", required=True, help="the project directory the agent works in")
     p.add_argument("--model", default=None, help=f"installed model name (default: {DEFAULT_AGENT_MODEL})")
-    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
+    p.add_argument(
+        "--backend", default="auto", choices=["auto", "mlx", "llama", "flash"], help=HELP["backend"]
+    )
     p.add_argument(
         "--approve",
         default="ask",
@@ -335,8 +337,8 @@ def register_agent(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")
     p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help=HELP["temperature"])
     p.add_argument("--max-tokens", type=positive_int, default=512, help="reply budget of each step")
-    p.add_argument("--seed", type=seed, default=None)
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--seed", type=seed, default=None, help=HELP["seed"])
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_agent)

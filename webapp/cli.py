@@ -33,6 +33,7 @@ from .engine_host import backend_options, make_loaded_backend, place_model, reso
 from .preflight import StartupError, data_dir
 from .projects.store import ProjectError
 from .units import (
+    HELP,
     gpu_layers,
     non_negative_float,
     parse_budget,
@@ -485,22 +486,22 @@ def add_generation_args(
         "--backend",
         default="auto",
         choices=list(backends),
-        help="engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto picks per platform",
+        help=HELP["backend"],
     )
     p.add_argument(
         "--model", default=None, help="installed model name or model directory (default: the default model)"
     )
-    p.add_argument("--max-tokens", type=positive_int, default=512)
-    p.add_argument("--temperature", type=non_negative_float, default=0.7)
-    p.add_argument("--top-p", type=probability, default=1.0)
-    p.add_argument("--seed", type=seed, default=None)
+    p.add_argument("--max-tokens", type=positive_int, default=512, help=HELP["max_tokens"])
+    p.add_argument("--temperature", type=non_negative_float, default=0.7, help=HELP["temperature"])
+    p.add_argument("--top-p", type=probability, default=1.0, help=HELP["top_p"])
+    p.add_argument("--seed", type=seed, default=None, help=HELP["seed"])
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
     add_engine_args(p)
     p.add_argument(
         "--data-dir",
         default=None,
-        help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)",
+        help=HELP["data_dir"],
     )
 
 
@@ -525,12 +526,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashcode", description="A local LLM coding agent with a classic-Mac UI.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="on an error, the traceback too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("setup", help="fetch and import the default and agent models (idempotent)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_verbose(p)
     p.set_defaults(func=cmd_setup)
 
@@ -543,9 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=port_number, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
     )
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "llama", "flash"])
-    p.add_argument("--model", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
+    p.add_argument(
+        "--backend", default="auto", choices=["auto", "mlx", "llama", "flash"], help=HELP["backend"]
+    )
+    p.add_argument("--model", default=None, help="installed model name or model directory to load at start")
     add_engine_args(p)
     p.add_argument(
         "--allow-origin",
@@ -559,7 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="access token the page, websocket and /v1 require (default: $FLASHCODE_TOKEN, else a random "
         "one when --host is not loopback; printed in the URL)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="server log detail",
+    )
     cli_projects.add_project_arg(p)
     _add_verbose(p)
     p.set_defaults(func=cmd_serve)
@@ -567,28 +575,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "doctor", help="what is installed and what is missing (run this first when something is off)"
     )
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(p)
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("import", help="convert a GGUF file into an MLX model directory")
-    p.add_argument("file")
-    p.add_argument("--name", default=None)
+    p.add_argument("file", help="the .gguf file")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="the model's name here (default: the file's name in lower case, other characters as -)",
+    )
     p.add_argument("--force", action="store_true", help="replace a model of the same name")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("models", help="list installed models")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("ask", help="one chat turn; prints the reply")
     add_generation_args(p)
     p.add_argument("--raw", action="store_true", help="plain completion of PROMPT, no chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with the reply and stats")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the message, in one quoted argument")
     cli_projects.add_project_arg(p)
     p.set_defaults(func=cmd_ask)
 

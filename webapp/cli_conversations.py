@@ -28,6 +28,7 @@ from .db import (
     parse_import,
 )
 from .projects.store import ProjectStore
+from .units import HELP
 
 
 def _open() -> tuple[Database, ProjectStore]:
@@ -150,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Lines: id, updated, messages, project, title (tab-separated). Without an option: the "
         "open project's (the one the web app shows).",
     )
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     which = p.add_mutually_exclusive_group()
     which.add_argument("--project", default=None, metavar="NAME", help="that project's (name, folder or id)")
     which.add_argument("--all", action="store_true", help="every project's")
@@ -159,14 +160,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     e = actions.add_parser("export", help="write one conversation as JSON (import reads it back) or Markdown")
     e.add_argument("id", metavar="ID", help="its id (or a unique start of it), as listed")
-    e.add_argument("--format", choices=("json", "md"), default="json")
+    e.add_argument(
+        "--format", choices=("json", "md"), default="json", help="json (default; import reads it) or md"
+    )
     e.add_argument("-o", "--output", default=None, metavar="FILE", help="a file (default: standard output)")
     e.add_argument("--force", action="store_true", help="replace FILE if it exists")
     e.set_defaults(func=cmd_conversations)
     i = actions.add_parser(
         "import", help="add a conversation from a JSON export as a new one (nothing stored is replaced)"
     )
-    i.add_argument("file", metavar="FILE")
+    i.add_argument("file", metavar="FILE", help="a JSON export")
     i.add_argument(
         # SUPPRESS: `conversations --project X import FILE` keeps X (a default here would overwrite it)
         "--project",

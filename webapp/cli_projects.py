@@ -16,6 +16,7 @@ from . import preflight
 from .db import Database
 from .projects.store import ProjectError, ProjectStore, check_apart_from_data, check_directory
 from .turns import ProjectRef
+from .units import HELP
 
 
 def _store() -> tuple[Database, ProjectStore]:
@@ -128,22 +129,22 @@ def enter_project(args: argparse.Namespace) -> Path | None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("projects", help="list projects (name, path, conversations); add or remove one")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_projects, action=None)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     a = actions.add_parser("add", help="add a directory as a project")
-    a.add_argument("dir", metavar="DIR")
-    a.add_argument("--name", default=None)
+    a.add_argument("dir", metavar="DIR", help="the project's directory")
+    a.add_argument("--name", default=None, help="its name in flashcode (default: the directory's name)")
     a.set_defaults(func=cmd_projects)
     m = actions.add_parser(
         "move",
         help="point a project at its folder's new place (moved or renamed): conversations and all stay",
     )
-    m.add_argument("name", metavar="NAME")
-    m.add_argument("dir", metavar="DIR")
+    m.add_argument("name", metavar="NAME", help="the project, as listed")
+    m.add_argument("dir", metavar="DIR", help="where its folder is now")
     m.set_defaults(func=cmd_projects)
     r = actions.add_parser("remove", help="take a project off the list (its directory is never deleted)")
-    r.add_argument("name", metavar="NAME")
+    r.add_argument("name", metavar="NAME", help="the project, as listed")
     r.add_argument(
         "--delete-data",
         action="store_true",

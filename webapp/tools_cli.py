@@ -30,6 +30,7 @@ from .agent.store import AgentStore
 from .agent.tools import SPECS
 from .agent.web import hidden_paths
 from .render import visible_text
+from .units import HELP
 
 BUILTIN_APPROVAL = {
     "none": (False, "no"),
@@ -135,5 +136,5 @@ def register(sub: Any) -> None:
         metavar="NAME",
         help="approve the .mcp.json server NAME as configured now (repeatable)",
     )
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_tools)

@@ -10,6 +10,16 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+# what the options every command shares mean, said once for every parser's --help
+HELP = {
+    "backend": "engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto picks per platform",
+    "data_dir": "flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)",
+    "seed": "sampling seed, for a reply that can be had again (default: a new one each time)",
+    "temperature": "sampling temperature; 0 is greedy",
+    "top_p": "nucleus sampling: the smallest set of tokens whose probabilities add up to this",
+    "max_tokens": "the most tokens a reply may have",
+}
+
 SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1e3, "kb": 1e3, "kib": 1024,

@@ -57,7 +57,7 @@ def register(subparsers: Any) -> None:
         "--gguf", action="store_true", help="also export the same weights as a Q4_1 GGUF for llama-server"
     )
     p.add_argument("--split", action="store_true", help="also write the flash split layout")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument(
         "--skew",
         type=float,
