@@ -85,7 +85,7 @@ SPECS: tuple[ToolSpec, ...] = (
             [],
             path={
                 **_STR,
-                "description": "folder relative to the project root (src/*.py filters it); default .",
+                "description": "folder relative to the project root; default .",
             },
         ),
     ),
