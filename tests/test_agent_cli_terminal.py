@@ -101,3 +101,16 @@ def test_a_mcp_json_command_is_shown_with_markers(
 def test_visible_text_keeps_newlines_tabs_and_letters() -> None:
     assert visible_text("a\tb\nc é 日本") == "a\tb\nc é 日本"
     assert visible_text("x\u202ey\u200bz\x7f") == "x<U+202E>y<U+200B>z<U+007F>"
+
+
+def test_a_piped_answer_is_shown_after_the_prompt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Answers piped on stdin are not echoed by a terminal: the CLI shows each, so the command's output starts
+    a line of its own (a new user saw it run on after "Allow? …")."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("run_command", command="echo piped-answer-ok")
+    fake.enqueue("done")
+    err = _ask(tmp_path, fake, "y\n", monkeypatch, capsys)
+    prompt_line = next(line for line in err.splitlines() if line.startswith("Allow? "))
+    assert prompt_line.endswith(": y")

@@ -91,9 +91,14 @@ def ask_terminal(prompt: str) -> str:
     """One line from stdin, the prompt on stderr (stdout is the answer, or the --json object)."""
     print(prompt, end="", file=sys.stderr, flush=True)
     try:
-        return input()
+        answer = input()
     except EOFError:
-        return ""  # no terminal, nothing more typed: no
+        answer = ""  # no terminal, nothing more typed: no
+    if (
+        not sys.stdin.isatty()
+    ):  # a piped answer is not echoed: shown, so what follows starts a line of its own
+        print(visible_text(answer), file=sys.stderr, flush=True)
+    return answer
 
 
 def terminal_approval(mode: str) -> Any:
