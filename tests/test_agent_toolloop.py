@@ -632,6 +632,25 @@ def test_toolloop_a_stalled_model_is_asked_to_answer_with_what_it_has(
     assert not [m for m in s.loop.messages if m.get("role") == "user" and "Stop calling tools" in str(m)]
 
 
+def test_toolloop_a_turn_that_ends_with_no_words_after_steps_asks_for_an_answer(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen in a walkthrough: the 0.5B model ran `python3 main.py`, then ended its turn with an empty reply.
+    Asked once more, without tools, from the task and what the tools returned, it answers."""
+    from webapp.agent.loop import ANSWER_SYSTEM
+
+    fake.enqueue_call("read_file", path="app.py").enqueue("").enqueue("It subtracts.")
+    events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
+    assert [e.text for e in of(events, ev.AnswerDone)] == ["It subtracts."]
+    assert "ended its turn without an answer: it was asked" in of(events, ev.Notice)[-1].text
+    assert fake.history[-1].tools == () and fake.history[-1].messages[0]["content"] == ANSWER_SYSTEM
+    # a call written out as text (not parsed: a stray `>` before it) is no answer either; it stays shown
+    junk = '>{"name": "run_command", "arguments": {"command": "exit code 0"}}'
+    fake.enqueue_call("read_file", path="app.py").enqueue(junk).enqueue("It subtracts b from a.")
+    events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
+    assert [e.text for e in of(events, ev.AnswerDone)] == [junk, "It subtracts b from a."]
+
+
 def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:

@@ -281,10 +281,11 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
 
 
 def test_an_agent_turn_that_ends_with_no_words_says_so(tmp_path: Path, project: Path) -> None:
-    """A small model calls a tool, then ends its turn with an empty reply: the transcript says the turn ended
-    without an answer (it showed nothing and went back to Ready, as if still to come)."""
+    """A small model calls a tool, then ends its turn with an empty reply, and asked once more to answer, says
+    nothing again: the transcript says the turn ended without an answer (it showed nothing and went back to
+    Ready, as if still to come)."""
     fake = FakeBackend(tools=True)
-    fake.enqueue_call("list_files").enqueue("")
+    fake.enqueue_call("list_files").enqueue("").enqueue("")
     with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
         send(sock, type="send", text="what is here?", conversation_id=cid)
         frames = "".join(until(sock, r'data-state="idle"'))
