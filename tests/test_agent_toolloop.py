@@ -649,6 +649,16 @@ def test_toolloop_a_turn_that_ends_with_no_words_after_steps_asks_for_an_answer(
     fake.enqueue_call("read_file", path="app.py").enqueue(junk).enqueue("It subtracts b from a.")
     events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
     assert [e.text for e in of(events, ev.AnswerDone)] == [junk, "It subtracts b from a."]
+    # asked, it gives no words either: the last reply is empty, so the turn has no answer
+    fake.enqueue_call("read_file", path="app.py").enqueue(junk).enqueue("")
+    events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
+    assert [e.text for e in of(events, ev.AnswerDone)] == [junk, ""]
+    # a JSON answer the user asked for is words, not a call: no second request
+    answer = '{"name": "app", "functions": ["add"]}'
+    fake.enqueue_call("read_file", path="app.py").enqueue(answer)
+    before = len(fake.history)
+    events = asyncio.run(collect(session(worker, project), "app.py's name and functions as JSON"))
+    assert [e.text for e in of(events, ev.AnswerDone)] == [answer] and len(fake.history) == before + 2
 
 
 def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(

@@ -450,5 +450,10 @@ def test_list_files_takes_a_glob_as_the_folder_before_it_filtered(tmp_path: Path
     assert tools.list_files("./src/*").splitlines() == ["src/b.py", "src/sub/c.txt"]
     assert tools.list_files("*.md").splitlines() == ["README.md"]
     assert tools.list_files("*.rs") == "(no files)"
+    assert tools.list_files("**/*.py").splitlines() == ["a.py", "src/b.py"]  # `**/` matches no folder too
+    assert tools.list_files(f"{tmp_path}/src/*.py").splitlines() == ["src/b.py"]  # an absolute glob
+    (tmp_path / "app" / "[id]").mkdir(parents=True)  # a folder named like a glob (Next.js) is that folder
+    (tmp_path / "app" / "[id]" / "page.tsx").write_text("x\n")
+    assert tools.list_files("app/[id]").splitlines() == ["app/[id]/page.tsx"]
     with pytest.raises(PathOutsideProjectError):
         tools.list_files("../*")

@@ -196,6 +196,17 @@ def test_a_model_is_found_by_the_start_of_its_name(tmp_path: Path) -> None:
         find_model("smollm2", tmp_path)
     with pytest.raises(ModelNotFoundError, match="not found .*`flashcode import"):
         find_model("llama", tmp_path)
+    with pytest.raises(ModelNotFoundError):  # a command that rewrites a model's files names it whole
+        find_model("qwen", tmp_path, exact=True)
+    # `flashcode serve --model qwen` checks the model before it starts: the same rule
+    from webapp.preflight import StartupError, check_model
+
+    (tmp_path / "models" / "qwen2.5-coder-0.5b" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(StartupError, match="could be any of smollm2-135m, smollm2-360m"):
+        check_model("smollm2", tmp_path)
+    with pytest.raises(StartupError) as err:
+        check_model("qwen", tmp_path)
+    assert "qwen2.5-coder-0.5b" in str(err.value) and "not installed" not in str(err.value)
 
 
 def test_every_option_says_what_it_is_for() -> None:

@@ -171,8 +171,10 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
             if isinstance(e, ev.AnswerDelta):
                 sys.stdout.write(visible_text(e.text))
                 sys.stdout.flush()
-        if isinstance(e, ev.AnswerDone):
-            answer, finish, stats, error = e.text or answer, e.finish_reason, e.stats, e.error
+        if isinstance(e, ev.AnswerDone):  # the last reply is the answer (an empty one: none)
+            answer, finish, stats, error = e.text, e.finish_reason, e.stats, e.error
+            if echo and e.text and not e.text.endswith("\n"):
+                print()  # a later reply (asked for after this one) starts a line of its own
     loop = session.loop
     return {
         "answer": answer,
@@ -299,8 +301,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
     result["stats"].update(model=loaded, backend=backend, project=str(project))
     if args.json:
         print(json.dumps(result))
-    else:
-        print()
     st = result["stats"]
     if st["finish_reason"] == "error":
         return 1

@@ -526,7 +526,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashcode", description="A local LLM coding agent with a classic-Mac UI.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="on an error, the traceback too")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="more logging, and a traceback with any error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("setup", help="fetch and import the default and agent models (idempotent)")

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import paths
-from engine.base import BackendUnavailableError, EngineError, ModelInfo
-from engine.models import DEFAULT_MODEL, find_model, list_models
+from engine.base import BackendUnavailableError, EngineError, ModelInfo, ModelNotFoundError
+from engine.models import DEFAULT_MODEL, find_model, installed_by_start, list_models
 from engine.worker import Worker
 
 from .db import check_version
@@ -206,6 +206,12 @@ def check_model(name: str, root: Path) -> ModelInfo:
     as_path = Path(name).expanduser()
     looks_like_path = os.sep in name or name.startswith((".", "~"))
     d = as_path if looks_like_path else paths.models_dir(root) / name
+    if not looks_like_path and not d.is_dir() and name != DEFAULT_MODEL:  # the start of one installed name
+        try:
+            found = installed_by_start(name, root)
+        except ModelNotFoundError as exc:
+            raise StartupError(f"{exc} (`flashcode models` lists them)") from exc
+        d = found.path if found is not None else d
     if looks_like_path and not d.is_dir():
         raise StartupError(
             f"no model directory at {d}: pass an installed model's name or a model directory "

@@ -12,7 +12,8 @@ from typing import Any
 
 # what the options every command shares mean, said once for every parser's --help
 HELP = {
-    "backend": "engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto picks per platform",
+    "backend": "engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto: MLX on a Mac or a GPU, "
+    "llama-server on a Linux CPU (serve, ask and chat: flash when the model does not fit with room to spare)",
     "data_dir": "flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)",
     "seed": "sampling seed, for a reply that can be had again (default: a new one each time)",
     "temperature": "sampling temperature; 0 is greedy",

@@ -34,7 +34,11 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="split again even where the weights no longer match the last split's checksums (changed on purpose)",
     )
-    p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)",
+    )
     p.set_defaults(func=cmd_split)
 
     from .synth import PRESETS
@@ -64,7 +68,11 @@ def register(subparsers: Any) -> None:
         default=0.0,
         help="MoE presets: router popularity skew (0 = near-uniform routing)",
     )
-    p.add_argument("--data-dir", default=None, help="flashcode's data directory (default $FLASHCODE_HOME)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="flashcode's data directory (default $FLASHCODE_HOME or ~/.local/share/flashcode)",
+    )
     p.set_defaults(func=cmd_synth)
 
 
@@ -76,7 +84,7 @@ def cmd_split(args: argparse.Namespace) -> int:
 
     if not args.model.strip():  # "" would name the models folder's default: say which one instead
         raise SystemExit("flashcode split: name the model to split (see `flashcode models`)")
-    info = find_model(args.model, paths.home(args.data_dir))
+    info = find_model(args.model, paths.home(args.data_dir), exact=True)  # it rewrites the model's files
     out = split_model(info.path, Path(args.out) if args.out else None, copy=args.copy, force=args.force)
     print(f"split written to {out}")
     return 0

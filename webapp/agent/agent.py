@@ -320,7 +320,7 @@ class AgentSession:
         answer = ""
         async for ev in self.loop.run(messages, task=text):
             if isinstance(ev, AnswerDone):
-                answer = ev.text or answer
+                answer = ev.text  # the last reply is the answer (an empty one: none)
             yield ev
         self._remember(text, answer or f"(worked for {self.loop.steps} steps)")
 

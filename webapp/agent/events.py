@@ -260,6 +260,8 @@ DECISION_WORDS = {  # a step's decision in words: the transcript's step cards an
     "always_prefix": "approved, rule saved",
     "deny": "denied",
     "timeout": "no answer: denied",
+    "network": "network on for this project",
+    "network_off": "network off for this project",
 }
 
 

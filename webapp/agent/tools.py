@@ -213,24 +213,33 @@ class ReadTools:
 
     def list_files(self, path: str = ".") -> str:
         path = (path or ".").strip()
-        pattern = None
-        if any(
-            c in path for c in "*?["
-        ):  # a small model's `./*` or `src/*.py`: the folder before it, filtered
-            parts = Path(path).parts
-            cut = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
-            path = str(Path(*parts[:cut])) if cut else "."
-            pattern = str(Path(*parts)).removeprefix("./")
-        start = self.files.resolve(path)
+        pattern = self._glob(path)
+        start = self.files.resolve(path if pattern is None else pattern[0])
         if not start.is_dir():
             raise FileToolError(f"{path} is not a folder of the project")
         names = walk(self.files.root, start, self.files.hidden)
-        if pattern is not None:
-            names = [n for n in names if fnmatch.fnmatch(n, pattern) or fnmatch.fnmatch(n, f"{pattern}/*")]
+        if pattern is not None:  # relative to the root, as names are; `**/` also matches no folder at all
+            full = str(start.relative_to(self.files.root) / pattern[1]).removeprefix("./")
+            shapes = (full, f"{full}/*", full.replace("**/", ""))
+            names = [n for n in names if any(fnmatch.fnmatch(n, shape) for shape in shapes)]
         if not names:
             return "(no files)"
         more = f"\n[... {len(names) - MAX_LIST} more]" if len(names) > MAX_LIST else ""
         return "\n".join(names[:MAX_LIST]) + more
+
+    def _glob(self, path: str) -> tuple[str, str] | None:
+        """A small model's `./*` or `src/*.py`: (the folder before the first glob part, the rest); None for a plain
+        path, or one that is a folder as written (`app/[id]` in a Next.js project)."""
+        if not any(c in path for c in "*?["):
+            return None
+        try:
+            if self.files.resolve(path).is_dir():
+                return None
+        except FileToolError:
+            pass
+        parts = Path(path).parts
+        cut = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+        return (str(Path(*parts[:cut])) if cut else "."), str(Path(*parts[cut:]))
 
     def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
         text = self.files.read(path)
