@@ -214,9 +214,8 @@ class ToolLoop:
                     yield ev
                 if outcome == ["cancelled"]:
                     yield AnswerDone("", "cancelled", self.last_stats)
-                elif outcome != [
-                    "answered"
-                ]:  # no answer either: /continue gives it max_steps more, as at the limit
+                elif outcome != ["answered"]:
+                    # no answer either: /continue gives it max_steps more, as at the limit
                     self.limit = self.steps
                     yield StepLimitReached(self.steps, self.limit, why)
                 return
