@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -273,10 +274,26 @@ def test_search_text_does_not_follow_symlinks_out_of_the_project(
         tools.search_text("secret", "docs/notes.txt")
 
 
+def _send_text(handler: Any, body: bytes) -> None:
+    """An http.server handler's 200 answer: `body` as text/plain."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/plain")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def _this_machines_address() -> str:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # a route lookup only: this machine's network address
+        return str(s.getsockname()[0])
+
+
 def test_fetch_url_refuses_this_machines_own_services_also_after_a_redirect() -> None:
     """fetch_url runs in the server, beside flashcode's own port (no token on loopback): a page could point
     the model there, directly or through a redirect. A page on this machine's network address still loads."""
-    import socket
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -290,19 +307,12 @@ def test_fetch_url_refuses_this_machines_own_services_also_after_a_redirect() ->
                 self.send_header("Location", f"http://127.0.0.1:{inner.server_address[1]}/secret")
                 self.end_headers()
                 return
-            body = b"plain page"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _send_text(self, b"plain page")
 
         def log_message(self, *args: object) -> None:
             pass
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # a route lookup only: this machine's network address
-        address = s.getsockname()[0]
+    address = _this_machines_address()
     inner, outer = ThreadingHTTPServer(("127.0.0.1", 0), Handler), ThreadingHTTPServer((address, 0), Handler)
     for server in (inner, outer):
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -355,7 +365,6 @@ def test_fetch_url_connects_only_to_the_address_it_checked() -> None:
 def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """HTTP_PROXY/HTTPS_PROXY are honoured (a network whose only way out is a proxy), NO_PROXY too; through a
     proxy the target is still checked here first: a loopback address, literal or by name, never reaches it."""
-    import socket
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -367,12 +376,7 @@ def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pyt
     class Proxy(BaseHTTPRequestHandler):  # a forward proxy that answers itself: the request line is the URL
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             proxied.append(self.path)
-            body = f"via proxy: {self.path}".encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _send_text(self, f"via proxy: {self.path}".encode())
 
         def log_message(self, *args: object) -> None:
             pass
@@ -380,16 +384,9 @@ def test_fetch_url_goes_through_the_proxy_the_environment_names(monkeypatch: pyt
     class Page(Proxy):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             direct.append(self.path)
-            body = b"direct page"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _send_text(self, b"direct page")
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # a route lookup only: this machine's network address
-        address = s.getsockname()[0]
+    address = _this_machines_address()
     proxy, page = ThreadingHTTPServer(("127.0.0.1", 0), Proxy), ThreadingHTTPServer((address, 0), Page)
     for server in (proxy, page):
         threading.Thread(target=server.serve_forever, daemon=True).start()
