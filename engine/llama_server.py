@@ -1079,7 +1079,14 @@ class LlamaServerBackend:
         client, slot_dir = self._slot_dir()
         name = f"flashcode-{os.getpid()}-{time.monotonic_ns()}.bin"
         try:
-            res = client.slot_action(0, "save", name)
+            try:
+                res = client.slot_action(0, "save", name)
+            except EngineError as exc:  # "Unable to save slot": llama.cpp says no more than that
+                free = shutil.disk_usage(slot_dir).free
+                raise EngineError(
+                    f"{exc} — llama-server writes the save into {slot_dir} first, whose disk has "
+                    f"{free / 1e9:.1f} GB free: if that is too little for it, free some space and save again"
+                ) from exc
             if not int(res.get("n_saved", 0)):
                 raise EngineError("there is no context to save yet: send a message first")
             path = Path(path)

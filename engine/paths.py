@@ -90,6 +90,23 @@ def database_path(root: Path | None = None) -> Path:
     return (root or home()) / "flashcode.db"
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` whole or not at all: a temporary file beside it, synced, renamed over it.
+    A failure (a full disk) leaves what was there as it was, and no partial file."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (the rename of a file into it is durable only then)."""
     try:

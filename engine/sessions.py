@@ -38,7 +38,7 @@ from typing import Any
 
 from . import __version__, paths
 from .base import CacheMismatchError, EngineError, Message, ModelInfo, PromptCacheBackend
-from .paths import fsync_path
+from .paths import fsync_path, write_text_atomic
 
 CONTEXT_FORMAT = "flashcode-context/1"
 EXPORT_SUFFIX = ".flashctx"
@@ -309,16 +309,7 @@ def _human(n: float) -> str:
 
 def _write_json(path: Path, data: Any) -> None:
     """Atomic: temp file in the same folder, fsync, rename, fsync the folder."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 # --------------------------------------------------------------------------- backends
@@ -678,6 +669,11 @@ class ContextStore:
                 cid = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
                 os.rename(tmp, parent / cid)
                 fsync_path(parent)
+            except OSError as exc:  # a full disk, most likely: nothing of the import is left behind
+                raise ContextImportError(
+                    f"{file.name} could not be stored in {parent} ({exc.strerror or exc}): free some disk "
+                    "space and import it again"
+                ) from exc
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)

@@ -128,3 +128,40 @@ def test_conversations_export_and_import_keep_its_generation_settings_and_say_so
     }
     assert db.get_conversation(import_json(db, odd, "default").conversation.id).generation_settings == {}
     db.close()
+
+
+def test_conversations_import_reads_no_more_than_the_limit_from_a_pipe_or_device(tmp_path: Path) -> None:
+    """A pipe or a device says size 0: the size check passed and the whole stream was read, until
+    "unexpected MemoryError"."""
+    home = tmp_path / "home"
+    home.mkdir()
+    Database(home / "flashcode.db").close()
+    done = flashcode("conversations", "import", "/dev/zero", home=home)
+    assert done.returncode == 2 and "it is over 64 MB" in done.stderr, done.stderr
+
+
+def test_an_export_that_fails_leaves_the_file_it_would_replace_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    """`-o FILE --force` on a full disk truncated FILE (a backup) to what fit: writes are whole or nothing."""
+    import errno
+    import os
+
+    from engine import paths
+
+    backup = tmp_path / "backup.json"
+    backup.write_text('{"kept": true}')
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    try:
+        paths.write_text_atomic(backup, "x" * 100_000)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    else:
+        raise AssertionError("the write should have failed")
+    assert backup.read_text() == '{"kept": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["backup.json"]  # no temporary file left behind
+    monkeypatch.undo()
+    paths.write_text_atomic(backup, "new")
+    assert backup.read_text() == "new"

@@ -83,6 +83,9 @@ def test_malformed_prices_file_names_the_file_and_the_fix(tmp_path: Path) -> Non
     )
     with pytest.raises(costs.PriceTableError, match="as_of"):
         costs.load_prices(path)
+    path.write_bytes('{"models": [{"name": "café"}]}'.encode("latin-1"))  # saved by an editor as Latin-1
+    with pytest.raises(costs.PriceTableError, match="prices.json.*delete it"):
+        costs.load_prices(path)
 
 
 def test_prices_from_form_drops_empty_rows_and_rejects_duplicates() -> None:

@@ -239,3 +239,66 @@ def test_db_a_command_line_tool_beside_a_running_server_leaves_its_reply_streami
     assert server.messages(conv.id)[-1].content == "Once upon a time"
     server.close()
     assert Database(path).recovered == 1  # the next server start marks it, as after a crash
+
+
+def test_a_transaction_sqlite_already_rolled_back_raises_the_first_error(tmp_path: Path) -> None:
+    """On a full disk SQLite undoes the transaction itself; an explicit ROLLBACK then failed ("cannot rollback
+    - no transaction is active") and hid why the write failed."""
+    d = Database(tmp_path / "f.db")
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+        with dbmod.transaction(d.conn):
+            d.conn.execute("INSERT INTO app_settings (key, value, updated_at) VALUES ('k', '1', 0)")
+            d.conn.execute("ROLLBACK")  # what SQLite does on SQLITE_FULL
+            raise sqlite3.OperationalError("database or disk is full")
+    with pytest.raises(ValueError):
+        with dbmod.transaction(d.conn):
+            d.conn.execute("INSERT INTO app_settings (key, value, updated_at) VALUES ('k', '1', 0)")
+            raise ValueError("anything")
+    assert d.conn.execute("SELECT COUNT(*) FROM app_settings WHERE key = 'k'").fetchone()[0] == 0
+    assert not d.conn.in_transaction
+
+
+def test_an_import_into_a_busy_database_says_so_not_that_the_file_is_bad(tmp_path: Path) -> None:
+    d = Database(tmp_path / "f.db")
+    d.conn.execute("PRAGMA busy_timeout = 50")
+    conv = d.create_conversation("kept")
+    d.add_message(conv.id, "user", "hello")
+    data = export_json(conv, d.messages(conv.id), [])
+    holder = sqlite3.connect(tmp_path / "f.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(dbmod.StorageError, match="is busy: another program holds a write lock"):
+            dbmod.import_json(d, data, "default")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert [c.id for c in d.list_conversations()] == [conv.id]
+    assert dbmod.import_json(d, data, "default").messages == 1  # once it lets go
+    for why, said in (
+        ("database or disk is full", "is full: nothing was changed"),
+        ("attempt to write a readonly database", "is read-only: nothing was changed"),
+        ("disk I/O error", "failed a write"),
+    ):
+        assert said in str(dbmod.storage_problem(sqlite3.OperationalError(why), "f.db"))
+    assert dbmod.storage_problem(sqlite3.OperationalError("no such table: x"), "f.db") is None
+    assert dbmod.storage_problem(ValueError("database is locked"), "f.db") is None
+
+
+def test_an_imported_events_lone_surrogates_do_not_make_it_unexportable(tmp_path: Path) -> None:
+    """Messages and titles were cleaned of JSON's lone surrogates, an event's nested values were not: the
+    import was stored and both exports then failed (UnicodeEncodeError)."""
+    d = Database(tmp_path / "f.db")
+    raw = (
+        '{"flashcode_export": 1, "title": "t", "messages": [{"id": 1, "role": "user", "content": "hi"}], '
+        '"events": [{"type": "notice", "after_message": 1, "data": {"type": "notice", "text": "bad \\ud800 here", '
+        '"level": "info", "more": {"\\udc00": ["\\ud800"]}}}]}'
+    )
+    done = dbmod.import_json(d, dbmod.parse_import(raw.encode()), "default", lambda t, e: (t, e))
+    assert done.events == 1
+    events = d.events(done.conversation.id)
+    assert events[0].data["text"] == "bad ? here" and events[0].data["more"] == {"?": ["?"]}
+    conv = d.get_conversation(done.conversation.id)
+    import json
+
+    json.dumps(export_json(conv, d.messages(conv.id), events), ensure_ascii=False).encode("utf-8")
+    export_markdown(conv, d.messages(conv.id), events).encode("utf-8")

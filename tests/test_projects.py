@@ -665,3 +665,84 @@ def test_projects_odd_folder_names_are_refused_in_words_and_a_path_names_the_pro
     assert store.resolve(str(p3)).id == named_like_p1.id
     tilde = store.add(str(tmp_path / "p4" if (tmp_path / "p4").mkdir() is None else ""), name="~nosuchuser")
     assert store.resolve("~nosuchuser").id == tilde.id  # a name like `~user` (no such user) is a name
+
+
+def test_projects_a_move_onto_a_removed_projects_folder_brings_its_kept_data_along(tmp_path: Path) -> None:
+    """Alpha's folder was moved; a second project (Beta) was made at the new place; `projects move` said to
+    remove Beta first, and did the move once it was. Beta's kept conversations and rules join Alpha (they
+    were filed under an id no project had: no window showed them), and adding the folder again adopts any
+    left over, as the Remove dialog promises."""
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    old, new = tmp_path / "projA", tmp_path / "projA2"
+    old.mkdir()
+    alpha = store.add(str(old), name="Alpha")
+    mine = d.create_conversation("alpha's", project_id=alpha.id)
+    old.rename(new)
+    beta = store.add(str(new), name="Beta")
+    theirs = d.create_conversation("beta's", project_id=beta.id)
+    AgentStore(d.conn).add_rule(beta.id, "exact", "make")
+    with pytest.raises(ProjectError, match="remove that one first"):
+        store.move(alpha.id, str(new))
+    store.remove(beta.id)  # data kept
+    moved = store.move(alpha.id, str(new))
+    assert {c.id for c in d.list_conversations(moved.id)} == {mine.id, theirs.id}
+    assert [r.pattern for r in AgentStore(d.conn).list_rules(moved.id)] == ["make"]
+    # the same through add(): a project already at the folder takes what a removed one kept there
+    gamma = store.add(str(new), name="Gamma")  # the folder's project: Alpha, renamed
+    assert gamma.id == alpha.id
+    other = tmp_path / "other"
+    other.mkdir()
+    delta = store.add(str(other))
+    later = d.create_conversation("delta's", project_id=delta.id)
+    store.remove(delta.id)
+    d.conn.execute(
+        "INSERT INTO projects (id, name, path, created_at) VALUES ('x1', 'X', ?, 0)", (str(other),)
+    )
+    assert store.add(str(other)).id == "x1"
+    assert [c.id for c in d.list_conversations("x1")] == [later.id]
+
+
+def test_projects_files_window_says_the_folder_is_gone_or_unreadable_never_a_500(client, two) -> None:
+    a, _ = two
+    _open(client, a)
+    (a / "locked.txt").write_text("secret")
+    (a / "locked.txt").chmod(0o000)
+    if os.geteuid() != 0:  # root reads anything
+        view = client.get("/files/view", params={"path": "locked.txt"})
+        assert view.status_code == 200 and "cannot be read" in view.text
+        attach = client.post("/files/attach", data={"path": ["locked.txt"]})
+        assert attach.status_code == 200 and "cannot be read" in attach.text
+    (a / "locked.txt").chmod(0o600)
+    shutil.rmtree(a)
+    for listing in (client.get("/files/window"), client.get("/files/list", params={"dir": "pkg"})):
+        assert listing.status_code == 200 and "is gone (moved or deleted)" in listing.text
+    view = client.get("/files/view", params={"path": "main.py"})
+    assert view.status_code == 200 and "is gone" in view.text
+    a.write_text("now a file")
+    assert "is gone" in client.get("/files/window").text
+
+
+def test_projects_a_new_conversation_goes_in_the_project_the_page_shows(client, two) -> None:
+    """A page shows Alpha; another window (or `flashcode ask --project`) opened Beta since: the conversation
+    that page starts is Alpha's, where it will be listed; a page whose project was removed is told so."""
+    a, b = two
+    _open(client, a)
+    alpha = client.app.state.flashcode.projects.current()
+    _open(client, b)
+    with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
+        sock.send_text(json.dumps({"type": "send", "text": "hi", "project_id": alpha.id}))
+        frames = ""
+        for _ in range(200):
+            frames += sock.receive_text()
+            if 'data-state="idle"' in frames:
+                break
+        cid = re.search(r'id="conversation-id" value="(\w+)"', frames)
+        assert cid, frames[-500:]
+        db = client.app.state.flashcode.db
+        assert db.get_conversation(cid.group(1)).project_id == alpha.id
+        sock.send_text(json.dumps({"type": "send", "text": "hi", "project_id": "gone-1234"}))
+        said = sock.receive_text()
+        assert "was removed meanwhile: nothing was sent" in said
+    page = client.get("/").text
+    assert re.search(r'name="project_id" value="([^"]+)"', page).group(1) != alpha.id  # Beta is open

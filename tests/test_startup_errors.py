@@ -457,3 +457,29 @@ def test_a_data_directory_on_a_read_only_mount_is_said_so(tmp_path: Path) -> Non
         )
     finally:
         subprocess.run(["umount", str(home)], check=False)
+
+
+def test_a_read_only_database_says_make_it_writable_not_move_it_aside(tmp_path: Path, monkeypatch) -> None:
+    """A flashcode.db this user may not write (chmod 444, or another user's): serve said it "is not a readable
+    flashcode database … move it aside to start with an empty history" after loading the model, and doctor
+    said it was fine. (As root every file is writable, so the permission is what `os.access` answers here.)"""
+    from webapp import doctor, preflight
+    from webapp.db import Database
+
+    path = tmp_path / "flashcode.db"
+    Database(path).close()
+    assert doctor.check_database(tmp_path).ok
+    real = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode, **kw: False if mode == os.W_OK and Path(p) == path else real(p, mode, **kw),
+    )
+    with pytest.raises(preflight.StartupError) as refused:
+        preflight.check_database(tmp_path)
+    assert "is read-only for this user" in str(refused.value) and "chmod u+w" in str(refused.value)
+    assert "move it aside" not in str(refused.value)
+    check = doctor.check_database(tmp_path)
+    assert not check.ok and "read-only" in check.detail and "chmod u+w" in (check.fix or "")
+    said = preflight.database_problem(path, sqlite3.OperationalError("attempt to write a readonly database"))
+    assert "read-only" in said[0] and "nothing in it is lost" in said[1]

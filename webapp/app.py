@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ from .chat.pages import ChatPages
 from .chat.socket import ChatContext
 from .chat.views import ChatViews
 from .contexts.http import SavedContexts
-from .db import Database
+from .db import Database, StorageError, storage_problem
 from .engine_host import EngineState, start_worker
 from .projects.resume import AutoResume
 from .projects.store import ProjectStore
@@ -98,6 +99,19 @@ async def server_error(request: Request, exc: Exception) -> PlainTextResponse:
         status_code=500,
     )
     return security.with_security_headers(response)
+
+
+async def storage_error(request: Request, exc: Exception) -> PlainTextResponse:
+    """The database could not be written (busy, disk full, read-only): a 503 whose sentence says what to do
+    (the page shows it in an alert); any other database error is a 500."""
+    if isinstance(exc, StorageError):
+        return PlainTextResponse(f"503: {exc}", status_code=503)
+    problem = storage_problem(exc, request.app.state.flashcode.db.path)
+    if problem is None:
+        log.error("database error on %s", request.url.path, exc_info=exc)
+        return await server_error(request, exc)
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return PlainTextResponse(f"503: {problem}", status_code=503)
 
 
 def _quote_file(source: str, text: str) -> str:
@@ -192,7 +206,12 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
             Mount("/static", StaticFiles(directory=find_dir("static")), name="static"),
         ],
         middleware=security.middleware(settings, csrf_token),
-        exception_handlers={HTTPException: http_error, 500: server_error},
+        exception_handlers={
+            HTTPException: http_error,
+            sqlite3.OperationalError: storage_error,
+            StorageError: storage_error,
+            500: server_error,
+        },
         lifespan=lifespan,
     )
     app.state.settings = settings

@@ -28,6 +28,7 @@ from engine.models import DEFAULT_MODEL
 from engine.placement import is_gguf_path
 
 from . import agent_cli, cli_bench, cli_conversations, cli_projects, preflight
+from .db import storage_problem
 from .doctor import doctor_report, format_report, model_problem
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
@@ -692,6 +693,8 @@ def _run(args: argparse.Namespace) -> int:
         print("\nflashcode: stopped (Ctrl-C)", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback with -v
+        if (problem := storage_problem(exc, paths.database_path())) is not None:  # busy, full, read-only
+            return _fail(args, problem)
         return _fail(args, f"unexpected {type(exc).__name__}: {exc} (run again with -v for the traceback)", 1)
 
 

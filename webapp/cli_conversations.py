@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine import paths
+
 from . import preflight
 from .agent.views import importable
 from .db import (
@@ -107,8 +109,8 @@ def _export(db: Database, args: argparse.Namespace) -> int:
         raise preflight.StartupError(f"-o {args.output}: that is a directory; give a file name")
     if out.exists() and not args.force:
         raise preflight.StartupError(f"-o {args.output}: the file exists; --force replaces it")
-    try:
-        out.write_text(text, encoding="utf-8")
+    try:  # whole or not at all: a full disk leaves the file --force would replace as it was
+        paths.write_text_atomic(out, text)
     except OSError as exc:
         raise preflight.StartupError(
             f"-o {args.output}: could not write it ({exc.strerror or exc})"
@@ -122,11 +124,12 @@ def _import(db: Database, store: ProjectStore, args: argparse.Namespace) -> int:
     try:
         if path.is_dir():
             raise preflight.StartupError(f"{args.file} is a directory: give a conversation's JSON file")
-        if path.stat().st_size > MAX_IMPORT_BYTES:
+        with path.open("rb") as f:  # a pipe or a device says size 0: read no more than the limit
+            body = f.read(MAX_IMPORT_BYTES + 1)
+        if len(body) > MAX_IMPORT_BYTES:
             raise preflight.StartupError(
                 f"could not import {args.file}: it is over {MAX_IMPORT_BYTES >> 20} MB (a conversation export is smaller)"
             )
-        body = path.read_bytes()
     except OSError as exc:
         raise preflight.StartupError(f"could not read {args.file}: {exc.strerror or exc}") from None
     project = _project_id(store, args.project)

@@ -30,13 +30,14 @@ makes them on the event loop (local file, small rows).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import math
 import re
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -289,6 +290,50 @@ def latest_version() -> int:
 
 class NewerDatabaseError(RuntimeError):
     """The database was migrated by a newer flashcode than this one."""
+
+
+class StorageError(RuntimeError):
+    """The database could not be written for a reason outside the data (busy, disk full, read-only): one
+    sentence that says what to do. Nothing was stored, and nothing stored before is lost."""
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN … COMMIT, rolled back on any error. SQLite may already have rolled back (a full disk, an I/O
+    error): then there is nothing to undo, and the first error is the one raised."""
+    conn.execute("BEGIN")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def storage_problem(exc: BaseException, path: Path | str) -> str | None:
+    """What to do, in one sentence, when writing the database at `path` failed for a reason outside the data
+    being written; None for any other error."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return None
+    why = str(exc).lower()
+    if "locked" in why or "busy" in why:
+        return (
+            f"the database {path} is busy: another program holds a write lock on it (a second flashcode, "
+            "an sqlite3 shell, a backup tool); nothing was changed — try again once it lets go"
+        )
+    if "full" in why:
+        return f"the disk holding {path} is full: nothing was changed — free some space and try again"
+    if "readonly" in why or "read-only" in why:
+        return (
+            f"the database {path} is read-only: nothing was changed — make it and its folder writable "
+            f"(chmod u+w) for the user running flashcode"
+        )
+    if "disk i/o" in why:
+        return (
+            f"the disk holding {path} failed a write (disk I/O error): nothing was changed — check the disk"
+        )
+    return None
 
 
 def stored_version(conn: sqlite3.Connection) -> int:
@@ -572,18 +617,13 @@ def migrate(conn: sqlite3.Connection) -> list[int]:
     for version, name, statements in sorted(MIGRATIONS, key=lambda m: m[0]):
         if version <= have:
             continue
-        conn.execute("BEGIN")
-        try:
+        with transaction(conn):
             for statement in (statements,) if isinstance(statements, str) else statements:
                 conn.execute(statement)
             conn.execute(
                 "INSERT OR REPLACE INTO schema_migrations VALUES (?,?,?)", (version, name, time.time())
             )
             conn.execute(f"PRAGMA user_version = {int(version)}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         applied.append(version)
     return applied
 
@@ -779,6 +819,17 @@ def _text(value: str) -> str:
     return value.encode("utf-8", "replace").decode("utf-8", "replace") if value else value
 
 
+def _texts(value: Any) -> Any:
+    """`value` with every string in it (keys too, at any depth) made storable by `_text`."""
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, dict):
+        return {_texts(k): _texts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_texts(v) for v in value]
+    return value
+
+
 def _key(value: Any) -> int | str | None:
     """An id from the file, if it can be one (a number or a string; a list or an object cannot)."""
     return value if isinstance(value, int | str) and not isinstance(value, bool) else None
@@ -876,78 +927,78 @@ def import_json(
     actions: dict[Any, int] = {}  # the file's action ids -> new ones below zero
     known: list[int] | None = None  # the file's integer message ids, sorted (for events after a missing one)
     kept = 0
-    db.conn.execute("BEGIN")
     try:
-        db.conn.execute(
-            "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode, "
-            "generation) VALUES (?,?,?,?,?,?,?,?,?)",
-            (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode,
-             json.dumps(generation) if generation else None),
-        )  # fmt: skip
-        if generation.get("system"):  # the model reads it first: the transcript says so, at the top
-            said = (
-                "Imported with its own system prompt, which the model reads before every message (Special › "
-                f"Generation Settings… shows and changes it): “{generation['system'][:400]}”"
-            )
+        with transaction(db.conn):
             db.conn.execute(
-                "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
-                "VALUES (?,0,'notice',?,?)",
-                (conv.id, json.dumps({"type": "notice", "text": said, "level": "warning"}), now),
-            )
-        for old_id, role, content, status, stats, created in messages:
-            cur = db.conn.execute(
-                "INSERT INTO messages (conversation_id, role, content, status, stats, created_at) "
-                "VALUES (?,?,?,?,?,?)",
-                (conv.id, role, content, status, json.dumps(stats) if stats else None, created or now),
-            )
-            if old_id is not None:
-                ids.setdefault(old_id, int(cur.lastrowid or 0))
-        for i, e in enumerate(events, 1):
-            if (
-                not isinstance(e, dict)
-                or not isinstance(e.get("type"), str)
-                or not isinstance(e.get("data"), dict)
-            ):
-                skipped.append(f"event {i} (not an object with a 'type' and a 'data' object)")
-                continue
-            converted = convert_event(e["type"], e["data"]) if convert_event else None
-            if converted is None:
-                skipped.append(f"event {i} ({e['type'][:40]!r})")
-                continue
-            type_, event = converted
-            if "action_id" in event:
-                old_action = _key(event["action_id"])
-                new_action = None if old_action is None else actions.setdefault(old_action, -1 - len(actions))
-                event = event | {"action_id": new_action}
-            after = _key(e.get("after_message"))
-            if after in (0, None):
-                after_new = 0
-            elif after in ids:
-                after_new = ids[after]
-            else:  # a message left out or since deleted: after the newest one before it
-                if known is None:  # once, sorted: a file of many such events is not events x messages
-                    known = sorted(k for k in ids if isinstance(k, int) and not isinstance(k, bool))
-                at = bisect.bisect_right(known, after) if isinstance(after, int) else 0
-                after_new = ids[known[at - 1]] if at else 0
-            db.conn.execute(
-                "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
-                "VALUES (?,?,?,?,?)",
-                (
-                    conv.id,
-                    after_new,
-                    _text(type_),
-                    json.dumps(event, default=str),
-                    _number(e.get("created_at")) or now,
-                ),
-            )
-            kept += 1
-        db.conn.execute("COMMIT")
-    except (sqlite3.Error, ValueError, TypeError) as exc:  # a value nothing above foresaw: nothing is kept
-        db.conn.execute("ROLLBACK")
+                "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode, "
+                "generation) VALUES (?,?,?,?,?,?,?,?,?)",
+                (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode,
+                 json.dumps(generation) if generation else None),
+            )  # fmt: skip
+            if generation.get("system"):  # the model reads it first: the transcript says so, at the top
+                said = (
+                    "Imported with its own system prompt, which the model reads before every message (Special › "
+                    f"Generation Settings… shows and changes it): “{generation['system'][:400]}”"
+                )
+                db.conn.execute(
+                    "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                    "VALUES (?,0,'notice',?,?)",
+                    (conv.id, json.dumps({"type": "notice", "text": said, "level": "warning"}), now),
+                )
+            for old_id, role, content, status, stats, created in messages:
+                cur = db.conn.execute(
+                    "INSERT INTO messages (conversation_id, role, content, status, stats, created_at) "
+                    "VALUES (?,?,?,?,?,?)",
+                    (conv.id, role, content, status, json.dumps(stats) if stats else None, created or now),
+                )
+                if old_id is not None:
+                    ids.setdefault(old_id, int(cur.lastrowid or 0))
+            for i, e in enumerate(events, 1):
+                if (
+                    not isinstance(e, dict)
+                    or not isinstance(e.get("type"), str)
+                    or not isinstance(e.get("data"), dict)
+                ):
+                    skipped.append(f"event {i} (not an object with a 'type' and a 'data' object)")
+                    continue
+                converted = convert_event(e["type"], _texts(e["data"])) if convert_event else None
+                if converted is None:
+                    skipped.append(f"event {i} ({e['type'][:40]!r})")
+                    continue
+                type_, event = converted
+                if "action_id" in event:
+                    old_action = _key(event["action_id"])
+                    new_action = (
+                        None if old_action is None else actions.setdefault(old_action, -1 - len(actions))
+                    )
+                    event = event | {"action_id": new_action}
+                after = _key(e.get("after_message"))
+                if after in (0, None):
+                    after_new = 0
+                elif after in ids:
+                    after_new = ids[after]
+                else:  # a message left out or since deleted: after the newest one before it
+                    if known is None:  # once, sorted: a file of many such events is not events x messages
+                        known = sorted(k for k in ids if isinstance(k, int) and not isinstance(k, bool))
+                    at = bisect.bisect_right(known, after) if isinstance(after, int) else 0
+                    after_new = ids[known[at - 1]] if at else 0
+                db.conn.execute(
+                    "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                    "VALUES (?,?,?,?,?)",
+                    (
+                        conv.id,
+                        after_new,
+                        _text(type_),
+                        json.dumps(event, default=str),
+                        _number(e.get("created_at")) or now,
+                    ),
+                )
+                kept += 1
+    except (sqlite3.Error, ValueError, TypeError, RecursionError) as exc:  # nothing is kept
+        if (problem := storage_problem(exc, db.path)) is not None:  # not the file's fault
+            raise StorageError(problem) from exc
+        # a value nothing above foresaw
         raise ConversationImportError(
             f"it holds a value flashcode cannot store ({type(exc).__name__}: {exc})"
         ) from exc
-    except BaseException:
-        db.conn.execute("ROLLBACK")
-        raise
     return Imported(conv, len(messages), kept, skipped)

@@ -26,7 +26,7 @@ from engine.models import human_size, list_models
 
 from .db import SCHEMA_VERSION, stored_version
 from .engine_host import default_backend
-from .preflight import database_problem, model_dir_problem, quick_check
+from .preflight import database_problem, model_dir_problem, not_writable, quick_check, read_only
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -199,6 +199,8 @@ def check_database(root: Path) -> Check:
             "upgrade flashcode, or pass another --data-dir",
             required=True,
         )
+    if not_writable(path):
+        return Check(False, *read_only(path), required=True)
     return Check(True, f"{path} (schema {version})")
 
 

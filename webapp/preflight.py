@@ -152,6 +152,8 @@ def database_problem(path: Path, exc: BaseException) -> tuple[str, str]:
             f"{path} is locked by another program ({text})",
             "close it (a `sqlite3` shell, a backup or sync tool) and start again",
         )
+    if "readonly" in text or "read-only" in text:
+        return read_only(path)
     if "full" in text or isinstance(exc, OSError):
         return f"cannot write {path} ({text})", "free some disk space and start again"
     if "malformed" in text or "corrupt" in text:
@@ -165,6 +167,20 @@ def database_problem(path: Path, exc: BaseException) -> tuple[str, str]:
         f"{path} is not a readable flashcode database ({text})",
         "move it aside to start with an empty history, or pass another --data-dir",
     )
+
+
+def read_only(path: Path) -> tuple[str, str]:
+    """(what is wrong, what to do) about a database this user may not write (its folder holds its journal)."""
+    return (
+        f"{path} is read-only for this user (flashcode writes it and, beside it, its journal)",
+        f"make both writable (chmod u+w {q(path)} {q(path.parent)}) or run as the user who owns them; "
+        "nothing in it is lost",
+    )
+
+
+def not_writable(path: Path) -> bool:
+    """The database, or the folder its write-ahead log goes in, is not writable by this user."""
+    return not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK)
 
 
 def quick_check(conn: sqlite3.Connection) -> None:
@@ -181,6 +197,8 @@ def check_database(root: Path) -> None:
     path = paths.database_path(root)
     if not path.exists():
         return
+    if not_writable(path):
+        raise StartupError(": ".join(read_only(path)))
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:

@@ -25,6 +25,7 @@ from ..db import (
     ConversationImportError,
     Database,
     EventConverter,
+    StorageError,
     export_json,
     export_markdown,
     import_json,
@@ -213,10 +214,10 @@ class ChatPages:
         await form.close()
         try:
             done = import_json(self.db, parse_import(body), project, self.import_event)
-        except ConversationImportError as exc:
+        except (ConversationImportError, StorageError) as exc:
             text = f"Could not import {name}: {exc}."
             if not request.headers.get("hx-request"):
-                raise HTTPException(400, text) from None
+                raise HTTPException(503 if isinstance(exc, StorageError) else 400, text) from None
             listed = self.views.conversation_list(self._current(request), oob=False)  # the form's target
             return HTMLResponse(listed + self.views.alert(text))
         log.info(

@@ -34,6 +34,7 @@ class Send:
     mode: str | None = None  # chat | agent: the toolbar's mode, for a conversation this message starts
     top_p: float | None = None
     seen: int | None = None  # the newest message id the page shows (another tab may have added since)
+    project_id: str | None = None  # the project the page shows: a conversation this message starts goes there
     type: str = "send"
 
 
@@ -143,6 +144,7 @@ def _send(d: dict[str, Any]) -> Send:
         mode=_mode(d, required=False),
         top_p=_number(d, "top_p", float, 0.01, 1.0),
         seen=_number(d, "seen", int, 0, 2**63 - 1),
+        project_id=_str(d, "project_id", required=False, limit=200),
     )
 
 

@@ -252,6 +252,23 @@ class Session:
         self.ctx.conversation_changed(conversation_id, self)
         task.add_done_callback(lambda _t: self.ctx.conversation_changed(conversation_id, self))
 
+    def _new_in(self, shown: str | None) -> str | None:
+        """The project a new conversation goes in: the one the page shows (another window, or a command
+        line's --project, may have opened another since), else the open one; None (said) when the page's
+        was removed meanwhile."""
+        projects = self.ctx.projects
+        if projects is None:
+            return "default"
+        if not shown:
+            return projects.current().id
+        if projects.get(shown) is None:
+            self.error(
+                "the project this window shows was removed meanwhile: nothing was sent — reload the page "
+                "(it opens the current project) or open one with File › Open Project…"
+            )
+            return None
+        return shown
+
     def _send(self, msg: p.Send) -> None:
         db, views = self.ctx.db, self.views
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
@@ -265,8 +282,10 @@ class Session:
             return
         created = conv is None
         if conv is None:
+            project_id = self._new_in(msg.project_id)
+            if project_id is None:
+                return
             title = make_title(msg.text, TITLE_CHARS)
-            project_id = self.ctx.projects.current().id if self.ctx.projects else "default"
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
         if created and msg.mode:
             db.set_mode(conv.id, msg.mode)

@@ -275,9 +275,15 @@ class SavedContexts:
         try:
             given = re.sub(r"[^\w.\- ]+", "_", Path(upload.filename or "").name)[:120].strip(". ")
             dest = tmp / (given or "upload.flashctx")  # errors name the user's file
-            with dest.open("wb") as out:
-                while chunk := await upload.read(8 << 20):
-                    out.write(chunk)
+            try:
+                with dest.open("wb") as out:
+                    while chunk := await upload.read(8 << 20):
+                        out.write(chunk)
+            except OSError as exc:  # the temporary folder's disk is full
+                raise HTTPException(
+                    507,
+                    f"the upload could not be held in {tmp.parent} ({exc.strerror or exc}): free some space",
+                ) from None
             name = form.get("name")
             name = name if isinstance(name, str) and name else None
             ctx = await asyncio.to_thread(store.import_file, pid, dest, name)

@@ -103,7 +103,16 @@ class ProjectTree:
             raise FilesError(f"{text} is ignored (.git or .gitignore): not shown")
         return target
 
+    def _whole(self) -> None:
+        """FilesError when the project's folder itself is gone (moved, deleted, replaced by a file)."""
+        if not self.root.is_dir():
+            raise FilesError(
+                f"the project's folder {self.root} is gone (moved or deleted): put it back, or point the "
+                "project at its new place (`flashcode projects move`)"
+            )
+
     def list(self, rel_dir: str = "") -> list[Entry]:
+        self._whole()
         folder = self.resolve(rel_dir)
         if not folder.is_dir():
             raise FilesError(f"{rel_dir or '.'} is not a folder")
@@ -136,13 +145,18 @@ class ProjectTree:
 
     def read_text(self, rel: str, limit: int = VIEW_LIMIT) -> tuple[str, int]:
         """(text, size in bytes) of a project file, or FilesError saying why it cannot be shown."""
+        self._whole()
         path = self.resolve(rel)
         if not path.is_file():
             raise FilesError(f"{rel} is not a file")
-        size = path.stat().st_size
-        if size > limit:
-            raise FilesError(f"{rel} is {size:,} bytes; the limit is {limit:,} bytes")
-        data = path.read_bytes()[: limit + 1]
+        try:
+            size = path.stat().st_size
+            if size > limit:
+                raise FilesError(f"{rel} is {size:,} bytes; the limit is {limit:,} bytes")
+            with path.open("rb") as f:
+                data = f.read(limit + 1)
+        except OSError as exc:  # unreadable (permissions), or gone meanwhile
+            raise FilesError(f"{rel} cannot be read: {exc.strerror or exc}") from exc
         if b"\x00" in data:
             raise FilesError(f"{rel} is a binary file: not shown")
         try:

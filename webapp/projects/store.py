@@ -29,6 +29,7 @@ from pathlib import Path
 
 from engine import paths
 
+from ..db import transaction
 from ..turns import ProjectRef
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,7 @@ class ProjectStore:
             return self._default()
         existing = self.by_path(path)
         if existing is not None:  # also one listed before the data directory rule (its files are guarded)
+            self._adopt_kept(path, existing.id)  # what a project removed from this folder kept comes back
             return self.rename(existing.id, name) if name else existing
         check_apart_from_data(path, self.data_dir, str(directory).strip())
         pid = project_id_for(path)
@@ -297,16 +299,11 @@ class ProjectStore:
             other = project_id_for(path, n)
             if other == pid or self.get(other) is not None or not self._has_data(other):
                 continue
-            self.conn.execute("BEGIN")
-            try:
+            with transaction(self.conn):
                 for table, column in PROJECT_DATA:  # beside what is there: the new project's settings win
                     self.conn.execute(
                         f"UPDATE OR IGNORE {table} SET {column} = ? WHERE {column} = ?", (pid, other)
                     )
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
             self._merge_folder(other, pid)
 
     def _has_data(self, project_id: str) -> bool:
@@ -377,6 +374,9 @@ class ProjectStore:
                 f"(flashcode projects remove {shlex.quote(other.name)}) or pick another folder"
             )
         self.conn.execute("UPDATE projects SET path = ? WHERE id = ?", (str(path), project_id))
+        self._adopt_kept(
+            path, project_id
+        )  # a project removed from that folder kept its data: it joins this one
         moved = self.get(project_id)
         assert moved is not None
         return moved
@@ -419,8 +419,7 @@ class ProjectStore:
                 rekey = target
         if delete_data:  # a conversation's messages go with it (cascade)
             statements += [f"DELETE FROM {table} WHERE {column} = ?" for table, column in PROJECT_DATA]
-        self.conn.execute("BEGIN")
-        try:
+        with transaction(self.conn):
             for sql in statements:
                 self.conn.execute(sql, (project_id,))
             if rekey is not None:
@@ -428,10 +427,6 @@ class ProjectStore:
                     self.conn.execute(  # beside what an earlier project of that folder kept: its settings win
                         f"UPDATE OR IGNORE {table} SET {column} = ? WHERE {column} = ?", (rekey, project_id)
                     )
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
         if rekey is not None:
             self._merge_folder(project_id, rekey)
         if delete_data:

@@ -172,7 +172,11 @@ class ProjectsWeb:
         try:
             entries = tree.list(rel)
         except FilesError as exc:
-            entries, error, rel = tree.list(""), str(exc), ""
+            error, rel = str(exc), ""
+            try:  # the project's top instead
+                entries = tree.list("")
+            except FilesError:  # the folder itself is gone or unreadable: the first error says so
+                entries = []
         crumbs = [p for p in rel.strip("/").split("/") if p]
         trail = [(p, "/".join(crumbs[: i + 1])) for i, p in enumerate(crumbs)]
         return str(

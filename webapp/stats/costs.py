@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,8 +106,8 @@ def load_prices(path: Path) -> tuple[Price, ...]:
     if not path.exists():
         return DEFAULT_PRICES
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PriceTableError(
             f"cannot read the price table {path}: {exc}; fix it or delete it to use the defaults"
         ) from exc
@@ -150,9 +149,7 @@ def save_prices(path: Path, prices: tuple[Price, ...] | list[Price]) -> None:
     """Write atomically (a half-written table would lose the user's edits)."""
     data = {"currency": "USD", "unit": "per million tokens", "models": [asdict(p) for p in prices]}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    paths.write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def prices_from_form(
