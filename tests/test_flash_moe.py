@@ -263,6 +263,8 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
         "flash-moe-gpu-build.json",
         "flash-moe-gpu-graphs.json",
         "flash-moe-gpu-graphs-h200.json",
+        "flash-moe-gpu-speculation-skewed.json",
+        "flash-moe-gpu-speculation-uniform.json",
     ],
 )
 def test_gpu_results_recompute_from_their_runs(name: str) -> None:
@@ -275,8 +277,8 @@ def test_gpu_results_recompute_from_their_runs(name: str) -> None:
 
     result = json.loads((Path(__file__).resolve().parent.parent / "bench/results" / name).read_text())
     assert result["command"].startswith("bench/flash_moe.py") and result["git_commit"] and result["machine"]
-    for routing in ("skewed", "uniform"):
-        run = result["runs"][routing]
+    assert set(result["runs"]) <= {"skewed", "uniform"} and result["runs"]
+    for routing, run in result["runs"].items():
         tps = [f["decode_tps"] for f in run["flash_runs"]]
         assert len(tps) == result["repeats"] and run["decode_tps"] == sorted(tps)[(len(tps) - 1) // 2]
         if "bandwidth_probes" in run:  # the disk limit: the best of the probes (written before: one probe)
