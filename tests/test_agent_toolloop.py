@@ -661,6 +661,28 @@ def test_toolloop_a_turn_that_ends_with_no_words_after_steps_asks_for_an_answer(
     assert [e.text for e in of(events, ev.AnswerDone)] == [answer] and len(fake.history) == before + 2
 
 
+def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen with `flashcode agent`: four failed edits, then the forced answer "add was added to util.py". The
+    second request and its notice now carry what the loop's records say: no file changed, no call worked."""
+    for _ in range(4):
+        fake.enqueue_call("edit_file", path="app.py", old_text="nothing like this", new_text="x")
+    fake.enqueue("add was added.")
+    s = session(worker, project, Approver(ev.Decision.once()))
+    events = asyncio.run(collect(s, "add a function add to app.py"))
+    ask = str(fake.history[-1].messages[1]["content"])
+    assert "No file was changed. None of the 4 tool calls worked." in ask
+    assert "No file was changed. None of the 4 tool calls worked." in of(events, ev.Notice)[-1].text
+    assert s.loop.written == [] and s.loop.facts().startswith("No file was changed")
+    fake.enqueue_call("write_file", path="new.py", content="x = 1\n").enqueue("")
+    fake.enqueue("Wrote new.py.")
+    s = session(worker, project, Approver(ev.Decision.once()))
+    asyncio.run(collect(s, "write new.py"))
+    assert s.loop.written == ["new.py"]
+    assert "Files changed: new.py." in str(fake.history[-1].messages[1]["content"])
+
+
 def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
@@ -769,9 +791,11 @@ def test_toolloop_cli_json(
     code = cli.main(
         ["agent", "--project", str(project), "--approve", "all", "--max-steps", "4", "--json", "go"]
     )
-    out = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    out = json.loads(said.out)
     assert code == 0 and (project / "cli.txt").read_text() == "C"
-    assert out["answer"] == "All done." and set(out) == {"answer", "steps", "stats"}
+    assert out["answer"] == "All done." and set(out) == {"answer", "steps", "changed_files", "stats"}
+    assert out["changed_files"] == ["cli.txt"] and "flashcode: files changed: cli.txt" in said.err
     assert [(s["tool"], s["decision"], s["ok"], s["exit_code"]) for s in out["steps"]] == [
         ("write_file", "rule", True, None),
         ("run_command", "once", True, 0),
@@ -781,9 +805,13 @@ def test_toolloop_cli_json(
 
     fake.enqueue_call("write_file", path="no.txt", content="N")
     fake.enqueue("ok")
-    cli.main(["agent", "--project", str(project), "--approve", "none", "--json", "go"])
-    out = json.loads(capsys.readouterr().out)
+    code = cli.main(["agent", "--project", str(project), "--approve", "none", "--json", "go"])
+    said = capsys.readouterr()
+    out = json.loads(said.out)
     assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
+    # an answer after steps none of which worked: exit 4, and stderr says nothing was changed
+    assert code == 4 and out["changed_files"] == [] and "flashcode: no file was changed" in said.err
+    assert "none of the 1 steps worked" in said.err
 
     fake.enqueue_call("list_files").enqueue_call(
         "read_file", path="cli.txt"

@@ -179,6 +179,7 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
     return {
         "answer": answer,
         "steps": list(loop.records) if loop else [],
+        "changed_files": list(dict.fromkeys(loop.written)) if loop else [],
         "stats": {
             "steps": loop.steps if loop else 0,
             "step_limit_reached": bool(loop and loop.steps >= loop.limit),
@@ -317,6 +318,21 @@ def cmd_agent(args: argparse.Namespace) -> int:
         # the model ended the task with no words (a small model that gave up): not a success
         print(f"flashcode: the agent ended after {st['steps']} step(s) without an answer", file=sys.stderr)
         return 1
+    steps = result["steps"]
+    if steps:  # what the tools did, from their records: the answer is the model's words, unchecked
+        changed = result["changed_files"]
+        print(
+            visible_text(f"flashcode: files changed: {', '.join(changed)}")
+            if changed
+            else "flashcode: no file was changed",
+            file=sys.stderr,
+        )
+        if not any(r["ok"] for r in steps):
+            print(
+                f"flashcode: none of the {len(steps)} steps worked: the answer is not backed by any tool result",
+                file=sys.stderr,
+            )
+            return 4
     return 0
 
 
