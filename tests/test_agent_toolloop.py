@@ -809,9 +809,16 @@ def test_toolloop_cli_json(
     said = capsys.readouterr()
     out = json.loads(said.out)
     assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
-    # an answer after steps none of which worked: exit 4, and stderr says nothing was changed
-    assert code == 4 and out["changed_files"] == [] and "flashcode: no file was changed" in said.err
-    assert "none of the 1 steps worked" in said.err
+    # denied: the answer may rightly do without it
+    assert code == 0 and out["changed_files"] == [] and "flashcode: no file was changed" in said.err
+    # an answer after steps none of which worked: exit 4
+    fake.enqueue_call("edit_file", path="cli.txt", old_text="not there", new_text="D")
+    fake.enqueue("Edited.")
+    code = cli.main(["agent", "--project", str(project), "--approve", "all", "--json", "go"])
+    said = capsys.readouterr()
+    assert (
+        code == 4 and "none of the 1 steps worked" in said.err and json.loads(said.out)["answer"] == "Edited."
+    )
 
     fake.enqueue_call("list_files").enqueue_call(
         "read_file", path="cli.txt"

@@ -327,7 +327,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             else "flashcode: no file was changed",
             file=sys.stderr,
         )
-        if not any(r["ok"] for r in steps):
+        if not any(r["ok"] or r["decision"] == "deny" for r in steps):  # a denial is the user's word, heard
             print(
                 f"flashcode: none of the {len(steps)} steps worked: the answer is not backed by any tool result",
                 file=sys.stderr,
