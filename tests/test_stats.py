@@ -184,6 +184,33 @@ def test_slash_answers(conn: sqlite3.Connection, tmp_path: Path) -> None:
     assert "no worker" in run("bench")
 
 
+def test_slash_answers_and_grades_count_the_project_they_were_typed_in(
+    conn: sqlite3.Connection, tmp_path: Path
+) -> None:
+    """/stats and /cost in a project said every project's totals (and the API's); the Stats window's Grades
+    table counted every project's replies under one project's Totals."""
+    import asyncio
+
+    def run(name: str, project: str | None, arg: str = "") -> str:
+        return asyncio.run(stats_view.run_slash(name, arg, conn=conn, data_dir=tmp_path, project=project))
+
+    stats.record_reply(conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="a", project_id="p1")
+    stats.record_reply(conn, reply(2_000, 0, 100, 12.0, 0.25), backend="mlx", model="b", project_id="p2")
+    stats.record_reply(conn, reply(3_000, 0, 100, 12.0, 0.25), backend="mlx", model="c", conversation_id="c2",
+                       project_id="p2")  # fmt: skip
+    assert "**1 replies in this project**" in run("stats", "p1") and "| b |" not in run("stats", "p1")
+    assert "**3 replies**" in run("stats", None)
+    assert "The 1,000 prompt tokens" in run("cost", "p1") and "made in this project" in run("cost", "p1")
+    assert "Graded the last reply **bad**" in run("bad", None, "slow")  # the latest reply: p2's
+    assert "| chat | 1 | 0 | 0 | 1 |" in run("improve", "p1") and "| chat | 2 | 0 | 1 | 1 |" in run(
+        "improve", "p2"
+    )
+    counts, graded = stats.improve(conn, project="p1")
+    assert graded == [] and counts[0].replies == 1
+    window = stats_view.window_context(conn, tmp_path, project="p1")
+    assert window["graded"] == [] and window["route_counts"][0].replies == 1
+
+
 def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
     from starlette.testclient import TestClient
 

@@ -270,16 +270,24 @@ class RouteCounts:
         return max(0, self.replies - self.good - self.bad)
 
 
-def improve(conn: sqlite3.Connection, limit: int = 20) -> tuple[list[RouteCounts], list[Grade]]:
-    """`/improve`: per route, replies and grades; and the latest graded replies (bad ones first)."""
+def improve(
+    conn: sqlite3.Connection, limit: int = 20, project: str | None = None
+) -> tuple[list[RouteCounts], list[Grade]]:
+    """`/improve`: per route, replies and grades; and the latest graded replies (bad ones first). `project`: one
+    project's (a grade belongs to its reply's project), or every project's (None)."""
+    mine, args = ("AND project_id = ?", (project,)) if project is not None else ("", ())
     replies = dict(
         conn.execute(
-            "SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' GROUP BY 1"
+            f"SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' {mine} GROUP BY 1",
+            args,
         ).fetchall()
+    )
+    of_grades = (
+        "WHERE reply_id IN (SELECT id FROM stats_replies WHERE project_id = ?)" if project is not None else ""
     )
     graded: dict[str, dict[str, int]] = {}
     for route, grade, n in conn.execute(
-        "SELECT COALESCE(route, 'chat'), grade, COUNT(*) FROM stats_grades GROUP BY 1, 2"
+        f"SELECT COALESCE(route, 'chat'), grade, COUNT(*) FROM stats_grades {of_grades} GROUP BY 1, 2", args
     ):
         graded.setdefault(route, {})[grade] = n
     routes = list(ROUTES) + sorted((set(replies) | set(graded)) - set(ROUTES))
@@ -289,8 +297,8 @@ def improve(conn: sqlite3.Connection, limit: int = 20) -> tuple[list[RouteCounts
     ]
     rows = conn.execute(
         "SELECT id, created_at, grade, route, model, note, excerpt, conversation_id, message_id FROM stats_grades "
-        "ORDER BY grade = 'good', id DESC LIMIT ?",
-        (limit,),
+        f"{of_grades} ORDER BY grade = 'good', id DESC LIMIT ?",
+        (*args, limit),
     ).fetchall()
     return counts, [Grade(*r) for r in rows]
 

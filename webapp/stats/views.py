@@ -72,7 +72,7 @@ def window_context(
         prices, error = costs.DEFAULT_PRICES, str(exc)
     models = store.by_model(conn, project=project)
     backends = store.by_backend(conn, project=project)
-    counts, graded = store.improve(conn, limit=8)
+    counts, graded = store.improve(conn, limit=8, project=project)
     tps = store.series(conn, "decode_tps", project=project)
     ttft = {
         b: [(t, v * 1000) for t, v in pts] for b, pts in store.series(conn, "ttft_s", project=project).items()
@@ -139,18 +139,23 @@ def _getlist(form: FormData, key: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- slash commands (Markdown)
-def stats_markdown(conn: sqlite3.Connection) -> str:
-    t = store.totals(conn)
+def _scope(project: str | None) -> str:
+    return " in this project" if project is not None else ""
+
+
+def stats_markdown(conn: sqlite3.Connection, project: str | None = None) -> str:
+    """`project`: the project of the conversation it was typed in (None: every project's, the API's too)."""
+    t = store.totals(conn, project=project)
     if not t.replies:
-        return "No replies recorded yet: ask something, then try `/stats` again."
+        return f"No replies recorded yet{_scope(project)}: ask something, then try `/stats` again."
     lines = [
-        f"**{t.replies} replies** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
+        f"**{t.replies} replies{_scope(project)}** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
         f"{t.completion_tokens:,} generated · {t.decode_tps:.1f} tok/s overall · mean TTFT {t.ttft_s * 1000:.0f} ms",
         "",
         "| model | backend | replies | tokens in / out | tok/s | TTFT | peak memory |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for m in store.by_model(conn):
+    for m in store.by_model(conn, project=project):
         lines.append(
             f"| {m.model} | {m.backend} | {m.replies} | {m.prompt_tokens:,} / {m.completion_tokens:,} | "
             f"{m.decode_tps:.1f} | {m.ttft_s * 1000:.0f} ms | {_mib(m.peak_memory_bytes)} |"
@@ -158,12 +163,12 @@ def stats_markdown(conn: sqlite3.Connection) -> str:
     return "\n".join(lines)
 
 
-def cost_markdown(conn: sqlite3.Connection, data_dir: Path) -> str:
-    t = store.totals(conn)
+def cost_markdown(conn: sqlite3.Connection, data_dir: Path, project: str | None = None) -> str:
+    t = store.totals(conn, project=project)
     prices = costs.load_prices(costs.prices_path(data_dir))
     lines = [
         f"The {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} cached) and {t.completion_tokens:,} "
-        "generated tokens made here would have cost:",
+        f"generated tokens made {'in this project' if project is not None else 'here'} would have cost:",
         "",
         "| cloud model | cost | input / cached / output per 1M | prices of |",
         "|---|---:|---:|---|",
@@ -177,8 +182,8 @@ def cost_markdown(conn: sqlite3.Connection, data_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def improve_markdown(conn: sqlite3.Connection) -> str:
-    counts, graded = store.improve(conn)
+def improve_markdown(conn: sqlite3.Connection, project: str | None = None) -> str:
+    counts, graded = store.improve(conn, project=project)
     lines = ["| route | replies | good | bad | ungraded |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {c.route} | {c.replies} | {c.good} | {c.bad} | {c.ungraded} |" for c in counts]
     if not graded:
@@ -225,17 +230,19 @@ async def run_slash(
     worker: Worker | None = None,
     conversation_id: str | None = None,
     last_reply_text: str = "",
+    project: str | None = None,
 ) -> str:
-    """Answer one of `SLASH_COMMANDS` as Markdown (the chat shows it as a system note)."""
+    """Answer one of `SLASH_COMMANDS` as Markdown (the chat shows it as a system note); /stats, /cost and
+    /improve count the project it was typed in (`project`; None: every project's)."""
     if name == "stats":
-        return stats_markdown(conn)
+        return stats_markdown(conn, project)
     if name == "cost":
         try:
-            return cost_markdown(conn, data_dir)
+            return cost_markdown(conn, data_dir, project)
         except costs.PriceTableError as exc:
             return str(exc)
     if name == "improve":
-        return improve_markdown(conn)
+        return improve_markdown(conn, project)
     if name in ("good", "bad"):
         return grade_markdown(conn, name, arg, conversation_id, last_reply_text)
     if name == "bench":
@@ -349,10 +356,12 @@ class Stats:
     # ------------------------------------------------------------------ slash commands (a SlashHandler)
     async def answer(self, name: str, arg: str, conversation_id: str | None) -> str:
         """A stats slash command typed in `conversation_id`, answered as Markdown."""
-        last = ""
+        last, project = "", None
         if conversation_id:
             replies = [m for m in self.db.messages(conversation_id) if m.role == "assistant"]
             last = replies[-1].content if replies else ""
+            conv = self.db.get_conversation(conversation_id)
+            project = conv.project_id if conv is not None else None
         return await run_slash(
             name,
             arg,
@@ -361,6 +370,7 @@ class Stats:
             worker=self.worker,
             conversation_id=conversation_id,
             last_reply_text=last,
+            project=project,
         )
 
     async def answer_fragment(self, name: str, arg: str, conversation_id: str | None) -> str:
