@@ -165,3 +165,27 @@ def test_an_export_that_fails_leaves_the_file_it_would_replace_as_it_was(tmp_pat
     monkeypatch.undo()
     paths.write_text_atomic(backup, "new")
     assert backup.read_text() == "new"
+
+
+def test_an_export_piped_into_head_ends_quietly(tmp_path: Path) -> None:
+    """`flashcode conversations export ID --format md | head -5` printed "flashcode: [Errno 32] Broken pipe"."""
+    import os
+    import subprocess
+
+    from tests.test_cli import FLASHCODE
+
+    home = tmp_path / "home"
+    home.mkdir()
+    db = Database(home / "flashcode.db")
+    conv = db.create_conversation("long")
+    db.add_message(conv.id, "user", "line\n" * 200_000)  # more than a pipe holds
+    db.close()
+    proc = subprocess.run(
+        f"{FLASHCODE} conversations export {conv.id} --format md | head -2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FLASHCODE_HOME": str(home)},
+        timeout=120,
+    )
+    assert proc.stdout.count("\n") == 2 and proc.stderr == "", proc.stderr

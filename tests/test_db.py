@@ -302,3 +302,14 @@ def test_an_imported_events_lone_surrogates_do_not_make_it_unexportable(tmp_path
 
     json.dumps(export_json(conv, d.messages(conv.id), events), ensure_ascii=False).encode("utf-8")
     export_markdown(conv, d.messages(conv.id), events).encode("utf-8")
+
+
+def test_an_import_of_another_format_version_says_what_may_be_left_out(tmp_path: Path) -> None:
+    d = Database(tmp_path / "f.db")
+    data = {"format": "flashcode-conversation-9", "messages": [{"role": "user", "content": "hi"}]}
+    done = dbmod.import_json(d, data, "default")
+    assert done.messages == 1 and "flashcode-conversation-9" in done.skipped[0]
+    notice = d.events(done.conversation.id)[-1]
+    assert notice.type == "notice" and notice.data["text"].startswith("Left out of the import: whatever its")
+    same = dbmod.import_json(d, {"format": dbmod.EXPORT_FORMAT, "messages": data["messages"]}, "default")
+    assert same.skipped == [] and d.events(same.conversation.id) == []

@@ -333,10 +333,14 @@ def test_webapp_import_treats_the_file_as_untrusted(app_parts) -> None:
     msgs = db.messages(new)
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].status == "incomplete"
     assert msgs[1].stats == {"model": "<b>m</b>"}
-    events = db.events(new)
+    *events, left_out = db.events(new)
     assert [e.type for e in events] == ["notice", "exit", "proposal"]
     assert {e.data["action_id"] for e in events if "action_id" in e.data} == {-1}
     assert all(e.after_message in (msgs[0].id, msgs[1].id) for e in events)
+    # what was left out is said in the conversation, at its top (the page goes straight to it)
+    assert left_out.type == "notice" and left_out.after_message == 0
+    assert left_out.data["text"].startswith("Left out of the import: message 1 (role 'system'")
+    assert "Left out of the import" in text
 
 
 @pytest.mark.parametrize(

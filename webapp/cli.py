@@ -471,7 +471,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             s = done.stats
             print(
                 f"  [{s.completion_tokens} tok · {s.decode_tps:.1f} tok/s · ttft {s.ttft_s * 1000:.0f} ms"
-                f"{' · stopped' if done.finish_reason == 'cancelled' else ''}]",
+                f"{' · stopped' if done.finish_reason == 'cancelled' else ''}"
+                f"{' · cut at --max-tokens ' + str(args.max_tokens) if done.finish_reason == 'length' else ''}]",
                 file=sys.stderr,
             )
             history.append({"role": "assistant", "content": done.text})
@@ -687,6 +688,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _check_environment()
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of the output went away (`| head`): it had what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except (StartupError, EngineError, RuntimeError, OSError, ProjectError) as exc:
         return _fail(args, str(exc))
     except KeyboardInterrupt:

@@ -892,6 +892,11 @@ def import_json(
             f"it has {len(raw)} messages; at most {MAX_IMPORT_MESSAGES} can be imported"
         )
     skipped: list[str] = []
+    given = data.get("format")
+    if isinstance(given, str) and given != EXPORT_FORMAT:  # a newer flashcode's, or another program's
+        skipped.append(
+            f"whatever its format {_text(given[:60])!r} holds beyond {EXPORT_FORMAT!r} (what this flashcode reads)"
+        )
     messages: list[tuple[Any, str, str, str, dict[str, Any], float | None]] = []
     for i, m in enumerate(raw, 1):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
@@ -994,6 +999,16 @@ def import_json(
                     ),
                 )
                 kept += 1
+            if skipped:  # the page goes straight to the conversation: it says so there, at the top
+                left = "; ".join(skipped[:20]) + (
+                    f"; and {len(skipped) - 20} more" if len(skipped) > 20 else ""
+                )
+                db.conn.execute(
+                    "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                    "VALUES (?,0,'notice',?,?)",
+                    (conv.id, json.dumps({"type": "notice", "text": f"Left out of the import: {left}.",
+                                          "level": "warning"}), now),
+                )  # fmt: skip
     except (sqlite3.Error, ValueError, TypeError, RecursionError) as exc:  # nothing is kept
         if (problem := storage_problem(exc, db.path)) is not None:  # not the file's fault
             raise StorageError(problem) from exc
