@@ -280,3 +280,27 @@ def test_openai_stream_stops_the_engine_when_the_client_leaves(tmp_path: Path) -
             assert rows[0]["finish_reason"] == "cancelled" and rows[0]["completion_tokens"] >= 1
     finally:
         worker.close()
+
+
+def test_openai_model_may_be_the_start_of_one_installed_name(tmp_path: Path, monkeypatch) -> None:
+    """`/model qwen` and `--model qwen` took the start of a name; the API said 404 model_not_found."""
+    import json as _json
+
+    from webapp.api.openai import APIError, wanted_model
+
+    monkeypatch.setenv("FLASHCODE_HOME", str(tmp_path))
+    for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "smollm2-360m"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "config.json").write_text(_json.dumps({"model_type": "llama"}))
+    assert wanted_model("qwen", None) == (None, "qwen2.5-coder-0.5b")
+    assert wanted_model("smollm2-360m", None) == (None, "smollm2-360m")
+    for name, said in (
+        ("smollm2", "could be any of smollm2-135m, smollm2-360m"),
+        ("gpt-4o", "does not exist"),
+    ):
+        try:
+            wanted_model(name, None)
+        except APIError as exc:
+            assert exc.status == 404 and said in exc.message and exc.code == "model_not_found"
+        else:
+            raise AssertionError(name)

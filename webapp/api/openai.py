@@ -44,8 +44,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.base import Done, EngineError, GenerationRequest, Message, SamplingParams, TextDelta
-from engine.models import list_models
+from engine.base import (
+    Done,
+    EngineError,
+    GenerationRequest,
+    Message,
+    ModelNotFoundError,
+    SamplingParams,
+    TextDelta,
+)
+from engine.models import installed_by_start, list_models
 from engine.registry import available_backends
 from engine.worker import Generation, Worker
 
@@ -261,6 +269,12 @@ def wanted_model(requested: Any, current: tuple[str, str] | None) -> tuple[str |
     backend, _, model = name.partition(":")
     if model in installed and backend in available_backends():
         return backend, model
+    try:  # the start of one installed name, as `/model qwen` and `--model qwen` take it
+        found = installed_by_start(name) if name else None
+    except ModelNotFoundError as exc:  # the start of several
+        raise APIError(404, str(exc), param="model", code="model_not_found") from None
+    if found is not None:
+        return None, found.name
     raise APIError(
         404,
         f"model '{name}' does not exist: GET /v1/models lists the installed ones"
