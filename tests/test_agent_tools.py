@@ -454,3 +454,21 @@ def test_list_files_takes_a_glob_as_the_folder_before_it_filtered(tmp_path: Path
     assert tools.list_files("app/[id]").splitlines() == ["app/[id]/page.tsx"]
     with pytest.raises(PathOutsideProjectError):
         tools.list_files("../*")
+
+
+def test_a_call_nobody_answered_is_not_called_denied_by_the_user() -> None:
+    """The 0.5B model answered "The output of main.py is `Denied by the user: no answer within 300 s`": a
+    dialog left unanswered (or no one there to ask) is not the user's no, and nothing ran."""
+    from webapp.agent.tools import denied
+
+    for reason in (
+        "no answer within 300 s",
+        "no one is there to approve it",
+        "not decided: the page was closed",
+    ):
+        said = denied(reason)
+        assert (
+            said.startswith(f"Not run: {reason}") and "by the user" not in said and "nothing it would" in said
+        )
+    assert denied("use mental arithmetic") == "Denied by the user: use mental arithmetic"
+    assert denied("") == "Denied by the user."
