@@ -81,7 +81,8 @@ def conversation_id(frames: list[tuple[float, str]]) -> str | None:
 
 def measure(base: str, cid: str, frames: list[tuple[float, str]], start: float) -> dict[str, float]:
     """The numbers of the reply whose frames are `frames`, the client's clock starting at `start`."""
-    tokens = [t for t, f in frames if TOKEN_FRAME.search(f)]
+    # the tail's "Reading your prompt… N / M tokens" frames (prefill progress) are not tokens
+    tokens = [t for t, f in frames if TOKEN_FRAME.search(f) and "prefill-progress" not in f]
     stats = httpx.get(f"{base}/c/{cid}/export.json", timeout=30).json()["messages"][-1]["stats"]
     first, last = (tokens[0], tokens[-1]) if tokens else (0.0, 0.0)
     n = stats["completion_tokens"]
