@@ -20,6 +20,15 @@
     if (!win) return;
     win.hidden = false;
     focusWindow(win);
+    refreshParts(win);
+  }
+  // a window's [data-refresh] parts (hx-trigger "refresh") are drawn again from the server: what changed
+  // elsewhere shows (Settings: a rule saved in an approval dialog); not a part being typed in
+  function refreshParts(win) {
+    win.querySelectorAll("[data-refresh]").forEach((part) => {
+      const typed = [...part.querySelectorAll("input, textarea")].some((f) => f.value !== f.defaultValue);
+      if (!typed && !part.contains(document.activeElement)) htmx.trigger(part, "refresh");
+    });
   }
   document.addEventListener("pointerdown", (e) => {
     const win = e.target.closest("[data-window]");
@@ -166,6 +175,32 @@
   function markSelected(id) {
     document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => li.classList.toggle("selected", li.dataset.id === id));
   }
+  // Undo after Move to Trash of the conversation the chat window showed (the page went to "/"): the window
+  // shows it again, with what was typed meanwhile, unless another conversation was started since
+  // (the button is gone with the list it was in: htmx tells its pane, naming the button in requestConfig)
+  document.body.addEventListener("htmx:afterRequest", (e) => {
+    const id = e.detail.requestConfig?.elt?.dataset?.reopen;
+    if (!id || !e.detail.successful || conversationId()) return;
+    const typed = ($("#prompt") || {}).value || "";
+    htmx.ajax("GET", `/c/${id}`, { target: "#chat-window", swap: "outerHTML" }).then(() => {
+      if (conversationId() !== id) return;
+      history.pushState({}, "", `/c/${id}`);
+      const p = $("#prompt");
+      if (p && typed && !p.value) p.value = typed;
+      markSelected(id);
+    });
+  });
+  // a conversation deleted for good (Delete Now, Empty Trash, here or in another window's Trash shown here):
+  // its "Moved to the Trash. Undo" note goes, the Undo having nothing left to put back
+  function dropStaleUndo() {
+    const pane = $("#trash-pane");
+    if (!pane) return;
+    document.querySelectorAll("#conversation-list .trash-note[data-trashed]").forEach((note) => {
+      if (!pane.querySelector(`li[data-id="${CSS.escape(note.dataset.trashed)}"]`)) note.remove();
+    });
+  }
+  document.body.addEventListener("htmx:afterSettle", dropStaleUndo);
+  document.body.addEventListener("htmx:oobAfterSwap", dropStaleUndo);
 
   // ---------------------------------------------------------------- keyboard
   function focusPrompt() { const p = $("#prompt"); if (p) p.focus(); }
@@ -212,6 +247,9 @@
   }
   document.body.addEventListener("htmx:wsAfterMessage", (e) => {
     const frame = String((e.detail && e.detail.message) || "");
+    // an approval dialog answered: the rule it saved or the network switch it set shows in an open Settings
+    const settings = $("#settings-window");
+    if (settings && !settings.hidden && /class="action-decision decision-(once|always_exact|always_prefix)"/.test(frame)) refreshParts(settings);
     const shown = frame.includes('class="msg msg-user');
     const refused = frame.includes('role="alert"');  // with an alert, a user message shown is another tab's
     if (sent !== null && (shown || refused)) {

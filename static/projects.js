@@ -1,6 +1,6 @@
 // flashcode projects: the File menu's project dialogs, the folder browser's clicks, the Files
-// window's file viewer. Everything that talks to the server goes through htmx (the CSRF header is
-// on <body>); this only opens, fills and closes things.
+// window's file viewer (in the list's place). Everything that talks to the server goes through htmx
+// (the CSRF header is on <body>); this only opens, fills and closes things.
 (function () {
   "use strict";
   const $ = (sel, root) => (root || document).querySelector(sel);
@@ -29,6 +29,8 @@
     } else if (t.dataset.closeView !== undefined) {
       const view = $("#file-view");
       if (view) { view.hidden = true; view.innerHTML = ""; }
+      const list = $("#files-pane");
+      if (list) list.hidden = false;
     }
   });
   document.addEventListener("keydown", (e) => {
@@ -37,7 +39,12 @@
     if (dialog) { e.stopPropagation(); dialog.remove(); }
   }, true);
   document.body.addEventListener("htmx:afterSwap", (e) => {
-    if (e.detail.target && e.detail.target.id === "file-view") $("#file-view").hidden = false;
+    // a file viewed takes the list's place (the window's whole height); "◂ Files" brings the list back
+    if (e.detail.target && e.detail.target.id === "file-view") {
+      $("#file-view").hidden = false;
+      const list = $("#files-pane");
+      if (list) list.hidden = true;
+    }
     const err = $(".project-dialog [data-error]");
     if (err) ($("#project-path") || err).focus();
   });

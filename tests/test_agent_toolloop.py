@@ -683,6 +683,34 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     assert "Files changed: new.py." in str(fake.history[-1].messages[1]["content"])
 
 
+def test_toolloop_the_action_card_says_the_network_the_command_ran_with(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """The dialog's network switch decides the run: the card said "network off" (the proposal's words) for a
+    command that ran with the network on. The exit event carries what it ran in and redraws that line."""
+    from webapp.agent import sandbox
+
+    if not sandbox.detect().available:
+        pytest.skip("no OS sandbox on this machine: commands are not sandboxed, so no network switch")
+    fake.enqueue_call("run_command", command="true").enqueue("Done.")
+    events = asyncio.run(collect(session(worker, project, Approver(ev.Decision("once", network=True))), "go"))
+    assert of(events, ev.Proposal)[0].sandbox.endswith("network off")
+    exit_ev = of(events, ev.ActionExit)[0]
+    assert exit_ev.sandbox.endswith("network on")
+    assert "the network switch changed in the dialog" in of(events, ev.Notice)[0].text
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    from webapp.agent.views import AgentViews
+    from webapp.render import find_dir
+
+    views = AgentViews(
+        Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape())
+    )
+    drawn = views.event(exit_ev)
+    assert f'id="action-{exit_ev.action_id}-sandbox" hx-swap-oob="true"' in drawn and "network on" in drawn
+    assert f'id="action-{exit_ev.action_id}-sandbox"' in views.event(of(events, ev.Proposal)[0])
+
+
 def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:

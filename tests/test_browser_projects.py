@@ -125,6 +125,7 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     page.locator("#files-window tr[data-path='app.py'] .file-name").click()
     code = wait_for(page, "#file-view .highlight")
     assert "def greet" in code.inner_text()
+    page.locator("#file-view [data-close-view]").click()  # the viewer took the list's place: back to it
     page.locator("#files-window tr[data-path='app.py'] td.pick label").click()
     assert page.locator("#files-window tr[data-path='app.py'] input[type=checkbox]").is_checked()
     page.locator("#attach-button").click()

@@ -408,6 +408,7 @@ class AgentSession:
         policy, changed = self._command_policy(proposal, box)
         if changed is not None:
             yield changed
+        ran_in = box.describe(policy) if policy is not None else proposal.sandbox
         run = CommandRun(verdict.command, self.project_dir, self.shell_timeout_s, self.output_cap, policy)
         had_git = (self.project_dir / ".git").exists()
         self._run = run
@@ -416,7 +417,7 @@ class AgentSession:
                 if item.type == "output":
                     yield ActionOutput.of(action_id, item)  # type: ignore[arg-type]
                 else:
-                    exit_ev = ActionExit.of(action_id, item)  # type: ignore[arg-type]
+                    exit_ev = ActionExit.of(action_id, item, ran_in)  # type: ignore[arg-type]
         finally:
             self._run = None
         self.store.record_result(action_id, exit_ev.exit_code, exit_ev.description)

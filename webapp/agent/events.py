@@ -181,12 +181,22 @@ class ActionExit(_Event):
     truncated: bool
     duration_s: float
     description: str
+    sandbox: str = (
+        ""  # what it ran in, as the proposal words it (the dialog's network switch may have changed it)
+    )
     type: str = "exit"
 
     @classmethod
-    def of(cls, action_id: int, ex: CommandExit) -> ActionExit:
+    def of(cls, action_id: int, ex: CommandExit, sandbox: str = "") -> ActionExit:
         return cls(
-            action_id, ex.exit_code, ex.timed_out, ex.killed, ex.truncated, ex.duration_s, ex.describe()
+            action_id,
+            ex.exit_code,
+            ex.timed_out,
+            ex.killed,
+            ex.truncated,
+            ex.duration_s,
+            ex.describe(),
+            sandbox,
         )
 
 

@@ -555,6 +555,7 @@ class ToolLoop:
         policy, changed = s._command_policy(proposal, box)
         if changed is not None:
             yield changed
+        ran_in = box.describe(policy) if policy is not None else proposal.sandbox
         had_git = (s.project_dir / ".git").exists()
         run = CommandRun(verdict.command, s.project_dir, s.shell_timeout_s, s.output_cap, policy)
         s._run = run
@@ -564,7 +565,7 @@ class ToolLoop:
                 if item.type == "output":
                     yield ActionOutput.of(action_id, item)  # type: ignore[arg-type]
                 else:
-                    exit_ev = ActionExit.of(action_id, item)  # type: ignore[arg-type]
+                    exit_ev = ActionExit.of(action_id, item, ran_in)  # type: ignore[arg-type]
         finally:
             s._run = None
         assert exit_ev is not None

@@ -101,6 +101,11 @@ class ChatContext:
 
     def __post_init__(self) -> None:
         self.engine.listeners.append(self.engine_changed)  # the menu or a /v1 request switched the model
+        self.views.writing = self.writing  # a window drawn while another writes says so, not Ready
+
+    def writing(self, conversation_id: str) -> bool:
+        """Whether a window is writing a reply (or running an agent turn) in `conversation_id`."""
+        return any(s.generating and s.writing_in == conversation_id for s in self.sessions)
 
     def engine_changed(self) -> None:
         """Every window names the engine that now answers."""
@@ -206,7 +211,7 @@ class Session:
         elif isinstance(msg, p.Answer):
             self._answer(msg)
         elif self.generating:
-            self.error("a reply is still being written: press Stop first")
+            self.error("A reply is still being written: press Stop first.")
             if isinstance(msg, p.SwitchModel):  # the picker goes back to the model that is still answering
                 self.send(self.views.model_picker())
             elif isinstance(msg, p.SetMode) and msg.conversation_id:  # and the mode to the conversation's
@@ -240,7 +245,7 @@ class Session:
         if not conversation_id or self.ctx.writer_of(conversation_id, self) is None:
             return False
         self.error(
-            "a reply is being written in this conversation in another window: wait for it to end (this "
+            "A reply is being written in this conversation in another window: wait for it to end (this "
             "window shows it then), or press Stop there."
             + (" Your message is still in the box." if kept else "")
         )

@@ -8,6 +8,7 @@ and user text never reach the page as markup. What it does not know: sockets, HT
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jinja2 import Environment
@@ -47,10 +48,17 @@ class ChatViews(TranscriptViews):
         self.env, self.db, self.engine, self.settings, self.csrf_token = env, db, engine, settings, csrf_token
         self.projects = projects
         self.ui: Any = env.get_template("macros.html").module
+        # whether a window is writing a reply in a conversation (set by the socket's `ChatContext`): a page or a
+        # sync drawn meanwhile says so, rather than Ready, in a window that did not start it
+        self.writing: Callable[[str], bool] = lambda _conversation_id: False
 
     # ------------------------------------------------------------------ page
     def page(self, conversation_id: str | None = None, undo: Conversation | None = None) -> str:
-        return self.env.get_template("page.html").render(**self.page_context(conversation_id, undo))
+        """The whole page: a new window (a tab, a reload), never the one writing (its socket is new)."""
+        context = self.page_context(conversation_id, undo)
+        conv = context["conversation"]
+        context["written_elsewhere"] = conv is not None and self.writing(conv.id)
+        return self.env.get_template("page.html").render(**context)
 
     def chat_window(self, conversation_id: str | None = None) -> str:
         return render_block(self.env, "page.html", "chat_window", **self.page_context(conversation_id))
@@ -80,6 +88,7 @@ class ChatViews(TranscriptViews):
             "settings_rows": self.settings_rows(),
             "written_with": self.written_with(conv, choices),
             "undo": undo,
+            "written_elsewhere": False,  # `page` and `sync` say so; the chat window alone may be the writer's
             "trash_items": self.trash_items(),
             "trash_days": TRASH_DAYS,
         }
@@ -155,8 +164,11 @@ class ChatViews(TranscriptViews):
         """The reply being written says how much of the prompt the engine has read."""
         return str(self.ui.prefill(message_id, int(processed), int(total)))
 
-    def controls(self, generating: bool, can_regenerate: bool = False, text: str | None = None) -> str:
-        return str(self.ui.controls(generating, can_regenerate, oob=True, text=text))
+    def controls(
+        self, generating: bool, can_regenerate: bool = False, text: str | None = None, elsewhere: bool = False
+    ) -> str:
+        """`elsewhere`: another window is writing in the conversation (its status says so)."""
+        return str(self.ui.controls(generating, can_regenerate, oob=True, text=text, elsewhere=elsewhere))
 
     def gauge(self, used: int) -> str:
         return str(self.ui.gauge(used, self.engine.context_length, oob=True))
@@ -214,7 +226,9 @@ class ChatViews(TranscriptViews):
             (
                 str(self.ui.transcript_pane(self.transcript(conv.id), oob=True)),
                 str(self.ui.seen_field(messages[-1].id if messages else 0, oob=True)),
-                self.controls(generating=False, can_regenerate=can_regenerate(messages)),
+                self.controls(
+                    generating=False, can_regenerate=can_regenerate(messages), elsewhere=self.writing(conv.id)
+                ),
                 self.gauge_for(conv.id),
                 self.chat_title(conv.title),
                 self.mode_picker(conv.mode),

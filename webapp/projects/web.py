@@ -34,11 +34,30 @@ Quote = Callable[[str, str], str]  # (source, text) -> the text quoted as untrus
 
 
 def _human(n: float) -> str:
+    """A size in binary units, as the docs give the limits: 65,536 bytes is "64 KB", 1,500 is "1.5 KB"."""
     for unit in ("bytes", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1000
+        if n < 1024 or unit == "GB":
+            if unit == "bytes":
+                return f"{n:,.0f} bytes"
+            return f"{n:,.1f}".removesuffix(".0") + f" {unit}"
+        n /= 1024
     return f"{n} GB"
+
+
+def _not_attached(tree: ProjectTree, rel: str, exc: FilesError) -> str:
+    """Why a file was not attached: a size refusal says the limit; any other (binary, not UTF-8, ignored,
+    unreadable) says only why."""
+    try:
+        path = tree.resolve(rel)
+        size = path.stat().st_size if path.is_file() else 0
+    except (FilesError, OSError):
+        size = 0
+    if size > ATTACH_LIMIT:
+        return f"{rel} is {size:,} bytes: not attached (attachments: at most {_human(ATTACH_LIMIT)} each)"
+    said = str(exc)
+    if said.endswith(": not shown"):
+        return said.removesuffix(": not shown") + ": not attached"
+    return said if said.endswith(": refused") else f"{said} (not attached)"
 
 
 def _when(t: float) -> str:
@@ -227,7 +246,7 @@ class ProjectsWeb:
             try:
                 text, size = tree.read_text(rel, limit=ATTACH_LIMIT)
             except FilesError as exc:
-                errors.append(f"{exc} (attachments: at most {_human(ATTACH_LIMIT)} each)")
+                errors.append(_not_attached(tree, rel, exc))
                 continue
             if sum(s for _, s, _ in have) + size > ATTACH_TOTAL:
                 errors.append(
