@@ -8,36 +8,23 @@ The browser side: tests/test_browser_walkthrough.py."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.testclient import TestClient
 
-from engine.worker import Worker
+from tests import test_projects
 from tests.conftest import FakeBackend
 from tests.test_agent_views import proposal
 from tests.test_ws import connect, conversation_id, send, served, until
 from webapp.agent.views import AgentViews
-from webapp.app import create_app
 from webapp.projects.files import ATTACH_LIMIT, ATTACH_TOTAL
 from webapp.projects.web import _human
 from webapp.render import find_dir
-from webapp.settings import Settings
 
-BASE = "http://127.0.0.1:8000"
-
-
-@pytest.fixture
-def client(tmp_path: Path, fake: FakeBackend) -> Iterator[TestClient]:
-    worker = Worker(lambda: fake)
-    app = create_app(Settings(data_dir=tmp_path / "data", load_model=False), worker=worker)
-    with TestClient(app, base_url=BASE) as c:
-        c.headers["X-CSRF-Token"] = app.state.flashcode.csrf_token
-        c.headers["origin"] = BASE
-        yield c
-    worker.close()
+BASE = test_projects.BASE
+client = test_projects.client  # the app with a FakeBackend, its CSRF token and Origin set
 
 
 def test_settings_window_fetches_its_rules_and_mcp_servers_each_time_it_opens(client: TestClient) -> None:
