@@ -90,13 +90,40 @@ def database_path(root: Path | None = None) -> Path:
     return (root or home()) / "flashcode.db"
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells it (Linux), else by setting it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` whole or not at all: a temporary file beside it, synced, renamed over it.
-    A failure (a full disk) leaves what was there as it was, and no partial file."""
+    A failure (a full disk) leaves what was there as it was, and no partial file. A symlink is written through
+    (its file is replaced), a file keeps its permissions (a new one gets the umask's), and what is not a
+    regular file (/dev/null, a pipe) is written to as it is."""
+    import stat
     import tempfile
 
+    path = Path(path).resolve()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        with path.open("w", encoding="utf-8") as out:
+            out.write(text)
+        return
+    mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()

@@ -17,6 +17,7 @@ pattern, and every path is checked to stay inside the project's own folder.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -669,10 +670,13 @@ class ContextStore:
                 cid = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
                 os.rename(tmp, parent / cid)
                 fsync_path(parent)
-            except OSError as exc:  # a full disk, most likely: nothing of the import is left behind
+            except (
+                OSError
+            ) as exc:  # a full disk, a folder it may not write: nothing of the import is left behind
+                fix = "free some disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
                 raise ContextImportError(
-                    f"{file.name} could not be stored in {parent} ({exc.strerror or exc}): free some disk "
-                    "space and import it again"
+                    f"{file.name} could not be stored in {parent} ({exc.strerror or exc}): {fix} and import it "
+                    "again"
                 ) from exc
             finally:
                 if tmp.exists():

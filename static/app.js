@@ -53,7 +53,10 @@
 
   // ---------------------------------------------------------------- actions
   function newConversation() {
-    htmx.ajax("GET", "/", { target: "#chat-window", swap: "outerHTML" }).then(() => {
+    // in the project this window shows (another window, or `flashcode ask --project`, may have opened another)
+    const shown = ($('#composer input[name="project_id"]') || {}).value || "";
+    const url = shown ? `/?project=${encodeURIComponent(shown)}` : "/";
+    htmx.ajax("GET", url, { target: "#chat-window", swap: "outerHTML" }).then(() => {
       history.pushState({}, "", "/");
       markSelected("");
       focusPrompt();

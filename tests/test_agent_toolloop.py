@@ -672,15 +672,18 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     s = session(worker, project, Approver(ev.Decision.once()))
     events = asyncio.run(collect(s, "add a function add to app.py"))
     ask = str(fake.history[-1].messages[1]["content"])
-    assert "No file was changed. None of the 4 tool calls worked." in ask
-    assert "No file was changed. None of the 4 tool calls worked." in of(events, ev.Notice)[-1].text
-    assert s.loop.written == [] and s.loop.facts().startswith("No file was changed")
+    assert "No file was written with the file tools. None of the 4 tool calls worked." in ask
+    assert (
+        "No file was written with the file tools. None of the 4 tool calls worked."
+        in of(events, ev.Notice)[-1].text
+    )
+    assert s.loop.written == [] and s.loop.facts().startswith("No file was written")
     fake.enqueue_call("write_file", path="new.py", content="x = 1\n").enqueue("")
     fake.enqueue("Wrote new.py.")
     s = session(worker, project, Approver(ev.Decision.once()))
     asyncio.run(collect(s, "write new.py"))
     assert s.loop.written == ["new.py"]
-    assert "Files changed: new.py." in str(fake.history[-1].messages[1]["content"])
+    assert "Files written with the file tools: new.py." in str(fake.history[-1].messages[1]["content"])
 
 
 def test_toolloop_the_action_card_says_the_network_the_command_ran_with(
@@ -823,7 +826,10 @@ def test_toolloop_cli_json(
     out = json.loads(said.out)
     assert code == 0 and (project / "cli.txt").read_text() == "C"
     assert out["answer"] == "All done." and set(out) == {"answer", "steps", "changed_files", "stats"}
-    assert out["changed_files"] == ["cli.txt"] and "flashcode: files changed: cli.txt" in said.err
+    assert (
+        out["changed_files"] == ["cli.txt"]
+        and "flashcode: files written with the file tools: cli.txt (1 command(s) ran too" in said.err
+    )
     assert [(s["tool"], s["decision"], s["ok"], s["exit_code"]) for s in out["steps"]] == [
         ("write_file", "rule", True, None),
         ("run_command", "once", True, 0),
@@ -838,7 +844,11 @@ def test_toolloop_cli_json(
     out = json.loads(said.out)
     assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
     # denied: the answer may rightly do without it
-    assert code == 0 and out["changed_files"] == [] and "flashcode: no file was changed" in said.err
+    assert (
+        code == 0
+        and out["changed_files"] == []
+        and "flashcode: no file was written with the file tools" in said.err
+    )
     # an answer after steps none of which worked: exit 4
     fake.enqueue_call("edit_file", path="cli.txt", old_text="not there", new_text="D")
     fake.enqueue("Edited.")

@@ -189,3 +189,29 @@ def test_an_export_piped_into_head_ends_quietly(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.stdout.count("\n") == 2 and proc.stderr == "", proc.stderr
+
+
+def test_an_atomic_write_keeps_the_files_mode_writes_through_a_symlink_and_to_a_device(
+    tmp_path: Path,
+) -> None:
+    import os
+    import stat
+
+    from engine import paths
+
+    kept = tmp_path / "kept.md"
+    kept.write_text("old")
+    kept.chmod(0o640)
+    paths.write_text_atomic(kept, "new")
+    assert kept.read_text() == "new" and stat.S_IMODE(kept.stat().st_mode) == 0o640
+    link = tmp_path / "link.md"
+    link.symlink_to(kept)
+    paths.write_text_atomic(link, "through")
+    assert link.is_symlink() and kept.read_text() == "through"
+    fresh = tmp_path / "fresh.md"
+    paths.write_text_atomic(fresh, "x")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o666 & ~umask
+    paths.write_text_atomic(Path("/dev/null"), "nothing")  # a device is written to, never replaced
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)

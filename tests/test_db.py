@@ -275,12 +275,23 @@ def test_an_import_into_a_busy_database_says_so_not_that_the_file_is_bad(tmp_pat
     assert [c.id for c in d.list_conversations()] == [conv.id]
     assert dbmod.import_json(d, data, "default").messages == 1  # once it lets go
     for why, said in (
-        ("database or disk is full", "is full: nothing was changed"),
-        ("attempt to write a readonly database", "is read-only: nothing was changed"),
+        ("database or disk is full", "is full — free some space"),
+        ("attempt to write a readonly database", "is read-only — make it"),
         ("disk I/O error", "failed a write"),
     ):
         assert said in str(dbmod.storage_problem(sqlite3.OperationalError(why), "f.db"))
     assert dbmod.storage_problem(sqlite3.OperationalError("no such table: x"), "f.db") is None
+    # SQLite's own result code decides, not a word in the message
+    with pytest.raises(sqlite3.OperationalError) as bad_column:
+        d.conn.execute("SELECT fullname FROM conversations")
+    assert dbmod.storage_kind(bad_column.value) is None
+    d.conn.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(sqlite3.OperationalError) as busy:
+            sqlite3.connect(tmp_path / "f.db", timeout=0).execute("BEGIN IMMEDIATE")
+    finally:
+        d.conn.execute("ROLLBACK")
+    assert busy.value.sqlite_errorname.startswith("SQLITE_BUSY") and dbmod.storage_kind(busy.value) == "busy"
     assert dbmod.storage_problem(ValueError("database is locked"), "f.db") is None
 
 

@@ -746,3 +746,10 @@ def test_projects_a_new_conversation_goes_in_the_project_the_page_shows(client, 
         assert "was removed meanwhile: nothing was sent" in said
     page = client.get("/").text
     assert re.search(r'name="project_id" value="([^"]+)"', page).group(1) != alpha.id  # Beta is open
+    # New Conversation (Ctrl+N) in the window that shows Alpha draws a chat window for Alpha, not the open one
+    hx = {"HX-Request": "true", "HX-Target": "chat-window"}
+    fresh = client.get("/", params={"project": alpha.id}, headers=hx).text
+    assert re.search(r'name="project_id" value="([^"]+)"', fresh).group(1) == alpha.id
+    assert (
+        re.search(r'name="project_id" value="([^"]+)"', client.get("/", headers=hx).text).group(1) != alpha.id
+    )

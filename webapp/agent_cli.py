@@ -321,10 +321,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     steps = result["steps"]
     if steps:  # what the tools did, from their records: the answer is the model's words, unchecked
         changed = result["changed_files"]
+        ran = sum(1 for r in steps if r["tool"] == "run_command" and r["ok"])
         print(
-            visible_text(f"flashcode: files changed: {', '.join(changed)}")
-            if changed
-            else "flashcode: no file was changed",
+            (
+                visible_text(f"flashcode: files written with the file tools: {', '.join(changed)}")
+                if changed
+                else "flashcode: no file was written with the file tools"
+            )
+            + (f" ({ran} command(s) ran too, and may have changed others)" if ran else ""),
             file=sys.stderr,
         )
         if not any(r["ok"] or r["decision"] == "deny" for r in steps):  # a denial is the user's word, heard

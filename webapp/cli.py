@@ -429,6 +429,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
         backend.close()
 
 
+def _cut(finish_reason: str | None, tokens: int, max_tokens: int) -> str:
+    """Why a reply stopped before its end, for `flashcode chat`'s footer ("" when it ended by itself)."""
+    if finish_reason != "length":
+        return ""
+    return f" · cut at --max-tokens {max_tokens}" if tokens >= max_tokens else " · cut: the context is full"
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     cli_projects.enter_project(args)
     name, backend = _placed_backend(args)
@@ -472,7 +479,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(
                 f"  [{s.completion_tokens} tok · {s.decode_tps:.1f} tok/s · ttft {s.ttft_s * 1000:.0f} ms"
                 f"{' · stopped' if done.finish_reason == 'cancelled' else ''}"
-                f"{' · cut at --max-tokens ' + str(args.max_tokens) if done.finish_reason == 'length' else ''}]",
+                f"{_cut(done.finish_reason, s.completion_tokens, args.max_tokens)}]",
                 file=sys.stderr,
             )
             history.append({"role": "assistant", "content": done.text})

@@ -311,28 +311,53 @@ def transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
+# SQLite's result codes (extended ones start with these) and, for an error made without one, its own words
+_STORAGE_CODES = {
+    "SQLITE_BUSY": "busy",
+    "SQLITE_LOCKED": "busy",
+    "SQLITE_FULL": "full",
+    "SQLITE_READONLY": "readonly",
+    "SQLITE_IOERR": "ioerror",
+}
+_STORAGE_WORDS = (
+    ("database is locked", "busy"),
+    ("database table is locked", "busy"),
+    ("database or disk is full", "full"),
+    ("attempt to write a readonly database", "readonly"),
+    ("disk i/o error", "ioerror"),
+)
+
+
+def storage_kind(exc: BaseException) -> str | None:
+    """ "busy", "full", "readonly" or "ioerror" when SQLite failed for a reason outside the data (by its result
+    code: a column named `fullname` is not a full disk); None for any other error."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return None
+    code = getattr(exc, "sqlite_errorname", None)
+    if code:
+        return next((k for c, k in _STORAGE_CODES.items() if code == c or code.startswith(c + "_")), None)
+    text = str(exc).lower()
+    return next((k for words, k in _STORAGE_WORDS if words in text), None)
+
+
 def storage_problem(exc: BaseException, path: Path | str) -> str | None:
     """What to do, in one sentence, when writing the database at `path` failed for a reason outside the data
     being written; None for any other error."""
-    if not isinstance(exc, sqlite3.OperationalError):
-        return None
-    why = str(exc).lower()
-    if "locked" in why or "busy" in why:
+    kind = storage_kind(exc)
+    if kind == "busy":
         return (
             f"the database {path} is busy: another program holds a write lock on it (a second flashcode, "
-            "an sqlite3 shell, a backup tool); nothing was changed — try again once it lets go"
+            "an sqlite3 shell, a backup tool) — try again once it lets go"
         )
-    if "full" in why:
-        return f"the disk holding {path} is full: nothing was changed — free some space and try again"
-    if "readonly" in why or "read-only" in why:
+    if kind == "full":
+        return f"the disk holding {path} is full — free some space and try again"
+    if kind == "readonly":
         return (
-            f"the database {path} is read-only: nothing was changed — make it and its folder writable "
-            f"(chmod u+w) for the user running flashcode"
+            f"the database {path} is read-only — make it and its folder writable (chmod u+w) for the user "
+            "running flashcode"
         )
-    if "disk i/o" in why:
-        return (
-            f"the disk holding {path} failed a write (disk I/O error): nothing was changed — check the disk"
-        )
+    if kind == "ioerror":
+        return f"the disk holding {path} failed a write (disk I/O error) — check the disk"
     return None
 
 

@@ -27,7 +27,7 @@ from engine.base import BackendUnavailableError, EngineError, ModelInfo, ModelNo
 from engine.models import DEFAULT_MODEL, find_model, installed_by_start, list_models
 from engine.worker import Worker
 
-from .db import check_version
+from .db import check_version, storage_kind
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +147,23 @@ def unlock_data_dir(root: Path) -> None:
 def database_problem(path: Path, exc: BaseException) -> tuple[str, str]:
     """(what is wrong, what to do) about a database SQLite refuses: locked, damaged, not SQLite, no room."""
     text = " ".join(str(exc).split())[:300]
-    if "locked" in text or "busy" in text:
+    kind = storage_kind(exc)  # SQLite's result code (db.py: the one reading of it)
+    if kind == "busy":
         return (
             f"{path} is locked by another program ({text})",
             "close it (a `sqlite3` shell, a backup or sync tool) and start again",
         )
-    if "readonly" in text or "read-only" in text:
+    if kind == "readonly":
         return read_only(path)
-    if "full" in text or isinstance(exc, OSError):
+    if kind == "ioerror":
+        return (
+            f"cannot read or write {path} ({text})",
+            "check the disk (a failing or removed one?) and start again",
+        )
+    if kind == "full" or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
         return f"cannot write {path} ({text})", "free some disk space and start again"
+    if isinstance(exc, OSError):
+        return f"cannot write {path} ({text})", "check its permissions and its disk, and start again"
     if "malformed" in text or "corrupt" in text:
         saved = path.with_name("flashcode-recovered.db")
         return (

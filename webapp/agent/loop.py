@@ -236,11 +236,17 @@ class ToolLoop:
         return "\n\n".join(reversed(kept))
 
     def facts(self) -> str:
-        """What this turn's steps did, from the records (not from the model): the files changed, and
-        whether any step worked."""
+        """What this turn's steps did, from the records (not from the model): the files the file tools wrote
+        (a command may have changed others), and whether any step worked."""
         changed = list(dict.fromkeys(self.written))
         worked = sum(1 for r in self.records if r["ok"])
-        said = f"Files changed: {', '.join(changed)}." if changed else "No file was changed."
+        said = (
+            f"Files written with the file tools: {', '.join(changed)}."
+            if changed
+            else "No file was written with the file tools."
+        )
+        if any(r["tool"] == "run_command" and r["ok"] for r in self.records):
+            said += " Commands ran; their output says what they did."
         if self.records and not worked:
             said += f" None of the {len(self.records)} tool calls worked."
         return said

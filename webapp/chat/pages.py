@@ -104,7 +104,8 @@ class ChatPages:
         """The page, or the chat window alone (htmx): drawn off the event loop — a long conversation's
         markdown takes a while, and every other request (Stop, an approval, the other windows) goes on."""
         if request.headers.get("hx-request") and request.headers.get("hx-target") == "chat-window":
-            return HTMLResponse(await run_in_threadpool(self.views.chat_window, conversation_id))
+            shown = request.query_params.get("project")  # New Conversation: the project that window shows
+            return HTMLResponse(await run_in_threadpool(self.views.chat_window, conversation_id, shown))
         return HTMLResponse(await run_in_threadpool(self.views.page, conversation_id))
 
     async def index(self, request: Request) -> HTMLResponse:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import sqlite3
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -34,7 +33,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.base import Done, GenerationRequest, Message, PrefillProgress, SamplingParams, TextDelta
 from engine.worker import Generation
 
-from ..db import Database, StoredMessage
+from ..db import Database, StoredMessage, storage_kind
 from ..engine_host import EngineState
 from ..turns import NEW_MODE_KEY, DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
@@ -59,23 +58,23 @@ ENGINE_NUMBERS = (
 
 def explain(exc: BaseException, db_path: Path) -> str | None:
     """A storage failure in words that say what to do (None: not one of them)."""
-    text = str(exc).lower()
-    if isinstance(exc, sqlite3.OperationalError) and "disk i/o" in text:
+    kind = storage_kind(exc)  # SQLite's result code (db.py: the one reading of it)
+    if kind == "ioerror":
         return (
             f"flashcode could not read or write its database ({db_path}): a disk I/O error (a failing or "
             "removed disk, or a file beside the database deleted?). Check the disk, then restart flashcode"
         )
-    if isinstance(exc, sqlite3.OperationalError) and "disk is full" in text:
+    if kind == "full":
         return (
             f"flashcode could not save to its database ({db_path}): the disk is full. Free some space there, "
             "then send again (what you typed is still in the box)"
         )
-    if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
+    if kind == "busy":
         return (
             f"flashcode's database ({db_path}) is held busy by another program (a sqlite3 shell, a backup "
             "tool?): close it, then send again (what you typed is still in the box)"
         )
-    if isinstance(exc, sqlite3.OperationalError) and "readonly" in text.replace("-", "").replace(" ", ""):
+    if kind == "readonly":
         return f"flashcode's database ({db_path}) cannot be written (a read-only disk or folder): fix that, then restart it"
     if isinstance(exc, OSError) and exc.errno == 28:
         return "the disk is full: free some space, then send again (what you typed is still in the box)"
@@ -268,7 +267,7 @@ class Session:
             return projects.current().id
         if projects.get(shown) is None:
             self.error(
-                "the project this window shows was removed meanwhile: nothing was sent — reload the page "
+                "The project this window shows was removed meanwhile: nothing was sent — reload the page "
                 "(it opens the current project) or open one with File › Open Project…"
             )
             return None

@@ -60,17 +60,28 @@ class ChatViews(TranscriptViews):
         context["written_elsewhere"] = conv is not None and self.writing(conv.id)
         return self.env.get_template("page.html").render(**context)
 
-    def chat_window(self, conversation_id: str | None = None) -> str:
-        return render_block(self.env, "page.html", "chat_window", **self.page_context(conversation_id))
+    def chat_window(self, conversation_id: str | None = None, project_id: str | None = None) -> str:
+        """The chat window alone (a conversation opened, or a new one: `project_id`, the project the page
+        shows, which another window may have left since)."""
+        context = self.page_context(conversation_id, project_id=project_id)
+        conv = context["conversation"]
+        context["written_elsewhere"] = conv is not None and self.writing(conv.id)
+        return render_block(self.env, "page.html", "chat_window", **context)
 
     def page_context(
-        self, conversation_id: str | None = None, undo: Conversation | None = None
+        self,
+        conversation_id: str | None = None,
+        undo: Conversation | None = None,
+        project_id: str | None = None,
     ) -> dict[str, Any]:
-        """`undo`: a conversation just moved to the Trash (the list offers it back)."""
+        """`undo`: a conversation just moved to the Trash (the list offers it back); `project_id`: the project
+        of a new conversation, when it is not the open one."""
         db, engine = self.db, self.engine
         conv = db.get_conversation(conversation_id) if conversation_id else None
         messages = db.messages(conv.id) if conv else []
         project = self.project_of(conv.id if conv else None)
+        if conv is None and project_id and self.projects is not None:
+            project = self.projects.get(project_id) or project
         choices = self.model_choices()
         return {
             "conversation": conv,
