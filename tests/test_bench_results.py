@@ -23,7 +23,6 @@ RAW = {
     "flash-copy-gpu.json": "runs",
     "flash-dense.json": "flash",
     "flash-dense-gpu.json": "flash",
-    "flash-dense-gpu-oneprobe.json": "flash_runs",
     "flash-dense-gpu-depth.json": "flash_runs",
     "flash-moe.json": "runs",
     "flash-moe-gpu.json": "runs",
@@ -76,6 +75,21 @@ def test_results_file_says_where_it_came_from_and_keeps_its_raw_runs(name: str) 
     machine = result.get("machine")
     assert isinstance(machine, dict) and machine.get("machine") and machine.get("cpus"), "no machine"
     assert result.get(RAW[name]), f"no raw runs under {RAW[name]!r}"
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_results_file_names_a_clean_commit_of_this_repository(name: str) -> None:
+    """The code that wrote it can be checked out: a commit of this repository, not `-dirty` (a tree with
+    uncommitted changes ran) and not a hash that names nothing. Rerun the script from a clean tree."""
+    import subprocess
+
+    commit = load(name)["git_commit"]
+    assert not commit.endswith("-dirty"), f"{commit}: written from a tree with uncommitted changes"
+    root = RESULTS.parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("no .git here (a copy of the work tree): the commit cannot be looked up")
+    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True)
+    assert found.returncode == 0, f"{commit} is not a commit of this repository"
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
