@@ -49,6 +49,13 @@
     if (deny) deny.click();
   }, true);
 
+  // the dialog's Sandbox line follows its network checkbox: it says how the command will run if allowed now
+  document.addEventListener("change", (e) => {
+    const box = e.target.closest && e.target.closest(".approval-network input[type=checkbox]");
+    const line = box && box.closest(".approval-form") && box.closest(".approval-form").querySelector('[data-field="sandbox"]');
+    if (line) line.textContent = line.textContent.replace(/network (on|off)$/, box.checked ? "network on" : "network off");
+  });
+
   // ---------------------------------------------------------------- the connection
   // reconnect within a few seconds (the extension's default backs off to a minute)
   htmx.config.wsReconnectDelay = (retry) => Math.min(3000, 250 * 2 ** retry) * (0.5 + Math.random() / 2);

@@ -714,6 +714,48 @@ def test_toolloop_the_action_card_says_the_network_the_command_ran_with(
     assert f'id="action-{exit_ev.action_id}-sandbox"' in views.event(of(events, ev.Proposal)[0])
 
 
+def test_toolloop_an_edit_that_breaks_a_python_file_says_so(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """A walkthrough's 0.5B model turned `def greet(name):` into `def (name):` (syntax error) and answered
+    with code to paste; `flashcode agent` exited 0. The edit's result and a notice say the file no longer
+    parses, the facts say so, and a file that did not parse before is not blamed on the edit."""
+    from webapp.agent.files import FileChange
+    from webapp.agent.loop import python_broken
+
+    (project / "util.py").write_text("def greet(name):\n    return name\n")
+    fake.enqueue_call("edit_file", path="util.py", old_text="greet", new_text="")
+    fake.enqueue("Done.")
+    s = session(worker, project, Approver(ev.Decision.once()))
+    events = asyncio.run(collect(s, "add a function"))
+    result = of(events, ev.ToolStepDone)[0].result
+    assert "Warning: it no longer parses as Python (line 1" in result
+    assert "no longer parses as Python" in of(events, ev.Notice)[0].text
+    assert (
+        list(s.loop.broken) == ["util.py"]
+        and "No longer parsing as Python after its edits: util.py" in s.loop.facts()
+    )
+    assert python_broken(FileChange("a.py", "def (:\n", "still broken(\n", "")) is None  # broken before
+    assert python_broken(FileChange("a.txt", "x", "def (", "")) is None  # not Python
+    assert python_broken(FileChange("new.py", None, "x = \x00", "")) is not None
+
+
+def test_toolloop_a_command_that_is_a_results_text_is_refused_without_asking(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """The 0.5B model proposed "exit code 0 Hello, world!" (its last result) as a command: each opened an
+    approval dialog. It is refused without asking, and counts toward the stall like a refused repeat."""
+    from webapp.agent.loop import echoed_result
+
+    fake.enqueue_call("run_command", command="exit code 0\nHello, world!")
+    fake.enqueue("It prints Hello, world!")
+    approver = Approver()
+    events = asyncio.run(collect(session(worker, project, approver), "run it"))
+    assert approver.asked == [] and "that is what a step returned" in of(events, ev.ToolStepDone)[0].result
+    assert echoed_result("Denied by the user: no") and echoed_result("  Not run: no answer")
+    assert not echoed_result("python3 main.py") and not echoed_result("exit 1")
+
+
 def test_toolloop_a_model_that_keeps_making_a_denied_call_is_stopped(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
@@ -825,7 +867,13 @@ def test_toolloop_cli_json(
     said = capsys.readouterr()
     out = json.loads(said.out)
     assert code == 0 and (project / "cli.txt").read_text() == "C"
-    assert out["answer"] == "All done." and set(out) == {"answer", "steps", "changed_files", "stats"}
+    assert out["answer"] == "All done." and set(out) == {
+        "answer",
+        "steps",
+        "changed_files",
+        "broken_files",
+        "stats",
+    }
     assert (
         out["changed_files"] == ["cli.txt"]
         and "flashcode: files written with the file tools: cli.txt (1 command(s) ran too" in said.err
@@ -857,6 +905,13 @@ def test_toolloop_cli_json(
     assert (
         code == 4 and "none of the 1 steps worked" in said.err and json.loads(said.out)["answer"] == "Edited."
     )
+    # an edit that leaves a Python file that parsed before unparsable: exit 4, and stderr names it
+    (project / "good.py").write_text("def f():\n    return 1\n")
+    fake.enqueue_call("edit_file", path="good.py", old_text="f()", new_text="()").enqueue("Done.")
+    code = cli.main(["agent", "--project", str(project), "--approve", "all", "--json", "go"])
+    said = capsys.readouterr()
+    assert code == 4 and "flashcode: good.py no longer parses as Python (line 1" in said.err
+    assert list(json.loads(said.out)["broken_files"]) == ["good.py"]
 
     fake.enqueue_call("list_files").enqueue_call(
         "read_file", path="cli.txt"

@@ -51,6 +51,12 @@ def test_browser_shell_dialog_says_sandboxed_and_the_command_is_contained(projec
     sandbox_line = dialog.locator("[data-field=sandbox]").inner_text()
     assert sandbox_line == f"sandboxed: writes only in {project.resolve()}, network off"
     assert not dialog.locator("input[name=network]").is_checked()
+    # the line follows the checkbox (it said "network off" with the box ticked)
+    dialog.locator(".approval-network label").click()  # system.css draws the box on its label
+    assert dialog.locator("input[name=network]").is_checked()
+    assert dialog.locator("[data-field=sandbox]").inner_text().endswith(", network on")
+    dialog.locator(".approval-network label").click()
+    assert dialog.locator("[data-field=sandbox]").inner_text() == sandbox_line
     page.screenshot(path=str(ARTIFACTS / "sandbox-dialog.png"))
     dialog.locator("button[data-choice=once]").click()
     exit_line = wait_for(page, ".action-exit:has-text('Exit code')")

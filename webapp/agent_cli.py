@@ -180,6 +180,9 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
         "answer": answer,
         "steps": list(loop.records) if loop else [],
         "changed_files": list(dict.fromkeys(loop.written)) if loop else [],
+        "broken_files": dict(loop.broken)
+        if loop
+        else {},  # .py files that parsed before its edits, not after
         "stats": {
             "steps": loop.steps if loop else 0,
             "step_limit_reached": bool(loop and loop.steps >= loop.limit),
@@ -331,6 +334,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
             + (f" ({ran} command(s) ran too, and may have changed others)" if ran else ""),
             file=sys.stderr,
         )
+        for path, why in result["broken_files"].items():
+            print(
+                visible_text(f"flashcode: {path} no longer parses as Python ({why}): it did before"),
+                file=sys.stderr,
+            )
+        if result["broken_files"]:
+            return 4
         if not any(r["ok"] or r["decision"] == "deny" for r in steps):  # a denial is the user's word, heard
             print(
                 f"flashcode: none of the {len(steps)} steps worked: the answer is not backed by any tool result",

@@ -19,6 +19,7 @@ open dialog; the loop ends at the next boundary with what it has.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
@@ -93,6 +94,33 @@ SUMMARY_SYSTEM = (
 )
 
 
+# how a tool result begins (`ActionExit.describe`, `denied`, errors): never a command a user means
+RESULT_STARTS = ("exit code", "denied by the user", "not run:", "error:", "the tools returned")
+
+
+def echoed_result(command: str) -> bool:
+    """A proposed command that is a tool result's text ("exit code 0 Hello, world!", "Denied by the user: …")."""
+    return " ".join(command.split()).lower().startswith(RESULT_STARTS)
+
+
+def python_broken(change: FileChange) -> str | None:
+    """Why a `.py` file that parsed before this change no longer does ("line 1: invalid syntax"); None when it
+    still parses, did not before, or is no Python file. Parsed only (`ast.parse`): nothing of it runs."""
+    if not change.path.endswith(".py"):
+        return None
+
+    def error(text: str) -> str | None:
+        try:
+            ast.parse(text)
+        except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte
+            return f"line {getattr(exc, 'lineno', '?')}: {getattr(exc, 'msg', None) or exc}"
+        return None
+
+    if change.old is not None and error(change.old) is not None:
+        return None  # it did not parse before: not this edit's doing
+    return error(change.new)
+
+
 def tool_message(call: ToolCall, content: str) -> Message:
     return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
 
@@ -133,6 +161,9 @@ class ToolLoop:
         self._refused_calls: set[str] = set()  # and their calls' ids
         self._stall_from = 0  # the first record a stall counts (after /continue: the first new one)
         self.written: list[str] = []  # the files this turn's tools changed, in order (a path may repeat)
+        self.broken: dict[
+            str, str
+        ] = {}  # Python files that parsed before this turn's edit and do not now: why
 
     # ------------------------------------------------------------------ the loop
     async def run(self, messages: list[Message], task: str = "") -> AsyncIterator[AgentEvent]:
@@ -247,6 +278,8 @@ class ToolLoop:
         )
         if any(r["tool"] == "run_command" and r["ok"] for r in self.records):
             said += " Commands ran; their output says what they did."
+        if self.broken:
+            said += f" No longer parsing as Python after its edits: {', '.join(self.broken)}."
         if self.records and not worked:
             said += f" None of the {len(self.records)} tool calls worked."
         return said
@@ -368,7 +401,9 @@ class ToolLoop:
             result = ToolResult(False, f"Error: {type(exc).__name__}: {exc}")
         content = result.content
         self.messages.append(tool_message(call, self._quote(call, content)))
-        if content.startswith(("Error: step ", "Error: the user denied exactly this call")):
+        if content.startswith(
+            ("Error: step ", "Error: the user denied exactly this call", "Error: that is what")
+        ):
             self._refused.add(len(self.records))  # a refused repeat: never the call matched next time
             self._refused_calls.add(call.id)
         self.records.append(
@@ -419,6 +454,15 @@ class ToolLoop:
             return
         if spec is not None and not mcp and (why := check_arguments(spec, call.arguments)):
             yield ToolResult(False, f"Error: {why}")
+            return
+        if call.name == "run_command" and echoed_result(str(call.arguments.get("command", ""))):
+            # the 0.5B model proposes the last result ("exit code 0 Hello, world!") as its next command: not
+            # asked (each would open a dialog), refused as a repeat is
+            yield ToolResult(
+                False,
+                "Error: that is what a step returned, not a command; nothing was run. Answer the user with what "
+                "the steps returned, or run a real command.",
+            )
             return
         if (before := self._repeats(call)) is not None:  # MCP calls too: each would ask the user again
             step, worked = before
@@ -539,7 +583,19 @@ class ToolLoop:
         s.store.record_result(action_id, None, "written")
         yield FileWritten(action_id, change.path)
         verb = "created" if change.old is None else "changed"
-        yield ToolResult(True, f"{change.path} {verb}.", decision, action_id=action_id, output=change.diff)
+        said = f"{change.path} {verb}."
+        if (broke := python_broken(change)) is not None:  # the 0.5B model's edits left `def (name):`
+            self.broken[change.path] = broke
+            said += (
+                f" Warning: it no longer parses as Python ({broke}); it did before this edit. Fix it with "
+                "edit_file (read_file shows its lines)."
+            )
+            yield Notice(
+                f"{change.path} no longer parses as Python ({broke}): it did before this edit.", "warning"
+            )
+        else:
+            self.broken.pop(change.path, None)
+        yield ToolResult(True, said, decision, action_id=action_id, output=change.diff)
 
     def _in_git_dir(self, path: str) -> bool:
         """Whether `path` lies in a git directory that a `.git` file names (`gitdir:`), which no name shows."""
