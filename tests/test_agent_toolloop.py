@@ -735,6 +735,17 @@ def test_toolloop_an_edit_that_breaks_a_python_file_says_so(
         list(s.loop.broken) == ["util.py"]
         and "No longer parsing as Python after its edits: util.py" in s.loop.facts()
     )
+    # a second edit of the broken file that leaves it broken keeps it named; one that mends it clears it
+    (project / "util.py").write_text("def greet(name):\n    return name\n")
+    fake.enqueue_call("edit_file", path="util.py", old_text="greet", new_text="")
+    fake.enqueue_call("edit_file", path="util.py", old_text="return name", new_text="return name  # x")
+    fake.enqueue_call("edit_file", path="util.py", old_text="def (name):", new_text="def greet(name):")
+    fake.enqueue("Done.")
+    s = session(worker, project, Approver(*[ev.Decision.once()] * 3))
+    events = asyncio.run(collect(s, "again"))
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert "no longer parses" in results[0] and "still does not parse as Python" in results[1], results
+    assert "Warning" not in results[2] and s.loop.broken == {}
     assert python_broken(FileChange("a.py", "def (:\n", "still broken(\n", "")) is None  # broken before
     assert python_broken(FileChange("a.txt", "x", "def (", "")) is None  # not Python
     assert python_broken(FileChange("new.py", None, "x = \x00", "")) is not None

@@ -103,22 +103,23 @@ def echoed_result(command: str) -> bool:
     return " ".join(command.split()).lower().startswith(RESULT_STARTS)
 
 
+def python_error(text: str) -> str | None:
+    """Why `text` does not parse as Python ("line 1: invalid syntax"), or None. Parsed only: nothing runs."""
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte
+        return f"line {getattr(exc, 'lineno', '?')}: {getattr(exc, 'msg', None) or exc}"
+    return None
+
+
 def python_broken(change: FileChange) -> str | None:
-    """Why a `.py` file that parsed before this change no longer does ("line 1: invalid syntax"); None when it
-    still parses, did not before, or is no Python file. Parsed only (`ast.parse`): nothing of it runs."""
+    """Why a `.py` file that parsed before this change no longer does; None when it still parses, did not
+    before, or is no Python file."""
     if not change.path.endswith(".py"):
         return None
-
-    def error(text: str) -> str | None:
-        try:
-            ast.parse(text)
-        except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte
-            return f"line {getattr(exc, 'lineno', '?')}: {getattr(exc, 'msg', None) or exc}"
-        return None
-
-    if change.old is not None and error(change.old) is not None:
+    if change.old is not None and python_error(change.old) is not None:
         return None  # it did not parse before: not this edit's doing
-    return error(change.new)
+    return python_error(change.new)
 
 
 def tool_message(call: ToolCall, content: str) -> Message:
@@ -161,9 +162,8 @@ class ToolLoop:
         self._refused_calls: set[str] = set()  # and their calls' ids
         self._stall_from = 0  # the first record a stall counts (after /continue: the first new one)
         self.written: list[str] = []  # the files this turn's tools changed, in order (a path may repeat)
-        self.broken: dict[
-            str, str
-        ] = {}  # Python files that parsed before this turn's edit and do not now: why
+        # Python files that parsed before one of this turn's edits and do not now: why
+        self.broken: dict[str, str] = {}
 
     # ------------------------------------------------------------------ the loop
     async def run(self, messages: list[Message], task: str = "") -> AsyncIterator[AgentEvent]:
@@ -593,8 +593,12 @@ class ToolLoop:
             yield Notice(
                 f"{change.path} no longer parses as Python ({broke}): it did before this edit.", "warning"
             )
-        else:
-            self.broken.pop(change.path, None)
+        elif change.path in self.broken:  # broken by an earlier edit of this turn: mended, or not yet
+            if (still := python_error(change.new)) is None:
+                del self.broken[change.path]
+            else:
+                self.broken[change.path] = still
+                said += f" Warning: it still does not parse as Python ({still})."
         yield ToolResult(True, said, decision, action_id=action_id, output=change.diff)
 
     def _in_git_dir(self, path: str) -> bool:
