@@ -7,13 +7,12 @@ says a reply is being written in the other one. The page's CSP forbids eval: wai
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from engine.paths import database_path
+from tests.test_browser_mcp import until
 from tests.test_browser_ui import browser, fake_server, page  # noqa: F401 - fixtures
 from webapp.db import Database
 from webapp.projects.store import ProjectStore
@@ -32,14 +31,6 @@ def project(tmp_path: Path) -> Path:
     projects.open(projects.add(p).id)
     db.close()
     return p
-
-
-def until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached in {timeout_s} s: {what}")
-        time.sleep(0.1)
 
 
 def menu(pg, top: str, item: str) -> None:

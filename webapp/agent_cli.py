@@ -180,9 +180,8 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
         "answer": answer,
         "steps": list(loop.records) if loop else [],
         "changed_files": list(dict.fromkeys(loop.written)) if loop else [],
-        "broken_files": dict(loop.broken)
-        if loop
-        else {},  # .py files that parsed before its edits, not after
+        # .py files that parsed before its edits, not after
+        "broken_files": dict(loop.broken) if loop else {},
         "stats": {
             "steps": loop.steps if loop else 0,
             "step_limit_reached": bool(loop and loop.steps >= loop.limit),
