@@ -26,6 +26,7 @@ RAW = {
     "flash-dense-gpu-depth.json": "flash_runs",
     "flash-moe.json": "runs",
     "flash-moe-gpu.json": "runs",
+    "flash-moe-gpu-h100.json": "runs",
     "flash-moe-gpu-064af62.json": "runs",
     "flash-moe-gpu-direct-first.json": "runs",
     "flash-moe-gpu-deferred.json": "runs",

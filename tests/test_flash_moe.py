@@ -257,6 +257,7 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     "name",
     [
         "flash-moe-gpu.json",
+        "flash-moe-gpu-h100.json",
         "flash-moe-gpu-064af62.json",
         "flash-moe-gpu-direct-first.json",
         "flash-moe-gpu-deferred.json",
@@ -292,7 +293,7 @@ def test_gpu_results_recompute_from_their_runs(name: str) -> None:
             round(f["decode_tps"] / ceiling_of(f, *args), 3) for f in run["flash_runs"]
         ]
         profiled = [run["profile"]] if "profile" in run else []
-        flash = [*run["flash_runs"], *run.get("warmup_runs", []), *profiled, *run["compare"].values()]
+        flash = [*run["flash_runs"], *run.get("warmup_runs", []), *profiled, *run.get("compare", {}).values()]
         assert all(
             f["tokens"] == run["ram"]["tokens"] and len(f["tokens"]) == result["tokens"] for f in flash
         )
