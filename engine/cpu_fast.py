@@ -275,6 +275,26 @@ def synchronize() -> None:
             mx.synchronize(st)
 
 
+def end_thread() -> None:
+    """Call as the last thing a thread that used MLX does (the engine worker's thread): waits for its side
+    streams, then frees the MLX state this thread made (its streams, its random key) with `mx.clear_streams()`
+    while Python still runs. Left to MLX, that state is freed by C++ thread-exit destructors that take the
+    GIL; a thread that ends just before the interpreter finalizes is then stopped by Python inside that
+    destructor and the process aborts ("terminate called without an active exception", exit 134) after its
+    work is done. MLX asks every thread but the main one to call `clear_streams` itself (ml-explore/mlx#4373).
+    The thread cannot use MLX afterwards (its default stream is gone). A no-op where MLX was never imported."""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return
+    try:
+        synchronize()
+    finally:
+        _LOCAL.__dict__.pop("streams", None)
+        clear = getattr(mx, "clear_streams", None)  # mlx >= 0.31.2 (per-thread streams)
+        if clear is not None:
+            clear()
+
+
 @contextmanager
 def plain_path() -> Iterator[None]:
     """Within this block patched layers call `quantized_matmul` for every input, as if unpatched."""

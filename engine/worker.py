@@ -2,7 +2,8 @@
 
 Why a thread of its own: since mlx 0.31.2 a stream belongs to the thread that created it, so MLX
 called from `asyncio.to_thread` or a pool fails. Everything that touches the backend (load,
-tokenize, generate, save a cache) is a job on this one thread, run in order.
+tokenize, generate, save a cache) is a job on this one thread, run in order. The thread's last act frees
+MLX's per-thread state (`cpu_fast.end_thread`): left to thread exit, it aborts the process at exit.
 
 Callers get results two ways: `call()` blocks a plain thread (the CLI), `acall()` / `submit(loop=)`
 deliver into an asyncio loop with `call_soon_threadsafe` (the web app). Cancellation is a
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from . import cpu_fast
 from .base import (
     Backend,
     Done,
@@ -197,6 +199,14 @@ class Worker:
         return fut.result(timeout)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # MLX's per-thread state (streams, random key) freed here, on this thread, while Python runs:
+            # left to C++ thread-exit destructors it aborts the process when close() is followed by exit
+            cpu_fast.end_thread()
+
+    def _serve(self) -> None:
         while True:
             job = self._jobs.get()
             if job is _STOP:
