@@ -396,6 +396,36 @@ def test_projects_conversations_rules_and_stats_are_per_project(client, two) -> 
     assert ">All projects<" in stats_all
 
 
+def test_projects_the_stats_window_opens_on_the_project_the_page_shows(client, two) -> None:
+    """It opened on All projects: it opens on the page's project (a conversation's page: its project's),
+    with All projects still in its menu."""
+    a, b = two
+    _open(client, a, mode="new", name="Alpha")
+    conv_a = _chat(client, "question in alpha")
+    _open(client, b)
+    _chat(client, "question in beta")
+    projects = client.app.state.flashcode.projects
+    alpha, beta = projects.by_path(a).id, projects.current().id
+
+    def loader(page: str) -> str:
+        m = re.search(r'<div class="stats-loader" hx-get="([^"]+)"', page)
+        assert m, "no Stats loader on the page"
+        return m.group(1).replace("&amp;", "&")
+
+    for page, shown in ((client.get("/").text, beta), (client.get(f"/c/{conv_a}").text, alpha)):
+        url = loader(page)
+        assert url == f"/stats/window?project={shown}"
+        window = client.get(url).text
+        assert re.search(rf'<option value="{shown}" selected>', window)
+        assert '<option value="all">All projects</option>' in window  # still there to pick
+        assert 'data-stat="replies">1<' in window  # that project's reply only
+    everyone = client.get("/stats/window", params={"project": "all"}).text
+    assert (
+        '<option value="all" selected>All projects</option>' in everyone
+        and 'data-stat="replies">2<' in everyone
+    )
+
+
 def test_projects_recent_dialog_lists_and_reopens(client, two) -> None:
     a, b = two
     _open(client, a)
@@ -514,6 +544,69 @@ def test_projects_attached_files_reach_the_model_quoted_with_path_and_size(clien
     assert prompt.rstrip().endswith("what does this do?") and "return '<b>hi</b>'" in prompt
     _chat(client, "and now?")  # attachments go with one message only
     assert _last_prompt(fake) == "and now?"
+
+
+def test_projects_attached_files_reach_the_model_in_agent_mode_too(client, two, fake) -> None:
+    """In agent mode the turn was handed the typed words alone: the files attached to the message never
+    reached the model. They go with it, quoted, as in a chat reply."""
+    a, _ = two
+    _open(client, a)
+    with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
+        sock.send_text(json.dumps({"type": "send", "text": "/agent"}))
+        frames = ""
+        while 'data-state="idle"' not in frames:
+            frames += sock.receive_text()
+        cid = re.search(r'id="conversation-id" value="(\w+)"', frames).group(1)
+        client.post("/files/attach", data={"path": ["main.py"]})
+        before, fake.routes = len(fake.history), ["chat"]  # the router's choice, scripted
+        sock.send_text(json.dumps({"type": "send", "text": "what does this do?", "conversation_id": cid}))
+        frames = ""
+        while 'data-state="idle"' not in frames:
+            frames += sock.receive_text()
+    asked = [str(r.messages or r.prompt) for r in fake.history[before:]]
+    assert asked and all("what does this do?" in q for q in asked if "main.py" in q)
+    assert any('<untrusted source="file main.py' in q and "return" in q for q in asked), asked
+
+
+def _user_bubble(html: str) -> str:
+    m = re.search(r'<article[^>]*class="msg msg-user.*?</article>', html, re.S)
+    assert m, html[-500:]
+    return m.group(0)
+
+
+def test_projects_an_attached_files_bubble_shows_the_typed_words_and_its_name_not_the_quoting(
+    client, two, fake
+) -> None:
+    """The user's bubble showed the `<untrusted source=…>` block the model is sent: it shows what was typed
+    and each file's name and size (escaped), live and after a reload; the model and the database keep the
+    quoted text."""
+    from tests.test_transcript import replayed
+
+    a, _ = two
+    (a / "a<b>.txt").write_text("tag in the name\n")
+    _open(client, a)
+    client.post("/files/attach", data={"path": ["main.py", "a<b>.txt"]})
+    with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
+        sock.send_text(json.dumps({"type": "send", "text": "what does this do?"}))
+        frames = ""
+        while 'data-state="idle"' not in frames:
+            frames += sock.receive_text()
+    cid = re.search(r'id="conversation-id" value="(\w+)"', frames).group(1)
+    live = _user_bubble(frames)
+    size = (a / "main.py").stat().st_size
+    body = re.search(r'class="body user-text"[^>]*>(.*?)</div>', live, re.S).group(1)
+    assert body == "what does this do?"  # the words typed, nothing else
+    assert "untrusted" not in live and "return" not in live  # neither the quoting nor the file's text
+    assert 'data-path="main.py"' in live and f'main.py <span class="muted">({size:,} bytes)</span>' in live
+    assert 'data-path="a&lt;b&gt;.txt"' in live and "a&lt;b&gt;.txt" in live and "a<b>" not in live
+    assert _last_prompt(fake).startswith(f'<untrusted source="file main.py ({size:,} bytes)">')  # the model's
+    stored = client.app.state.flashcode.db.messages(cid)[0]
+    assert stored.content.startswith('<untrusted source="file main.py') and stored.content.endswith(
+        "what does this do?"
+    )
+    page = client.get(f"/c/{cid}").text
+    assert _user_bubble("".join(replayed(page))) == live  # reloaded: the same bubble
+    assert client.get(f"/c/{cid}/export.json").json()["messages"][0]["content"] == stored.content
 
 
 def test_projects_tree_refuses_symlinks_out(tmp_path: Path) -> None:

@@ -33,12 +33,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.base import Done, GenerationRequest, Message, PrefillProgress, SamplingParams, TextDelta
 from engine.worker import Generation
 
-from ..db import Database, StoredMessage, storage_kind
+from ..db import UNTITLED, Conversation, Database, StoredMessage, storage_kind
 from ..engine_host import EngineState
 from ..turns import NEW_MODE_KEY, DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
 from .pipeline import ReplyStream
-from .transcript import CHAT_MODE_SYSTEM, make_title
+from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title
 from .views import ChatViews
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class ChatContext:
     projects: ProjectLookup | None = None  # new conversations go to the open project
     # before a reply is generated for a conversation: e.g. resume its saved KV cache; a note to show
     before_reply: Callable[[str], Awaitable[str | None]] | None = None
-    # files attached to the next message of a project: (them quoted as untrusted data, a fragment)
-    take_attachments: Callable[[str], tuple[str, str]] | None = None
+    # files attached to the next message of a project: (them quoted as untrusted data, the fragment that
+    # empties the attachment bar, their (name, size in bytes) pairs)
+    take_attachments: Callable[[str], tuple[str, str, list[tuple[str, int]]]] | None = None
 
     def __post_init__(self) -> None:
         self.engine.listeners.append(self.engine_changed)  # the menu or a /v1 request switched the model
@@ -285,34 +286,55 @@ class Session:
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
         created = conv is None
+        # a slash command (/model, /stats) names no conversation: the first message for the model does
+        command = self.turns is not None and is_slash_command(msg.text)
         if conv is None:
             project_id = self._new_in(msg.project_id)
             if project_id is None:
                 return
-            title = make_title(msg.text, TITLE_CHARS)
+            title = UNTITLED if command else make_title(msg.text, TITLE_CHARS)
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
+        retitled = not created and not command and self._still_untitled(conv)
+        if retitled:
+            conv.title = make_title(msg.text, TITLE_CHARS)
+            db.rename_conversation(conv.id, conv.title)
         if created and msg.mode:
             db.set_mode(conv.id, msg.mode)
-        text = msg.text
+        text, shown = msg.text, None
         if self.ctx.take_attachments is not None and not text.lstrip().startswith("/"):
-            quoted, cleared = self.ctx.take_attachments(conv.project_id)
+            quoted, cleared, files = self.ctx.take_attachments(conv.project_id)
             text = quoted + text
+            if files:  # the bubble shows what was typed and the files' names; the model reads them quoted
+                shown = {
+                    "attachments": [{"name": n, "size": size} for n, size in files],
+                    "typed_from": len(quoted),
+                }
             self.send(cleared)
-        user = db.add_message(conv.id, "user", text)
+        user = db.add_message(conv.id, "user", text, stats=shown)
         given = {"max_tokens": msg.max_tokens, "temperature": msg.temperature, "top_p": msg.top_p}
         overrides = {k: v for k, v in given.items() if v is not None}
         first = [views.conversation_field(conv.id), views.chat_title(conv.title)] if created else []
-        if created:
+        if retitled:
+            first.append(views.chat_title(conv.title))
+        if created or retitled:
             first.append(views.conversation_list(conv.id))
         first.append(views.append_message(user))
         completion = self.ctx.engine.is_base_model and not msg.text.lstrip().startswith("/")
         if self.turns is not None and not completion and self.turns.wants(conv.id, msg.text):
             self.send(*first)
             sampling = views.sampling(conv.id) | overrides
-            self._turn_began(conv.id, asyncio.create_task(self._hand_over(conv.id, msg.text, sampling)))
+            # the files attached to it go with it, quoted, as in a chat reply (a slash command takes none)
+            self._turn_began(conv.id, asyncio.create_task(self._hand_over(conv.id, text, sampling)))
             return
         # the engine starts first; the page is updated while it reads the prompt
         self._start(conv.id, overrides, first=first)
+
+    def _still_untitled(self, conv: Conversation) -> bool:
+        """Whether `conv` still has the title it was made with because it began with slash commands only
+        (a title given since, by Rename, is kept)."""
+        if conv.title != UNTITLED:
+            return False
+        return all(m.role != "user" or is_slash_command(m.content) for m in self.ctx.db.messages(conv.id))
 
     def _missed(self, conversation_id: str, seen: int) -> bool:
         """Messages another tab added since this page's newest (`seen`): they are shown here and the message
