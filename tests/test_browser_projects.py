@@ -142,6 +142,13 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     request = fake.history[-1]
     sent = request.messages[-1]["content"] if request.messages else str(request.prompt)
     assert '<untrusted source="file app.py (' in sent and "return f'hello {name}'" in sent
+    # the bubble shows what was typed and the file's name, not the quoting the model reads
+    bubble = page.locator("article.msg-user").last
+    bubble.screenshot(path=str(ARTIFACTS / "projects-attachment-sent.png"))
+    assert bubble.locator(".user-text").inner_text() == "what does this file do?"
+    assert (
+        "untrusted" not in bubble.inner_text() and "app.py" in bubble.locator(".msg-attachment").inner_text()
+    )
     # attachments go with one message: the page clears them when the server's reply to the send lands,
     # which can be after the engine has the request
     deadline = time.monotonic() + 10

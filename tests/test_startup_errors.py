@@ -483,3 +483,33 @@ def test_a_read_only_database_says_make_it_writable_not_move_it_aside(tmp_path: 
     assert not check.ok and "read-only" in check.detail and "chmod u+w" in (check.fix or "")
     said = preflight.database_problem(path, sqlite3.OperationalError("attempt to write a readonly database"))
     assert "read-only" in said[0] and "nothing in it is lost" in said[1]
+
+
+def test_doctor_labels_a_read_only_database_read_only_not_missing(tmp_path: Path, monkeypatch) -> None:
+    """The database is there and readable, only not writable: its line said MISSING (the sentence beside it
+    was right). (As root every file is writable, so the permission is what `os.access` answers here.)"""
+    from webapp import doctor
+    from webapp.db import Database
+
+    path = tmp_path / "flashcode.db"
+    Database(path).close()
+    real = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode, **kw: False if mode == os.W_OK and Path(p) == path else real(p, mode, **kw),
+    )
+    report = doctor.doctor_report(tmp_path)
+    text = doctor.format_report(report)
+    line = next(ln for ln in text.splitlines() if re.match(r"\S+\s+database\s", ln))
+    assert line.startswith("READ-ONLY ") and "MISSING" not in line and "is read-only for this user" in line
+    assert (
+        report["ok"] is False and report["checks"]["database"]["label"] == "READ-ONLY"
+    )  # --json says so too
+    assert re.search(r"^MISSING\s+models\s+none in ", text, re.M)  # no model: that one is missing
+    # the columns still line up, and the verdict names both kinds of line
+    starts = {
+        ln.index(name) for ln in text.splitlines() for name in ("database", "models") if f" {name} " in ln
+    }
+    assert len(starts) == 1
+    assert text.splitlines()[-1] == "flashcode cannot serve yet: fix the READ-ONLY and MISSING lines above"

@@ -343,6 +343,33 @@ def test_webapp_import_treats_the_file_as_untrusted(app_parts) -> None:
     assert "Left out of the import" in text
 
 
+def test_webapp_import_shows_no_speed_for_a_rate_that_is_missing_or_not_a_number(app_parts) -> None:
+    """A reply whose file gives `decode_tps: "fast"` (or none) said "0.0 tok/s" in its footer (and a missing
+    TTFT "TTFT 0 ms"): a rate it does not have is left out; the numbers it has are shown."""
+    client, _ = app_parts
+    body = {
+        "messages": [
+            {"id": 1, "role": "user", "content": "hi"},
+            {"id": 2, "role": "assistant", "content": "one",
+             "stats": {"completion_tokens": 12, "prompt_tokens": 30, "decode_tps": "fast", "ttft_s": "soon"}},
+            {"id": 3, "role": "user", "content": "again"},
+            {"id": 4, "role": "assistant", "content": "two", "stats": {"completion_tokens": 7}},
+            {"id": 5, "role": "user", "content": "and"},
+            {"id": 6, "role": "assistant", "content": "three",
+             "stats": {"completion_tokens": 5, "decode_tps": 21.25, "ttft_s": 0.5}},
+        ],
+    }  # fmt: skip
+    new = _import(client, json.dumps(body)).headers["hx-redirect"].removeprefix("/c/")
+    footers = re.findall(
+        r'<footer class="msg-stats".*?</footer>', "".join(replayed(client.get(f"/c/{new}").text)), re.S
+    )
+    assert len(footers) == 3
+    for footer in footers[:2]:
+        assert "tok/s" not in footer and "TTFT" not in footer and 'data-stat="tokens"' in footer
+    assert "30 + 12 tokens" in footers[0] and "7 tokens" in footers[1]
+    assert "21.2 tok/s" in footers[2] and "TTFT 500 ms" in footers[2]  # a rate it has is shown as before
+
+
 @pytest.mark.parametrize(
     ("body", "said"),
     [

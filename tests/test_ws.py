@@ -560,3 +560,44 @@ def test_sync_sends_only_what_another_window_changed(client: TestClient, fake: F
         assert part in body, part
     assert 'id="prompt"' not in body and 'id="chat-window"' not in body
     assert "deleted or moved to the Trash" in client.get("/c/000000000000/sync").text
+
+
+def test_ws_a_slash_command_first_leaves_the_title_to_the_first_real_message(
+    client: TestClient, fake: FakeBackend
+) -> None:
+    """`/help` or `/stats` first made the conversation's title "/help": the title comes from the first
+    message the model is sent; one renamed meanwhile keeps its name."""
+    db = client.app.state.flashcode.db
+    fake.enqueue("sure")
+    with connect(client) as ws:
+        send(ws, type="send", text="/help")
+        frames = until(ws, r'data-state="idle"')
+        cid = conversation_id(frames)
+        assert db.get_conversation(cid).title == "Untitled"
+        assert 'data-title="/help"' not in "".join(frames)
+        send(ws, type="send", text="/stats", conversation_id=cid)
+        until(ws, r'data-state="idle"')
+        assert db.get_conversation(cid).title == "Untitled"
+        send(ws, type="send", text="fix the flaky test\nin tests/", conversation_id=cid)
+        joined = "".join(until(ws, r'data-state="idle"'))
+        assert db.get_conversation(cid).title == "fix the flaky test"
+        assert 'id="chat-title" data-title="fix the flaky test" hx-swap-oob="true"' in joined  # shown now
+        assert re.search(
+            r'<ul id="conversation-list"[^>]*hx-swap-oob="true"[^>]*>.*fix the flaky test', joined, re.S
+        )
+        send(ws, type="send", text="and another thing", conversation_id=cid)
+        until(ws, r'data-state="idle"')
+        assert db.get_conversation(cid).title == "fix the flaky test"  # the first real message only
+
+        send(ws, type="send", text="/model nothing-such")
+        other = conversation_id(until(ws, r'data-state="idle"'))
+        assert other != cid and db.get_conversation(other).title == "Untitled"
+        db.rename_conversation(other, "My plan")
+        send(ws, type="send", text="now a question", conversation_id=other)
+        until(ws, r'data-state="idle"')
+        assert db.get_conversation(other).title == "My plan"  # a name given by Rename stays
+
+    with connect(client) as ws:
+        send(ws, type="send", text="a real first message")
+        third = conversation_id(until(ws, r'data-state="idle"'))
+    assert db.get_conversation(third).title == "a real first message"  # as before

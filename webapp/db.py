@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 MessageStatus = str  # "complete" | "streaming" | "stopped" | "incomplete" | "error"
+UNTITLED = "Untitled"  # a conversation's title until its first message to the model names it
 
 
 class Migration(NamedTuple):
@@ -454,7 +455,7 @@ class Database:
     # ------------------------------------------------------------------ conversations
     def create_conversation(
         self,
-        title: str = "Untitled",
+        title: str = UNTITLED,
         model: str | None = None,
         backend: str | None = None,
         project_id: str = "default",
@@ -543,15 +544,24 @@ class Database:
 
     # ------------------------------------------------------------------ messages
     def add_message(
-        self, conversation_id: str, role: str, content: str, status: MessageStatus = "complete"
+        self,
+        conversation_id: str,
+        role: str,
+        content: str,
+        status: MessageStatus = "complete",
+        stats: dict[str, Any] | None = None,
     ) -> StoredMessage:
+        """`stats`: a reply's numbers, or — for a user message — what its bubble shows besides `content`
+        (the files attached to it; `content` is what the model reads)."""
         now = time.time()
         cur = self.conn.execute(
-            "INSERT INTO messages (conversation_id, role, content, status, created_at) VALUES (?,?,?,?,?)",
-            (conversation_id, role, content, status, now),
+            "INSERT INTO messages (conversation_id, role, content, status, stats, created_at) VALUES (?,?,?,?,?,?)",
+            (conversation_id, role, content, status, json.dumps(stats) if stats else None, now),
         )
         self.touch(conversation_id)
-        return StoredMessage(int(cur.lastrowid or 0), conversation_id, role, content, status, now)
+        return StoredMessage(
+            int(cur.lastrowid or 0), conversation_id, role, content, status, now, dict(stats or {})
+        )
 
     def save_partial(self, message_id: int, content: str) -> None:
         self.conn.execute(

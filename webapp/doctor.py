@@ -24,12 +24,13 @@ import psutil
 
 from engine.models import human_size, list_models
 
-from .db import SCHEMA_VERSION, stored_version
+from .db import SCHEMA_VERSION, storage_kind, stored_version
 from .engine_host import default_backend
 from .preflight import database_problem, model_dir_problem, not_writable, quick_check, read_only
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
+READ_ONLY = "READ-ONLY"  # the label of a part that is there but this user may not write
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Check:
     fix: str | None = None
     required: bool = False  # flashcode cannot serve without it
     warn: bool = False  # present, but something about it needs a look
+    # what the report calls a part that is there but cannot be used (e.g. READ-ONLY); None: "MISSING" or
+    # "missing" when not ok (by `required`)
+    label: str | None = None
 
 
 def gb(n: float) -> str:
@@ -191,7 +195,8 @@ def check_database(root: Path) -> Check:
             conn.close()
     except sqlite3.DatabaseError as exc:
         problem, fix = database_problem(path, exc)
-        return Check(False, problem, fix, required=True)
+        read_only_now = storage_kind(exc) == "readonly"
+        return Check(False, problem, fix, required=True, label=READ_ONLY if read_only_now else None)
     if version > SCHEMA_VERSION:
         return Check(
             False,
@@ -199,8 +204,8 @@ def check_database(root: Path) -> Check:
             "upgrade flashcode, or pass another --data-dir",
             required=True,
         )
-    if not_writable(path):
-        return Check(False, *read_only(path), required=True)
+    if not_writable(path):  # there, and readable: not missing
+        return Check(False, *read_only(path), required=True, label=READ_ONLY)
     return Check(True, f"{path} (schema {version})")
 
 
@@ -292,21 +297,25 @@ def doctor_report(root: Path) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"flashcode doctor: data directory {report['data_dir']}", ""]
     width = max(len(n) for n in report["checks"])
+    statuses = {
+        name: "ok"
+        if c["ok"] and not c["warn"]
+        else "warn"
+        if c["ok"]
+        else c.get("label") or ("MISSING" if c["required"] else "missing")
+        for name, c in report["checks"].items()
+    }
+    column = max(8, *(len(s) for s in statuses.values()))
+    blocking: list[str] = []  # the labels of the required parts not ok, in order
     for name, c in report["checks"].items():
-        status = (
-            "ok"
-            if c["ok"] and not c["warn"]
-            else "warn"
-            if c["ok"]
-            else "MISSING"
-            if c["required"]
-            else "missing"
-        )
-        line = f"{status:<8} {name:<{width}}  {c['detail']}"
+        status = statuses[name]
+        if not c["ok"] and c["required"] and status not in blocking:
+            blocking.append(status)
+        line = f"{status:<{column}} {name:<{width}}  {c['detail']}"
         lines.append(line + (f"  -> {c['fix']}" if c["fix"] else ""))
     optional = [name for name, c in report["checks"].items() if not c["ok"] and not c["required"]]
     if not report["ok"]:
-        verdict = "flashcode cannot serve yet: fix the MISSING lines above"
+        verdict = f"flashcode cannot serve yet: fix the {' and '.join(blocking or ['MISSING'])} lines above"
     elif optional:
         verdict = f"ready to serve; optional parts missing: {', '.join(optional)} (their fixes are above)"
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..db import Database
+from ..db import UNTITLED, Database
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import NEW_MODE_KEY, EventRenderer
@@ -136,12 +136,19 @@ class TranscriptViews:
         return str(self.tx.generation_form(conversation_id, values, self.csrf_token, note))
 
 
+def is_slash_command(text: str) -> bool:
+    """Whether a message is a slash command (`/stats`, `/model qwen`), not words for the model; `//` at its
+    start is a message that begins with a slash."""
+    stripped = text.lstrip()
+    return stripped.startswith("/") and not stripped.startswith("//")
+
+
 def make_title(text: str, limit: int = 60) -> str:
     """A conversation's title from its first message: the first line, cut at a word within `limit`."""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     line = " ".join(line.split())
     if len(line) <= limit:
-        return line or "Untitled"
+        return line or UNTITLED
     cut = line[: limit - 1]
     if " " in cut[limit // 2 :]:
         cut = cut[: cut.rindex(" ")]

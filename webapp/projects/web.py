@@ -260,12 +260,13 @@ class ProjectsWeb:
         self.pending.pop(self.store.current().id, None)
         return HTMLResponse(str(self.ui.attachments([], [], _human, oob=False)))
 
-    def take_attachments(self, project_id: str) -> tuple[str, str]:
+    def take_attachments(self, project_id: str) -> tuple[str, str, list[tuple[str, int]]]:
         """For the chat, when a message of `project_id` is sent: (the files quoted as untrusted data,
-        to put before the message; the fragment that empties the attachment bar)."""
+        to put before the message; the fragment that empties the attachment bar; each file's path and size
+        in bytes, for the message's bubble)."""
         files = self.pending.pop(project_id, [])
         cleared = str(self.ui.attachments([], [], _human, oob=True))
         if not files:
-            return "", cleared
+            return "", cleared, []
         blocks = [self.quote(f"file {rel} ({size:,} bytes)", text) for rel, size, text in files]
-        return "\n\n".join(blocks) + "\n\n", cleared
+        return "\n\n".join(blocks) + "\n\n", cleared, [(rel, size) for rel, size, _ in files]
