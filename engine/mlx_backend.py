@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,24 @@ def cache_offset(cache: list[Any] | None) -> int:
 # to float16 or quantized (8/4 bits, group 64). On load it becomes plain KVCache layers in the
 # compute dtype again, so a quantized file costs precision only on the saved prefix.
 KV_FORMAT = "flashcode-kv/1"
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A live prompt cache copied out (`MLXBackend.snapshot_prompt_cache`), to be written to a file later."""
+
+    layers: list[Any]
+    tokens: list[int]
+    kv_bits: int | None
+    model: str  # the model whose cache it is (a write after a switch of model is refused)
+    nbytes: int
+
+
+def tree_arrays(state: Any) -> list[Any]:
+    """The arrays in a cache layer's `state` (a tuple of arrays, or of tuples of them when quantized)."""
+    if isinstance(state, list | tuple):
+        return [a for s in state for a in tree_arrays(s)]
+    return [state] if hasattr(state, "nbytes") else []
 
 
 def snapshot_cache(cache: list[Any], kv_bits: int | None, group_size: int = 64) -> list[Any]:
@@ -556,15 +575,10 @@ class MLXBackend:
             scores.append(float(sum(lp[n - 1 + i, t].item() for i, t in enumerate(cont))))
         return scores
 
-    def save_prompt_cache(
-        self, path: Path, metadata: dict[str, str], kv_bits: int | None = None
-    ) -> dict[str, Any]:
-        """Write the live prompt cache to `path`: one safetensors file in mlx-lm's prompt-cache format
-        holding only the tokens the cache holds, at its own precision (`kv_bits=None`), as float16
-        (16) or quantized (8 or 4 bits, group 64). Atomic: temp file beside `path`, fsync, rename.
-        Returns {"tokens": the token ids it holds, "metadata": what the file carries, "bytes": size}."""
-        from mlx_lm.models.cache import save_prompt_cache
-
+    def snapshot_prompt_cache(self, kv_bits: int | None = None) -> KVSnapshot:
+        """The live prompt cache as it is now, in arrays of its own (`snapshot_cache`), to write later with
+        `save_prompt_cache(..., snapshot=)`: MLX arrays are values, so the next request's cache updates
+        leave it as it was (they copy a buffer the snapshot still holds)."""
         self._require()
         cache, tokens = self.prompt_cache.cache, list(self.prompt_cache.tokens)
         if cache is None or not tokens:
@@ -575,6 +589,32 @@ class MLXBackend:
                 "send another message, then save"
             )
         layers = snapshot_cache(cache, kv_bits, self.kv_group_size)
+        nbytes = sum(int(a.nbytes) for c in layers for a in tree_arrays(c.state))
+        return KVSnapshot(layers, tokens, kv_bits, str(self.model.name if self.model else ""), nbytes)
+
+    def save_prompt_cache(
+        self,
+        path: Path,
+        metadata: dict[str, str],
+        kv_bits: int | None = None,
+        snapshot: KVSnapshot | None = None,
+    ) -> dict[str, Any]:
+        """Write the live prompt cache (or a `snapshot` of it taken before) to `path`: one safetensors file
+        in mlx-lm's prompt-cache format holding only the tokens the cache holds, at its own precision
+        (`kv_bits=None`), as float16 (16) or quantized (8 or 4 bits, group 64). Atomic: temp file beside
+        `path`, fsync, rename. Returns {"tokens": the token ids it holds, "metadata": what the file
+        carries, "bytes": size}."""
+        from mlx_lm.models.cache import save_prompt_cache
+
+        if snapshot is None:
+            snapshot = self.snapshot_prompt_cache(kv_bits)
+        else:
+            self._require()
+            if self.model is None or snapshot.model != self.model.name:
+                raise EngineError(
+                    f"the model changed since the cache of {snapshot.model} was taken: not saved"
+                )
+        layers, tokens, kv_bits = snapshot.layers, snapshot.tokens, snapshot.kv_bits
         meta = {**metadata, **kv_file_metadata(layers, kv_bits, self.kv_group_size)}
         meta["token_count"] = str(len(tokens))
         path = Path(path)

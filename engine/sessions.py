@@ -330,17 +330,19 @@ def _llama_kv_bits(backend: Any) -> int:
 
 
 def _save_cache(
-    backend: Any, folder: Path, kv_bits: int | None, meta: dict[str, str]
+    backend: Any, folder: Path, kv_bits: int | None, meta: dict[str, str], snapshot: Any = None
 ) -> tuple[str, list[int], int, int]:
-    """Write the backend's live cache into `folder`: (file name, token ids, token count, KV bits).
-    llama-server keeps the token ids inside its slot file, so its list is empty."""
+    """Write the backend's live cache (or its `snapshot`, MLX's, taken before) into `folder`: (file name,
+    token ids, token count, KV bits). llama-server keeps the token ids inside its slot file, so its list is
+    empty."""
     if _kind(backend) == "llama":
         if kv_bits is not None:
             raise EngineError("llama-server saves its slot as it is: set --cache-type-k/v to quantize its KV")
         res = backend.save_prompt_cache(folder / "cache.bin", meta)
         Path(str(folder / "cache.bin") + ".json").unlink(missing_ok=True)  # folded into meta.json
         return "cache.bin", [], int(res["n_saved"]), _llama_kv_bits(backend)
-    res = backend.save_prompt_cache(folder / "cache.safetensors", meta, kv_bits=kv_bits)
+    extra = {"snapshot": snapshot} if snapshot is not None else {}
+    res = backend.save_prompt_cache(folder / "cache.safetensors", meta, kv_bits=kv_bits, **extra)
     tokens = list(res["tokens"])
     return "cache.safetensors", tokens, len(tokens), int(res["metadata"]["kv_bits"])
 
@@ -463,8 +465,10 @@ class ContextStore:
         kv_bits: int | None = None,
         conversation_id: str | None = None,
         messages: Sequence[Message] | None = None,
+        snapshot: Any = None,
     ) -> SavedContext:
-        """Save the backend's live context (the last conversation it ran) under `project_id`.
+        """Save the backend's live context (the last conversation it ran) under `project_id`; `snapshot`:
+        a copy of it taken before (MLX's `snapshot_prompt_cache`), written instead of the live one.
         `kv_bits`: None keeps the cache's own precision; 16, 8 or 4 make the file smaller.
         `messages`: the conversation the user means; when given, the live cache must hold it (its
         prompt up to the last reply), else EngineError says to send a message in it first."""
@@ -486,7 +490,7 @@ class ContextStore:
                 "model": model.name,
                 "model_sha256": model_identity(model),
             }
-            cache_file, tokens, count, bits = _save_cache(backend, tmp, kv_bits, header)
+            cache_file, tokens, count, bits = _save_cache(backend, tmp, kv_bits, header, snapshot)
             size = (tmp / cache_file).stat().st_size
             self._check_quota(project_id, size, kv_bits)
             meta = {

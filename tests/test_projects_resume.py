@@ -6,6 +6,7 @@ prompt served from the cache; a conversation changed since its save is ignored w
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def _scenario(tmp_path: Path, worker: Worker) -> list[str]:
         await _turn(resume, db, worker, a, "What is 2+2?")
         # switching to another conversation saves a's cache first (a is still live)
         await _turn(resume, db, worker, other, "Name a colour.")
+        await resume.flush()  # MLX: a's save is written behind other's reply
         assert ("saved", a) in events
         # cold: a fresh engine (flashcode restarted) re-reads a from the start
         await worker.acall(_restart)
@@ -97,6 +99,7 @@ def _scenario(tmp_path: Path, worker: Worker) -> list[str]:
         db.add_message(a, "user", "Edited question?")
         db.add_message(a, "assistant", "Edited answer.")
         note = await resume.before_reply(a)
+        await resume.flush()
         assert note is not None and "no longer matches" in note and ("mismatch", a) in events
         # a conversation deleted for good takes its saved cache (its tokens) along; one in the Trash keeps it
         assert ("saved", other) in events  # saved when a came back
@@ -128,6 +131,49 @@ def test_projects_autoresume_mlx_same_greedy_tokens_as_reprefill(tmp_path: Path,
 
     held = 32 if mx.default_device() == mx.cpu else 16  # as held: float32 on a CPU, float16 on a GPU
     assert metas and all(f'"kv_bits": {held}' in m for m in metas)
+
+
+def test_projects_a_switch_writes_the_previous_save_behind_the_next_reply(
+    tmp_path: Path, default_model
+) -> None:
+    """Switching conversation saved the previous one's cache before the new reply could start (20-35 ms of
+    every switch's first token, bench/websocket.py). MLX: the reply waits only for a copy of the cache; the
+    file is written behind the reply, and holds the previous conversation's tokens, not the new reply's."""
+    from engine.mlx_backend import MLXBackend
+
+    def make() -> MLXBackend:
+        b = MLXBackend()
+        b.load(default_model)
+        return b
+
+    worker = Worker(make)
+    worker.on_submit.append(lambda _request: resume.generating())  # as the app wires it
+    db = Database(tmp_path / "f.db")
+    resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+    order: list[tuple[str, str]] = []
+    resume.on_event = lambda kind, cid: order.append((kind, cid))
+
+    async def run() -> None:
+        a, b = db.create_conversation("a").id, db.create_conversation("b").id
+        await _turn(resume, db, worker, a, "What is 2+2?")
+        held = await worker.acall(lambda be: list(be.prompt_cache.tokens))
+        assert await resume.before_reply(b) is None
+        assert a in resume._writing and not _saves_of(resume, a)  # not written yet: b's reply goes first
+        db.add_message(b, "user", "Name a colour.")
+        request = GenerationRequest(messages=tuple(resume._history(b)), sampling=GREEDY)
+        async for event in worker.submit(request, loop=asyncio.get_running_loop()):
+            if isinstance(event, Done):
+                order.append(("replied", b))
+        await resume.flush()
+        assert order.index(("replied", b)) < order.index(("saved", a)) and not resume._writing
+        (meta,) = [json.loads(p.with_name("tokens.json").read_text()) for p in _saves_of(resume, a)]
+        assert meta["tokens"] == held  # a's cache as it was, though b's reply reused and overwrote it since
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+        db.close()
 
 
 @pytest.mark.llama

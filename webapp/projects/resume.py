@@ -13,6 +13,12 @@ slot as its cache type keeps it) under the conversation's project
   user opens another project,
 - at shutdown.
 
+On a switch the reply waits only for a copy of the cache (MLX: `snapshot_prompt_cache`, ~1 ms; up to
+`DEFER_MAX_BYTES`): the file is written by a job queued on the worker behind the new reply, so its
+first token does not wait for the disk (the write took ~20-30 ms of every switch's TTFT). Resuming that
+conversation, opening another project and shutting down wait for such a write first (`flush`).
+llama-server's slot is saved before the reply, as its next request overwrites it.
+
 Before a conversation's reply, if the engine's live cache is another conversation's, the saved
 cache of this one is resumed (`engine.sessions.try_resume`): the reply then prefills only the new
 message. A saved cache is never trusted blindly: another model or engine, a damaged file (checked by
@@ -29,6 +35,7 @@ the page; the file format (`engine.sessions`). Saves and resumes run on the engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -55,6 +62,10 @@ from ..db import Database
 
 log = logging.getLogger(__name__)
 IDLE_S = 180.0
+# a cache copied out on a switch is held in memory until its file is written behind the reply: above this,
+# the reply waits for the save instead (no second copy of a long conversation's cache in memory)
+DEFER_MAX_BYTES = 256 << 20
+SUBMIT_WAIT_S = 5.0  # a save written behind a reply waits this long at most for that reply to be queued
 # the cache as the engine holds it (float32 on a CPU, float16 on a GPU): a resumed conversation goes on exactly as
 # the live one would. 8-bit KV is near-lossless on short contexts only: in bench/results/resume.json a
 # 4,096-token conversation's reply resumed from 8 bits left the live one's at its 10th token
@@ -114,6 +125,9 @@ class AutoResume:
         self.lock = asyncio.Lock()
         self._timer: asyncio.TimerHandle | None = None
         self.on_event: Callable[[str, str], None] | None = None  # (kind, conversation_id): tests, logs
+        self._writing: dict[str, asyncio.Task[None]] = {}  # conversation -> its save written behind a reply
+        self._queued: asyncio.Event | None = None  # a generation was submitted since the last copy was taken
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
 
     # ------------------------------------------------------------------ what the chat calls
     def note_reply(
@@ -145,7 +159,7 @@ class AutoResume:
                 return None
             notes = []
             try:
-                await self._save_live()
+                await self._save_live_behind()
             except Exception as exc:  # noqa: BLE001 - a failed save (a full disk) costs that save, never this reply
                 log.warning("automatic save before a reply failed", exc_info=True)
                 notes.append(f"The cache of the conversation before could not be saved ({_why(exc)}).")
@@ -160,8 +174,11 @@ class AutoResume:
 
     def generating(self, _request: Any = None) -> None:
         """A generation was queued (a chat reply, an agent step, an API request, a benchmark): until its
-        reply is noted (`note_reply`), the engine's cache is no conversation's to save or resume."""
+        reply is noted (`note_reply`), the engine's cache is no conversation's to save or resume. A save
+        waiting to be written behind that reply is queued now (`_write_behind`)."""
         self.live, self.dirty = None, False
+        if self._writing and self._loop is not None and self._queued is not None:  # the submitter: any thread
+            self._loop.call_soon_threadsafe(self._queued.set)
 
     def took_over(self, conversation_id: str | None) -> None:
         """A saved context (the Projects window's Resume) replaced the engine's cache: it now holds this
@@ -169,9 +186,18 @@ class AutoResume:
         self.live, self.dirty = conversation_id, False
 
     async def save_now(self) -> None:
-        """Save the live conversation's cache if it changed (a switch of project, shutdown)."""
+        """Save the live conversation's cache if it changed (a switch of project, shutdown); saves still
+        being written behind a reply are waited for first."""
+        await self.flush()
         async with self.lock:
             await self._save_live()
+
+    async def flush(self) -> None:
+        """Wait for every save being written behind a reply (`_save_live_behind`)."""
+        while self._writing:
+            if self._queued is not None:
+                self._queued.set()  # no reply to wait for: write them now
+            await asyncio.gather(*list(self._writing.values()), return_exceptions=True)
 
     # ------------------------------------------------------------------ saving
     def _arm_idle(self) -> None:
@@ -209,9 +235,63 @@ class AutoResume:
         except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
             log.exception("automatic save of conversation %s failed", cid)
 
-    def _save(self, backend: Any, project: str, cid: str, history: list[dict[str, str]]) -> None:
-        """On the worker thread: save the live cache, replacing the conversation's previous save,
-        evicting the project's least recently used saves while the quota is short."""
+    async def _save_live_behind(self) -> None:
+        """Before another conversation's reply: copy the live cache out and write it behind that reply (the
+        job is queued once the reply is submitted: `generating`); where
+        no copy can be taken (llama-server, a cache above `DEFER_MAX_BYTES`), save it now."""
+        cid = self.live
+        if cid is None or not self.dirty:
+            return
+        conv = self.db.get_conversation(cid)
+        snapshot = await self.worker.acall(self._snapshot) if conv is not None else None
+        if conv is None or snapshot is None:
+            await self._save_live()
+            return
+        history, project = self._history(cid), conv.project_id
+        self.dirty = False
+        loop = asyncio.get_running_loop()
+        if self._queued is None or self._loop is not loop:
+            self._loop, self._queued = loop, asyncio.Event()
+        self._queued.clear()
+        task = asyncio.create_task(self._write_behind(project, cid, history, snapshot))
+        self._writing[cid] = task
+        task.add_done_callback(
+            lambda t: self._writing.pop(cid, None) if self._writing.get(cid) is t else None
+        )
+
+    def _snapshot(self, backend: Any) -> Any:
+        """On the worker thread: a copy of the live cache (MLX), or None to save it at once instead."""
+        take = getattr(backend, "snapshot_prompt_cache", None)
+        if take is None or not isinstance(backend, PromptCacheBackend) or backend.model is None:
+            return None
+        try:
+            snapshot = take(self.kv_bits)
+        except EngineError:
+            return None  # nothing to save: the save now says why in the log
+        return snapshot if snapshot.nbytes <= DEFER_MAX_BYTES else None
+
+    async def _write_behind(
+        self, project: str, cid: str, history: list[dict[str, str]], snapshot: Any
+    ) -> None:
+        # the job goes in behind the reply this switch is for (a resume of that conversation's own save is a
+        # worker job queued before the reply: it must not wait for this write either)
+        if self._queued is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._queued.wait(), SUBMIT_WAIT_S)
+        try:
+            await self.worker.acall(lambda b: self._save(b, project, cid, history, snapshot))
+            self._event("saved", cid)
+        except EngineError as exc:  # no room even after eviction, the model switched: the next reply re-reads
+            log.info("automatic save of conversation %s skipped: %s", cid, exc)
+        except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
+            log.exception("automatic save of conversation %s failed", cid)
+
+    def _save(
+        self, backend: Any, project: str, cid: str, history: list[dict[str, str]], snapshot: Any = None
+    ) -> None:
+        """On the worker thread: save the live cache (or `snapshot`, a copy of it taken before), replacing the
+        conversation's previous save, evicting the project's least recently used saves while the quota is
+        short."""
         if not isinstance(backend, PromptCacheBackend) or backend.model is None:
             return
         kv_bits = self.kv_bits if getattr(backend, "name", "") != "llama" else None
@@ -220,7 +300,9 @@ class AutoResume:
             self.store.delete(project, s.context.id)
         while True:
             try:
-                ctx = self.store.save(backend, project, f"auto {cid}", kv_bits=kv_bits, conversation_id=cid)
+                ctx = self.store.save(
+                    backend, project, f"auto {cid}", kv_bits=kv_bits, conversation_id=cid, snapshot=snapshot
+                )
                 break
             except QuotaExceededError as exc:
                 victims = self.saved(project)
@@ -247,6 +329,8 @@ class AutoResume:
 
     # ------------------------------------------------------------------ resuming
     async def _resume(self, cid: str) -> str | None:
+        if (writing := self._writing.get(cid)) is not None:  # its save is still being written: wait for it
+            await asyncio.gather(writing, return_exceptions=True)
         conv = self.db.get_conversation(cid)
         if conv is None:
             return None
@@ -275,6 +359,7 @@ class AutoResume:
         """Delete the automatic saves of conversations deleted for good (Delete Now, Empty Trash, the 30-day
         rule): a saved cache holds the conversation's tokens, and nothing could resume it any more. A
         conversation in the Trash keeps its save (Put Back resumes it). How many were deleted."""
+        await self.flush()  # a save still being written would land after the sweep
         async with self.lock:
             gone = 0
             root = self.store.root
