@@ -18,12 +18,6 @@ Within the same generation it compares:
       client TTFT: chat, message sent -> first token frame; agent, the route's frame (sent just
       before the answer is requested from the engine) -> first token frame
 
-Each chat run starts a new conversation, so the app first saves the previous conversation's KV cache
-(webapp/projects/resume.py). Runs start `--pause` seconds (1 by default) after the previous one ended,
-as a person's next message would. `chat_back_to_back` sends them with no pause: then the save also
-waits for the engine's last step of the previous reply (mlx-lm builds one step ahead, and that step
-is still running), which is engine time, not the app's; it is reported beside the goal, not in it.
-
 llama-server runs with `--llama-threads 1` unless told otherwise: on a small machine shared with
 other work, llama.cpp's spinning threads collapse (0.5 tok/s with 2 threads on 2 busy cores here,
 60 with one), and the point is the web app's overhead at the engine's full speed.
@@ -133,22 +127,8 @@ def agent_run(base: str, max_tokens: int) -> dict[str, float]:
     return measure(base, cid, after, routed[0][0])
 
 
-def summary(raw: list[dict[str, float]]) -> dict[str, Any]:
-    return {
-        "delivery_ratio": round(statistics.median(r["delivery_ratio"] for r in raw), 4),
-        "ttft_added_ms": round(statistics.median(r["ttft_added_ms"] for r in raw), 2),
-        "engine_decode_tps": round(statistics.median(r["engine_decode_tps"] for r in raw), 2),
-        "runs": raw,
-    }
-
-
 def bench_backend(
-    backend: str,
-    kinds: list[str],
-    runs: int,
-    max_tokens: int,
-    serve_args: tuple[str, ...] = (),
-    pause: float = 1.0,
+    backend: str, kinds: list[str], runs: int, max_tokens: int, serve_args: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flashcode-bench-ws-") as tmp:
         home = Path(tmp)
@@ -160,18 +140,20 @@ def bench_backend(
             if "agent" in kinds:
                 agent_run(base, 4)
             out: dict[str, Any] = {}
-            plan = [(k, pause) for k in kinds] + ([("chat_back_to_back", 0.0)] if "chat" in kinds else [])
-            for kind, wait in plan:
-                run = agent_run if kind == "agent" else chat_run
-                raw = []
-                for _ in range(runs):
-                    time.sleep(wait)
-                    raw.append({**run(base, max_tokens), "pause_s": wait})
+            for kind in kinds:
+                run = chat_run if kind == "chat" else agent_run
+                raw = [run(base, max_tokens) for _ in range(runs)]
+                for r in raw:
                     print(
-                        f"  {backend:5} {kind:5} " + "  ".join(f"{k}={v:.2f}" for k, v in raw[-1].items()),
+                        f"  {backend:5} {kind:5} " + "  ".join(f"{k}={v:.2f}" for k, v in r.items()),
                         flush=True,
                     )
-                out[kind] = summary(raw)
+                out[kind] = {
+                    "delivery_ratio": round(statistics.median(r["delivery_ratio"] for r in raw), 4),
+                    "ttft_added_ms": round(statistics.median(r["ttft_added_ms"] for r in raw), 2),
+                    "engine_decode_tps": round(statistics.median(r["engine_decode_tps"] for r in raw), 2),
+                    "runs": raw,
+                }
             return out
 
 
@@ -187,7 +169,6 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--llama-threads", type=int, default=1, help="llama-server's threads (0: its default)")
-    ap.add_argument("--pause", type=float, default=1.0, help="seconds between runs (a person's next message)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "websocket.json"))
     args = ap.parse_args()
     backends, kinds = args.backend or ["llama", "mlx"], args.kind or ["chat", "agent"]
@@ -198,7 +179,6 @@ def main() -> int:
         "prompt": PROMPT,
         "max_tokens": args.max_tokens,
         "llama_threads": args.llama_threads or None,
-        "pause_s": args.pause,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "backends": {},
     }
@@ -206,9 +186,7 @@ def main() -> int:
         threads = (
             ("--llama-threads", str(args.llama_threads)) if backend == "llama" and args.llama_threads else ()
         )
-        result["backends"][backend] = bench_backend(
-            backend, kinds, args.runs, args.max_tokens, threads, args.pause
-        )
+        result["backends"][backend] = bench_backend(backend, kinds, args.runs, args.max_tokens, threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     summary = {
