@@ -56,6 +56,14 @@ QUOTES: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ),
     ("docs/cpu.md", "mlx.json", lambda r: f"`prefill_ratio_vs_llama` {r['prefill_ratio_vs_llama']:.2f}"),
     (
+        "docs/websocket.md",
+        "websocket.json",
+        lambda r: (
+            f"**{r['backends']['llama']['chat']['ttft_added_ms']:.1f} ms (llama-server) and "
+            f"{r['backends']['mlx']['chat']['ttft_added_ms']:.1f} ms (MLX) for chat replies**"
+        ),
+    ),
+    (
         "docs/flash-moe.md",
         "flash-moe.json",
         lambda r: f"**ttft_ratio_vs_llama {r['ttft_ratio_vs_llama']:.2f}**",
