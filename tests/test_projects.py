@@ -566,6 +566,16 @@ def test_projects_attached_files_reach_the_model_in_agent_mode_too(client, two, 
     asked = [str(r.messages or r.prompt) for r in fake.history[before:]]
     assert asked and all("what does this do?" in q for q in asked if "main.py" in q)
     assert any('<untrusted source="file main.py' in q and "return" in q for q in asked), asked
+    # context, not words: a search is for what was typed, never the files' text (it would leave the machine)
+    with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
+        client.post("/files/attach", data={"path": ["main.py"]})
+        fake.routes = ["search"]
+        sock.send_text(json.dumps({"type": "send", "text": "python hello", "conversation_id": cid}))
+        frames = ""
+        while 'data-state="idle"' not in frames:
+            frames += sock.receive_text()
+    searched = re.findall(r"Searching the web[^<]*", frames)  # the notice names the query
+    assert searched and all("hello" in q and "return" not in q and "untrusted" not in q for q in searched)
 
 
 def _user_bubble(html: str) -> str:

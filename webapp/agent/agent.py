@@ -630,6 +630,14 @@ class AgentSession:
         self._remember(user_text, text)
         yield AnswerDone(text, done.finish_reason, done.stats.to_dict(), done.error, cited)
 
+    def attach(self, quoted: str) -> None:
+        """Files the user attached to the next message, quoted as untrusted data: in the history the answer
+        and the tool loop read (as `_read` puts a file there), not in the words that are routed or searched."""
+        self.history += [
+            {"role": "user", "content": quoted.strip()},
+            {"role": "assistant", "content": "I have read the attached files."},
+        ]
+
     def _recent(self) -> list[Message]:
         return self.history[-HISTORY_MESSAGES:]
 

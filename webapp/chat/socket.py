@@ -301,7 +301,7 @@ class Session:
         if created and msg.mode:
             db.set_mode(conv.id, msg.mode)
         text, shown = msg.text, None
-        if self.ctx.take_attachments is not None and not text.lstrip().startswith("/"):
+        if self.ctx.take_attachments is not None and not is_slash_command(text):
             quoted, cleared, files = self.ctx.take_attachments(conv.project_id)
             text = quoted + text
             if files:  # the bubble shows what was typed and the files' names; the model reads them quoted
@@ -323,8 +323,11 @@ class Session:
         if self.turns is not None and not completion and self.turns.wants(conv.id, msg.text):
             self.send(*first)
             sampling = views.sampling(conv.id) | overrides
-            # the files attached to it go with it, quoted, as in a chat reply (a slash command takes none)
-            self._turn_began(conv.id, asyncio.create_task(self._hand_over(conv.id, text, sampling)))
+            # the files attached to it go with it as context (the typed words alone are routed and searched)
+            attached = text[: len(text) - len(msg.text)]
+            self._turn_began(
+                conv.id, asyncio.create_task(self._hand_over(conv.id, msg.text, sampling, attached))
+            )
             return
         # the engine starts first; the page is updated while it reads the prompt
         self._start(conv.id, overrides, first=first)
@@ -428,10 +431,12 @@ class Session:
             self.dialogs.pop(dialog_id, None)
 
     # ------------------------------------------------------------------ a turn another feature answers
-    async def _hand_over(self, conversation_id: str, text: str, sampling: dict[str, Any]) -> None:
+    async def _hand_over(
+        self, conversation_id: str, text: str, sampling: dict[str, Any], attached: str = ""
+    ) -> None:
         assert self.turns is not None
         self.send(self.views.controls(generating=True))
-        turn = SocketTurn(self, conversation_id, self.received, sampling)
+        turn = SocketTurn(self, conversation_id, self.received, sampling, attached)
         try:
             await self.turns.run(turn, text)
         finally:
@@ -652,10 +657,16 @@ class SocketTurn:
     """The `webapp.turns.Turn` a socket lends a `TurnHandler` for one message."""
 
     def __init__(
-        self, session: Session, conversation_id: str, received: float, sampling: dict[str, Any] | None = None
+        self,
+        session: Session,
+        conversation_id: str,
+        received: float,
+        sampling: dict[str, Any] | None = None,
+        attached: str = "",
     ) -> None:
         self.session, self._conversation_id, self.received = session, conversation_id, received
         self._sampling = dict(sampling or {})
+        self._attached = attached
         self.context = 0  # the gauge's last mid-turn reading (tool-loop steps)
 
     @property
@@ -665,6 +676,10 @@ class SocketTurn:
     @property
     def sampling(self) -> dict[str, Any]:
         return self._sampling
+
+    @property
+    def attached(self) -> str:
+        return self._attached
 
     def send(self, *fragments: str) -> None:
         self.session.send(*fragments)
