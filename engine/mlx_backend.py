@@ -148,6 +148,9 @@ class KVSnapshot:
     kv_bits: int | None
     model: str  # the model whose cache it is (a write after a switch of model is refused)
     nbytes: int
+    # every layer copied: False when a layer kind `snapshot_cache` keeps as the live object (rotating, arrays
+    # caches), which the next request changes in place — such a snapshot must be written before it runs
+    detached: bool = True
 
 
 def tree_arrays(state: Any) -> list[Any]:
@@ -590,7 +593,10 @@ class MLXBackend:
             )
         layers = snapshot_cache(cache, kv_bits, self.kv_group_size)
         nbytes = sum(int(a.nbytes) for c in layers for a in tree_arrays(c.state))
-        return KVSnapshot(layers, tokens, kv_bits, str(self.model.name if self.model else ""), nbytes)
+        detached = not any(new is old for new, old in zip(layers, cache, strict=True))
+        return KVSnapshot(
+            layers, tokens, kv_bits, str(self.model.name if self.model else ""), nbytes, detached
+        )
 
     def save_prompt_cache(
         self,

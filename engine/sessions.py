@@ -336,6 +336,8 @@ def _save_cache(
     token ids, token count, KV bits). llama-server keeps the token ids inside its slot file, so its list is
     empty."""
     if _kind(backend) == "llama":
+        if snapshot is not None:
+            raise EngineError("a copy of another engine's cache cannot be saved by llama-server: not saved")
         if kv_bits is not None:
             raise EngineError("llama-server saves its slot as it is: set --cache-type-k/v to quantize its KV")
         res = backend.save_prompt_cache(folder / "cache.bin", meta)

@@ -230,3 +230,31 @@ def _slot_folder_removed(home: Path, worker: Worker) -> None:
 
     asyncio.run(run())
     db.close()
+
+
+def test_projects_a_cache_the_copy_would_share_is_saved_before_the_reply(tmp_path: Path) -> None:
+    """A copy of the cache is written behind the next reply only when every layer was copied: a sliding-window
+    layer (`RotatingKVCache`) is kept as the live object, which the next reply trims and overwrites, so the save
+    written after it would hold that reply's KV under the conversation before. Such a cache is saved first."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from engine.mlx_backend import MLXBackend
+
+    kv, rot = KVCache(), RotatingKVCache(max_size=16)
+    for layer in (kv, rot):
+        layer.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
+    backend = MLXBackend()
+    backend.model_obj, backend._model_info = object(), SimpleNamespace(name="m")
+    resume = AutoResume(tmp_path, Worker(lambda: backend), Database(tmp_path / "f.db"))
+    try:
+        for cache, detached in (([kv, kv], True), ([kv, rot], False)):
+            backend.prompt_cache.cache, backend.prompt_cache.tokens = cache, [1, 2, 3]
+            snapshot = backend.snapshot_prompt_cache()
+            assert snapshot.detached is detached and snapshot.tokens == [1, 2, 3]
+            assert (resume._snapshot(backend) is not None) is detached  # not detached: saved before the reply
+    finally:
+        resume.worker.close()
+        resume.db.close()

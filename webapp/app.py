@@ -189,6 +189,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         finally:
             await resume.save_now()  # the live conversation's KV cache, for the next start
             await mcp_servers().close_all()  # every MCP server the agent started
+            await resume.flush()  # a save a reply that ended meanwhile left behind it
             if own_worker:
                 engine.worker.close()
             db.close()

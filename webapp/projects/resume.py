@@ -178,7 +178,8 @@ class AutoResume:
         waiting to be written behind that reply is queued now (`_write_behind`)."""
         self.live, self.dirty = None, False
         if self._writing and self._loop is not None and self._queued is not None:  # the submitter: any thread
-            self._loop.call_soon_threadsafe(self._queued.set)
+            with contextlib.suppress(RuntimeError):  # that loop is closed (its saves went with it)
+                self._loop.call_soon_threadsafe(self._queued.set)
 
     def took_over(self, conversation_id: str | None) -> None:
         """A saved context (the Projects window's Resume) replaced the engine's cache: it now holds this
@@ -195,9 +196,14 @@ class AutoResume:
     async def flush(self) -> None:
         """Wait for every save being written behind a reply (`_save_live_behind`)."""
         while self._writing:
-            if self._queued is not None:
-                self._queued.set()  # no reply to wait for: write them now
-            await asyncio.gather(*list(self._writing.values()), return_exceptions=True)
+            self._release()
+            # wait, not gather: a cancelled waiter (a closed page's reply) must not cancel the saves
+            await asyncio.wait(set(self._writing.values()))
+
+    def _release(self) -> None:
+        """The saves waiting for a reply to be queued (`_write_behind`) go now: nothing will queue one first."""
+        if self._queued is not None:
+            self._queued.set()
 
     # ------------------------------------------------------------------ saving
     def _arm_idle(self) -> None:
@@ -243,7 +249,12 @@ class AutoResume:
         if cid is None or not self.dirty:
             return
         conv = self.db.get_conversation(cid)
-        snapshot = await self.worker.acall(self._snapshot) if conv is not None else None
+        snapshot = None
+        if conv is not None:
+            try:
+                snapshot = await self.worker.acall(self._snapshot)
+            except Exception:  # noqa: BLE001 - no copy (no engine, out of memory): the save now says why
+                log.info("copying the cache of conversation %s failed: saving it now", cid, exc_info=True)
         if conv is None or snapshot is None:
             await self._save_live()
             return
@@ -268,7 +279,7 @@ class AutoResume:
             snapshot = take(self.kv_bits)
         except EngineError:
             return None  # nothing to save: the save now says why in the log
-        return snapshot if snapshot.nbytes <= DEFER_MAX_BYTES else None
+        return snapshot if snapshot.detached and snapshot.nbytes <= DEFER_MAX_BYTES else None
 
     async def _write_behind(
         self, project: str, cid: str, history: list[dict[str, str]], snapshot: Any
@@ -295,6 +306,10 @@ class AutoResume:
         if not isinstance(backend, PromptCacheBackend) or backend.model is None:
             return
         kv_bits = self.kv_bits if getattr(backend, "name", "") != "llama" else None
+        if snapshot is not None and (
+            getattr(backend, "snapshot_prompt_cache", None) is None or backend.model.name != snapshot.model
+        ):  # the engine or its model changed since the copy: checked before the previous save goes
+            raise EngineError(f"the engine changed since the cache of {snapshot.model} was copied: not saved")
         previous = [s for s in self.saved(project) if s.context.conversation_id == cid]
         for s in previous:  # make room first: the new save replaces it
             self.store.delete(project, s.context.id)
@@ -330,7 +345,8 @@ class AutoResume:
     # ------------------------------------------------------------------ resuming
     async def _resume(self, cid: str) -> str | None:
         if (writing := self._writing.get(cid)) is not None:  # its save is still being written: wait for it
-            await asyncio.gather(writing, return_exceptions=True)
+            self._release()  # the reply it was waiting for is queued, or will not be
+            await asyncio.wait({writing})
         conv = self.db.get_conversation(cid)
         if conv is None:
             return None
@@ -359,8 +375,8 @@ class AutoResume:
         """Delete the automatic saves of conversations deleted for good (Delete Now, Empty Trash, the 30-day
         rule): a saved cache holds the conversation's tokens, and nothing could resume it any more. A
         conversation in the Trash keeps its save (Put Back resumes it). How many were deleted."""
-        await self.flush()  # a save still being written would land after the sweep
-        async with self.lock:
+        async with self.lock:  # no save is started while it is held (before_reply holds it)
+            await self.flush()  # a save still being written would land after the sweep
             gone = 0
             root = self.store.root
             for folder in sorted(root.iterdir()) if root.is_dir() else ():
