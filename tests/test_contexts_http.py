@@ -4,7 +4,10 @@ real model are covered by tests/test_sessions.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,6 +286,68 @@ def test_an_automatic_save_larger_than_the_quota_evicts_nothing(tmp_path, defaul
         with pytest.raises(QuotaExceededError):
             tight._save(fake, "p1", "conv-b", [{"role": "user", "content": "second"}])
         assert [s.context.conversation_id for s in tight.saved("p1")] == ["conv-a"]  # still there
+    finally:
+        worker.close()
+        db.close()
+
+
+class FakeSnapshotBackend(FakeCacheBackend):
+    """FakeCacheBackend that can copy its cache out (as MLX does), and whose file takes `write_s` to write."""
+
+    write_s = 0.0
+
+    def snapshot_prompt_cache(self, kv_bits: int | None = None) -> Any:
+        from engine.mlx_backend import KVSnapshot
+
+        return KVSnapshot([], list(self.prompt_cache.tokens), kv_bits, self.model.name, 2000)
+
+    def save_prompt_cache(
+        self, path: Path, metadata: dict[str, str], kv_bits=None, snapshot=None
+    ) -> dict[str, Any]:
+        time.sleep(self.write_s)
+        saved = super().save_prompt_cache(path, metadata, kv_bits)
+        return saved | ({"tokens": list(snapshot.tokens)} if snapshot is not None else {})
+
+
+def test_a_save_written_behind_a_reply_survives_its_waiter_and_never_stalls_one(
+    tmp_path, default_model, monkeypatch
+) -> None:
+    """Conversation a's cache, copied when b's reply was about to start, is written behind that reply. Coming
+    back to a waits for that write: before, it waited for b's reply to be queued (up to 5 s, though none
+    would be), and a page closed meanwhile cancelled the write with the wait (a's save lost, no log)."""
+    from webapp.projects import resume as resume_module
+    from webapp.projects.resume import AutoResume
+
+    monkeypatch.setattr(resume_module, "SUBMIT_WAIT_S", 60.0)
+    fake = FakeSnapshotBackend(default_model)
+    worker = Worker(lambda: fake)
+    db = Database(tmp_path / "flashcode.db")
+    resume = AutoResume(tmp_path, worker, db)
+    events: list[tuple[str, str]] = []
+    resume.on_event = lambda kind, cid: events.append((kind, cid))
+
+    async def run() -> None:
+        for closed in (False, True):
+            a, b = db.create_conversation("a").id, db.create_conversation("b").id
+            fake.run([{"role": "user", "content": "first"}])
+            resume.live, resume.dirty = a, True  # a's reply is the live cache
+            fake.write_s = 0.5 if closed else 0.0
+            assert await resume.before_reply(b) is None and a in resume._writing  # copied, not written yet
+            back = asyncio.create_task(resume.before_reply(a))  # no reply of b was queued: a comes back
+            if closed:  # the page that sent it closes while a's save is being written
+                await asyncio.sleep(0.2)
+                back.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await back
+            else:
+                await asyncio.wait_for(back, 10)  # it waited for b's reply, which never came: 60 s
+            await resume.flush()
+            assert ("saved", a) in events, (closed, events)
+            assert [s.context.conversation_id for s in resume.saved("default")].count(a) == 1
+            events.clear()
+
+    try:
+        asyncio.run(run())
     finally:
         worker.close()
         db.close()
