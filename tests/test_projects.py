@@ -424,6 +424,19 @@ def test_projects_the_stats_window_opens_on_the_project_the_page_shows(client, t
         '<option value="all" selected>All projects</option>' in everyone
         and 'data-stat="replies">2<' in everyone
     )
+    # saving the price table or its defaults draws the window again for the project it showed (the form
+    # sends the menu's value: hx-include), not for All projects
+    assert 'hx-post="/stats/prices" hx-include="#stats-project"' in window
+    form = {
+        "name": ["Mine"],
+        "input": ["1"],
+        "cached_input": ["0.1"],
+        "output": ["2"],
+        "as_of": ["2026-11-01"],
+    }
+    for url, data in (("/stats/prices", form), ("/stats/prices/reset", {})):
+        again = client.post(url, data={**data, "project": alpha}).text
+        assert re.search(rf'<option value="{alpha}" selected>', again) and 'data-stat="replies">1<' in again
 
 
 def test_projects_recent_dialog_lists_and_reopens(client, two) -> None:

@@ -295,23 +295,25 @@ class Stats:
 
     async def window_route(self, request: Request) -> HTMLResponse:
         """GET /stats/window[?project=ID|all]: every project's numbers unless one is picked."""
-        picked = request.query_params.get("project", "all")
-        return self._window(project=None if picked == "all" else picked)
+        return self._window(project=_picked(request.query_params.get("project")))
 
     async def save_prices_route(self, request: Request) -> HTMLResponse:
+        """The price table saved; the window is drawn again for the project it showed (the form sends it)."""
         form = await request.form()
+        project = _picked(form.get("project"))
         try:
             prices = costs.prices_from_form(
                 *(_getlist(form, k) for k in ("name", "input", "cached_input", "output", "as_of"))
             )
         except costs.PriceTableError as exc:
-            return self._window(error=str(exc), status_code=400)
+            return self._window(error=str(exc), status_code=400, project=project)
         costs.save_prices(costs.prices_path(self.data_dir), prices)
-        return self._window()
+        return self._window(project=project)
 
     async def reset_prices_route(self, request: Request) -> HTMLResponse:
+        form = await request.form()
         costs.prices_path(self.data_dir).unlink(missing_ok=True)
-        return self._window()
+        return self._window(project=_picked(form.get("project")))
 
     # ------------------------------------------------------------------ recording (a ReplyHook)
     def record_chat_reply(
@@ -381,3 +383,8 @@ class Stats:
 def note_html(env: Environment, command: str, markdown: str) -> str:
     """A slash command's answer as an out-of-band fragment appended to the transcript."""
     return env.get_template("stats/note.html").render(command=command, markdown=markdown)
+
+
+def _picked(value: Any) -> str | None:
+    """The window's project menu value: a project's id, or None for "all" (and when it sent none)."""
+    return None if value in (None, "", "all") or not isinstance(value, str) else value
