@@ -161,9 +161,14 @@ class Worker:
         return self._call_raw(lambda b: fn(self._require(b)))
 
     async def acall(self, fn: Callable[[Backend], T]) -> T:
+        return await asyncio.wrap_future(self.queue(fn))
+
+    def queue(self, fn: Callable[[Backend], T]) -> Future[T]:
+        """Queue `fn(backend)` now, behind the jobs already queued and ahead of any queued after this returns
+        (an `on_submit` hook's job runs before the generation being submitted); its result in the future."""
         fut: Future[T] = Future()
         self._jobs.put((lambda b: fn(self._require(b)), fut))
-        return await asyncio.wrap_future(fut)
+        return fut
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Generation:
         gen = Generation(request, loop)

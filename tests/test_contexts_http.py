@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -345,6 +346,71 @@ def test_a_save_written_behind_a_reply_survives_its_waiter_and_never_stalls_one(
             assert ("saved", a) in events, (closed, events)
             assert [s.context.conversation_id for s in resume.saved("default")].count(a) == 1
             events.clear()
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+        db.close()
+
+
+def test_an_agent_step_or_api_request_saves_the_live_conversation_before_taking_the_engine(
+    tmp_path, default_model
+) -> None:
+    """A chat reply leaves its conversation in the engine's cache; an agent step or an API request then took
+    the engine without saving it (only a switch of chat conversation saved), so after a restart that
+    conversation was read again from the start. The save's job is queued ahead of the generation: a copy,
+    written behind it, or — where no copy can be taken — the save itself."""
+    from engine.base import Done, GenerationRequest, GenerationStats, SamplingParams
+    from engine.mlx_backend import KVSnapshot
+    from webapp.projects.resume import AutoResume
+
+    order: list[str] = []
+
+    class Engine(FakeSnapshotBackend):
+        detached = True
+
+        def snapshot_prompt_cache(self, kv_bits: int | None = None) -> Any:
+            order.append("copy")
+            tokens = list(self.prompt_cache.tokens)
+            return KVSnapshot([], tokens, kv_bits, self.model.name, 2000, self.detached)
+
+        def save_prompt_cache(self, path: Path, metadata, kv_bits=None, snapshot=None) -> dict[str, Any]:
+            order.append("write")
+            return super().save_prompt_cache(path, metadata, kv_bits, snapshot)
+
+        def stream(self, request, cancel):
+            order.append("generate")
+            self.run([{"role": "user", "content": "an agent step's own prompt"}])
+            yield Done(GenerationStats(), "stop", "ok")
+
+    fake = Engine(default_model)
+    worker = Worker(lambda: fake)
+    db = Database(tmp_path / "flashcode.db")
+    resume = AutoResume(tmp_path, worker, db)
+    worker.on_submit.append(resume.generating)  # as the app wires it
+
+    async def run() -> None:
+        for detached in (True, False):
+            a = db.create_conversation("a").id
+            db.add_message(a, "user", "first")
+            fake.run([{"role": "user", "content": "first"}])
+            held = list(fake.prompt_cache.tokens)
+            resume.live, resume.dirty, fake.detached = (
+                a,
+                True,
+                detached,
+            )  # a chat reply of a is the live cache
+            order.clear()
+            request = GenerationRequest(prompt="x", sampling=SamplingParams(max_tokens=4))
+            async for _ in worker.submit(request, loop=asyncio.get_running_loop()):
+                pass
+            await resume.flush()
+            # a copy is written behind the step; a cache that cannot be copied is saved before it
+            assert order == (["copy", "generate", "write"] if detached else ["copy", "write", "generate"])
+            (save,) = [s for s in resume.saved("default") if s.context.conversation_id == a]
+            folder = resume.store.contexts_dir("default") / save.context.id
+            assert json.loads((folder / "tokens.json").read_text())["tokens"] == held  # a's, not the step's
 
     try:
         asyncio.run(run())

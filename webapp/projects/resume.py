@@ -9,8 +9,9 @@ slot as its cache type keeps it) under the conversation's project
         conversation.json   the conversation id, how many messages the cache holds and their digest
 
 - when it has been idle `idle_s` seconds (3 minutes by default),
-- when another conversation is about to replace it (the user switched conversation), and when the
-  user opens another project,
+- when another conversation is about to replace it (the user switched conversation), when another
+  generation takes the engine (an agent step, an API request: `generating`), and when the user opens
+  another project,
 - at shutdown.
 
 On a switch the reply waits only for a copy of the cache (MLX: `snapshot_prompt_cache`, ~1 ms; up to
@@ -173,13 +174,60 @@ class AutoResume:
             return " ".join([*notes, note] if note else notes) or None
 
     def generating(self, _request: Any = None) -> None:
-        """A generation was queued (a chat reply, an agent step, an API request, a benchmark): until its
+        """A generation is being queued (a chat reply, an agent step, an API request, a benchmark): until its
         reply is noted (`note_reply`), the engine's cache is no conversation's to save or resume. A save
-        waiting to be written behind that reply is queued now (`_write_behind`)."""
+        waiting to be written behind that reply is queued now (`_write_behind`). A live conversation not saved
+        yet (a chat reply's, before an agent step or an API request takes the engine) is saved first: a job
+        queued ahead of the generation copies its cache (or, where no copy can be taken, saves it)."""
+        cid, dirty = self.live, self.dirty
         self.live, self.dirty = None, False
         if self._writing and self._loop is not None and self._queued is not None:  # the submitter: any thread
             with contextlib.suppress(RuntimeError):  # that loop is closed (its saves went with it)
                 self._loop.call_soon_threadsafe(self._queued.set)
+        if cid is not None and dirty:
+            self._save_before_taken(cid)
+
+    def _save_before_taken(self, cid: str) -> None:
+        """`generating`'s save of the live conversation `cid`: its job is queued before the generation's."""
+        try:
+            loop = asyncio.get_running_loop()  # the app's: its database connection and tasks live there
+        except RuntimeError:
+            log.info(
+                "conversation %s's cache taken by a generation submitted off the event loop: not saved", cid
+            )
+            return
+        conv = self.db.get_conversation(cid)
+        if conv is None:
+            return
+        project, history = conv.project_id, self._history(cid)
+
+        def copy_or_save(backend: Any) -> Any:
+            snapshot = self._snapshot(backend)
+            if snapshot is None:
+                self._save(backend, project, cid, history)  # no copy: saved now, before the generation
+            return snapshot
+
+        task = loop.create_task(self._finish_taken(self.worker.queue(copy_or_save), project, cid, history))
+        self._writing[cid] = task
+        task.add_done_callback(
+            lambda t: self._writing.pop(cid, None) if self._writing.get(cid) is t else None
+        )
+
+    async def _finish_taken(self, job: Any, project: str, cid: str, history: list[dict[str, str]]) -> None:
+        """The copy of `cid`'s cache taken ahead of the generation is written behind it (the generation was
+        queued before this task runs); a cache that could not be copied was saved by the job itself."""
+        try:
+            snapshot = await asyncio.wrap_future(job)
+        except EngineError as exc:  # nothing to save, no room even after eviction: the next reply re-reads
+            log.info("automatic save of conversation %s skipped: %s", cid, exc)
+            return
+        except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
+            log.exception("automatic save of conversation %s failed", cid)
+            return
+        if snapshot is None:
+            self._event("saved", cid)
+            return
+        await self._write_behind(project, cid, history, snapshot, queued=True)
 
     def took_over(self, conversation_id: str | None) -> None:
         """A saved context (the Projects window's Resume) replaced the engine's cache: it now holds this
@@ -282,11 +330,11 @@ class AutoResume:
         return snapshot if snapshot.detached and snapshot.nbytes <= DEFER_MAX_BYTES else None
 
     async def _write_behind(
-        self, project: str, cid: str, history: list[dict[str, str]], snapshot: Any
+        self, project: str, cid: str, history: list[dict[str, str]], snapshot: Any, queued: bool = False
     ) -> None:
         # the job goes in behind the reply this switch is for (a resume of that conversation's own save is a
-        # worker job queued before the reply: it must not wait for this write either)
-        if self._queued is not None:
+        # worker job queued before the reply: it must not wait for this write either); `queued`: it is already
+        if self._queued is not None and not queued:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queued.wait(), SUBMIT_WAIT_S)
         try:
