@@ -204,6 +204,9 @@
       pick(e.target, items[Math.max(at, 0)].dataset.name);
     } else if (e.key === "Escape") {
       e.stopImmediatePropagation(); closeMenu();
+    } else if (e.key === "Enter" && !e.shiftKey) {
+      closeMenu();  // an exact command: it is sent as it is (the box then empties without an input event)
     }
   }, true);
+  document.addEventListener("submit", closeMenu, true);  // Send clicked with a command in the box
 })();

@@ -178,3 +178,31 @@ def test_browser_a_second_window_says_a_reply_is_being_written_in_the_first(fake
     until(lambda: one.locator("#status[data-state=idle]").count() == 1, "the long reply ended", 60)
     until(lambda: status.inner_text() == "Ready", "window two ready again")
     context.close()
+
+
+def test_browser_a_command_sent_closes_its_menu_and_leaves_the_title_to_a_real_message(
+    fake_server,  # noqa: F811
+    page,  # noqa: F811
+) -> None:
+    """Typing /stats showed the command menu, and Enter sent it but left the menu over the empty box; and the
+    conversation it started was titled "/stats". The menu closes; the title waits for a real message."""
+    url, _fake = fake_server
+    page.goto(url)
+    page.locator("#prompt").press_sequentially("/stats")
+    until(lambda: page.locator("#slash-menu li").count() >= 1, "the command menu")
+    page.press("#prompt", "Enter")
+    until(
+        lambda: (
+            page.locator("#status[data-state=idle]").count() == 1
+            and page.locator("#conversation-id").input_value() != ""
+        ),
+        "/stats answered",
+    )
+    assert page.locator("#slash-menu").count() == 0 and page.locator("#prompt").input_value() == ""
+    assert page.locator("#chat-title").inner_text() == "Untitled"
+    page.fill("#prompt", "name a colour")
+    page.press("#prompt", "Enter")
+    until(lambda: page.locator(".msg-assistant.status-complete").count() >= 1, "the reply")
+    until(lambda: page.locator("#chat-title").inner_text() == "name a colour", "the title from the message")
+    assert page.locator("#conversation-list li.selected").inner_text().startswith("name a colour")
+    assert not page.errors, page.errors

@@ -545,15 +545,16 @@ def _last_prompt(fake: FakeBackend) -> str:
     return request.messages[-1]["content"] if request.messages else str(request.prompt)
 
 
-def test_projects_attached_files_reach_the_model_quoted_with_path_and_size(client, two, fake) -> None:
+def test_projects_attached_files_reach_the_model_quoted_with_their_path(client, two, fake) -> None:
+    """Quoted with the path alone, as read_file quotes a file: with its size in the source ("file main.py (294
+    bytes)"), the agent model took "main.py (294 bytes)" for the file's path."""
     a, _ = two
     _open(client, a)
     chip = client.post("/files/attach", data={"path": ["main.py", "big.txt"]}).text
     assert 'data-path="main.py"' in chip and "big.txt is" in chip and "at most" in chip
     _chat(client, "what does this do?")
     prompt = _last_prompt(fake)
-    size = (a / "main.py").stat().st_size
-    assert prompt.startswith(f'<untrusted source="file main.py ({size:,} bytes)">')
+    assert prompt.startswith('<untrusted source="file main.py">')
     assert prompt.rstrip().endswith("what does this do?") and "return '<b>hi</b>'" in prompt
     _chat(client, "and now?")  # attachments go with one message only
     assert _last_prompt(fake) == "and now?"
@@ -622,7 +623,7 @@ def test_projects_an_attached_files_bubble_shows_the_typed_words_and_its_name_no
     assert "untrusted" not in live and "return" not in live  # neither the quoting nor the file's text
     assert 'data-path="main.py"' in live and f'main.py <span class="muted">({size:,} bytes)</span>' in live
     assert 'data-path="a&lt;b&gt;.txt"' in live and "a&lt;b&gt;.txt" in live and "a<b>" not in live
-    assert _last_prompt(fake).startswith(f'<untrusted source="file main.py ({size:,} bytes)">')  # the model's
+    assert _last_prompt(fake).startswith('<untrusted source="file main.py">')  # the model's
     stored = client.app.state.flashcode.db.messages(cid)[0]
     assert stored.content.startswith('<untrusted source="file main.py') and stored.content.endswith(
         "what does this do?"

@@ -268,5 +268,6 @@ class ProjectsWeb:
         cleared = str(self.ui.attachments([], [], _human, oob=True))
         if not files:
             return "", cleared, []
-        blocks = [self.quote(f"file {rel} ({size:,} bytes)", text) for rel, size, text in files]
+        # the source names the path alone, as read_file's does: a model took "main.py (294 bytes)" for a path
+        blocks = [self.quote(f"file {rel}", text) for rel, _size, text in files]
         return "\n\n".join(blocks) + "\n\n", cleared, [(rel, size) for rel, size, _ in files]
