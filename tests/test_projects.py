@@ -592,6 +592,30 @@ def test_projects_attached_files_reach_the_model_in_agent_mode_too(client, two, 
     assert searched and all("hello" in q and "return" not in q and "untrusted" not in q for q in searched)
 
 
+def test_projects_an_agent_turn_saves_the_live_chat_conversation_before_its_router_scores(
+    client, fake
+) -> None:
+    """An agent turn's router scores its routes on the engine (llama-server: on the slot holding the chat
+    conversation) before any generation is submitted, so the conversation's cache was saved after the slot had
+    been overwritten (78 router tokens saved for a 120-token conversation; 3 cached after a restart). The save
+    of the live conversation is queued when the turn starts, ahead of the router."""
+    state = client.app.state.flashcode
+    order: list[str] = []
+    state.resume._save_before_taken = lambda cid: order.append(f"save {cid}")
+    score = fake.score_continuations
+    fake.score_continuations = lambda *args: (order.append("route"), score(*args))[1]
+    cid = _chat(client, "hello")  # a chat reply: its conversation is the engine's live cache
+    fake.routes = ["chat"]  # the router's choice, scripted
+    with client.websocket_connect(
+        "ws://127.0.0.1:8000/ws", headers=ORIGIN
+    ) as sock:  # a new agent conversation
+        sock.send_text(json.dumps({"type": "send", "text": "what next?", "mode": "agent"}))
+        frames = ""
+        while 'data-state="idle"' not in frames:
+            frames += sock.receive_text()
+    assert 'class="agent-route' in frames and order[:2] == [f"save {cid}", "route"], order
+
+
 def _user_bubble(html: str) -> str:
     m = re.search(r'<article[^>]*class="msg msg-user.*?</article>', html, re.S)
     assert m, html[-500:]

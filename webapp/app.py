@@ -175,6 +175,8 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns
     )
     chat.projects, chat.before_reply = projects, resume.before_reply
+    # an agent turn takes the engine (its router scores first): the live conversation is saved before it
+    chat.before_turn = resume.generating
     chat.take_attachments = projects_web.take_attachments
 
     @contextlib.asynccontextmanager

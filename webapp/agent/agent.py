@@ -197,7 +197,10 @@ class AgentSession:
         self.loop = None
 
     # ------------------------------------------------------------------ a turn
-    async def run_turn(self, text: str) -> AsyncIterator[AgentEvent]:
+    async def run_turn(self, text: str, attached: str = "") -> AsyncIterator[AgentEvent]:
+        """One turn for the user's words `text`; `attached`: files the user attached, quoted as untrusted data,
+        which go before the words in the message the answer or the tool loop reads — never into what is
+        routed, searched for or run."""
         self._halt = False  # a Stop belongs to the turn it was pressed in
         try:
             call = self.commands.parse(text)
@@ -210,12 +213,12 @@ class AgentSession:
                 yield ev
             return
         if self.mode == "raw":
-            async for ev in self._chat(text, system=None):
+            async for ev in self._chat(text, system=None, attached=attached):
                 yield ev
             yield TurnDone(None)
             return
         if await self.uses_tools():
-            async for ev in self._tool_turn(text):
+            async for ev in self._tool_turn(text, attached):
                 yield ev
             yield TurnDone("tools")
             return
@@ -228,8 +231,11 @@ class AgentSession:
             yield Notice(f"{exc}: answering as chat", "warning")
             decision = router.RouteDecision("chat", {}, forced=True)
         yield RouteChosen(decision.route, decision.scores, decision.probabilities, decision.forced)
-        handler = {"chat": self._chat, "search": self._search, "shell": self._shell}[decision.route]
-        async for ev in handler(text):
+        if decision.route == "chat":
+            handled = self._chat(text, attached=attached)
+        else:  # a search's query and a proposed command come from the typed words alone
+            handled = {"search": self._search, "shell": self._shell}[decision.route](text)
+        async for ev in handled:
             yield ev
         yield TurnDone(decision.route)
 
@@ -302,9 +308,9 @@ class AgentSession:
         except Exception:  # noqa: BLE001 - no engine, no model: the router says so
             return False
 
-    async def _tool_turn(self, text: str) -> AsyncIterator[AgentEvent]:
+    async def _tool_turn(self, text: str, attached: str = "") -> AsyncIterator[AgentEvent]:
         self.loop = ToolLoop(self, max_steps=self.max_steps, constrained=self.constrained)
-        system, task = LOOP_SYSTEM, text
+        system, task = LOOP_SYSTEM, attached + text
         if self.project_files and (listing := await asyncio.to_thread(self._listing)):
             files = (
                 f"The project's files, as list_files gives them:\n{quote_untrusted('list_files', listing)}"
@@ -314,7 +320,7 @@ class AgentSession:
             if self.project_files == "system":
                 system = f"{system}\n\n{files}"
             else:
-                task = f"{files}\n\n{text}"
+                task = f"{files}\n\n{attached}{text}"
         messages: list[Message] = [{"role": "system", "content": system}, *self._recent()]
         messages.append({"role": "user", "content": task})
         answer = ""
@@ -344,9 +350,11 @@ class AgentSession:
             yield ev
 
     # ------------------------------------------------------------------ routes
-    async def _chat(self, text: str, system: str | None = CHAT_SYSTEM) -> AsyncIterator[AgentEvent]:
+    async def _chat(
+        self, text: str, system: str | None = CHAT_SYSTEM, attached: str = ""
+    ) -> AsyncIterator[AgentEvent]:
         messages = ([{"role": "system", "content": system}] if system else []) + self._recent()
-        messages.append({"role": "user", "content": text})
+        messages.append({"role": "user", "content": attached + text})
         async for ev in self._answer(messages, text):
             yield ev
 
@@ -629,14 +637,6 @@ class AgentSession:
             yield AnswerDelta(footer)
         self._remember(user_text, text)
         yield AnswerDone(text, done.finish_reason, done.stats.to_dict(), done.error, cited)
-
-    def attach(self, quoted: str) -> None:
-        """Files the user attached to the next message, quoted as untrusted data: in the history the answer
-        and the tool loop read (as `_read` puts a file there), not in the words that are routed or searched."""
-        self.history += [
-            {"role": "user", "content": quoted.strip()},
-            {"role": "assistant", "content": "I have read the attached files."},
-        ]
 
     def _recent(self) -> list[Message]:
         return self.history[-HISTORY_MESSAGES:]

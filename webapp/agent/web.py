@@ -249,10 +249,8 @@ class AgentTurns:
         reading = False  # the status bar says the prompt is being read
         # the user's Stop, or the page going away (then no one decided what the dialog asked)
         turn.on_stop(lambda: agent.stop(CLOSED_REASON if turn.closing else "stopped by the user"))
-        if turn.attached:  # read before the turn, as the read_file route's files are: context, not the task
-            agent.attach(turn.attached)
         try:
-            async for e in agent.run_turn(text):
+            async for e in agent.run_turn(text, turn.attached):
                 if isinstance(e, ev.Reading):
                     reading = True
                     turn.status(

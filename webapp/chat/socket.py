@@ -95,6 +95,9 @@ class ChatContext:
     projects: ProjectLookup | None = None  # new conversations go to the open project
     # before a reply is generated for a conversation: e.g. resume its saved KV cache; a note to show
     before_reply: Callable[[str], Awaitable[str | None]] | None = None
+    # before a turn another feature answers uses the engine (the agent's router scores on llama-server's slot
+    # before any generation is submitted): e.g. save the live conversation's cache first
+    before_turn: Callable[[], None] | None = None
     # files attached to the next message of a project: (them quoted as untrusted data, the fragment that
     # empties the attachment bar, their (name, size in bytes) pairs)
     take_attachments: Callable[[str], tuple[str, str, list[tuple[str, int]]]] | None = None
@@ -325,6 +328,8 @@ class Session:
             sampling = views.sampling(conv.id) | overrides
             # the files attached to it go with it as context (the typed words alone are routed and searched)
             attached = text[: len(text) - len(msg.text)]
+            if self.ctx.before_turn is not None and not command:
+                self.ctx.before_turn()
             self._turn_began(
                 conv.id, asyncio.create_task(self._hand_over(conv.id, msg.text, sampling, attached))
             )
