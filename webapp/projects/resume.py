@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,13 +216,8 @@ class AutoResume:
     async def _finish_taken(self, job: Any, project: str, cid: str, history: list[dict[str, str]]) -> None:
         """The copy of `cid`'s cache taken ahead of the generation is written behind it (the generation was
         queued before this task runs); a cache that could not be copied was saved by the job itself."""
-        try:
-            snapshot = await asyncio.wrap_future(job)
-        except EngineError as exc:  # nothing to save, no room even after eviction: the next reply re-reads
-            log.info("automatic save of conversation %s skipped: %s", cid, exc)
-            return
-        except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
-            log.exception("automatic save of conversation %s failed", cid)
+        ok, snapshot = await self._logged(cid, asyncio.wrap_future(job))
+        if not ok:
             return
         if snapshot is None:
             self._event("saved", cid)
@@ -280,14 +275,21 @@ class AutoResume:
             return
         history = self._history(cid)
         project = conv.project_id
-        try:
-            await self.worker.acall(lambda b: self._save(b, project, cid, history))
+        ok, _ = await self._logged(cid, self.worker.acall(lambda b: self._save(b, project, cid, history)))
+        if ok:
             self.dirty = False
             self._event("saved", cid)
-        except EngineError as exc:  # nothing to save, no room even after eviction: the next reply re-reads
+
+    async def _logged(self, cid: str, work: Awaitable[Any]) -> tuple[bool, Any]:
+        """Await a save of conversation `cid` (or its copy): (done, its result). A failure is logged, never
+        raised: a failed save must never cost a conversation or a reply."""
+        try:
+            return True, await work
+        except EngineError as exc:  # nothing to save, no room even after eviction, the engine switched
             log.info("automatic save of conversation %s skipped: %s", cid, exc)
-        except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
+        except Exception:  # noqa: BLE001 - the next reply re-reads the conversation, that is all
             log.exception("automatic save of conversation %s failed", cid)
+        return False, None
 
     async def _save_live_behind(self) -> None:
         """Before another conversation's reply: copy the live cache out and write it behind that reply (the
@@ -337,13 +339,11 @@ class AutoResume:
         if self._queued is not None and not queued:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queued.wait(), SUBMIT_WAIT_S)
-        try:
-            await self.worker.acall(lambda b: self._save(b, project, cid, history, snapshot))
+        ok, _ = await self._logged(
+            cid, self.worker.acall(lambda b: self._save(b, project, cid, history, snapshot))
+        )
+        if ok:
             self._event("saved", cid)
-        except EngineError as exc:  # no room even after eviction, the model switched: the next reply re-reads
-            log.info("automatic save of conversation %s skipped: %s", cid, exc)
-        except Exception:  # noqa: BLE001 - a failed save must never cost a conversation or a reply
-            log.exception("automatic save of conversation %s failed", cid)
 
     def _save(
         self, backend: Any, project: str, cid: str, history: list[dict[str, str]], snapshot: Any = None
