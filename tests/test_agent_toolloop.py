@@ -988,3 +988,26 @@ def test_toolloop_gauge_follows_steps_with_no_words(tmp_path: Path, project: Pat
     assert re.search(r'id="step-counter"[^>]*>Step 1/25<', frames)
     last = frames.rsplit('id="step-counter"', 1)[1]
     assert " hidden" in last.split(">", 1)[0]
+
+
+def test_toolloop_the_second_request_reads_the_files_the_user_attached(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen in a walkthrough: asked "what does this file do?" with main.py attached, the 0.5B model wandered
+    through tools and was asked to answer with what it had, in a prompt of the typed words and the tool
+    results only: "The file appears to be a web search result." The second request reads the attached files
+    too; they are never the words a tool call is checked against."""
+    for _ in range(4):
+        fake.enqueue_call("list_files")
+    fake.enqueue("It converts temperatures.")
+    attached = '<untrusted source="file conv.py">\ndef celsius_to_fahrenheit(c):\n    return c * 9 / 5 + 32\n</untrusted>\n\n'
+    s = session(worker, project)
+    events = asyncio.run(_collect_attached(s, "what does this file do?", attached))
+    ask = str(fake.history[-1].messages[1]["content"])
+    assert ask.startswith(attached + "what does this file do?") and fake.history[-1].tools == ()
+    assert "celsius_to_fahrenheit" in str(fake.history[0].messages[-1]["content"])  # the first request too
+    assert [e.text for e in of(events, ev.AnswerDone)] == ["It converts temperatures."]
+
+
+async def _collect_attached(s: AgentSession, text: str, attached: str) -> list[ev._Event]:
+    return [e async for e in s.run_turn(text, attached)]

@@ -324,7 +324,7 @@ class AgentSession:
         messages: list[Message] = [{"role": "system", "content": system}, *self._recent()]
         messages.append({"role": "user", "content": task})
         answer = ""
-        async for ev in self.loop.run(messages, task=text):
+        async for ev in self.loop.run(messages, task=text, attached=attached):
             if isinstance(ev, AnswerDone):
                 answer = ev.text  # the last reply is the answer (an empty one: none)
             yield ev
