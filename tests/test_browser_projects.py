@@ -141,7 +141,7 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
         time.sleep(0.1)
     request = fake.history[-1]
     sent = request.messages[-1]["content"] if request.messages else str(request.prompt)
-    assert '<untrusted source="file app.py (' in sent and "return f'hello {name}'" in sent
+    assert '<untrusted source="file app.py">' in sent and "return f'hello {name}'" in sent
     # the bubble shows what was typed and the file's name, not the quoting the model reads
     bubble = page.locator("article.msg-user").last
     bubble.screenshot(path=str(ARTIFACTS / "projects-attachment-sent.png"))
