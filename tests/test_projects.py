@@ -566,17 +566,11 @@ def test_projects_attached_files_reach_the_model_in_agent_mode_too(client, two, 
     a, _ = two
     _open(client, a)
     with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
-        sock.send_text(json.dumps({"type": "send", "text": "/agent"}))
-        frames = ""
-        while 'data-state="idle"' not in frames:
-            frames += sock.receive_text()
+        frames = _send(sock, {"text": "/agent"})
         cid = re.search(r'id="conversation-id" value="(\w+)"', frames).group(1)
         client.post("/files/attach", data={"path": ["main.py"]})
         before, fake.routes = len(fake.history), ["chat"]  # the router's choice, scripted
-        sock.send_text(json.dumps({"type": "send", "text": "what does this do?", "conversation_id": cid}))
-        frames = ""
-        while 'data-state="idle"' not in frames:
-            frames += sock.receive_text()
+        frames = _send(sock, {"text": "what does this do?", "conversation_id": cid})
     asked = [str(r.messages or r.prompt) for r in fake.history[before:]]
     assert asked and all("what does this do?" in q for q in asked if "main.py" in q)
     assert any('<untrusted source="file main.py' in q and "return" in q for q in asked), asked
@@ -584,10 +578,7 @@ def test_projects_attached_files_reach_the_model_in_agent_mode_too(client, two, 
     with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
         client.post("/files/attach", data={"path": ["main.py"]})
         fake.routes = ["search"]
-        sock.send_text(json.dumps({"type": "send", "text": "python hello", "conversation_id": cid}))
-        frames = ""
-        while 'data-state="idle"' not in frames:
-            frames += sock.receive_text()
+        frames = _send(sock, {"text": "python hello", "conversation_id": cid})
     searched = re.findall(r"Searching the web[^<]*", frames)  # the notice names the query
     assert searched and all("hello" in q and "return" not in q and "untrusted" not in q for q in searched)
 
@@ -609,11 +600,17 @@ def test_projects_an_agent_turn_saves_the_live_chat_conversation_before_its_rout
     with client.websocket_connect(
         "ws://127.0.0.1:8000/ws", headers=ORIGIN
     ) as sock:  # a new agent conversation
-        sock.send_text(json.dumps({"type": "send", "text": "what next?", "mode": "agent"}))
-        frames = ""
-        while 'data-state="idle"' not in frames:
-            frames += sock.receive_text()
+        frames = _send(sock, {"text": "what next?", "mode": "agent"})
     assert 'class="agent-route' in frames and order[:2] == [f"save {cid}", "route"], order
+
+
+def _send(sock, message: dict[str, str]) -> str:
+    """Send one chat message on an open socket; the frames until the turn is over (the controls go idle)."""
+    sock.send_text(json.dumps({"type": "send", **message}))
+    frames = ""
+    while 'data-state="idle"' not in frames:
+        frames += sock.receive_text()
+    return frames
 
 
 def _user_bubble(html: str) -> str:
@@ -635,10 +632,7 @@ def test_projects_an_attached_files_bubble_shows_the_typed_words_and_its_name_no
     _open(client, a)
     client.post("/files/attach", data={"path": ["main.py", "a<b>.txt"]})
     with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
-        sock.send_text(json.dumps({"type": "send", "text": "what does this do?"}))
-        frames = ""
-        while 'data-state="idle"' not in frames:
-            frames += sock.receive_text()
+        frames = _send(sock, {"text": "what does this do?"})
     cid = re.search(r'id="conversation-id" value="(\w+)"', frames).group(1)
     live = _user_bubble(frames)
     size = (a / "main.py").stat().st_size
