@@ -207,7 +207,12 @@ class AutoResume:
                 self._save(backend, project, cid, history)  # no copy: saved now, before the generation
             return snapshot
 
-        task = loop.create_task(self._finish_taken(self.worker.queue(copy_or_save), project, cid, history))
+        self._track(
+            cid, loop.create_task(self._finish_taken(self.worker.queue(copy_or_save), project, cid, history))
+        )
+
+    def _track(self, cid: str, task: asyncio.Task[None]) -> None:
+        """`task` writes conversation `cid`'s save: `flush` and a resume of `cid` wait for it."""
         self._writing[cid] = task
         task.add_done_callback(
             lambda t: self._writing.pop(cid, None) if self._writing.get(cid) is t else None
@@ -314,11 +319,7 @@ class AutoResume:
         if self._queued is None or self._loop is not loop:
             self._loop, self._queued = loop, asyncio.Event()
         self._queued.clear()
-        task = asyncio.create_task(self._write_behind(project, cid, history, snapshot))
-        self._writing[cid] = task
-        task.add_done_callback(
-            lambda t: self._writing.pop(cid, None) if self._writing.get(cid) is t else None
-        )
+        self._track(cid, asyncio.create_task(self._write_behind(project, cid, history, snapshot)))
 
     def _snapshot(self, backend: Any) -> Any:
         """On the worker thread: a copy of the live cache (MLX), or None to save it at once instead."""
