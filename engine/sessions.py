@@ -17,6 +17,7 @@ pattern, and every path is checked to stay inside the project's own folder.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import tempfile
 import time
@@ -360,6 +362,24 @@ def _load_cache(backend: Any, ctx: SavedContext, folder: Path, tokens: list[int]
     return int(backend.load_prompt_cache(folder / ctx.cache_file, tokens=tokens)["tokens"])
 
 
+def _tree_files(folder: Path) -> list[os.stat_result]:
+    """The regular files under `folder`, as `lstat` sees them. A file or folder removed while it is walked
+    (a save deleted on another thread: the event loop drops a stale automatic save while the worker
+    thread checks the quota) is left out instead of raising FileNotFoundError."""
+    out = []
+    for root, _dirs, names in os.walk(folder):  # os.walk skips a folder that vanishes under it
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(os.path.join(root, name))
+                if stat.S_ISREG(st.st_mode):
+                    out.append(st)
+    return out
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(st.st_size for st in _tree_files(folder))
+
+
 # --------------------------------------------------------------------------- the store
 class ContextStore:
     """Saved contexts of every project under one data directory."""
@@ -403,7 +423,7 @@ class ContextStore:
         """Bytes on disk of the project's saved contexts (a save in progress not counted)."""
         d = self.contexts_dir(project_id)
         subs = [x for x in d.iterdir() if not x.name.startswith(".tmp-")] if d.is_dir() else []
-        return sum(f.stat().st_size for x in subs for f in x.rglob("*") if f.is_file())
+        return sum(_tree_bytes(x) for x in subs)
 
     def _read(self, project_id: str, folder: Path) -> SavedContext:
         """The context's meta.json; one that cannot be read is still listed (its bytes count toward the
@@ -413,8 +433,8 @@ class ContextStore:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, FileNotFoundError) and not folder.is_dir():
                 raise ContextNotFoundError(f"no saved context {folder.name} in project {project_id}") from exc
-            files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
-            when = max((f.stat().st_mtime for f in files), default=0.0)
+            files = _tree_files(folder)
+            when = max((st.st_mtime for st in files), default=0.0)
             return SavedContext(
                 id=folder.name,
                 project_id=project_id,
@@ -424,7 +444,7 @@ class ContextStore:
                 backend="?",
                 token_count=0,
                 kv_bits=0,
-                size_bytes=sum(f.stat().st_size for f in files),
+                size_bytes=sum(st.st_size for st in files),
                 created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)),
                 flashcode_version="?",
                 cache_file="",
@@ -618,7 +638,10 @@ class ContextStore:
     def delete(self, project_id: str, context_id: str) -> None:
         folder = self.context_dir(project_id, context_id)
         trash = folder.with_name(f".tmp-del-{context_id}")
-        os.rename(folder, trash)  # gone from the list at once, even if the removal is interrupted
+        try:
+            os.rename(folder, trash)  # gone from the list at once, even if the removal is interrupted
+        except FileNotFoundError as exc:  # deleted by another thread since context_dir looked
+            raise ContextNotFoundError(f"project {project_id} has no saved context {context_id}") from exc
         shutil.rmtree(trash, ignore_errors=True)
 
     def export(self, project_id: str, context_id: str, dest: Path) -> Path:

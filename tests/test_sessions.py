@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 import zipfile
@@ -321,3 +322,33 @@ def test_sessions_save_on_a_full_disk_is_a_clear_error_and_leaves_nothing(saved,
         assert not [p for p in (small / "projects" / "p4" / "contexts").iterdir()]
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_usage_counts_while_another_thread_deletes_saves(tmp_path):
+    """The worker thread checks the quota (usage) while the event loop deletes a stale automatic save:
+    the walk must not raise FileNotFoundError for a folder removed under it (CI saw it)."""
+    store = ContextStore(tmp_path)
+    parent = store.contexts_dir("race", create=True)
+    keep = parent / "20260101-000000-aaaaaa"
+    keep.mkdir()
+    (keep / "cache.safetensors").write_bytes(b"x" * 1000)
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():
+            d = parent / f"20260101-000001-{n % 7:06x}"
+            for sub in range(20):
+                (d / f"s{sub}").mkdir(parents=True, exist_ok=True)
+                (d / f"s{sub}" / "f").write_bytes(b"y")
+            shutil.rmtree(d)
+            n += 1
+
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        for _ in range(3000):
+            assert store.usage("race") >= 1000
+    finally:
+        stop.set()
+        t.join()

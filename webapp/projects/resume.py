@@ -51,6 +51,7 @@ from engine import paths
 from engine.base import EngineError, PromptCacheBackend
 from engine.sessions import (
     ContextNameError,
+    ContextNotFoundError,
     ContextStore,
     QuotaExceededError,
     SavedContext,
@@ -361,7 +362,7 @@ class AutoResume:
             raise EngineError(f"the engine changed since the cache of {snapshot.model} was copied: not saved")
         previous = [s for s in self.saved(project) if s.context.conversation_id == cid]
         for s in previous:  # make room first: the new save replaces it
-            self.store.delete(project, s.context.id)
+            self._drop(project, s.context.id)
         while True:
             try:
                 ctx = self.store.save(
@@ -372,12 +373,18 @@ class AutoResume:
                 victims = self.saved(project)
                 if not victims or exc.adding > exc.quota:  # larger than the whole quota: no room to make
                     raise
-                self.store.delete(project, victims[-1].context.id)
+                self._drop(project, victims[-1].context.id)
                 self._event("evicted", victims[-1].context.conversation_id or "")
         folder = self.store.context_dir(project, ctx.id)
         (folder / SIDECAR).write_text(
             json.dumps({"conversation_id": cid, "messages": len(history), "digest": digest(history)})
         )
+
+    def _drop(self, project: str, context_id: str) -> None:
+        """Delete a save; one already gone (the event loop drops a stale save while this thread saves) is
+        fine."""
+        with contextlib.suppress(ContextNotFoundError):
+            self.store.delete(project, context_id)
 
     def saved(self, project: str) -> list[Saved]:
         """The project's automatic saves, most recently used first."""
@@ -405,7 +412,7 @@ class AutoResume:
             return None
         history = self._history(cid)
         if found.messages < 0 or digest(history[: found.messages]) != found.digest:
-            self.store.delete(project, found.context.id)
+            self._drop(project, found.context.id)
             self._event("mismatch", cid)
             return (
                 "The saved cache of this conversation no longer matches it (it changed since it was "
