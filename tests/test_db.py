@@ -3,6 +3,7 @@ lifecycle and crash recovery."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from tests.data import past_schemas as past
 from webapp import db as dbmod
-from webapp.db import Database, export_json, export_markdown
+from webapp.db import Database, export_json, export_markdown, import_json
 
 
 def test_db_uses_wal_and_records_migrations(tmp_path: Path) -> None:
@@ -324,3 +325,37 @@ def test_an_import_of_another_format_version_says_what_may_be_left_out(tmp_path:
     assert notice.type == "notice" and notice.data["text"].startswith("Left out of the import: whatever its")
     same = dbmod.import_json(d, {"format": dbmod.EXPORT_FORMAT, "messages": data["messages"]}, "default")
     assert same.skipped == [] and d.events(same.conversation.id) == []
+
+
+def test_a_message_sent_with_files_exports_and_imports_as_its_bubble_showed_it(tmp_path: Path) -> None:
+    """A user message sent with attached files keeps its bubble (the typed words and the files' names)
+    through Export as JSON and import; Markdown shows the names and the typed words, not the quoting."""
+    d = Database(tmp_path / "a.db")
+    c = d.create_conversation("With a file")
+    quoted = '<untrusted source="file app.py">\nprint("hi")\n</untrusted>\n\n'
+    shown = {"attachments": [{"name": "app.py", "size": 12}], "typed_from": len(quoted)}
+    d.add_message(c.id, "user", quoted + "What does it print?", stats=shown)
+    d.add_message(c.id, "assistant", "hi")
+    msgs = d.messages(c.id)
+    md = export_markdown(c, msgs)
+    assert "_attached: app.py_\n\nWhat does it print?" in md and "untrusted" not in md
+    got = import_json(d, json.loads(json.dumps(export_json(c, msgs))), "default")
+    back = d.messages(got.conversation.id)
+    assert back[0].content == quoted + "What does it print?" and back[0].stats == shown
+    # a file's own numbers are untrusted: a start outside the content, or no files, shows the whole content
+    for bad in (
+        {"attachments": [{"name": "x", "size": 1}], "typed_from": 10_000},
+        {"attachments": [], "typed_from": 3},
+        {"attachments": [{"name": "x", "size": 1}], "typed_from": True},
+        {"attachments": "x", "typed_from": 3},
+        {"evil": "<script>", "typed_from": 3},
+    ):
+        data = {"messages": [{"role": "user", "content": "abcdef", "stats": bad}]}
+        got = import_json(d, data, "default")
+        assert d.messages(got.conversation.id)[0].stats == {}
+    data = {"messages": [{"role": "user", "content": "abcdef", "stats": {
+        "attachments": [{"name": "a", "size": -1}, {"name": "", "size": 2}, 7, {"name": "b", "size": 2.0}],
+        "typed_from": 3}}]}  # fmt: skip
+    got = import_json(d, data, "default")
+    stats = d.messages(got.conversation.id)[0].stats
+    assert stats == {"attachments": [{"name": "a", "size": None}, {"name": "b", "size": 2}], "typed_from": 3}

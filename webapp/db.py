@@ -739,6 +739,15 @@ def _plain_markdown(text: str) -> str:
     return re.sub(r"([\\`*_\[\]#|!])", r"\\\1", text)
 
 
+def _user_attachments(m: StoredMessage) -> list[dict[str, Any]] | None:
+    """The files a user message was sent with (its bubble's list), or None."""
+    files = m.stats.get("attachments") if m.role == "user" else None
+    start = m.stats.get("typed_from")
+    if not files or not isinstance(files, list) or isinstance(start, bool) or not isinstance(start, int):
+        return None
+    return [f for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)]
+
+
 def export_markdown(
     conv: Conversation, messages: list[StoredMessage], events: Sequence[StoredEvent] = ()
 ) -> str:
@@ -760,7 +769,14 @@ def export_markdown(
         lines += _safe_event_markdown(e, output)
     for m in messages:
         note = "" if m.status == "complete" else f" _({m.status})_"
-        lines += [f"## {m.role.capitalize()}{note}", "", m.content, ""]
+        lines += [f"## {m.role.capitalize()}{note}", ""]
+        files = _user_attachments(m)
+        if files is not None:  # as the bubble showed it: the files' names, then the typed words
+            start = int(m.stats["typed_from"])
+            named = ", ".join(_plain_markdown(f["name"]) for f in files)
+            lines += [f"_attached: {named}_", "", m.content[start:], ""]
+        else:
+            lines += [m.content, ""]
         for e in after.pop(m.id, []):
             lines += _safe_event_markdown(e, output)
     for rest in after.values():  # after a message since deleted
@@ -810,6 +826,7 @@ IMPORT_STATUSES = frozenset(
 )  # "streaming" comes in as incomplete
 MAX_IMPORT_MESSAGES = 20_000
 MAX_IMPORT_BYTES = 64 << 20  # a conversation file to import, at most
+MAX_IMPORT_ATTACHMENTS = 100  # files named in one user message's bubble, at most
 # a reply footer's numbers (the template formats them) and words; anything else in an imported `stats` is dropped
 _STAT_NUMBERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tps", "continued")
 _STAT_WORDS = ("finish_reason", "model", "backend", "turn", "error")
@@ -908,6 +925,26 @@ def _imported_stats(stats: Any) -> dict[str, Any]:
     return out
 
 
+def _imported_user_stats(stats: Any, content: str) -> dict[str, Any]:
+    """A user message's bubble: the files attached to it (names and sizes; the model read them quoted at the
+    start of `content`) and where the typed words start. Anything else, or a `typed_from` outside the
+    content, is left out: the bubble then shows the whole content."""
+    if not isinstance(stats, dict) or not isinstance(stats.get("attachments"), list):
+        return {}
+    files = []
+    for f in stats["attachments"][:MAX_IMPORT_ATTACHMENTS]:
+        if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"].strip():
+            size = _number(f.get("size"))
+            ok = size is not None and size >= 0 and size.is_integer()
+            files.append(
+                {"name": _text(f["name"][:1000]), "size": int(size) if ok and size is not None else None}
+            )
+    start = stats.get("typed_from")
+    if not files or isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(content):
+        return {}
+    return {"attachments": files, "typed_from": start}
+
+
 def import_json(
     db: Database, data: Any, project_id: str, convert_event: EventConverter | None = None
 ) -> Imported:
@@ -946,7 +983,10 @@ def import_json(
         if m.get("status") == "streaming":
             status = "incomplete"
         created = _number(m.get("created_at"))
-        stats = _imported_stats(m.get("stats")) if role == "assistant" else {}
+        if role == "assistant":
+            stats = _imported_stats(m.get("stats"))
+        else:
+            stats = _imported_user_stats(m.get("stats"), m["content"])
         messages.append((_key(m.get("id")), role, _text(m["content"]), status, stats, created))
     if not messages:
         raise ConversationImportError("it has no user or assistant messages to import")
