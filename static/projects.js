@@ -38,7 +38,18 @@
     const dialog = $("#alerts .project-dialog");
     if (dialog) { e.stopPropagation(); dialog.remove(); }
   }, true);
+  function syncPicks() {
+    // the Files window's ticks follow the attachment bar: files sent with a message (or cleared) untick
+    const bar = $("#attachments");
+    if (!bar) return;
+    const attached = new Set([...bar.querySelectorAll(".attachment")].map((a) => a.dataset.path));
+    document.querySelectorAll('#files-list input[name="path"]').forEach((box) => { box.checked = attached.has(box.value); });
+  }
+  document.body.addEventListener("htmx:oobAfterSwap", (e) => {
+    if (e.detail.target && e.detail.target.id === "attachments") syncPicks();
+  });
   document.body.addEventListener("htmx:afterSwap", (e) => {
+    if (e.detail.target && e.detail.target.id === "attachments") syncPicks();
     // a file viewed takes the list's place (the window's whole height); "◂ Files" brings the list back
     if (e.detail.target && e.detail.target.id === "file-view") {
       $("#file-view").hidden = false;

@@ -155,6 +155,12 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     while time.monotonic() < deadline and page.locator("#attachments .attachment").count():
         time.sleep(0.1)
     assert page.locator("#attachments .attachment").count() == 0
+    # and the Files window unticks it: ticked, the next Attach would have sent it again
+    pick = page.locator("#files-window tr[data-path='app.py'] input[type=checkbox]")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and pick.is_checked():
+        time.sleep(0.1)
+    assert not pick.is_checked()
 
     # Beta: its own directory, no Alpha rule, its own conversations and contexts
     open_project(page, "open", beta)
