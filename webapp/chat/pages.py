@@ -8,6 +8,7 @@ passed `webapp.security.CsrfMiddleware` before it arrives).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import re
@@ -213,8 +214,10 @@ class ChatPages:
         project = self._import_project(str(form.get("project_id") or ""))
         body = await upload.read(MAX_IMPORT_BYTES + 1)
         await form.close()
-        try:
-            done = import_json(self.db, parse_import(body), project, self.import_event)
+        try:  # a file of up to 64 MB is parsed off the event loop (other windows keep streaming)
+            done = import_json(
+                self.db, await asyncio.to_thread(parse_import, body), project, self.import_event
+            )
         except (ConversationImportError, StorageError) as exc:
             text = f"Could not import {name}: {exc}."
             if not request.headers.get("hx-request"):
@@ -305,11 +308,8 @@ class ChatPages:
 
     async def export_json(self, request: Request) -> Response:
         conv = self._conversation(request)
-        data = json.dumps(
-            export_json(conv, self.db.messages(conv.id), self.db.events(conv.id)),
-            indent=2,
-            ensure_ascii=False,
-        )
+        exported = export_json(conv, self.db.messages(conv.id), self.db.events(conv.id))
+        data = await asyncio.to_thread(json.dumps, exported, indent=2, ensure_ascii=False)  # off the loop
         return Response(data, media_type="application/json", headers=_attachment(conv, "json"))
 
     async def pygments_stylesheet(self, request: Request) -> Response:
