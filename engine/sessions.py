@@ -33,7 +33,7 @@ import time
 import unicodedata
 import zipfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -362,6 +362,18 @@ def _load_cache(backend: Any, ctx: SavedContext, folder: Path, tokens: list[int]
     return int(backend.load_prompt_cache(folder / ctx.cache_file, tokens=tokens)["tokens"])
 
 
+@contextlib.contextmanager
+def _unless_deleted(project_id: str, folder: Path) -> Iterator[None]:
+    """A context deleted on another thread (another window, the autosave) while it is read or changed:
+    ContextNotFoundError (a 404, "not found"), not a bare FileNotFoundError."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        if folder.is_dir():
+            raise
+        raise ContextNotFoundError(f"project {project_id} has no saved context {folder.name}") from exc
+
+
 def _tree_files(folder: Path) -> list[os.stat_result]:
     """The regular files under `folder`, as `lstat` sees them. A file or folder removed while it is walked
     (a save deleted on another thread: the event loop drops a stale automatic save while the worker
@@ -460,6 +472,8 @@ class ContextStore:
             problem = "damaged: the cache file is missing"
         elif cache.stat().st_size != int(m["cache_bytes"]):
             problem = f"damaged: the cache file is {cache.stat().st_size} bytes, expected {m['cache_bytes']}"
+        if problem and not folder.is_dir():  # deleted on another thread after its meta.json was read
+            raise ContextNotFoundError(f"no saved context {folder.name} in project {project_id}")
         return SavedContext(
             id=folder.name,
             project_id=project_id,
@@ -579,7 +593,11 @@ class ContextStore:
     def _sweep(parent: Path) -> None:
         """Remove temp folders left by a crash mid-save (older than an hour, so never a live one)."""
         for d in parent.glob(".tmp-*"):
-            if time.time() - d.stat().st_mtime > 3600:
+            try:
+                age = time.time() - d.stat().st_mtime
+            except FileNotFoundError:  # a delete's `.tmp-del-` folder, removed meanwhile on another thread
+                continue
+            if age > 3600:
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ resuming (worker thread)
@@ -630,18 +648,17 @@ class ContextStore:
         ctx = self._read(project_id, folder)
         if ctx.problem and not ctx.cache_file:
             raise EngineError(f"saved context {context_id} is {ctx.problem}: it cannot be renamed")
-        meta = json.loads((folder / "meta.json").read_text())
-        meta["name"] = clean_name(name)
-        _write_json(folder / "meta.json", meta)
+        with _unless_deleted(project_id, folder):
+            meta = json.loads((folder / "meta.json").read_text())
+            meta["name"] = clean_name(name)
+            _write_json(folder / "meta.json", meta)
         return self.get(project_id, context_id)
 
     def delete(self, project_id: str, context_id: str) -> None:
         folder = self.context_dir(project_id, context_id)
         trash = folder.with_name(f".tmp-del-{context_id}")
-        try:
+        with _unless_deleted(project_id, folder):
             os.rename(folder, trash)  # gone from the list at once, even if the removal is interrupted
-        except FileNotFoundError as exc:  # deleted by another thread since context_dir looked
-            raise ContextNotFoundError(f"project {project_id} has no saved context {context_id}") from exc
         shutil.rmtree(trash, ignore_errors=True)
 
     def export(self, project_id: str, context_id: str, dest: Path) -> Path:
@@ -656,7 +673,8 @@ class ContextStore:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=EXPORT_SUFFIX, dir=dest.parent)
         os.close(fd)
         try:
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:  # KV data does not compress
+            with _unless_deleted(project_id, folder), zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
+                # KV data does not compress
                 for member in ("meta.json", "tokens.json", ctx.cache_file):
                     zf.write(folder / member, member)
             fsync_path(Path(tmp))

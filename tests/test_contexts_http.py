@@ -417,3 +417,33 @@ def test_an_agent_step_or_api_request_saves_the_live_conversation_before_taking_
     finally:
         worker.close()
         db.close()
+
+
+def test_a_save_written_behind_a_reply_does_not_bring_back_a_deleted_conversation(
+    tmp_path, default_model
+) -> None:
+    """Conversation w's cache was copied to be written behind the next reply; meanwhile w was deleted for good
+    (its project removed with its data): the write must not put its cache (and token ids) back on disk."""
+    from webapp.projects.resume import AutoResume
+
+    fake = FakeSnapshotBackend(default_model)
+    worker = Worker(lambda: fake)
+    db = Database(tmp_path / "flashcode.db")
+    resume = AutoResume(tmp_path, worker, db)
+
+    async def run() -> None:
+        w, q = db.create_conversation("w").id, db.create_conversation("q").id
+        db.add_message(w, "user", "secret text")
+        fake.run([{"role": "user", "content": "secret text"}])
+        resume.live, resume.dirty = w, True  # w's reply is the live cache
+        assert await resume.before_reply(q) is None and w in resume._writing  # copied, not written yet
+        db.delete_conversation(w)  # deleted for good
+        resume.generating()  # q's reply is submitted: the write behind it goes
+        await resume.flush()
+        assert not list((tmp_path / "projects").glob("*/autosave/*/tokens.json"))
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+        db.close()

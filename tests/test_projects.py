@@ -888,3 +888,23 @@ def test_projects_a_new_conversation_goes_in_the_project_the_page_shows(client, 
     assert (
         re.search(r'name="project_id" value="([^"]+)"', client.get("/", headers=hx).text).group(1) != alpha.id
     )
+
+
+def test_projects_removing_a_project_waits_for_the_saves_being_written_first(client, two) -> None:
+    """Saves written behind a reply land before a project is removed: one landing after would put the removed
+    project's folder back, holding a deleted conversation's cache."""
+    a, _ = two
+    assert _open(client, a).status_code == 200
+    parts = client.app.state.flashcode
+    pid = parts.projects.current().id
+    seen: list[bool] = []
+
+    async def flush() -> None:
+        seen.append(parts.projects.get(pid) is not None)  # still listed: its data not removed yet
+
+    parts.resume.flush = flush
+    r = client.post(
+        "/projects/remove", data={"project_id": pid, "delete_data": "on"}, headers={"HX-Request": "true"}
+    )
+    assert r.status_code == 200 and parts.projects.get(pid) is None
+    assert seen == [True]

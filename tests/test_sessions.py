@@ -352,3 +352,68 @@ def test_usage_counts_while_another_thread_deletes_saves(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_the_crash_sweep_skips_a_temp_folder_removed_after_it_was_listed(tmp_path):
+    """A save sweeps `.tmp-*` folders left by a crash; a delete's `.tmp-del-` folder listed, then removed by
+    the other thread before its age is read, must not fail the save."""
+    old = tmp_path / ".tmp-crashed"
+    old.mkdir()
+    os.utime(old, (0, 0))  # left by a crash long ago
+
+    class Racy(type(tmp_path)):
+        def glob(self, pattern):
+            yield self / ".tmp-del-gone"  # listed, then gone
+            yield from super().glob(pattern)
+
+    ContextStore._sweep(Racy(tmp_path))
+    assert not old.exists()
+
+
+def test_a_context_deleted_by_another_window_midway_is_not_found_not_a_crash(
+    saved, mlx_backend, tmp_path, monkeypatch
+):
+    """Another window (or the autosave) deletes a context while this one renames, exports or lists it:
+    ContextNotFoundError (the HTTP layer's 404), not FileNotFoundError (a 500), and no phantom "damaged"
+    entry in the list."""
+    import engine.sessions as sessions
+
+    store = ContextStore(tmp_path)
+    ctx = store.save(mlx_backend, "p9", "doomed")
+    real_clean = sessions.clean_name
+
+    def clean_then_deleted(name):
+        store.delete("p9", ctx.id)
+        return real_clean(name)
+
+    monkeypatch.setattr(sessions, "clean_name", clean_then_deleted)
+    with pytest.raises(ContextNotFoundError):
+        store.rename("p9", ctx.id, "new name")
+    monkeypatch.setattr(sessions, "clean_name", real_clean)
+
+    ctx = store.save(mlx_backend, "p9", "doomed too")
+    real_write = zipfile.ZipFile.write
+
+    def write_then_deleted(self, filename, arcname=None, *a, **k):
+        out = real_write(self, filename, arcname, *a, **k)
+        if arcname == "meta.json":
+            store.delete("p9", ctx.id)
+        return out
+
+    monkeypatch.setattr(zipfile.ZipFile, "write", write_then_deleted)
+    with pytest.raises(ContextNotFoundError):
+        store.export("p9", ctx.id, tmp_path)
+    monkeypatch.setattr(zipfile.ZipFile, "write", real_write)
+    assert not list(tmp_path.glob("*.flashctx")) and not list(tmp_path.glob(".tmp-*"))
+
+    ctx = store.save(mlx_backend, "p9", "listed")
+    real_loads = json.loads
+
+    def loads_then_deleted(text, *a, **k):
+        out = real_loads(text, *a, **k)
+        if isinstance(out, dict) and out.get("name") == "listed":
+            store.delete("p9", ctx.id)
+        return out
+
+    monkeypatch.setattr(sessions.json, "loads", loads_then_deleted)
+    assert store.list("p9") == []

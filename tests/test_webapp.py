@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import re
@@ -469,6 +470,38 @@ def test_webapp_import_refuses_an_upload_too_large_before_reading_it(app_parts) 
     }
     r = client.post("/conversations/import", content=b"--x--", headers=h | {"content-length": str(200 << 20)})
     assert r.status_code == 413 and "over 64 MB" in r.text
+
+
+def test_a_reply_that_another_generation_followed_does_not_leave_its_conversation_live(
+    tmp_path: Path,
+) -> None:
+    """A chat reply in X, and while it runs another generation is submitted (an API request, another window's
+    reply): the engine's cache ends as that prompt, so X is not live (a save of "X" would have written the other
+    prompt's cache under X's name, and replaced X's real save)."""
+    from webapp.projects.resume import AutoResume
+
+    worker = Worker(FakeBackend)
+    db = Database(tmp_path / "f.db")
+    try:
+        resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+        x, y = db.create_conversation("x").id, db.create_conversation("y").id
+
+        async def run() -> None:
+            await resume.before_reply(x)
+            resume.generating()  # X's reply is submitted
+            resume.generating()  # an API request, while X's reply runs
+            resume.note_reply({}, conversation_id=x, message_id=1)
+            assert (resume.live, resume.dirty) == (None, False)
+            resume.generating()  # something submitted before Y's reply: it runs first, then Y's
+            await resume.before_reply(y)
+            resume.generating()  # Y's reply
+            resume.note_reply({}, conversation_id=y, message_id=2)
+            assert (resume.live, resume.dirty) == (y, True)
+
+        asyncio.run(run())
+    finally:
+        db.close()
+        worker.close()
 
 
 def test_an_agent_turn_that_ran_no_generation_leaves_the_live_cache_to_its_conversation(

@@ -130,6 +130,10 @@ class AutoResume:
         self._writing: dict[str, asyncio.Task[None]] = {}  # conversation -> its save written behind a reply
         self._queued: asyncio.Event | None = None  # a generation was submitted since the last copy was taken
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
+        self._submitted = 0  # generations submitted (`generating`)
+        self._reply_from: dict[
+            str, int
+        ] = {}  # conversation -> `_submitted` when its chat reply was submitted
 
     # ------------------------------------------------------------------ what the chat calls
     def note_reply(
@@ -147,8 +151,11 @@ class AutoResume:
         new about the cache."""
         if completed or message_id is None:  # no reply stored (an agent step that only called tools)
             return
-        if route is None:
+        start = self._reply_from.pop(conversation_id, None)
+        if route is None and (start is None or self._submitted <= start + 1):
             self.live, self.dirty = conversation_id, True
+        # else another generation (an API request, another window's reply or agent step) was submitted after
+        # this reply's: the cache ends as its prompt, not this conversation (`generating` cleared `live`)
         # an agent turn: a generation it ran already took the cache from its conversation (`generating`); one
         # that ran none (a denied /shell) left the cache as it was, still the conversation's before
         self._arm_idle()
@@ -156,6 +163,12 @@ class AutoResume:
     async def before_reply(self, conversation_id: str) -> str | None:
         """Make the conversation's saved cache the live one, if it is not already; a note when a
         saved cache was found but could not be used."""
+        try:
+            return await self._before_reply(conversation_id)
+        finally:  # the reply is submitted next, with no await between: generations counted after it are others'
+            self._reply_from[conversation_id] = self._submitted
+
+    async def _before_reply(self, conversation_id: str) -> str | None:
         async with self.lock:
             if self.live == conversation_id:
                 return None
@@ -182,6 +195,7 @@ class AutoResume:
         queued ahead of the generation copies its cache (or, where no copy can be taken, saves it)."""
         cid, dirty = self.live, self.dirty
         self.live, self.dirty = None, False
+        self._submitted += 1
         if self._writing and self._loop is not None and self._queued is not None:  # the submitter: any thread
             with contextlib.suppress(RuntimeError):  # that loop is closed (its saves went with it)
                 self._loop.call_soon_threadsafe(self._queued.set)
@@ -341,6 +355,12 @@ class AutoResume:
         if self._queued is not None and not queued:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queued.wait(), SUBMIT_WAIT_S)
+        conv = self.db.get_conversation(cid)
+        if conv is None or conv.project_id != project:  # deleted, or its project removed, meanwhile
+            log.info(
+                "conversation %s went from project %s before its save was written: not saved", cid, project
+            )
+            return
         ok, _ = await self._logged(
             cid, self.worker.acall(lambda b: self._save(b, project, cid, history, snapshot))
         )
@@ -422,7 +442,10 @@ class AutoResume:
         if not res.resumed:
             self._event("mismatch", cid)
             return f"The saved cache of this conversation was ignored: {res.message}"
-        os.utime(self.store.contexts_dir(project) / found.context.id / SIDECAR)
+        with contextlib.suppress(
+            OSError
+        ):  # evicted meanwhile by a save on the worker: it was loaded all the same
+            os.utime(self.store.contexts_dir(project) / found.context.id / SIDECAR)
         self.live, self.dirty = cid, False
         self._event("resumed", cid)
         return None

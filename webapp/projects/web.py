@@ -174,6 +174,10 @@ class ProjectsWeb:
     async def remove_project(self, request: Request) -> Response:
         """POST /projects/remove: `project_id`, `delete_data=on` to delete flashcode's data too."""
         form = await request.form()
+        if self.on_switch is not None and self.store.get(str(form.get("project_id") or "")) is not None:
+            # the saves being written behind a reply land first: one landing after the removal would put a
+            # removed (or moved) project's folder back, holding a deleted conversation's cache
+            await self.on_switch()
         try:
             self.store.remove(str(form.get("project_id") or ""), delete_data=form.get("delete_data") == "on")
         except ProjectError as exc:
