@@ -304,3 +304,58 @@ def test_an_in_place_split_over_other_weights_is_refused_in_words(tiny: Path, tm
         SplitError, match=r"no tensor model.layers.99.input_layernorm.weight.*import the model again"
     ):
         verify_pinned(man)
+
+
+def test_read_queue_runs_needed_reads_before_guesses_and_promotes_or_drops_a_guess() -> None:
+    """A guess (speculative read) takes the disk only while no needed read waits; a guess the router picked
+    is promoted ahead of the other guesses; one it did not pick is dropped before it is read. Before, guesses
+    had threads of their own and took the disk's bandwidth from the reads the compute waited for."""
+    import threading
+
+    from engine.flash.reader import ReadQueue
+
+    q = ReadQueue(1)
+    gate, ran = threading.Event(), []
+    q.submit(gate.wait)  # holds the one thread while the rest is queued
+    g1 = q.submit(ran.append, "guess 1", speculative=True)
+    g2 = q.submit(ran.append, "guess 2", speculative=True)
+    g3 = q.submit(ran.append, "guess 3", speculative=True)
+    n1 = q.submit(ran.append, "needed 1")
+    q.promote([g3])
+    q.drop([g2])
+    gate.set()
+    for f in (g1, n1, g3):
+        f.result(timeout=10)
+    assert g2.cancelled() and ran == ["needed 1", "guess 3", "guess 1"]
+    q.close()  # what is queued runs first
+    with pytest.raises(RuntimeError, match="closed"):
+        q.submit(ran.append, "late")
+
+
+def test_a_dropped_guess_ends_cancelled_and_a_promoted_one_reads_its_bytes(tmp_path: Path) -> None:
+    from concurrent.futures import CancelledError
+
+    f = tmp_path / "units.bin"
+    f.write_bytes(np.arange(8 * ALIGN, dtype=np.uint8).tobytes())
+    r = UnitReader(f, threads=1, direct=False)
+    bufs = [AlignedBuffer(2 * ALIGN) for _ in range(3)]
+    try:
+        import threading
+
+        gate = threading.Event()
+        r.queue.submit(gate.wait)
+        kept = r.read(bufs[0], 2 * ALIGN, 2 * ALIGN, chunk=ALIGN, speculative=True)
+        gone = r.read(bufs[1], 4 * ALIGN, 2 * ALIGN, chunk=ALIGN, speculative=True)
+        r.promote(kept)
+        r.drop(gone)
+        gate.set()
+        kept.result(timeout=10)
+        with pytest.raises(CancelledError):
+            gone.result(timeout=10)
+        want = np.arange(8 * ALIGN, dtype=np.uint8).tobytes()[2 * ALIGN : 4 * ALIGN]
+        assert bytes(bufs[0].view[: 2 * ALIGN]) == want
+        assert r.stats.bytes == 2 * ALIGN  # the dropped guess read nothing
+    finally:
+        r.close()
+        for b in bufs:
+            b.close()

@@ -20,11 +20,20 @@ import ctypes
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from .reader import DIO, AlignedBuffer, ReadStats, buffer_address, join_reads, open_direct
+from .reader import (
+    DIO,
+    AlignedBuffer,
+    ReadQueue,
+    ReadStats,
+    UnitReader,
+    buffer_address,
+    join_reads,
+    open_direct,
+)
 from .split import ALIGN
 
 READ_CHUNK = 4 << 20  # as UnitReader: one preadv takes at least this much, or a thread's share of the read
@@ -33,7 +42,8 @@ MIN_DIRECT = 4 * DIO  # a range read straight into the destination: at least thi
 
 
 def scratch_bytes(threads: int, chunk: int = SCRATCH_CHUNK) -> int:
-    """Memory the reader's scratch buffers take (for the budget): one per thread, per pool."""
+    """Memory the reader's scratch buffers take (for the budget): one per reader thread, counted twice (the
+    bound from when guesses had threads of their own; 64 KiB a thread)."""
     return 2 * threads * (chunk + 2 * ALIGN)
 
 
@@ -56,8 +66,7 @@ class InPlaceReader:
         self.starts = [e[0] for e in self.extents]
         self.threads, self.chunk = threads, max(ALIGN, chunk // ALIGN * ALIGN)
         self.scratch = max(2 * DIO, scratch // DIO * DIO)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flash-read")
-        self._spec: ThreadPoolExecutor | None = None
+        self.queue = ReadQueue(threads)
         self.stats = ReadStats()
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -151,11 +160,6 @@ class InPlaceReader:
             raise ValueError(f"read of {length} bytes does not fit a {buf.size}-byte buffer")
         chunk = self.chunk if chunk is None else max(ALIGN, chunk // ALIGN * ALIGN)
         step = max(chunk, -(-length // self.threads // ALIGN) * ALIGN)
-        pool = self.pool
-        if speculative:
-            if self._spec is None:
-                self._spec = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="flash-guess")
-            pool = self._spec
         t0 = time.perf_counter()
         ranges = self.ranges(offset, length)
         if ranges and self.direct and isinstance(buf, AlignedBuffer):
@@ -181,13 +185,16 @@ class InPlaceReader:
         parts_of: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
         for (k, fi, fo, m, at), lo, hi in zip(cut, lows, highs, strict=False):  # cut may be empty
             parts_of.setdefault(k, []).append((fi, fo, m, at, lo, hi))
-        parts = [pool.submit(self._part, view, base, rs) for rs in parts_of.values()]
+        parts = [
+            self.queue.submit(self._part, view, base, rs, speculative=speculative) for rs in parts_of.values()
+        ]
         return join_reads(parts, t0, self._lock, self.stats)
 
+    promote = UnitReader.promote
+    drop = UnitReader.drop
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        if self._spec is not None:
-            self._spec.shutdown(wait=True)
+        self.queue.close()
         for fd in self.fds:
             os.close(fd)
         for b in self._scratch:

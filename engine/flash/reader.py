@@ -15,7 +15,9 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,85 @@ class ReadStats:
         }
 
 
+class ReadQueue:
+    """The reader's threads and their two queues. A read the compute waits for goes first; a guess (a
+    speculative read) runs only while none of those is waiting, so it takes the disk's idle time and never
+    its bandwidth from a needed read for longer than one part in flight. A guess not started yet can be
+    promoted (the router picked it: it is needed now) or dropped (it did not: the bytes are not read)."""
+
+    def __init__(self, threads: int, name: str = "flash-read") -> None:
+        self._cv = threading.Condition()
+        self._needed: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._guesses: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{n}", daemon=True) for n in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, speculative: bool = False) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the reader is closed")
+            (self._guesses if speculative else self._needed).append((fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._needed and not self._guesses and not self._closed:
+                    self._cv.wait()
+                if self._needed:
+                    fut, fn, args = self._needed.popleft()
+                elif self._guesses:
+                    fut, fn, args = self._guesses.popleft()
+                else:  # closed, and every queued read has run
+                    return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the read
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def _take(
+        self, parts: Iterable[Future[Any]]
+    ) -> list[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]:
+        """Remove `parts` still waiting in the guess queue (under the lock); return them."""
+        ids = {id(p) for p in parts}
+        taken = [t for t in self._guesses if id(t[0]) in ids]
+        if taken:
+            self._guesses = deque(t for t in self._guesses if id(t[0]) not in ids)
+        return taken
+
+    def promote(self, parts: Iterable[Future[Any]]) -> None:
+        """Guessed parts not started yet are needed now: they join the needed reads' queue."""
+        with self._cv:
+            taken = self._take(parts)
+            self._needed.extend(taken)
+            self._cv.notify(len(taken))
+
+    def drop(self, parts: Iterable[Future[Any]]) -> None:
+        """Guessed parts not started yet are not needed: cancelled, never read."""
+        with self._cv:
+            taken = self._take(parts)
+        for fut, _, _ in taken:
+            fut.cancel()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the threads."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
 class UnitReader:
     """Reads [offset, offset+length) of one file into a buffer, split across `threads` preadv calls."""
 
@@ -108,9 +189,7 @@ class UnitReader:
         self.fd, self.direct = open_direct(self.path, direct)
         self.threads = threads
         self.chunk = max(ALIGN, chunk // ALIGN * ALIGN)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flash-read")
-        # speculative reads (guesses) get a queue of their own, made on first use
-        self._spec: ThreadPoolExecutor | None = None
+        self.queue = ReadQueue(threads)
         self.stats = ReadStats()
         self._lock = threading.Lock()
 
@@ -133,31 +212,34 @@ class UnitReader:
     ) -> Future[float]:
         """Start reading; the future's result is the read's wall time. `length` is rounded up to ALIGN.
         `chunk`: the most bytes one preadv takes (a smaller one spreads a single unit over more threads,
-        deepening the disk queue when few units are in flight). `speculative`: a guess, read on a queue of
-        its own so that reads the compute waits for never queue behind it."""
+        deepening the disk queue when few units are in flight). `speculative`: a guess, read only while no
+        needed read waits (`ReadQueue`); `promote` or `drop` it once it is known to be needed or not."""
         length = -(-length // ALIGN) * ALIGN
         if length > buf.size:
             raise ValueError(f"read of {length} bytes does not fit a {buf.size}-byte buffer")
         chunk = self.chunk if chunk is None else max(ALIGN, chunk // ALIGN * ALIGN)
         step = max(chunk, -(-length // self.threads // ALIGN) * ALIGN)
-        pool = self.pool
-        if speculative:
-            if self._spec is None:
-                self._spec = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="flash-guess")
-            pool = self._spec
         if isinstance(buf, AlignedBuffer):
             buf.rebase(0)  # units.bin's units start on a page: so does the data
         t0 = time.perf_counter()
         parts = [
-            pool.submit(self._pread, buf.view[s : min(s + step, length)], offset + s)
+            self.queue.submit(
+                self._pread, buf.view[s : min(s + step, length)], offset + s, speculative=speculative
+            )
             for s in range(0, length, step)
         ]
         return join_reads(parts, t0, self._lock, self.stats, length)
 
+    def promote(self, read: Future[float]) -> None:
+        """A guessed read is needed now: its parts not started yet go ahead of the other guesses."""
+        self.queue.promote(getattr(read, "parts", ()))
+
+    def drop(self, read: Future[float]) -> None:
+        """A guessed read is not needed: its parts not started yet are never read (the read ends cancelled)."""
+        self.queue.drop(getattr(read, "parts", ()))
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        if self._spec is not None:
-            self._spec.shutdown(wait=True)
+        self.queue.close()
         os.close(self.fd)
 
 
@@ -165,13 +247,18 @@ def join_reads(
     parts: list[Future[int]], t0: float, lock: threading.Lock, stats: ReadStats, nbytes: int | None = None
 ) -> Future[float]:
     """One future for a read cut into `parts` (each a pread's byte count): its result is the read's wall
-    time from `t0`, or the first part's error. When the last part ends, `stats` (under `lock`) counts one
-    read of `nbytes` (None: the bytes the parts read)."""
+    time from `t0`, or the first part's error (CancelledError: a guess dropped before all of it was read).
+    When the last part ends, `stats` (under `lock`) counts one read of `nbytes` (None, or a dropped guess:
+    the bytes the parts read). The future keeps its `parts` (for `ReadQueue.promote` and `drop`)."""
     done: Future[float] = Future()
+    done.parts = parts  # type: ignore[attr-defined]
     if not parts:
         done.set_result(0.0)
         return done
     left = [len(parts)]
+
+    def error(p: Future[int]) -> BaseException | None:
+        return CancelledError() if p.cancelled() else p.exception()
 
     def finished(f: Future[int]) -> None:
         with lock:
@@ -179,14 +266,15 @@ def join_reads(
             last = left[0] == 0
             if last:
                 dt = time.perf_counter() - t0
-                ok = sum(p.result() for p in parts if p.exception() is None)
-                stats.bytes += ok if nbytes is None else nbytes
+                ok = sum(p.result() for p in parts if error(p) is None)
+                dropped = any(p.cancelled() for p in parts)
+                stats.bytes += ok if nbytes is None or dropped else nbytes
                 stats.reads += 1
                 stats.read_s += dt
                 stats.max_latency_s = max(stats.max_latency_s, dt)
         if not last or done.done():
             return
-        errors = [p.exception() for p in parts if p.exception() is not None]
+        errors = [e for p in parts if (e := error(p)) is not None]
         if errors:
             done.set_exception(errors[0])
         else:
