@@ -153,7 +153,7 @@ def test_toolloop_real_llama_over_the_websocket(llama_worker: Worker, tmp_path: 
         data_dir=tmp_path / "data",
         load_model=False,
         project_dir=project,
-        sampling={"temperature": 0.0, "max_tokens": 256},
+        agent_sampling={"temperature": 0.0, "max_tokens": 256},
     )
     app = create_app(settings, worker=llama_worker)
     seen = ""
@@ -194,7 +194,7 @@ def test_toolloop_real_llama_in_chromium(llama_worker: Worker, tmp_path: Path, b
     db.close()
     port = free_port()
     settings = Settings(
-        port=port, data_dir=data, load_model=False, sampling={"temperature": 0.0, "max_tokens": 256}
+        port=port, data_dir=data, load_model=False, agent_sampling={"temperature": 0.0, "max_tokens": 256}
     )
     app = create_app(settings, worker=llama_worker)
     context = browser.new_context(viewport={"width": 1100, "height": 700})

@@ -129,6 +129,29 @@ def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBacken
     assert not (project / "routed.txt").exists()
 
 
+def test_agent_turns_sample_as_flashcode_agent_does_unless_the_conversation_says_otherwise(
+    ws, fake: FakeBackend, project: Path
+) -> None:
+    """An agent turn in the browser samples greedy with 512 tokens a step, as `flashcode agent` (and the
+    agent's tests and benchmark) do; it had the chat's 0.7 and 1024, and the 0.5B agent model wandered from
+    the task. A chat reply keeps 0.7 and 1024."""
+    send(ws, type="send", text="/agent")
+    frames = until(ws, r"Agent mode")
+    conv = re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1)  # type: ignore[union-attr]
+    fake.enqueue_route("chat").enqueue("an answer")
+    send(ws, type="send", text="what is this project?", conversation_id=conv)
+    until(ws, r"an answer")
+    until(ws, r'data-state="idle"')
+    step = fake.history[-1]
+    assert (step.sampling.temperature, step.sampling.max_tokens) == (0.0, 512)
+    send(ws, type="mode", mode="chat", conversation_id=conv)  # the Mode menu
+    fake.enqueue("a chat reply")
+    send(ws, type="send", text="hello", conversation_id=conv)
+    until(ws, r"a chat reply")
+    until(ws, r'data-state="idle"')
+    assert (fake.history[-1].sampling.temperature, fake.history[-1].sampling.max_tokens) == (0.7, 1024)
+
+
 def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend, project: Path) -> None:
     worker = Worker(lambda: fake)
     settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)

@@ -166,7 +166,7 @@ def serve(data: Path, worker: Worker) -> Iterator[str]:
 
     port = free_port()
     settings = Settings(
-        port=port, data_dir=data, load_model=False, sampling={"temperature": 0.0, "max_tokens": 200}
+        port=port, data_dir=data, load_model=False, agent_sampling={"temperature": 0.0, "max_tokens": 200}
     )
     with serve_app(create_app(settings, worker=worker), port) as url:
         yield url

@@ -59,6 +59,12 @@ def default_sampling() -> dict[str, Any]:
     return {"temperature": 0.7, "max_tokens": 1024}
 
 
+def default_agent_sampling() -> dict[str, Any]:
+    """An agent turn's, unless the user set them (as `flashcode agent`'s: a small model calling tools does
+    best greedy; sampled at 0.7 the 0.5B agent model wandered from the task)."""
+    return {"temperature": 0.0, "max_tokens": 512}
+
+
 @dataclass
 class Settings:
     host: str = "127.0.0.1"
@@ -71,6 +77,9 @@ class Settings:
     extra_origins: tuple[str, ...] = ()  # --allow-origin: e.g. http://my-mac.local:8000 with --host 0.0.0.0
     token: str | None = None  # access token (webapp.security); bound beyond loopback, one is always set
     sampling: dict[str, Any] = field(default_factory=default_sampling)  # a chat reply's, unless overridden
+    agent_sampling: dict[str, Any] = field(
+        default_factory=default_agent_sampling
+    )  # over `sampling`, in agent mode
     project_dir: Path | None = None  # where the agent works; None: the directory serve was started in
 
     @property

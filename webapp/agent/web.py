@@ -239,7 +239,8 @@ class AgentTurns:
             turn.send(self.web.views.event(gone))
             return
         agent = self.agent_for(conversation_id)
-        agent.sampling = SamplingParams(**(self.web.settings.sampling | dict(turn.sampling)))
+        settings = self.web.settings
+        agent.sampling = SamplingParams(**(settings.sampling | settings.agent_sampling | dict(turn.sampling)))
         agent.approve_edits = self.web.store.edits_approved(agent.project)  # Settings' switch, read each turn
         self._turn = turn
         reply: ReplyWriter | None = None

@@ -91,10 +91,14 @@ class TranscriptViews:
         return max(used, step)
 
     def generation(self, conversation_id: str | None) -> dict[str, Any]:
-        """Generation settings in force: the app's, the Settings window's defaults, the conversation's."""
-        values: dict[str, Any] = {"top_p": 1.0} | dict(self.settings.sampling) | {"system": ""}
-        values |= _given(self.db.get_setting(DEFAULTS_KEY) or {})
+        """Generation settings in force: the app's (an agent conversation's: the agent's), the Settings window's
+        defaults, the conversation's."""
         conv = self.db.get_conversation(conversation_id) if conversation_id else None
+        agent = conv is not None and conv.mode == "agent"
+        values: dict[str, Any] = {"top_p": 1.0} | dict(self.settings.sampling)
+        if agent:
+            values |= dict(self.settings.agent_sampling)
+        values |= {"system": ""} | _given(self.db.get_setting(DEFAULTS_KEY) or {})
         if conv is not None:
             values |= _given(conv.generation_settings)
         return values
