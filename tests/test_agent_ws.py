@@ -179,7 +179,10 @@ def test_agent_ws_commands_run_in_the_sandbox_with_the_projects_network_switch(
     outside.parent.mkdir(parents=True, exist_ok=True)
     conv: list[str] = []
     frames, dialog = ask(ws, f"/shell pwd; touch inside.txt; touch {outside}", conv)
-    assert f"sandboxed: writes only in {project.resolve()}, network off" in frames
+    assert (
+        f"sandboxed: writes only in {project.resolve()} and a private /tmp emptied after, network off"
+        in frames
+    )
     assert 'name="network"' in frames and "checked" not in frames.split('name="network"')[1][:20]
     send(ws, type="answer", dialog_id=dialog, choice="once")
     frames = until(ws, r'id="status" class="controls" data-state="idle"')
@@ -190,9 +193,15 @@ def test_agent_ws_commands_run_in_the_sandbox_with_the_projects_network_switch(
     send(ws, type="answer", dialog_id=dialog, choice="once", network="on")
     frames = until(ws, r'id="status" class="controls" data-state="idle"')
     # the action block said "network off" when it was proposed: the transcript says how it really ran
-    assert f"This command runs sandboxed: writes only in {project.resolve()}, network on" in frames
+    assert (
+        f"This command runs sandboxed: writes only in {project.resolve()} and a private /tmp emptied after, network on"
+        in frames
+    )
     frames, dialog = ask(ws, "/shell true", conv)
-    assert f"sandboxed: writes only in {project.resolve()}, network on" in frames
+    assert (
+        f"sandboxed: writes only in {project.resolve()} and a private /tmp emptied after, network on"
+        in frames
+    )
     send(ws, type="answer", dialog_id=dialog, choice="deny")
     until(ws, r'id="status" class="controls" data-state="idle"')
 

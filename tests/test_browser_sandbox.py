@@ -49,7 +49,10 @@ def test_browser_shell_dialog_says_sandboxed_and_the_command_is_contained(projec
     page.press("#prompt", "Enter")
     dialog = wait_for(page, ".agent-approval")
     sandbox_line = dialog.locator("[data-field=sandbox]").inner_text()
-    assert sandbox_line == f"sandboxed: writes only in {project.resolve()}, network off"
+    assert (
+        sandbox_line
+        == f"sandboxed: writes only in {project.resolve()} and a private /tmp emptied after, network off"
+    )
     assert not dialog.locator("input[name=network]").is_checked()
     # the line follows the checkbox (it said "network off" with the box ticked)
     dialog.locator(".approval-network label").click()  # system.css draws the box on its label

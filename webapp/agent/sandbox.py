@@ -117,7 +117,7 @@ class SandboxPolicy:
 
     def describe(self) -> str:
         net = "network on" if self.network else "network off"
-        return f"sandboxed: writes only in {self.project_dir}, {net}"
+        return f"sandboxed: writes only in {self.project_dir} and a private /tmp emptied after, {net}"
 
 
 @dataclass(frozen=True)
