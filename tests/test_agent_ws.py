@@ -152,6 +152,23 @@ def test_agent_turns_sample_as_flashcode_agent_does_unless_the_conversation_says
     assert (fake.history[-1].sampling.temperature, fake.history[-1].sampling.max_tokens) == (0.7, 1024)
 
 
+def test_choosing_agent_mode_says_at_once_that_the_model_takes_no_tools(ws, fake: FakeBackend) -> None:
+    """The Mode menu's Agent, with a model that takes no tools: the transcript says so (and which model would
+    work) when the mode is chosen; it had said so only after the first message, routed to plain chat. Not
+    said a second time at that first message."""
+    send(ws, type="send", text="/help")
+    frames = until(ws, r'data-state="idle"')
+    conv = re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1)  # type: ignore[union-attr]
+    send(ws, type="mode", mode="agent", conversation_id=conv)
+    frames = until(ws, r"does not take tools")
+    assert "load qwen2.5-coder" in frames
+    fake.enqueue_route("chat").enqueue("an answer")
+    send(ws, type="send", text="hello", conversation_id=conv)
+    frames = until(ws, r"an answer")
+    frames += until(ws, r'data-state="idle"')
+    assert "does not take tools" not in frames
+
+
 def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend, project: Path) -> None:
     worker = Worker(lambda: fake)
     settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)

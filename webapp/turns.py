@@ -136,6 +136,10 @@ class TurnHandler(Protocol):
 
     async def run(self, turn: Turn, text: str) -> None: ...
 
+    async def mode_note(self, conversation_id: str) -> str:
+        """Agent mode was chosen for the conversation: what to say about it now ("" if nothing)."""
+        ...
+
 
 TurnHandlerFactory = Callable[[], TurnHandler]  # one handler per websocket
 

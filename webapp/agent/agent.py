@@ -248,11 +248,7 @@ class AgentSession:
                 yield ev
         elif name in ("agent", "raw"):
             self.mode = name  # type: ignore[assignment]
-            note = ""
-            if name == "agent" and not await self.uses_tools():
-                self._said_no_tools = True  # said here, not again at the first turn
-                note = await self._no_tools_note()
-            yield ModeChanged(self.mode, note)
+            yield ModeChanged(self.mode, await self.tools_note() if name == "agent" else "")
         elif name == "help":
             yield HelpShown(self.commands.help_text())
         elif name == "clear":
@@ -278,6 +274,14 @@ class AgentSession:
         else:
             yield SlashUnhandled(name, arg)
         yield TurnDone(route)
+
+    async def tools_note(self) -> str:
+        """Agent mode was chosen: why its turns are routed when the model takes no tools, and what would work
+        ("" when it takes them). Said here, it is not said again at the first turn."""
+        if await self.uses_tools():
+            return ""
+        self._said_no_tools = True
+        return await self._no_tools_note()
 
     async def _no_tools_note(self) -> str:
         try:

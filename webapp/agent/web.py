@@ -158,6 +158,11 @@ class AgentTurns:
             if m.role in ("user", "assistant") and m.content and m.id > start
         ]
 
+    async def mode_note(self, conversation_id: str) -> str:
+        """The Mode menu chose Agent for this conversation: what its agent would say about the loaded model
+        (it takes no tools: turns are routed, and which model would work), "" when it takes them."""
+        return await self.agent_for(conversation_id).tools_note()
+
     def agent_for(self, conversation_id: str) -> AgentSession:
         web = self.web
         agent = self.agents.get(conversation_id)

@@ -240,7 +240,7 @@ class Session:
         elif isinstance(msg, p.SwitchModel):
             await self._switch_model(msg)
         elif isinstance(msg, p.SetMode):
-            self._set_mode(msg)
+            await self._set_mode(msg)
 
     def _busy_elsewhere(self, conversation_id: str | None, kept: bool = False) -> bool:
         """Another window is writing in this conversation: nothing changes it from here until it has ended
@@ -406,12 +406,14 @@ class Session:
             views.engine_meter(None),
         )
 
-    def _set_mode(self, msg: p.SetMode) -> None:
+    async def _set_mode(self, msg: p.SetMode) -> None:
         db = self.ctx.db
         db.set_setting(NEW_MODE_KEY, msg.mode)  # new conversations start in the mode last chosen
         if msg.conversation_id and db.get_conversation(msg.conversation_id) is not None:
             db.set_mode(msg.conversation_id, msg.mode)
             data = {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"}
+            if msg.mode == "agent" and self.turns is not None:  # a model without tools: said now, not after
+                data["no_tools"] = await self.turns.mode_note(msg.conversation_id)  # the first message
             db.add_event(msg.conversation_id, "mode", data)  # the transcript says when it changed
             if self.views.render_event is not None:
                 self.send(self.views.render_event("mode", data))
