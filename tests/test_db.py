@@ -359,3 +359,26 @@ def test_a_message_sent_with_files_exports_and_imports_as_its_bubble_showed_it(t
     got = import_json(d, data, "default")
     stats = d.messages(got.conversation.id)[0].stats
     assert stats == {"attachments": [{"name": "a", "size": None}, {"name": "b", "size": 2}], "typed_from": 3}
+
+
+def test_markdown_export_keeps_slash_command_output_and_names_every_model(tmp_path: Path) -> None:
+    """A walkthrough's Markdown export had '## User /help' with nothing under it (the page showed the help),
+    named only the last model although another had replied first, and put the agent's steps under the
+    user's heading."""
+    d = Database(tmp_path / "m.db")
+    c = d.create_conversation("Mixed", "qwen", "llama")
+    d.add_message(c.id, "user", "/help")
+    d.add_event(c.id, "help", {"type": "help", "text": "/shell COMMAND runs a command"})
+    d.add_message(c.id, "user", "/stats")
+    d.add_event(
+        c.id, "slash_output", {"type": "slash_output", "html": "<table><tr><td>Replies</td><td>3</td></tr></table>"}
+    )  # fmt: skip
+    d.add_message(c.id, "user", "hi")
+    d.add_message(c.id, "assistant", "hello", stats={"model": "smollm2", "backend": "mlx"})
+    d.add_message(c.id, "user", "make a file")
+    d.add_event(c.id, "tool_step", {"type": "tool_step", "step": 1, "tool": "write_file"})
+    d.add_message(c.id, "assistant", "done", stats={"model": "qwen", "backend": "llama"})
+    md = export_markdown(c, d.messages(c.id), d.events(c.id))
+    assert "_models: smollm2 (mlx), qwen (llama)_" in md
+    assert "/shell COMMAND runs a command" in md and "Replies 3" in md
+    assert "## User\n\nmake a file\n\n### Agent\n\n**Step 1: `write_file`**" in md

@@ -39,6 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -711,13 +712,49 @@ def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
     if t in ("notice", "search_unavailable", "context_trimmed"):
         return [f"_{d.get('text') or d.get('message') or d.get('note')}_", ""]
     if t == "mode":
-        return [f"_Mode: {'agent' if d.get('mode') == 'agent' else 'chat'}_", ""]
+        note = f" — {d['no_tools']}" if d.get("no_tools") else ""
+        return [f"_Mode: {'agent' if d.get('mode') == 'agent' else 'chat'}{note}_", ""]
+    if t == "help":
+        return [*_fenced(str(d.get("text") or "")), ""]
+    if t == "clear":
+        return ["_Context cleared: the agent started over_", ""]
+    if t == "model":
+        return [f"_Switching to {d.get('name')}_", ""]
+    if t == "slash_output":  # another feature's answer to a slash command (/stats), logged as its HTML
+        return [*_fenced(_html_text(str(d.get("html") or ""))), ""]
     if t == "step_limit":
         return [
             f"_Step limit reached ({d.get('steps')} of {d.get('max_steps')}): /continue gives it more_",
             "",
         ]
     return []
+
+
+class _TextOf(HTMLParser):
+    """The text of an HTML fragment: its data, one line per block element."""
+
+    BLOCKS = frozenset({"p", "div", "li", "tr", "br", "h1", "h2", "h3", "h4", "table", "ul", "ol", "pre"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self.BLOCKS:
+            self.parts.append("\n")
+        elif tag in ("td", "th"):
+            self.parts.append(" ")
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+
+def _html_text(fragment: str) -> str:
+    parser = _TextOf()
+    parser.feed(fragment)
+    parser.close()
+    lines = (" ".join(line.split()) for line in "".join(parser.parts).splitlines())
+    return "\n".join(line for line in lines if line)
 
 
 def _safe_event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
@@ -754,8 +791,13 @@ def export_markdown(
     """The conversation as Markdown: its messages and, where an agent worked, its steps, approvals and results
     in the order they came."""
     lines = [f"# {_plain_markdown(conv.title)}", ""]  # a title is plain text: `<b>` in it stays `<b>`
-    if conv.model:
-        lines += [f"_model: {conv.model} ({conv.backend or '?'})_", ""]
+    used = [(m.stats.get("model"), m.stats.get("backend")) for m in messages if m.role == "assistant"]
+    models = list(dict.fromkeys((str(n), str(b or "?")) for n, b in used if n)) or (
+        [(conv.model, conv.backend or "?")] if conv.model else []
+    )  # every model that replied, in order (a /model switch midway): not only the last one
+    if models:
+        said = ", ".join(f"{_plain_markdown(n)} ({_plain_markdown(b)})" for n, b in models)
+        lines += [f"_{'models' if len(models) > 1 else 'model'}: {said}_", ""]
     output: dict[int, list[str]] = {}
     for e in events:
         if e.type == "output":
@@ -777,8 +819,10 @@ def export_markdown(
             lines += [f"_attached: {named}_", "", m.content[start:], ""]
         else:
             lines += [m.content, ""]
-        for e in after.pop(m.id, []):
-            lines += _safe_event_markdown(e, output)
+        steps = [line for e in after.pop(m.id, []) for line in _safe_event_markdown(e, output)]
+        if steps and m.role == "user":  # what the agent did for this message: not under the user's heading
+            lines += ["### Agent", ""]
+        lines += steps
     for rest in after.values():  # after a message since deleted
         for e in rest:
             lines += _safe_event_markdown(e, output)
