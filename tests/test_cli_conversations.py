@@ -57,6 +57,10 @@ def test_conversations_list_export_and_import_round_trip(tmp_path: Path) -> None
     assert [row[0] for row in lines(flashcode("conversations", "--project", "work", home=home).stdout)] == [
         new_id
     ]
+    # `list`, the action a newcomer types, lists the same (its options before or after it)
+    for argv in (("list", "--project", "work"), ("--project", "work", "list")):
+        assert [row[0] for row in lines(flashcode("conversations", *argv, home=home).stdout)] == [new_id]
+    assert len(lines(flashcode("conversations", "list", "--all", home=home).stdout)) == 2
     # the option before the action names the project too (the action's own default had replaced it)
     before = flashcode("conversations", "--project", "work", "import", str(out), home=home)
     assert before.returncode == 0, before.stderr

@@ -161,6 +161,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--trash", action="store_true", help="those in the Trash")
     p.set_defaults(func=cmd_conversations, action=None)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
+    listing = actions.add_parser("list", help="list them (as with no ACTION)")
+    shown = listing.add_mutually_exclusive_group()  # SUPPRESS: `conversations --all list` keeps --all
+    shown.add_argument("--project", default=argparse.SUPPRESS, metavar="NAME", help="that project's")
+    shown.add_argument("--all", action="store_true", default=argparse.SUPPRESS, help="every project's")
+    shown.add_argument("--trash", action="store_true", default=argparse.SUPPRESS, help="those in the Trash")
+    listing.set_defaults(func=cmd_conversations)
     e = actions.add_parser("export", help="write one conversation as JSON (import reads it back) or Markdown")
     e.add_argument("id", metavar="ID", help="its id (or a unique start of it), as listed")
     e.add_argument(
