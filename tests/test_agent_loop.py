@@ -276,6 +276,14 @@ def test_agent_write_needs_approval_and_shows_a_diff(worker, fake, project, stor
     proposal = of(events, ev.Proposal)[0]
     assert proposal.tool == "write" and "-hello\n+hello world\n" in (proposal.diff or "")
     assert proposal.choices == ("deny", "once") and (project / "hello.txt").read_text() == "hello\n"
+    # the user typed /write: the dialog says so (it had said "The agent wants to write this file")
+    from webapp.agent.views import AgentViews
+    from webapp.render import make_environment
+
+    dialog = AgentViews(make_environment()).approval_dialog(proposal, "d1")
+    assert (
+        proposal.typed and "You asked to write this file (/write)" in dialog and "agent wants" not in dialog
+    )
     events = asyncio.run(collect(session, "/write hello.txt\nhello world\n"))
     assert of(events, ev.FileWritten) and (project / "hello.txt").read_text() == "hello world\n"
     assert [a.decision for a in store.actions()] == ["once", "deny"]

@@ -478,6 +478,7 @@ class AgentSession:
             diff=change.diff,
             rule_text="file writes always ask",
             choices=("deny", "once"),
+            typed=True,  # only /write comes here (the tool loop's writes have their own path)
         )
         yield proposal
         decided = await self._decide(proposal, None)
