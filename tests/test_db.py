@@ -382,3 +382,16 @@ def test_markdown_export_keeps_slash_command_output_and_names_every_model(tmp_pa
     assert "_models: smollm2 (mlx), qwen (llama)_" in md
     assert "/shell COMMAND runs a command" in md and "Replies 3" in md
     assert "## User\n\nmake a file\n\n### Agent\n\n**Step 1: `write_file`**" in md
+
+
+def test_an_import_of_an_agent_conversation_says_it_continues_in_chat_mode(tmp_path: Path) -> None:
+    """Imported, an agent conversation continues in chat mode (its tools wait for the user); the walkthrough
+    saw Chat with no word why. The transcript says so at the top."""
+    d = Database(tmp_path / "i.db")
+    data = {"mode": "agent", "messages": [{"role": "user", "content": "make a file"}]}
+    got = import_json(d, data, "default")
+    conv = d.get_conversation(got.conversation.id)
+    notices = [e.data["text"] for e in d.events(conv.id) if e.type == "notice"]
+    assert conv.mode == "chat" and any("continues in chat mode" in n for n in notices)
+    plain = import_json(d, {"messages": [{"role": "user", "content": "hi"}]}, "default")
+    assert not d.events(plain.conversation.id)

@@ -1059,15 +1059,24 @@ def import_json(
                 (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode,
                  json.dumps(generation) if generation else None),
             )  # fmt: skip
-            if generation.get("system"):  # the model reads it first: the transcript says so, at the top
-                said = (
-                    "Imported with its own system prompt, which the model reads before every message (Special › "
-                    f"Generation Settings… shows and changes it): “{generation['system'][:400]}”"
-                )
+
+            def notice(text: str, level: str = "warning") -> None:  # at the top of the transcript
                 db.conn.execute(
                     "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
                     "VALUES (?,0,'notice',?,?)",
-                    (conv.id, json.dumps({"type": "notice", "text": said, "level": "warning"}), now),
+                    (conv.id, json.dumps({"type": "notice", "text": text, "level": level}), now),
+                )
+
+            if data.get("mode") == "agent":  # the page would show Chat with no word why
+                notice(
+                    "Exported in agent mode; imported, it continues in chat mode: the tools (and this project's "
+                    "allow rules) wait until you choose Agent in the Mode menu.",
+                    "info",
+                )
+            if generation.get("system"):  # the model reads it first: the transcript says so, at the top
+                notice(
+                    "Imported with its own system prompt, which the model reads before every message (Special › "
+                    f"Generation Settings… shows and changes it): “{generation['system'][:400]}”"
                 )
             for old_id, role, content, status, stats, created in messages:
                 cur = db.conn.execute(
@@ -1122,12 +1131,7 @@ def import_json(
                 left = "; ".join(skipped[:20]) + (
                     f"; and {len(skipped) - 20} more" if len(skipped) > 20 else ""
                 )
-                db.conn.execute(
-                    "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
-                    "VALUES (?,0,'notice',?,?)",
-                    (conv.id, json.dumps({"type": "notice", "text": f"Left out of the import: {left}.",
-                                          "level": "warning"}), now),
-                )  # fmt: skip
+                notice(f"Left out of the import: {left}.")
     except (sqlite3.Error, ValueError, TypeError, RecursionError) as exc:  # nothing is kept
         if (problem := storage_problem(exc, db.path)) is not None:  # not the file's fault
             raise StorageError(problem) from exc
