@@ -148,3 +148,35 @@ def test_the_gauge_of_a_reloaded_agent_turn_without_an_answer_is_its_last_steps(
     db.add_message(cid, "user", "/clear")
     db.add_event(cid, "clear", {"type": "clear"})
     assert gauge() == "0"
+
+
+def test_saving_the_generation_form_unchanged_pins_nothing(app_client) -> None:
+    """The Generation Settings form shows every value in force; saved as shown (or for a system prompt alone)
+    it had stored the chat's 0.7 and 1024 as the user's own, over an agent turn's greedy 512."""
+    client, parts = app_client
+    token, db = parts.csrf_token, parts.db
+    form = {
+        "max_tokens": "1024",
+        "temperature": "0.7",
+        "top_p": "1.0",
+        "system": "Be kind.",
+        "csrf_token": token,
+    }
+    assert "Saved." in client.post("/settings/generation", data=form).text
+    assert db.get_setting("generation_defaults") == {"system": "Be kind."}
+    conv = db.create_conversation("agent work")
+    db.set_mode(conv.id, "agent")
+    shown = client.get("/generation", params={"conversation_id": conv.id}).text  # what its form shows
+    assert 'name="max_tokens" min="1" max="32768" value="512"' in shown and 'value="0.0"' in shown
+    form = {
+        "max_tokens": "512",
+        "temperature": "0.0",
+        "top_p": "1.0",
+        "system": "Be kind.",
+        "csrf_token": token,
+    }
+    assert "Saved." in client.post(f"/c/{conv.id}/generation", data=form).text
+    assert not db.get_conversation(conv.id).generation_settings
+    form["temperature"] = "0.4"
+    client.post(f"/c/{conv.id}/generation", data=form)
+    assert db.get_conversation(conv.id).generation_settings == {"temperature": 0.4}

@@ -263,7 +263,7 @@ class ChatPages:
             values = parse_generation(await request.form())
         except ValueError as exc:
             return HTMLResponse(self.views.generation_form(conv.id, note=f"Not saved: {exc}."))
-        self.db.set_generation(conv.id, values)
+        self.db.set_generation(conv.id, self.views.changed(conv.id, values))
         return HTMLResponse(self.views.generation_form(conv.id, note="Saved."))
 
     async def save_generation_defaults(self, request: Request) -> HTMLResponse:
@@ -271,7 +271,7 @@ class ChatPages:
             values = parse_generation(await request.form())
         except ValueError as exc:
             return HTMLResponse(self.views.generation_form(None, note=f"Not saved: {exc}."))
-        self.db.set_setting(DEFAULTS_KEY, values)
+        self.db.set_setting(DEFAULTS_KEY, self.views.changed(None, values))
         return HTMLResponse(self.views.generation_form(None, note="Saved."))
 
     # ------------------------------------------------------------------ flash's memory budget

@@ -90,18 +90,28 @@ class TranscriptViews:
                 step = _count(e.data.get("context_tokens")) or step
         return max(used, step)
 
-    def generation(self, conversation_id: str | None) -> dict[str, Any]:
+    def generation(self, conversation_id: str | None, own: bool = True) -> dict[str, Any]:
         """Generation settings in force: the app's (an agent conversation's: the agent's), the Settings window's
-        defaults, the conversation's."""
+        defaults, the conversation's. `own=False`: without the last level (the conversation's; for None, the
+        Settings window's defaults)."""
         conv = self.db.get_conversation(conversation_id) if conversation_id else None
         agent = conv is not None and conv.mode == "agent"
         values: dict[str, Any] = {"top_p": 1.0} | dict(self.settings.sampling)
         if agent:
             values |= dict(self.settings.agent_sampling)
-        values |= {"system": ""} | _given(self.db.get_setting(DEFAULTS_KEY) or {})
-        if conv is not None:
+        values["system"] = ""
+        if conv is not None or own:
+            values |= _given(self.db.get_setting(DEFAULTS_KEY) or {})
+        if conv is not None and own:
             values |= _given(conv.generation_settings)
         return values
+
+    def changed(self, conversation_id: str | None, values: Mapping[str, Any]) -> dict[str, Any]:
+        """What a saved Generation Settings form sets: the values that differ from those in force without it. The
+        form shows every value in force, so saving it unchanged (or for the system prompt alone) had pinned the
+        chat's 0.7 and 1024 over an agent turn's greedy 512, and over later changes of the defaults."""
+        base = self.generation(conversation_id, own=False)
+        return {k: v for k, v in values.items() if base.get(k) != v}
 
     def sampling(self, conversation_id: str | None) -> dict[str, Any]:
         """The sampling part of `generation` (what `SamplingParams` and the agent take)."""
