@@ -782,7 +782,8 @@ def _user_attachments(m: StoredMessage) -> list[dict[str, Any]] | None:
     start = m.stats.get("typed_from")
     if not files or not isinstance(files, list) or isinstance(start, bool) or not isinstance(start, int):
         return None
-    return [f for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)]
+    named = [f for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)]
+    return named or None
 
 
 def export_markdown(
@@ -986,7 +987,23 @@ def _imported_user_stats(stats: Any, content: str) -> dict[str, Any]:
     start = stats.get("typed_from")
     if not files or isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(content):
         return {}
+    if not _is_quoting(content[:start], len(files)):  # else the bubble would hide words the model reads
+        return {}
     return {"attachments": files, "typed_from": start}
+
+
+_QUOTED = re.compile(r'<untrusted source="file ([^"\n]*)">\n(.*?)\n</untrusted>\n\n', re.S)
+_TAG = re.compile(r"<\s*/?\s*untrusted", re.I)
+
+
+def _is_quoting(hidden: str, files: int) -> bool:
+    """Whether `hidden` is what the app puts before a message sent with `files` files: one quoted block a file
+    (its text holding no untrusted tag: nothing can step out of it), and nothing else."""
+    blocks, at = [], 0
+    while at < len(hidden) and (m := _QUOTED.match(hidden, at)) is not None:
+        blocks.append(m)
+        at = m.end()
+    return at == len(hidden) and len(blocks) == files and not any(_TAG.search(m.group(2)) for m in blocks)
 
 
 def import_json(
