@@ -346,16 +346,37 @@ def test_a_dropped_guess_ends_cancelled_and_a_promoted_one_reads_its_bytes(tmp_p
         r.queue.submit(gate.wait)
         kept = r.read(bufs[0], 2 * ALIGN, 2 * ALIGN, chunk=ALIGN, speculative=True)
         gone = r.read(bufs[1], 4 * ALIGN, 2 * ALIGN, chunk=ALIGN, speculative=True)
-        r.promote(kept)
-        r.drop(gone)
+        r.promote([kept])
+        r.drop([gone])
         gate.set()
         kept.result(timeout=10)
         with pytest.raises(CancelledError):
             gone.result(timeout=10)
         want = np.arange(8 * ALIGN, dtype=np.uint8).tobytes()[2 * ALIGN : 4 * ALIGN]
         assert bytes(bufs[0].view[: 2 * ALIGN]) == want
-        assert r.stats.bytes == 2 * ALIGN  # the dropped guess read nothing
+        assert r.stats.bytes == 2 * ALIGN and r.stats.reads == 1  # the dropped guess: no bytes, no read
     finally:
         r.close()
         for b in bufs:
             b.close()
+
+
+def test_a_read_queue_never_closed_lets_its_threads_go() -> None:
+    """A reader dropped without close() (a test's, an engine's on an error path) does not keep its threads,
+    as the thread pool it replaced did not."""
+    import gc
+    import threading
+    import time
+
+    from engine.flash.reader import ReadQueue
+
+    q = ReadQueue(3, name="flash-read-orphan")
+    assert q.submit(sum, [1, 2]).result(timeout=10) == 3
+    del q
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        t.name.startswith("flash-read-orphan") for t in threading.enumerate()
+    ):
+        time.sleep(0.05)
+    assert not any(t.name.startswith("flash-read-orphan") for t in threading.enumerate())

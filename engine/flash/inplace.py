@@ -33,6 +33,7 @@ from .reader import (
     buffer_address,
     join_reads,
     open_direct,
+    started_clock,
 )
 from .split import ALIGN
 
@@ -42,9 +43,8 @@ MIN_DIRECT = 4 * DIO  # a range read straight into the destination: at least thi
 
 
 def scratch_bytes(threads: int, chunk: int = SCRATCH_CHUNK) -> int:
-    """Memory the reader's scratch buffers take (for the budget): one per reader thread, counted twice (the
-    bound from when guesses had threads of their own; 64 KiB a thread)."""
-    return 2 * threads * (chunk + 2 * ALIGN)
+    """Memory the reader's scratch buffers take (for the budget): one per reader thread (guesses share them)."""
+    return threads * (chunk + 2 * ALIGN)
 
 
 class InPlaceReader:
@@ -185,10 +185,10 @@ class InPlaceReader:
         parts_of: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
         for (k, fi, fo, m, at), lo, hi in zip(cut, lows, highs, strict=False):  # cut may be empty
             parts_of.setdefault(k, []).append((fi, fo, m, at, lo, hi))
-        parts = [
-            self.queue.submit(self._part, view, base, rs, speculative=speculative) for rs in parts_of.values()
-        ]
-        return join_reads(parts, t0, self._lock, self.stats)
+        started = [] if speculative else None
+        run = started_clock(self._part, started) if started is not None else self._part
+        parts = [self.queue.submit(run, view, base, rs, speculative=speculative) for rs in parts_of.values()]
+        return join_reads(parts, t0, self._lock, self.stats, started=started)
 
     promote = UnitReader.promote
     drop = UnitReader.drop

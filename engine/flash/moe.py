@@ -241,12 +241,10 @@ class ExpertStream:
         self.slot_of[i, [k for k, _, _ in res]] = [s for _, s, _ in res]
         self.prof.add("cache", time.perf_counter() - t0)
         ready = self._take_prefetched(i)
-        if ready:  # the guesses the router picked are needed now; the others are not read further
-            needed = {k for k, _ in misses}
-            promote, drop = getattr(self.reader, "promote", None), getattr(self.reader, "drop", None)
-            for k, (_, fut) in ready.items():
-                if (act := promote if k in needed else drop) is not None:
-                    act(fut)
+        if ready and hasattr(self.reader, "promote"):  # the guesses the router picked are needed now; the
+            needed = {k for k, _ in misses}  # others are not read further
+            self.reader.promote([fut for k, (_, fut) in ready.items() if k in needed])
+            self.reader.drop([fut for k, (_, fut) in ready.items() if k not in needed])
         if not misses:
             self._drain(ready)
             if guesses:
@@ -305,12 +303,11 @@ class ExpertStream:
             return {}
         ub = self.unit_bytes
         if i < 0:
-            drop = getattr(self.reader, "drop", None)
-            for mine in self.pf.values():
-                for _, fut in mine.values():
-                    if drop is not None:
-                        drop(fut)
-                    fut.exception()
+            pending = [fut for mine in self.pf.values() for _, fut in mine.values()]
+            if hasattr(self.reader, "drop"):
+                self.reader.drop(pending)
+            for fut in pending:
+                fut.exception()
             self.pf = {}
             return {}
         mine = self.pf.pop(i, {})

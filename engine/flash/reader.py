@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future
@@ -102,6 +103,47 @@ class ReadStats:
         }
 
 
+_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+
+
+class _Queues:
+    """What a `ReadQueue`'s threads share (not the queue itself: a reader dropped without close() is collected,
+    and its finalizer stops them)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.needed: deque[_Task] = deque()
+        self.guesses: deque[_Task] = deque()
+        self.closed = False
+
+    def stop(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+
+def _work(q: _Queues) -> None:
+    """A reader thread: needed reads first, then guesses; after stop(), what is queued, then it ends."""
+    while True:
+        with q.cv:
+            while not q.needed and not q.guesses and not q.closed:
+                q.cv.wait()
+            if q.needed:
+                fut, fn, args = q.needed.popleft()
+            elif q.guesses:
+                fut, fn, args = q.guesses.popleft()
+            else:  # stopped, and every queued read has run
+                return
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the read
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+
 class ReadQueue:
     """The reader's threads and their two queues. A read the compute waits for goes first; a guess (a
     speculative read) runs only while none of those is waiting, so it takes the disk's idle time and never
@@ -109,74 +151,51 @@ class ReadQueue:
     promoted (the router picked it: it is needed now) or dropped (it did not: the bytes are not read)."""
 
     def __init__(self, threads: int, name: str = "flash-read") -> None:
-        self._cv = threading.Condition()
-        self._needed: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
-        self._guesses: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
-        self._closed = False
+        self._q = _Queues()
         self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{n}", daemon=True) for n in range(threads)
+            threading.Thread(target=_work, args=(self._q,), name=f"{name}-{n}", daemon=True)
+            for n in range(threads)
         ]
         for t in self._threads:
             t.start()
+        weakref.finalize(self, self._q.stop)  # a reader never closed does not keep its threads
 
     def submit(self, fn: Callable[..., Any], *args: Any, speculative: bool = False) -> Future[Any]:
         fut: Future[Any] = Future()
-        with self._cv:
-            if self._closed:
+        q = self._q
+        with q.cv:
+            if q.closed:
                 raise RuntimeError("the reader is closed")
-            (self._guesses if speculative else self._needed).append((fut, fn, args))
-            self._cv.notify()
+            (q.guesses if speculative else q.needed).append((fut, fn, args))
+            q.cv.notify()
         return fut
 
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not self._needed and not self._guesses and not self._closed:
-                    self._cv.wait()
-                if self._needed:
-                    fut, fn, args = self._needed.popleft()
-                elif self._guesses:
-                    fut, fn, args = self._guesses.popleft()
-                else:  # closed, and every queued read has run
-                    return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the read
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-    def _take(
-        self, parts: Iterable[Future[Any]]
-    ) -> list[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]:
+    def _take(self, parts: Iterable[Future[Any]]) -> list[_Task]:
         """Remove `parts` still waiting in the guess queue (under the lock); return them."""
         ids = {id(p) for p in parts}
-        taken = [t for t in self._guesses if id(t[0]) in ids]
+        q = self._q
+        taken = [t for t in q.guesses if id(t[0]) in ids]
         if taken:
-            self._guesses = deque(t for t in self._guesses if id(t[0]) not in ids)
+            q.guesses = deque(t for t in q.guesses if id(t[0]) not in ids)
         return taken
 
     def promote(self, parts: Iterable[Future[Any]]) -> None:
         """Guessed parts not started yet are needed now: they join the needed reads' queue."""
-        with self._cv:
+        with self._q.cv:
             taken = self._take(parts)
-            self._needed.extend(taken)
-            self._cv.notify(len(taken))
+            self._q.needed.extend(taken)
+            self._q.cv.notify(len(taken))
 
     def drop(self, parts: Iterable[Future[Any]]) -> None:
         """Guessed parts not started yet are not needed: cancelled, never read."""
-        with self._cv:
+        with self._q.cv:
             taken = self._take(parts)
         for fut, _, _ in taken:
             fut.cancel()
 
     def close(self) -> None:
         """Run what is queued, then stop the threads."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        self._q.stop()
         for t in self._threads:
             t.join()
 
@@ -221,35 +240,52 @@ class UnitReader:
         step = max(chunk, -(-length // self.threads // ALIGN) * ALIGN)
         if isinstance(buf, AlignedBuffer):
             buf.rebase(0)  # units.bin's units start on a page: so does the data
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), [] if speculative else None
+        run = started_clock(self._pread, started) if started is not None else self._pread
         parts = [
-            self.queue.submit(
-                self._pread, buf.view[s : min(s + step, length)], offset + s, speculative=speculative
-            )
+            self.queue.submit(run, buf.view[s : min(s + step, length)], offset + s, speculative=speculative)
             for s in range(0, length, step)
         ]
-        return join_reads(parts, t0, self._lock, self.stats, length)
+        return join_reads(parts, t0, self._lock, self.stats, length, started)
 
-    def promote(self, read: Future[float]) -> None:
-        """A guessed read is needed now: its parts not started yet go ahead of the other guesses."""
-        self.queue.promote(getattr(read, "parts", ()))
+    def promote(self, reads: Iterable[Future[float]]) -> None:
+        """Guessed reads are needed now: their parts not started yet go ahead of the other guesses."""
+        self.queue.promote([p for r in reads for p in getattr(r, "parts", ())])
 
-    def drop(self, read: Future[float]) -> None:
-        """A guessed read is not needed: its parts not started yet are never read (the read ends cancelled)."""
-        self.queue.drop(getattr(read, "parts", ()))
+    def drop(self, reads: Iterable[Future[float]]) -> None:
+        """Guessed reads are not needed: their parts not started yet are never read (each read ends cancelled)."""
+        self.queue.drop([p for r in reads for p in getattr(r, "parts", ())])
 
     def close(self) -> None:
         self.queue.close()
         os.close(self.fd)
 
 
+def started_clock(fn: Callable[..., Any], started: list[float]) -> Callable[..., Any]:
+    """`fn`, noting in `started` when the first part of a read began: a guess waits in its queue until the
+    disk is free, and that wait is not the read's latency."""
+
+    def run(*args: Any) -> Any:
+        if not started:
+            started.append(time.perf_counter())
+        return fn(*args)
+
+    return run
+
+
 def join_reads(
-    parts: list[Future[int]], t0: float, lock: threading.Lock, stats: ReadStats, nbytes: int | None = None
+    parts: list[Future[int]],
+    t0: float,
+    lock: threading.Lock,
+    stats: ReadStats,
+    nbytes: int | None = None,
+    started: list[float] | None = None,
 ) -> Future[float]:
     """One future for a read cut into `parts` (each a pread's byte count): its result is the read's wall
-    time from `t0`, or the first part's error (CancelledError: a guess dropped before all of it was read).
-    When the last part ends, `stats` (under `lock`) counts one read of `nbytes` (None, or a dropped guess:
-    the bytes the parts read). The future keeps its `parts` (for `ReadQueue.promote` and `drop`)."""
+    time from `t0` (or from its first part's start, noted in `started`), or the first part's error
+    (CancelledError: a guess dropped before all of it was read). When the last part ends, `stats` (under
+    `lock`) counts one read of `nbytes` (None: the bytes the parts read); a dropped guess counts only the
+    bytes its parts read. The future keeps its `parts` (for `ReadQueue.promote` and `drop`)."""
     done: Future[float] = Future()
     done.parts = parts  # type: ignore[attr-defined]
     if not parts:
@@ -265,13 +301,15 @@ def join_reads(
             left[0] -= 1
             last = left[0] == 0
             if last:
-                dt = time.perf_counter() - t0
+                dt = time.perf_counter() - (started[0] if started else t0)
                 ok = sum(p.result() for p in parts if error(p) is None)
-                dropped = any(p.cancelled() for p in parts)
-                stats.bytes += ok if nbytes is None or dropped else nbytes
-                stats.reads += 1
-                stats.read_s += dt
-                stats.max_latency_s = max(stats.max_latency_s, dt)
+                if any(p.cancelled() for p in parts):  # a dropped guess: its bytes, not a read's time
+                    stats.bytes += ok
+                else:
+                    stats.bytes += ok if nbytes is None else nbytes
+                    stats.reads += 1
+                    stats.read_s += dt
+                    stats.max_latency_s = max(stats.max_latency_s, dt)
         if not last or done.done():
             return
         errors = [e for p in parts if (e := error(p)) is not None]
