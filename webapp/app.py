@@ -135,7 +135,9 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         projects.open(projects.add(settings.project_dir).id)
     resume = AutoResume(settings.data_dir, engine.worker, db)
     engine.worker.on_submit.append(resume.generating)
-    projects_web = ProjectsWeb(projects, env, _quote_file, on_switch=resume.save_now)
+    projects_web = ProjectsWeb(
+        projects, env, _quote_file, on_switch=resume.save_now, on_remove=lambda: resume.flush()
+    )  # a removal waits only for the saves being written (a new save of the live one would go in its folder)
 
     stats = Stats(db, settings.data_dir, env, engine.worker, csrf_token, projects=projects)
     on_reply.append(stats.record_chat_reply)

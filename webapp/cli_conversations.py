@@ -73,6 +73,13 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             return _export(db, args)
         if action == "import":
             return _import(db, store, args)
+        chosen = [
+            o for o, on in (("--project", args.project), ("--all", args.all), ("--trash", args.trash)) if on
+        ]
+        if len(chosen) > 1:  # one before `list` and one after it: argparse sees two groups
+            raise preflight.StartupError(
+                f"{' and '.join(chosen)} cannot go together: give one of --project, --all, --trash"
+            )
         if args.trash:
             shown = db.trashed_conversations()
         else:

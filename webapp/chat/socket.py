@@ -152,6 +152,7 @@ class Session:
         self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
         self.closing = False  # the page went away (closed, reloaded)
         self.writing_in: str | None = None  # the conversation of the turn task (other windows wait for it)
+        self._saying: set[asyncio.Task[None]] = set()  # mode changes being said (`_say_mode`)
 
     # ------------------------------------------------------------------ plumbing
     async def run(self) -> None:
@@ -240,7 +241,7 @@ class Session:
         elif isinstance(msg, p.SwitchModel):
             await self._switch_model(msg)
         elif isinstance(msg, p.SetMode):
-            await self._set_mode(msg)
+            self._set_mode(msg)
 
     def _busy_elsewhere(self, conversation_id: str | None, kept: bool = False) -> bool:
         """Another window is writing in this conversation: nothing changes it from here until it has ended
@@ -406,18 +407,37 @@ class Session:
             views.engine_meter(None),
         )
 
-    async def _set_mode(self, msg: p.SetMode) -> None:
+    def _set_mode(self, msg: p.SetMode) -> None:
         db = self.ctx.db
         db.set_setting(NEW_MODE_KEY, msg.mode)  # new conversations start in the mode last chosen
         if msg.conversation_id and db.get_conversation(msg.conversation_id) is not None:
             db.set_mode(msg.conversation_id, msg.mode)
-            data = {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"}
-            if msg.mode == "agent" and self.turns is not None:  # a model without tools: said now, not after
-                data["no_tools"] = await self.turns.mode_note(msg.conversation_id)  # the first message
-            db.add_event(msg.conversation_id, "mode", data)  # the transcript says when it changed
-            if self.views.render_event is not None:
-                self.send(self.views.render_event("mode", data))
+            if msg.mode == "agent" and self.turns is not None:
+                said = asyncio.get_running_loop().create_task(self._say_agent_mode(msg.conversation_id))
+                self._saying.add(said)  # off this window's message loop: the note may wait for the engine
+                said.add_done_callback(self._saying.discard)
+            else:
+                self._say_mode(
+                    msg.conversation_id, {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"}
+                )
         self.send(self.views.mode_picker(msg.mode))
+
+    def _say_mode(self, conversation_id: str, data: dict[str, Any]) -> None:
+        """The transcript says when the mode changed."""
+        self.ctx.db.add_event(conversation_id, "mode", data)
+        if self.views.render_event is not None:
+            self.send(self.views.render_event("mode", data))
+
+    async def _say_agent_mode(self, conversation_id: str) -> None:
+        """Agent with a model that takes no tools says so now (and which model would work), not after the first
+        message. Asking the engine waits for a generation running in another window: not this window's other
+        messages."""
+        data: dict[str, Any] = {"type": "mode", "mode": "agent"}
+        try:
+            data["no_tools"] = await self.turns.mode_note(conversation_id)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - the mode changed all the same; the first turn says it then
+            log.warning("the agent mode's note failed", exc_info=True)
+        self._say_mode(conversation_id, data)
 
     def _answer(self, msg: p.Answer) -> None:
         fut = self.dialogs.pop(msg.dialog_id, None)

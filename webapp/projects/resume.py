@@ -355,8 +355,10 @@ class AutoResume:
         if self._queued is not None and not queued:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queued.wait(), SUBMIT_WAIT_S)
-        conv = self.db.get_conversation(cid)
-        if conv is None or conv.project_id != project:  # deleted, or its project removed, meanwhile
+        # deleted for good, or its project removed, meanwhile (one in the Trash keeps its save: Put Back resumes
+        # it); a removal waits for this task (`flush`), so the job queued next cannot land after it
+        conv = self.db.get_conversation(cid, trashed=True)
+        if conv is None or conv.project_id != project:
             log.info(
                 "conversation %s went from project %s before its save was written: not saved", cid, project
             )
@@ -393,18 +395,21 @@ class AutoResume:
                 victims = self.saved(project)
                 if not victims or exc.adding > exc.quota:  # larger than the whole quota: no room to make
                     raise
-                self._drop(project, victims[-1].context.id)
-                self._event("evicted", victims[-1].context.conversation_id or "")
+                if self._drop(project, victims[-1].context.id):
+                    self._event("evicted", victims[-1].context.conversation_id or "")
         folder = self.store.context_dir(project, ctx.id)
         (folder / SIDECAR).write_text(
             json.dumps({"conversation_id": cid, "messages": len(history), "digest": digest(history)})
         )
 
-    def _drop(self, project: str, context_id: str) -> None:
+    def _drop(self, project: str, context_id: str) -> bool:
         """Delete a save; one already gone (the event loop drops a stale save while this thread saves) is
-        fine."""
-        with contextlib.suppress(ContextNotFoundError):
+        fine: False."""
+        try:
             self.store.delete(project, context_id)
+        except ContextNotFoundError:
+            return False
+        return True
 
     def saved(self, project: str) -> list[Saved]:
         """The project's automatic saves, most recently used first."""

@@ -72,8 +72,9 @@ class ProjectsWeb:
         quote: Quote,
         on_switch: Callable[[], Awaitable[None]] | None = None,
         home: Path | None = None,
+        on_remove: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self.store, self.quote, self.on_switch = store, quote, on_switch
+        self.store, self.quote, self.on_switch, self.on_remove = store, quote, on_switch, on_remove
         self.home = (home or Path.home()).resolve()
         self.ui: Any = env.get_template("projects/fragments.html").module
         self.pending: dict[str, list[tuple[str, int, str]]] = {}  # project id -> (path, size, text)
@@ -174,10 +175,10 @@ class ProjectsWeb:
     async def remove_project(self, request: Request) -> Response:
         """POST /projects/remove: `project_id`, `delete_data=on` to delete flashcode's data too."""
         form = await request.form()
-        if self.on_switch is not None and self.store.get(str(form.get("project_id") or "")) is not None:
+        if self.on_remove is not None and self.store.get(str(form.get("project_id") or "")) is not None:
             # the saves being written behind a reply land first: one landing after the removal would put a
             # removed (or moved) project's folder back, holding a deleted conversation's cache
-            await self.on_switch()
+            await self.on_remove()
         try:
             self.store.remove(str(form.get("project_id") or ""), delete_data=form.get("delete_data") == "on")
         except ProjectError as exc:
