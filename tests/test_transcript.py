@@ -6,6 +6,7 @@ the model; SQLite and the app are real.
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from collections.abc import Iterator
@@ -180,3 +181,13 @@ def test_saving_the_generation_form_unchanged_pins_nothing(app_client) -> None:
     form["temperature"] = "0.4"
     client.post(f"/c/{conv.id}/generation", data=form)
     assert db.get_conversation(conv.id).generation_settings == {"temperature": 0.4}
+    # a chat conversation's window left open while it switches to agent mode, then saved as it was shown:
+    # the chat's 0.7 and 1024 it showed are not the user's own (a walkthrough's agent turns went back to 0.7)
+    chat = db.create_conversation("chat first")
+    drawn = client.get("/generation", params={"conversation_id": chat.id}).text
+    inherited = html.unescape(re.search(r'name="inherited" value="([^"]*)"', drawn).group(1))  # type: ignore[union-attr]
+    db.set_mode(chat.id, "agent")
+    form = {"max_tokens": "1024", "temperature": "0.7", "top_p": "1.0", "system": "Be kind.",
+            "inherited": inherited, "csrf_token": token}  # fmt: skip
+    assert "Saved." in client.post(f"/c/{chat.id}/generation", data=form).text
+    assert not db.get_conversation(chat.id).generation_settings

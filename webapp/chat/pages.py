@@ -259,19 +259,21 @@ class ChatPages:
 
     async def save_generation(self, request: Request) -> HTMLResponse:
         conv = self._conversation(request)
+        form = await request.form()
         try:
-            values = parse_generation(await request.form())
+            values = parse_generation(form)
         except ValueError as exc:
             return HTMLResponse(self.views.generation_form(conv.id, note=f"Not saved: {exc}."))
-        self.db.set_generation(conv.id, self.views.changed(conv.id, values))
+        self.db.set_generation(conv.id, self.views.changed(conv.id, values, str(form.get("inherited") or "")))
         return HTMLResponse(self.views.generation_form(conv.id, note="Saved."))
 
     async def save_generation_defaults(self, request: Request) -> HTMLResponse:
+        form = await request.form()
         try:
-            values = parse_generation(await request.form())
+            values = parse_generation(form)
         except ValueError as exc:
             return HTMLResponse(self.views.generation_form(None, note=f"Not saved: {exc}."))
-        self.db.set_setting(DEFAULTS_KEY, self.views.changed(None, values))
+        self.db.set_setting(DEFAULTS_KEY, self.views.changed(None, values, str(form.get("inherited") or "")))
         return HTMLResponse(self.views.generation_form(None, note="Saved."))
 
     # ------------------------------------------------------------------ flash's memory budget

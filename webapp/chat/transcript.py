@@ -10,6 +10,7 @@ What it does not know: how an agent event looks (it is handed `render_event`, th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,11 +107,20 @@ class TranscriptViews:
             values |= _given(conv.generation_settings)
         return values
 
-    def changed(self, conversation_id: str | None, values: Mapping[str, Any]) -> dict[str, Any]:
-        """What a saved Generation Settings form sets: the values that differ from those in force without it. The
-        form shows every value in force, so saving it unchanged (or for the system prompt alone) had pinned the
-        chat's 0.7 and 1024 over an agent turn's greedy 512, and over later changes of the defaults."""
+    def changed(
+        self, conversation_id: str | None, values: Mapping[str, Any], inherited: str | None = None
+    ) -> dict[str, Any]:
+        """What a saved Generation Settings form sets: the values that differ from those in force without it
+        (`inherited`: as the form was drawn, its hidden field; the mode may have changed since). The form shows
+        every value in force, so saving it unchanged (or for the system prompt alone) had pinned the chat's 0.7
+        and 1024 over an agent turn's greedy 512, and over later changes of the defaults."""
         base = self.generation(conversation_id, own=False)
+        try:
+            drawn = json.loads(inherited or "null")
+        except ValueError:
+            drawn = None
+        if isinstance(drawn, dict):
+            base |= {k: v for k, v in drawn.items() if k in GENERATION_FIELDS}
         return {k: v for k, v in values.items() if base.get(k) != v}
 
     def sampling(self, conversation_id: str | None) -> dict[str, Any]:
@@ -147,7 +157,8 @@ class TranscriptViews:
 
     def generation_form(self, conversation_id: str | None, note: str = "") -> str:
         values = self.generation(conversation_id)
-        return str(self.tx.generation_form(conversation_id, values, self.csrf_token, note))
+        inherited = json.dumps(self.generation(conversation_id, own=False))  # what `changed` compares with
+        return str(self.tx.generation_form(conversation_id, values, self.csrf_token, note, inherited))
 
 
 def is_slash_command(text: str) -> bool:
