@@ -169,6 +169,19 @@ def test_choosing_agent_mode_says_at_once_that_the_model_takes_no_tools(ws, fake
     assert "does not take tools" not in frames
 
 
+def test_choosing_agent_mode_before_the_first_message_says_it_too(ws, fake: FakeBackend) -> None:
+    """Agent chosen in a new conversation (nothing sent yet): the note is shown at once, and not said again
+    at the first message (a walkthrough saw nothing until smollm2 had answered off the task)."""
+    send(ws, type="mode", mode="agent")
+    frames = until(ws, r"does not take tools")
+    assert "Agent mode" in frames
+    fake.enqueue_route("chat").enqueue("an answer")
+    send(ws, type="send", text="hello", mode="agent")
+    frames = until(ws, r"an answer")
+    frames += until(ws, r'data-state="idle"')
+    assert "does not take tools" not in frames
+
+
 def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend, project: Path) -> None:
     worker = Worker(lambda: fake)
     settings = Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project)

@@ -136,8 +136,9 @@ class TurnHandler(Protocol):
 
     async def run(self, turn: Turn, text: str) -> None: ...
 
-    async def mode_note(self, conversation_id: str) -> str:
-        """Agent mode was chosen for the conversation: what to say about it now ("" if nothing)."""
+    async def mode_note(self, conversation_id: str | None) -> str:
+        """Agent mode was chosen for the conversation (None: the next one): what to say about it now ("" if
+        nothing)."""
         ...
 
 

@@ -118,6 +118,42 @@ def extract_command(reply: str) -> str:
     return ""
 
 
+async def uses_tools(worker: Any) -> bool:
+    """Whether agent turns run the tool loop: the engine's model takes tools in its chat template (native tool
+    calling); other models keep the router (chat / search / shell)."""
+
+    def check(backend: Any) -> bool:
+        return isinstance(backend, ToolCallingBackend) and backend.supports_tools()
+
+    try:
+        return bool(await worker.acall(check))
+    except Exception:  # noqa: BLE001 - no engine, no model: the router says so
+        return False
+
+
+async def no_tools_note(worker: Any) -> str:
+    """Why agent turns are routed with the loaded model, and which model would work."""
+    try:
+        name = str(await worker.acall(lambda b: b.model.name))
+    except Exception:  # noqa: BLE001 - no model: said without its name
+        name = "the loaded model"
+    hint = (
+        f" For the tool loop (files, edits, commands step by step), load {AGENT_MODEL}: the model menu, or "
+        f"/model {AGENT_MODEL}."
+        if name != AGENT_MODEL
+        else ""
+    )
+    return (
+        f"{name} does not take tools, so agent mode routes each message to one of chat, web search or a "
+        f"shell command instead of working on the project step by step.{hint}"
+    )
+
+
+async def tools_note(worker: Any) -> str:
+    """Agent mode chosen: `no_tools_note` when the model takes no tools, else ""."""
+    return "" if await uses_tools(worker) else await no_tools_note(worker)
+
+
 class AgentSession:
     def __init__(
         self,
@@ -278,39 +314,17 @@ class AgentSession:
     async def tools_note(self) -> str:
         """Agent mode was chosen: why its turns are routed when the model takes no tools, and what would work
         ("" when it takes them). Said here, it is not said again at the first turn."""
-        if await self.uses_tools():
-            return ""
-        self._said_no_tools = True
-        return await self._no_tools_note()
+        note = await tools_note(self.worker)
+        self._said_no_tools = self._said_no_tools or bool(note)
+        return note
 
     async def _no_tools_note(self) -> str:
-        try:
-            name = str(await self.worker.acall(lambda b: b.model.name))
-        except Exception:  # noqa: BLE001 - no model: said without its name
-            name = "the loaded model"
-        hint = (
-            f" For the tool loop (files, edits, commands step by step), load {AGENT_MODEL}: the model menu, or "
-            f"/model {AGENT_MODEL}."
-            if name != AGENT_MODEL
-            else ""
-        )
-        return (
-            f"{name} does not take tools, so agent mode routes each message to one of chat, web search or a "
-            f"shell command instead of working on the project step by step.{hint}"
-        )
+        return await no_tools_note(self.worker)
 
     # ------------------------------------------------------------------ the tool loop
     async def uses_tools(self) -> bool:
-        """Whether this turn runs the tool loop: the engine's model takes tools in its chat template
-        (native tool calling); other models keep the router (chat / search / shell)."""
-
-        def check(backend: Any) -> bool:
-            return isinstance(backend, ToolCallingBackend) and backend.supports_tools()
-
-        try:
-            return bool(await self.worker.acall(check))
-        except Exception:  # noqa: BLE001 - no engine, no model: the router says so
-            return False
+        """Whether this turn runs the tool loop (`uses_tools`)."""
+        return await uses_tools(self.worker)
 
     async def _tool_turn(self, text: str, attached: str = "") -> AsyncIterator[AgentEvent]:
         self.loop = ToolLoop(self, max_steps=self.max_steps, constrained=self.constrained)

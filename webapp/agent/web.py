@@ -33,7 +33,7 @@ from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import NEW_MODE_KEY, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
 from . import events as ev
-from .agent import AgentSession
+from .agent import AgentSession, tools_note
 from .sandbox import detect
 from .search import DDGSProvider
 from .slash import SlashCommands
@@ -147,6 +147,7 @@ class AgentTurns:
         self._synced: dict[str, int] = {}  # stored message count after the last agent turn
         self._turn: Turn | None = None  # the turn being run (one at a time per socket)
         self._step_id: str | None = None  # its tool-loop step running now (its card's id)
+        self._said_next = False  # the no-tools note was shown for the next new conversation (not said again)
 
     def _stored_history(self, conversation_id: str) -> list[dict[str, str]]:
         """The conversation as stored, minus the message of the turn being run."""
@@ -158,9 +159,14 @@ class AgentTurns:
             if m.role in ("user", "assistant") and m.content and m.id > start
         ]
 
-    async def mode_note(self, conversation_id: str) -> str:
-        """The Mode menu chose Agent for this conversation: what its agent would say about the loaded model
-        (it takes no tools: turns are routed, and which model would work), "" when it takes them."""
+    async def mode_note(self, conversation_id: str | None) -> str:
+        """The Mode menu chose Agent for this conversation (None: the next one): what its agent would say about
+        the loaded model (it takes no tools: turns are routed, and which model would work), "" when it takes
+        them."""
+        if conversation_id is None:
+            note = await tools_note(self.web.engine.worker)
+            self._said_next = bool(note)
+            return note
         return await self.agent_for(conversation_id).tools_note()
 
     def agent_for(self, conversation_id: str) -> AgentSession:
@@ -188,6 +194,8 @@ class AgentTurns:
                 commands=web.commands,
             )
             self.agents[conversation_id] = agent
+            if self._said_next:  # shown when Agent was chosen for this (then new) conversation
+                agent._said_no_tools, self._said_next = True, False
         agent.mode = "agent" if self._mode(conversation_id) == "agent" else "raw"  # the stored mode
         return agent
 

@@ -410,28 +410,29 @@ class Session:
     def _set_mode(self, msg: p.SetMode) -> None:
         db = self.ctx.db
         db.set_setting(NEW_MODE_KEY, msg.mode)  # new conversations start in the mode last chosen
-        if msg.conversation_id and db.get_conversation(msg.conversation_id) is not None:
-            db.set_mode(msg.conversation_id, msg.mode)
-            if msg.mode == "agent" and self.turns is not None:
-                said = asyncio.get_running_loop().create_task(self._say_agent_mode(msg.conversation_id))
-                self._saying.add(said)  # off this window's message loop: the note may wait for the engine
-                said.add_done_callback(self._saying.discard)
-            else:
-                self._say_mode(
-                    msg.conversation_id, {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"}
-                )
+        known = bool(msg.conversation_id) and db.get_conversation(msg.conversation_id or "") is not None
+        cid = msg.conversation_id if known else None  # None: the next conversation's mode (nothing to log in)
+        if cid is not None:
+            db.set_mode(cid, msg.mode)
+        if msg.mode == "agent" and self.turns is not None:
+            said = asyncio.get_running_loop().create_task(self._say_agent_mode(cid))
+            self._saying.add(said)  # off this window's message loop: the note may wait for the engine
+            said.add_done_callback(self._saying.discard)
+        elif cid is not None:
+            self._say_mode(cid, {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"})
         self.send(self.views.mode_picker(msg.mode))
 
-    def _say_mode(self, conversation_id: str, data: dict[str, Any]) -> None:
-        """The transcript says when the mode changed."""
-        self.ctx.db.add_event(conversation_id, "mode", data)
+    def _say_mode(self, conversation_id: str | None, data: dict[str, Any]) -> None:
+        """The transcript says when the mode changed (logged in the conversation; a new one's: shown only)."""
+        if conversation_id is not None:
+            self.ctx.db.add_event(conversation_id, "mode", data)
         if self.views.render_event is not None:
             self.send(self.views.render_event("mode", data))
 
-    async def _say_agent_mode(self, conversation_id: str) -> None:
+    async def _say_agent_mode(self, conversation_id: str | None) -> None:
         """Agent with a model that takes no tools says so now (and which model would work), not after the first
-        message. Asking the engine waits for a generation running in another window: not this window's other
-        messages."""
+        message, in a new conversation too. Asking the engine waits for a generation running in another window:
+        not this window's other messages."""
         data: dict[str, Any] = {"type": "mode", "mode": "agent"}
         try:
             data["no_tools"] = await self.turns.mode_note(conversation_id)  # type: ignore[union-attr]
