@@ -175,6 +175,10 @@ def test_choosing_agent_mode_before_the_first_message_says_it_too(ws, fake: Fake
     send(ws, type="mode", mode="agent")
     frames = until(ws, r"does not take tools")
     assert "Agent mode" in frames
+    send(ws, type="mode", mode="chat")  # and back: the page says so (the Agent note stays above it)
+    until(ws, r"Chat mode")
+    send(ws, type="mode", mode="agent")
+    until(ws, r"does not take tools")
     fake.enqueue_route("chat").enqueue("an answer")
     send(ws, type="send", text="hello", mode="agent")
     frames = until(ws, r"an answer")

@@ -418,7 +418,7 @@ class Session:
             said = asyncio.get_running_loop().create_task(self._say_agent_mode(cid))
             self._saying.add(said)  # off this window's message loop: the note may wait for the engine
             said.add_done_callback(self._saying.discard)
-        elif cid is not None:
+        else:  # a new conversation's too (shown, not logged): after an Agent note, Chat says it is over
             self._say_mode(cid, {"type": "mode", "mode": "agent" if msg.mode == "agent" else "raw"})
         self.send(self.views.mode_picker(msg.mode))
 
