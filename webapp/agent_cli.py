@@ -39,6 +39,7 @@ from .agent.store import AgentStore
 from .agent.web import hidden_paths
 from .projects.store import ProjectRef
 from .render import visible_text
+from .settings import default_agent_sampling
 from .units import HELP, non_negative_float, positive_int, seed
 
 
@@ -371,8 +372,13 @@ def register_agent(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")
     p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help=HELP["temperature"])
-    p.add_argument("--max-tokens", type=positive_int, default=512, help="reply budget of each step")
+    agent = default_agent_sampling()  # as an agent conversation in the browser samples
+    p.add_argument(
+        "--temperature", type=non_negative_float, default=agent["temperature"], help=HELP["temperature"]
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=agent["max_tokens"], help="reply budget of each step"
+    )
     p.add_argument("--seed", type=seed, default=None, help=HELP["seed"])
     p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_agent)

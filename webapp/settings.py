@@ -77,9 +77,8 @@ class Settings:
     extra_origins: tuple[str, ...] = ()  # --allow-origin: e.g. http://my-mac.local:8000 with --host 0.0.0.0
     token: str | None = None  # access token (webapp.security); bound beyond loopback, one is always set
     sampling: dict[str, Any] = field(default_factory=default_sampling)  # a chat reply's, unless overridden
-    agent_sampling: dict[str, Any] = field(
-        default_factory=default_agent_sampling
-    )  # over `sampling`, in agent mode
+    # over `sampling`, in agent mode
+    agent_sampling: dict[str, Any] = field(default_factory=default_agent_sampling)
     project_dir: Path | None = None  # where the agent works; None: the directory serve was started in
 
     @property

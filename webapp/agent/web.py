@@ -252,9 +252,8 @@ class AgentTurns:
             turn.send(self.web.views.event(gone))
             return
         agent = self.agent_for(conversation_id)
-        settings = (
-            self.web.settings
-        )  # under the turn's values (the chat gives them all): the agent's defaults
+        # under the turn's values (the chat gives them all): the agent's defaults
+        settings = self.web.settings
         agent.sampling = SamplingParams(**(settings.sampling | settings.agent_sampling | dict(turn.sampling)))
         agent.approve_edits = self.web.store.edits_approved(agent.project)  # Settings' switch, read each turn
         self._turn = turn

@@ -131,9 +131,8 @@ class AutoResume:
         self._queued: asyncio.Event | None = None  # a generation was submitted since the last copy was taken
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
         self._submitted = 0  # generations submitted (`generating`)
-        self._reply_from: dict[
-            str, int
-        ] = {}  # conversation -> `_submitted` when its chat reply was submitted
+        # conversation -> `_submitted` when its chat reply was submitted
+        self._reply_from: dict[str, int] = {}
 
     # ------------------------------------------------------------------ what the chat calls
     def note_reply(
@@ -447,9 +446,8 @@ class AutoResume:
         if not res.resumed:
             self._event("mismatch", cid)
             return f"The saved cache of this conversation was ignored: {res.message}"
-        with contextlib.suppress(
-            OSError
-        ):  # evicted meanwhile by a save on the worker: it was loaded all the same
+        # evicted meanwhile by a save on the worker: it was loaded all the same
+        with contextlib.suppress(OSError):
             os.utime(self.store.contexts_dir(project) / found.context.id / SIDECAR)
         self.live, self.dirty = cid, False
         self._event("resumed", cid)
