@@ -151,6 +151,27 @@ def test_the_gauge_of_a_reloaded_agent_turn_without_an_answer_is_its_last_steps(
     assert gauge() == "0"
 
 
+def test_the_gauge_of_a_reloaded_stalled_agent_turn_is_what_it_showed_live(app_client) -> None:
+    """Seen in a walkthrough: an agent turn whose model stalled was answered from a small prompt of its own
+    (149 tokens) after steps whose prompts held 1,135; the gauge read 1,153 live and 262 once reloaded. The
+    reloaded gauge counts the steps of the turn the answer ends, as the live one did; a later turn's reply
+    alone counts for itself."""
+    client, parts = app_client
+    db = parts.db
+    gauge = lambda: re.search(r'class="gauge-text">(\d+) /', client.get(f"/c/{cid}").text).group(1)  # noqa: E731
+    cid = db.create_conversation("stalled").id
+    db.add_message(cid, "user", "create hello.py, then run it")
+    for tokens in (900, 1153):
+        db.add_event(cid, "tool_step", {"type": "tool_step", "step": 1, "context_tokens": tokens})
+    answer = db.add_message(cid, "assistant", "I could not run it.")
+    db.finish_message(answer.id, answer.content, "complete", {"prompt_tokens": 149, "completion_tokens": 113})
+    assert gauge() == "1153"
+    db.add_message(cid, "user", "thanks")
+    reply = db.add_message(cid, "assistant", "You are welcome.")
+    db.finish_message(reply.id, reply.content, "complete", {"prompt_tokens": 1000, "completion_tokens": 6})
+    assert gauge() == "1006"
+
+
 def test_saving_the_generation_form_unchanged_pins_nothing(app_client) -> None:
     """The Generation Settings form shows every value in force; saved as shown (or for a system prompt alone)
     it had stored the chat's 0.7 and 1024 as the user's own, over an agent turn's greedy 512."""

@@ -70,24 +70,26 @@ class TranscriptViews:
         return [html for *_, html in sorted(items, key=lambda i: i[:3])]
 
     def context_used(self, conversation_id: str | None) -> int:
-        """The last prompt's size plus its reply, as the engine counted them, or a later agent step's (a turn
-        of tool calls may end with no reply: its steps logged what the gauge showed); 0 after a /clear."""
+        """The last prompt's size plus its reply, as the engine counted them, or the largest of its turn's and
+        later agent steps' (a turn of tool calls may end with no reply, or with an answer written from a prompt
+        of its own: its steps logged what the gauge showed); 0 after a /clear. What the live gauge showed."""
         if not conversation_id:
             return 0
         start = self.db.context_start(conversation_id)
-        reply_at, used = start, 0
-        for m in reversed(self.db.messages(conversation_id)):
-            if m.id <= start:
-                break
+        turn_at, used = start, 0
+        newer_first = [m for m in reversed(self.db.messages(conversation_id)) if m.id > start]
+        for n, m in enumerate(newer_first):
             if m.role == "assistant" and m.stats.get("prompt_tokens"):
-                reply_at = m.id
                 used = int(m.stats["prompt_tokens"]) + int(m.stats.get("completion_tokens") or 0)
+                # the steps of the turn this reply ends count too (logged after its user message): an agent
+                # that stalled answers from a small prompt of its own, while its steps' prompts filled the context
+                turn_at = next((u.id for u in newer_first[n + 1 :] if u.role == "user"), m.id)
                 break
         step = 0
         for e in self.db.events(conversation_id):
             if e.type == "clear":
                 step = 0
-            elif e.type == "tool_step" and e.after_message >= reply_at:
+            elif e.type == "tool_step" and e.after_message >= turn_at:
                 step = _count(e.data.get("context_tokens")) or step
         return max(used, step)
 
