@@ -64,6 +64,11 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
                 assert shown and ("margin" in shown[2] or "cgroup" in shown[2])  # the loaded engine's own
                 engine = app.state.flashcode.engine
                 assert (engine.backend, engine.model) == ("flash", SYNTH)
+                # the next start loads it again (unless told otherwise)
+                assert app.state.flashcode.db.get_setting("last_model") == {
+                    "backend": "flash",
+                    "model": SYNTH,
+                }
 
                 send(ws, type="send", text="Hello", conversation_id="", max_tokens=6, temperature=0)
                 frames = until(ws, r'data-state="idle"', limit=500)

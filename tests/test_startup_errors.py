@@ -369,6 +369,41 @@ def test_a_second_serve_on_the_same_data_dir_is_refused(data_dir: Path) -> None:
         pass
 
 
+@pytest.mark.slow
+def test_serve_starts_with_the_model_last_loaded_from_the_menu(data_dir: Path) -> None:
+    """Seen in a walkthrough: qwen picked in the model menu for an agent conversation, the server restarted, and
+    the default model (which takes no tools) was back. With neither --model nor --backend, the model last loaded
+    from the menu (or /model) loads again, on its engine; one that can no longer load is said, and the default
+    loads; --model still picks."""
+    from engine import paths
+    from tests.servers import serve_cli
+    from webapp.db import LAST_MODEL_KEY, Database
+
+    db = Database(paths.database_path(data_dir))
+    db.remember_model("mlx", DEFAULT_MODEL)
+    db.conn.close()
+    with serve_cli(data_dir, backend="auto") as srv:
+        assert f"loading {DEFAULT_MODEL} on mlx (the model last loaded from the menu" in srv.log.read_text()
+        assert 'id="menubar-model"' in (page := _page(srv.url)) and DEFAULT_MODEL in page
+    with serve_cli(data_dir, "--model", DEFAULT_MODEL, backend="auto") as srv:  # named: no memory involved
+        assert "the model last loaded" not in srv.log.read_text()
+
+    db = Database(paths.database_path(data_dir))
+    db.set_setting(LAST_MODEL_KEY, {"backend": "mlx", "model": "uninstalled-since"})
+    db.conn.close()
+    with serve_cli(data_dir, backend="auto") as srv:
+        log = srv.log.read_text()
+    assert "flashcode: not loading uninstalled-since on mlx, the model last loaded: " in log, log
+    assert re.search(rf"loading {DEFAULT_MODEL} on \w+\.\.\.", log), log
+
+
+def _page(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
 # --------------------------------------------------------------------------- doctor
 def test_doctor_json_reports_what_is_installed(data_dir: Path) -> None:
     proc = flashcode("doctor", "--json", "--data-dir", str(data_dir))

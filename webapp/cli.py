@@ -28,7 +28,7 @@ from engine.models import DEFAULT_MODEL
 from engine.placement import is_gguf_path
 
 from . import agent_cli, cli_bench, cli_conversations, cli_projects, preflight
-from .db import storage_problem
+from .db import remembered_model, storage_problem
 from .doctor import doctor_report, format_report, model_problem
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
 from .preflight import StartupError, data_dir
@@ -107,13 +107,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             preflight.remove_empty_tree(made)
         raise
     options = backend_options(args)
-    # --model FILE.gguf: imported once; --backend auto: in RAM if it fits with room to spare, flash otherwise
-    backend, model = place_model(
-        args.model or DEFAULT_MODEL, args.backend, options, lambda t: print(t, flush=True)
-    )
-    model = model or DEFAULT_MODEL
-    preflight.check_model(model, root)
-    preflight.check_backend(backend, options)
+    remembered = _remembered_model(args, root, options)
+    if remembered is not None:
+        backend, model = remembered
+    else:
+        backend, model = _placed_model(args.model, args.backend, root, options)
     settings = Settings(
         host=args.host,
         port=args.port,
@@ -131,8 +129,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = preflight.bind_socket(args.host, args.port)
     settings.port = sock.getsockname()[1]  # --port 0: the one the system picked
     try:
-        print(f"loading {model} on {backend}...", flush=True)  # stdout: stderr carries only the error
-        worker = preflight.load_engine(lambda: make_loaded_backend(backend, model, options), model, backend)
+        last = " (the model last loaded from the menu; --model picks another)" if remembered else ""
+        print(f"loading {model} on {backend}{last}...", flush=True)  # stdout: stderr carries only the error
+        try:
+            worker = preflight.load_engine(
+                lambda: make_loaded_backend(backend, model, options), model, backend
+            )
+        except StartupError as exc:
+            if remembered is None:
+                raise
+            print(f"flashcode: {exc}; loading the default model instead", file=sys.stderr, flush=True)
+            backend, model = _placed_model(None, "auto", root, options)
+            print(f"loading {model} on {backend}...", flush=True)
+            worker = preflight.load_engine(
+                lambda: make_loaded_backend(backend, model, options), model, backend
+            )
     except BaseException:
         sock.close()
         raise
@@ -177,6 +188,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+def _placed_model(given: str | None, backend: str, root: Path, options: dict[str, Any]) -> tuple[str, str]:
+    """(backend, model) for `--model` (`None`: the default) on `--backend`: a GGUF file is imported once; auto
+    puts the model in RAM if it fits with room to spare, on flash otherwise. Checked before anything loads."""
+    backend, model = place_model(given or DEFAULT_MODEL, backend, options, lambda t: print(t, flush=True))
+    model = model or DEFAULT_MODEL
+    preflight.check_model(model, root)
+    preflight.check_backend(backend, options)
+    return backend, model
+
+
+def _remembered_model(
+    args: argparse.Namespace, root: Path, options: dict[str, Any]
+) -> tuple[str, str] | None:
+    """With neither --model nor --backend given, the model the user last loaded from the model menu or with
+    /model (kept in the database) starts again, on the engine it ran on, if it still can; else None (the
+    default loads, and the terminal says why that one does not)."""
+    if args.model is not None or args.backend != "auto":
+        return None
+    last = remembered_model(paths.database_path(root))
+    if last is None:
+        return None
+    backend, model = last
+    try:
+        preflight.check_model(model, root)
+        preflight.check_backend(backend, options)
+    except StartupError as exc:
+        print(f"flashcode: not loading {model} on {backend}, the model last loaded: {exc}", file=sys.stderr)
+        return None
+    return last
 
 
 SERVE_LOG = "serve.log"

@@ -281,6 +281,9 @@ MIGRATIONS: list[Migration] = [
     ),
 ]
 
+LAST_MODEL_KEY = (
+    "last_model"  # {"backend", "model"}: loaded from the model menu or /model; the next start loads it
+)
 TRASH_DAYS = 30  # a conversation in the Trash is deleted for good this long after it went there
 
 SCHEMA_VERSION = MIGRATIONS[-1].version  # the newest step this flashcode knows
@@ -371,6 +374,30 @@ def stored_version(conn: sqlite3.Connection) -> int:
     except sqlite3.OperationalError:  # no such table: a new or foreign database
         recorded = None
     return max(version, int(recorded or 0))
+
+
+def remembered_model(path: Path) -> tuple[str, str] | None:
+    """The (backend, model) the user last loaded (`LAST_MODEL_KEY`), read without changing the database; None
+    when there is none or it cannot be read (the start then loads the default)."""
+    if not path.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
+        try:
+            row = conn.execute("SELECT value FROM app_settings WHERE key=?", (LAST_MODEL_KEY,)).fetchone()
+        finally:
+            conn.close()
+        value = json.loads(row[0]) if row else None
+    except (sqlite3.Error, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    backend, model = value.get("backend"), value.get("model")
+    return (
+        (backend, model)
+        if isinstance(backend, str) and isinstance(model, str) and backend and model
+        else None
+    )
 
 
 def check_version(conn: sqlite3.Connection, path: Path | None = None) -> None:
@@ -593,6 +620,11 @@ class Database:
     def get_setting(self, key: str, default: Any = None) -> Any:
         row = self.conn.execute("SELECT value FROM app_settings WHERE key=?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
+
+    def remember_model(self, backend: str | None, model: str | None) -> None:
+        """The user loaded `model` on `backend` (the model menu, /model): the next start loads it too."""
+        if backend and model:
+            self.set_setting(LAST_MODEL_KEY, {"backend": backend, "model": model})
 
     def set_setting(self, key: str, value: Any) -> None:
         self.conn.execute(

@@ -234,6 +234,8 @@ class AgentTurns:
             await engine.switch(engine.backend or "mlx", name)
         except Exception as exc:  # noqa: BLE001 - shown; the engine keeps or restores a model
             failed = f"Could not load {name}: {exc}"
+        else:
+            self.web.db.remember_model(engine.backend, engine.model)
         turn.model_changed()
         return failed
 

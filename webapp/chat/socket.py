@@ -398,6 +398,8 @@ class Session:
             await self.ctx.engine.switch(msg.backend, msg.model)
         except Exception as exc:  # noqa: BLE001 - shown to the user; the engine keeps or restores a model
             self.error(f"could not load {msg.model} on {msg.backend}: {exc}")
+        else:
+            self.ctx.db.remember_model(self.ctx.engine.backend, self.ctx.engine.model)
         # every window was redrawn by ChatContext.engine_changed
         conv = self.ctx.db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         self.send(
