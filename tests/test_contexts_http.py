@@ -159,6 +159,9 @@ def test_contexts_http_errors_are_clear(client):
     fake.run([{"role": "user", "content": "another one entirely"}])
     r = c.post("/projects/default/contexts", json={"name": "x", "conversation_id": other}, headers=TOKEN)
     assert r.status_code == 409 and "not this conversation's" in r.json()["error"]
+    db.set_mode(other, "agent")  # its advice (send a message, then save) would only run agent steps again
+    r = c.post("/projects/default/contexts", json={"name": "x", "conversation_id": other}, headers=TOKEN)
+    assert r.status_code == 409 and "switch the conversation to Chat mode" in r.json()["error"]
     assert c.get("/projects/..%2Fx/contexts").status_code in (400, 404)
     r = c.post("/projects/default/contexts/20261122-113000-a1b2c3/resume", headers=TOKEN)
     assert r.json()["resumed"] is False and "re-reads it from the start" in r.json()["message"]

@@ -159,6 +159,13 @@ class SavedContexts:
         """The context saved for a conversation must be that conversation's: the one whose reply the
         engine's cache holds now."""
         if self.live is not None and self.live() != conversation_id:
+            conv = self.db.get_conversation(conversation_id)
+            if conv is not None and conv.mode == "agent":
+                raise EngineError(
+                    "an agent conversation's context is not kept: each agent step's prompt (the task, the tool "
+                    "calls and their results) takes the engine's cache, not the conversation as it reads. To save "
+                    "it, switch the conversation to Chat mode, send a message, then save"
+                )
             raise EngineError(
                 "the engine's live context is not this conversation's (another conversation or an agent "
                 "step ran since its last reply): send a message in this conversation, then save"
