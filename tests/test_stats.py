@@ -109,19 +109,37 @@ def test_grading_grades_the_last_reply_and_counts_routes(conn: sqlite3.Connectio
     with pytest.raises(stats.GradeError, match="no reply"):
         stats.grade_last(conn, "good")
     stats.record_reply(
-        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="c", route="search"
+        conn,
+        reply(10, 0, 5, 9.0, 0.1),
+        backend="mlx",
+        model="m",
+        conversation_id="c",
+        route="search",
+        message_id=1,
     )
     stats.record_reply(
-        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="c", route="shell"
+        conn,
+        reply(10, 0, 5, 9.0, 0.1),
+        backend="mlx",
+        model="m",
+        conversation_id="c",
+        route="shell",
+        message_id=2,
     )
-    stats.record_reply(conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="d")
+    stats.record_reply(
+        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="d", message_id=3
+    )
+    # an agent step that only called tools: a generation, no reply to grade
+    stats.record_reply(
+        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="d", route="tools"
+    )
     g = stats.grade_last(conn, "bad", "  wrong   flag ", conversation_id="c", excerpt="rm -rf /tmp/x")
     assert (g.grade, g.route, g.note, g.excerpt) == ("bad", "shell", "wrong flag", "rm -rf /tmp/x")
     stats.grade_last(conn, "good", conversation_id="c")  # re-grading replaces
     stats.grade_last(conn, "bad", conversation_id="d")
     counts, graded = stats.improve(conn)
     by_route = {c.route: (c.replies, c.good, c.bad, c.ungraded) for c in counts}
-    assert by_route == {"chat": (1, 0, 1, 0), "search": (1, 0, 0, 1), "shell": (1, 1, 0, 0)}
+    assert by_route == {"chat": (1, 0, 1, 0), "search": (1, 0, 0, 1), "shell": (1, 1, 0, 0)}  # no step graded
     assert [g.grade for g in graded] == ["bad", "good"]
     with pytest.raises(ValueError):
         stats.grade_last(conn, "meh")
@@ -175,9 +193,14 @@ def test_slash_answers(conn: sqlite3.Connection, tmp_path: Path) -> None:
     run = lambda name, arg="": asyncio.run(stats_view.run_slash(name, arg, conn=conn, data_dir=tmp_path))  # noqa: E731
     assert "No replies" in run("stats")
     stats.record_reply(
-        conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="small", conversation_id="c"
+        conn,
+        reply(1_000, 0, 500, 12.0, 0.25),
+        backend="mlx",
+        model="small",
+        conversation_id="c",
+        message_id=1,
     )
-    assert "| small | mlx | 1 |" in run("stats")
+    assert "| small | mlx | 1 |" in run("stats") and "**1 generation** ·" in run("stats")
     assert "| GPT-4o | $0.0075 |" in run("cost")
     assert "Graded the last reply **bad** — too long" in run("bad", "too long")
     assert "| chat | 1 | 0 | 1 | 0 |" in run("improve")
@@ -194,12 +217,16 @@ def test_slash_answers_and_grades_count_the_project_they_were_typed_in(
     def run(name: str, project: str | None, arg: str = "") -> str:
         return asyncio.run(stats_view.run_slash(name, arg, conn=conn, data_dir=tmp_path, project=project))
 
-    stats.record_reply(conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="a", project_id="p1")
-    stats.record_reply(conn, reply(2_000, 0, 100, 12.0, 0.25), backend="mlx", model="b", project_id="p2")
+    stats.record_reply(
+        conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="a", project_id="p1", message_id=5
+    )
+    stats.record_reply(
+        conn, reply(2_000, 0, 100, 12.0, 0.25), backend="mlx", model="b", project_id="p2", message_id=6
+    )
     stats.record_reply(conn, reply(3_000, 0, 100, 12.0, 0.25), backend="mlx", model="c", conversation_id="c2",
-                       project_id="p2")  # fmt: skip
-    assert "**1 replies in this project**" in run("stats", "p1") and "| b |" not in run("stats", "p1")
-    assert "**3 replies**" in run("stats", None)
+                       project_id="p2", message_id=7)  # fmt: skip
+    assert "**1 generation in this project**" in run("stats", "p1") and "| b |" not in run("stats", "p1")
+    assert "**3 generations**" in run("stats", None)
     assert "The 1,000 prompt tokens" in run("cost", "p1") and "made in this project" in run("cost", "p1")
     assert "Graded the last reply **bad**" in run("bad", None, "slow")  # the latest reply: p2's
     assert "| chat | 1 | 0 | 0 | 1 |" in run("improve", "p1") and "| chat | 2 | 0 | 1 | 1 |" in run(
@@ -226,6 +253,11 @@ def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
             stats.record_reply(state.db.conn, reply(1_000, 0, 500, 12.0, 0.25), backend="mlx", model="small")
             page = c.get("/stats/window")
             assert page.status_code == 200 and "$0.0075" in page.text  # GPT-4o: 1000 x 2.50 + 500 x 10
+            # a walkthrough counted 31 "replies" for about 15: each agent step is a generation, and says so
+            assert (
+                ">Generations</dt>" in page.text
+                and "(1 of them agent step that only called tools)" in page.text
+            )
             form = {
                 "name": ["Mine", ""],
                 "input": ["1", ""],

@@ -123,6 +123,7 @@ class Totals:
     ttft_s: float = 0.0  # mean
     peak_memory_bytes: int = 0  # max
     flash_bytes_read: int = 0
+    tool_steps: int = 0  # of `replies`: agent steps that only called tools (a generation with no message)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ _AGG = """COUNT(*) AS replies, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens,
                               THEN completion_tokens / decode_tps END), 0) AS decode_tps,
           COALESCE(AVG(CASE WHEN ttft_s > 0 THEN ttft_s END),0) AS ttft_s,
           COALESCE(MAX(peak_memory_bytes),0) AS peak_memory_bytes,
-          COALESCE(SUM(flash_bytes_read),0) AS flash_bytes_read"""
+          COALESCE(SUM(flash_bytes_read),0) AS flash_bytes_read,
+          COALESCE(SUM(CASE WHEN source = 'chat' AND message_id IS NULL THEN 1 ELSE 0 END),0) AS tool_steps"""
 
 
 def _where(source: str | None, project: str | None = None) -> tuple[str, tuple[Any, ...]]:
@@ -221,8 +223,12 @@ class Grade:
 
 
 def last_reply(conn: sqlite3.Connection, conversation_id: str | None = None) -> sqlite3.Row | None:
-    """The latest chat reply (in `conversation_id` when given)."""
-    sql = "SELECT id, conversation_id, message_id, route, model FROM stats_replies WHERE source = 'chat'"
+    """The latest chat reply (in `conversation_id` when given): one a message shows, not an agent step that only
+    called tools (a turn of steps with no answer has nothing to grade)."""
+    sql = (
+        "SELECT id, conversation_id, message_id, route, model FROM stats_replies "
+        "WHERE source = 'chat' AND message_id IS NOT NULL"
+    )
     args: tuple[Any, ...] = ()
     if conversation_id:
         sql, args = sql + " AND conversation_id = ?", (conversation_id,)
@@ -278,7 +284,9 @@ def improve(
     mine, args = ("AND project_id = ?", (project,)) if project is not None else ("", ())
     replies = dict(
         conn.execute(
-            f"SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' {mine} GROUP BY 1",
+            # the replies a grade can be given to: a step that only called tools wrote none
+            "SELECT COALESCE(route, 'chat'), COUNT(*) FROM stats_replies WHERE source = 'chat' "
+            f"AND message_id IS NOT NULL {mine} GROUP BY 1",
             args,
         ).fetchall()
     )

@@ -143,16 +143,25 @@ def _scope(project: str | None) -> str:
     return " in this project" if project is not None else ""
 
 
+def _generations(t: store.Totals) -> str:
+    """ "12 generations (5 of them agent steps that only called tools)": each is one model call, as a cloud API
+    would bill it; a reply is the one a message shows."""
+    n = f"{t.replies} generation{'s' if t.replies != 1 else ''}"
+    if t.tool_steps:
+        n += f" ({t.tool_steps} of them agent step{'s' if t.tool_steps != 1 else ''} that only called tools)"
+    return n
+
+
 def stats_markdown(conn: sqlite3.Connection, project: str | None = None) -> str:
     """`project`: the project of the conversation it was typed in (None: every project's, the API's too)."""
     t = store.totals(conn, project=project)
     if not t.replies:
         return f"No replies recorded yet{_scope(project)}: ask something, then try `/stats` again."
     lines = [
-        f"**{t.replies} replies{_scope(project)}** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
+        f"**{_generations(t)}{_scope(project)}** · {t.prompt_tokens:,} prompt tokens ({t.cached_tokens:,} from cache) · "
         f"{t.completion_tokens:,} generated · {t.decode_tps:.1f} tok/s overall · mean TTFT {t.ttft_s * 1000:.0f} ms",
         "",
-        "| model | backend | replies | tokens in / out | tok/s | TTFT | peak memory |",
+        "| model | backend | generations | tokens in / out | tok/s | TTFT | peak memory |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for m in store.by_model(conn, project=project):
