@@ -282,6 +282,15 @@
   window.addEventListener("popstate", () => location.reload());
   // a request the server refused (a title left empty, a project removed in another window) or could not
   // answer says why in an alert, rather than nothing happening; the server's errors are one plain sentence
+  // a form the server refused draws the form again with why (400 with HTML: Settings' allow rules, Stats'
+  // prices): swapped in like an answer, not an error
+  document.body.addEventListener("htmx:beforeSwap", (e) => {
+    const xhr = e.detail.xhr;
+    if (xhr.status === 400 && (xhr.getResponseHeader("content-type") || "").startsWith("text/html")) {
+      e.detail.shouldSwap = true;
+      e.detail.isError = false;
+    }
+  });
   document.body.addEventListener("htmx:responseError", (e) => {
     const xhr = e.detail.xhr;
     const plain = (xhr.getResponseHeader("content-type") || "").startsWith("text/plain");

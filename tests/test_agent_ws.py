@@ -200,6 +200,25 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
             assert client.post(f"/agent/rules/{rule.id}/delete").status_code == 403  # no CSRF token
             r = client.post(f"/agent/rules/{rule.id}/delete", headers={"x-csrf-token": state.csrf_token})
             assert r.status_code == 200 and "No allow rules" in r.text
+            # typed in Settings (a walkthrough found no way to add one there): checked as a dialog's rule is
+            csrf = {"x-csrf-token": state.csrf_token}
+            assert client.post("/agent/rules", data={"kind": "exact", "pattern": "ls"}).status_code == 403
+            r = client.post(
+                "/agent/rules", data={"kind": "exact", "pattern": "python hello.py"}, headers=csrf
+            )
+            assert r.status_code == 200 and "<code>python hello.py</code>" in r.text
+            assert [(x.kind, x.pattern) for x in AgentStore(state.db.conn).list_rules(key)] == [
+                ("exact", "python hello.py")
+            ]
+            r = client.post("/agent/rules", data={"kind": "prefix", "pattern": "python"}, headers=csrf)
+            assert (
+                r.status_code == 400 and "Not added: " in r.text and "can never be prefix-allowed" in r.text
+            )
+            assert 'value="python"' in r.text  # what was typed stays, to be mended
+            r = client.post("/agent/rules", data={"kind": "exact", "pattern": "ls; rm -rf x &"}, headers=csrf)
+            assert r.status_code == 400 and "no rule can allow it" in r.text
+            r = client.post("/agent/rules", data={"kind": "prefix", "pattern": "git status"}, headers=csrf)
+            assert r.status_code == 200 and len(AgentStore(state.db.conn).list_rules(key)) == 2
     finally:
         worker.close()
 

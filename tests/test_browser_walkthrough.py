@@ -74,6 +74,24 @@ def test_browser_settings_show_the_rules_and_network_an_approval_saved(project, 
     rule = settings.locator("#agent-rules code", has_text="echo hello")
     until(lambda: rule.count() == 1, "the second rule, when Settings opened again")
     until(lambda: not settings.locator("#settings-network").is_checked(), "the network switch, off")
+
+    # a rule typed in the window (a walkthrough found none could be): a refused one says why, in the window
+    form = settings.locator("#agent-rules form.rules-add")
+    form.locator("select[name=kind]").select_option("prefix")
+    form.locator("input[name=pattern]").fill("python3")
+    form.locator("button[type=submit]").click()
+    refused = settings.locator("#agent-rules .rules-error")
+    until(lambda: refused.count() == 1, "the refusal, in the Settings window")
+    assert "can never be prefix-allowed" in refused.inner_text()
+    assert page.locator(".alert-box").count() == 0  # not an alert: the form says it
+    form = settings.locator("#agent-rules form.rules-add")
+    form.locator("select[name=kind]").select_option("exact")
+    form.locator("input[name=pattern]").fill("python3 -m pytest -q")
+    form.locator("button[type=submit]").click()
+    added = settings.locator("#agent-rules .rules-table code", has_text="python3 -m pytest -q")
+    until(lambda: added.count() == 1, "the typed rule, listed")
+    assert settings.locator("#agent-rules .rules-error").count() == 0
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-settings-rules.png"))
     assert not page.errors, page.errors
 
 

@@ -102,18 +102,37 @@ class AgentWeb:
             Route("/agent/rules", self.rules_fragment),
             Route("/agent/network", self.set_network, methods=["POST"]),
             Route("/agent/approve-edits", self.set_approve_edits, methods=["POST"]),
+            Route("/agent/rules", self.add_rule, methods=["POST"]),
             Route("/agent/rules/{rule_id:int}/delete", self.delete_rule, methods=["POST"]),
         ]
 
-    def _rules_html(self) -> HTMLResponse:
+    def _rules_html(self, error: str = "", typed: tuple[str, str] = ("exact", "")) -> HTMLResponse:
         current = self.project_for(None)
         project = current.id
         rules = self.store.list_rules(project)
         shown = f"{current.name} ({current.path})" if current.name else str(current.path)
         html = self.views.ui.allow_rules(
-            rules, shown, detect(), self.store.network_allowed(project), self.store.edits_approved(project)
+            rules,
+            shown,
+            detect(),
+            self.store.network_allowed(project),
+            self.store.edits_approved(project),
+            error=error,
+            typed=typed,
         )
-        return HTMLResponse(str(html))
+        return HTMLResponse(str(html), status_code=400 if error else 200)
+
+    async def add_rule(self, request: Request) -> HTMLResponse:
+        """POST /agent/rules (`kind` exact or prefix, `pattern`): a rule typed in Settings, checked as one made
+        from an approval dialog is (a prefix only from the table of safe ones); a refusal says why, keeping what
+        was typed."""
+        form = await request.form()
+        kind, pattern = str(form.get("kind") or "exact"), str(form.get("pattern") or "")
+        try:
+            self.store.add_rule(self._current_key(), kind, pattern)  # type: ignore[arg-type]
+        except ValueError as exc:
+            return self._rules_html(f"Not added: {exc}", (kind, pattern))
+        return self._rules_html()
 
     async def rules_fragment(self, request: Request) -> HTMLResponse:
         """GET /agent/rules: the current project's allow rules, for the Settings window."""
