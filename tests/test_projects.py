@@ -366,6 +366,25 @@ def test_projects_open_dialog_refuses_a_bad_directory_with_its_message(client, t
     assert r.status_code == 403  # the CSRF check covers the new POSTs
 
 
+def test_new_project_makes_a_folder_that_does_not_exist_yet(client, tmp_path: Path) -> None:
+    """Seen in a walkthrough: File > New Project… with a new folder's path said "does not exist: … create the
+    folder first". New makes the last folder of the path (Open does not); a missing parent is said, and a folder
+    refused once made (here: inside the data directory) is removed again."""
+    fresh = tmp_path / "work" / "newapp"
+    (tmp_path / "work").mkdir()
+    r = _open(client, tmp_path / "work" / "nope", mode="open")
+    assert "does not exist" in r.text and not (tmp_path / "work" / "nope").exists()  # Open makes nothing
+    r = _open(client, fresh, mode="new", name="New app")
+    assert r.headers.get("HX-Redirect") == "/" and fresh.is_dir()
+    assert client.app.state.flashcode.projects.current().path == fresh.resolve()
+    r = _open(client, tmp_path / "missing" / "deeper", mode="new")
+    assert "HX-Redirect" not in r.headers and "New Project makes only the last folder" in r.text
+    assert not (tmp_path / "missing").exists()
+    inside = tmp_path / "data" / "mine"
+    r = _open(client, inside, mode="new")
+    assert "HX-Redirect" not in r.headers and "data-error" in r.text and not inside.exists()
+
+
 def test_projects_conversations_rules_and_stats_are_per_project(client, two) -> None:
     a, b = two
     assert _open(client, a, mode="new", name="Alpha").headers["HX-Redirect"] == "/"

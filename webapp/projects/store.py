@@ -96,6 +96,28 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
     return resolved
 
 
+def make_folder(raw: str | os.PathLike[str]) -> Path | None:
+    """New Project: the folder `raw` names, made when it does not exist and its parent does; None when there is
+    nothing to make (it exists, or the path is not one `check_directory` would take: it says why). The caller
+    checks the new folder as any other and removes it (empty) if refused."""
+    text = str(raw).strip()
+    if not text or "\x00" in text or len(text) > 4096:
+        return None
+    path = Path(text).expanduser()
+    try:
+        if not path.is_absolute() or path.exists() or path.is_symlink():
+            return None
+        if not path.parent.is_dir():
+            raise ProjectError(
+                f"{path.parent} does not exist: New Project makes only the last folder of a path; create "
+                f"{path.parent} first, or pick another folder"
+            )
+        path.mkdir()
+    except OSError as exc:
+        raise ProjectError(f"{text} could not be created: {exc.strerror or exc}") from exc
+    return path
+
+
 # folders under $HOME that hold other programs' settings and credentials (git's global config, the gh CLI's
 # token, the shell's), and folders of credentials: as a project, commands could write what runs later outside
 # the sandbox, and the project itself is never hidden from them (webapp.agent.sandbox hides what is inside it)

@@ -27,7 +27,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from .files import ATTACH_LIMIT, ATTACH_TOTAL, FilesError, ProjectTree
-from .store import DEFAULT_ID, ProjectError, ProjectStore
+from .store import DEFAULT_ID, ProjectError, ProjectRef, ProjectStore, make_folder
 
 MAX_BROWSE = 400
 Quote = Callable[[str, str], str]  # (source, text) -> the text quoted as untrusted data for the model
@@ -157,13 +157,24 @@ class ProjectsWeb:
                 if project is None:
                     raise ProjectError("that project is no longer on the list: open its directory")
             else:
-                project = self.store.add(path, name or None)
+                project = self._add(mode, path, name)
             if self.on_switch is not None and project.id != self.store.current().id:
                 await self.on_switch()
             self.store.open(project.id)
         except ProjectError as exc:
             return self._dialog(mode, path, name, str(exc))
         return Response(status_code=200, headers={"HX-Redirect": "/"})
+
+    def _add(self, mode: str, path: str, name: str) -> ProjectRef:
+        """Add the directory as a project; New Project first makes a folder that does not exist yet (and
+        removes it again, empty, when the directory is refused)."""
+        made = make_folder(path) if mode == "new" else None
+        try:
+            return self.store.add(path, name or None)
+        except ProjectError:
+            if made is not None:
+                made.rmdir()
+            raise
 
     async def remove_dialog(self, request: Request) -> HTMLResponse:
         """GET /projects/remove: asks whether to keep or delete flashcode's data for the project."""
