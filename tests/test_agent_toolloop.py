@@ -6,6 +6,7 @@ trimming. Commands run as real subprocesses (sandboxed where bubblewrap is avail
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,6 +83,38 @@ def tool_results(fake: FakeBackend, i: int = -1) -> list[str]:
     """The tool messages of the i-th request the model got."""
     msgs = fake.history[i].messages or ()
     return [m["content"] for m in msgs if m["role"] == "tool"]
+
+
+class SlowApprover(Approver):
+    """Answers after `seconds`, as a user reading the dialog would."""
+
+    def __init__(self, seconds: float, *decisions: ev.Decision) -> None:
+        super().__init__(*decisions)
+        self.seconds = seconds
+
+    async def __call__(self, proposal: ev.Proposal) -> ev.Decision:
+        await asyncio.sleep(self.seconds)
+        return await super().__call__(proposal)
+
+
+def test_toolloop_a_steps_time_leaves_out_the_wait_for_the_users_answer(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen in a walkthrough: "Done · approved · 35.4 s" for a write_file that took milliseconds; the time was
+    the user's reading of the dialog. A step's time is its own, the wait is said beside it."""
+    fake.enqueue_call("write_file", path="hello.py", content="print('hello')\n")
+    fake.enqueue("Written.")
+    s = session(worker, project, SlowApprover(0.6, ev.Decision.once()))
+    done = of(asyncio.run(collect(s, "write hello.py")), ev.ToolStepDone)
+    assert len(done) == 1 and done[0].ok and (project / "hello.py").exists()
+    assert done[0].waited_s >= 0.6 and done[0].duration_s < 0.5, done[0]
+    from webapp.agent.views import AgentViews  # the card says both
+    from webapp.render import make_environment
+
+    card = AgentViews(make_environment()).event(done[0])
+    assert re.search(
+        r"· 0\.\d s <span class=\"step-waited muted\">\(0\.[6-9] s for your answer\)</span>", card
+    ), card
 
 
 def test_toolloop_multi_step_edit_run_answer(fake: FakeBackend, worker: Worker, project: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -208,6 +209,9 @@ class AgentSession:
         self.project_files = project_files  # where the tool loop lists the project's files
         self.loop: ToolLoop | None = None
         self._halt = False  # Stop was pressed during this turn
+        self.asked_s = (
+            0.0  # seconds spent in approval dialogs, waiting for the user (a step's time leaves it out)
+        )
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str = "stopped by the user") -> None:
@@ -582,6 +586,7 @@ class AgentSession:
             return Decision.deny(self._stop_reason)
         self._stopped = False
         self._approval = asyncio.ensure_future(self.request_approval(proposal))
+        asked = time.monotonic()
         try:
             return await asyncio.wait_for(self._approval, self.approval_timeout_s)
         except TimeoutError:
@@ -595,6 +600,7 @@ class AgentSession:
             return Decision.deny(f"the approval dialog failed: {exc}")
         finally:
             self._approval = None
+            self.asked_s += time.monotonic() - asked
 
     # ------------------------------------------------------------------ the model
     async def _propose_command(self, text: str) -> str:

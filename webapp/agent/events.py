@@ -289,7 +289,8 @@ class ToolStepDone(_Event):
     output: str = ""
     exit_code: int | None = None
     action_id: int | None = None
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # the step's own time, without `waited_s`
+    waited_s: float = 0.0  # in the approval dialog, for the user's answer
     type: str = "tool_step_done"
 
     @property

@@ -394,7 +394,7 @@ class ToolLoop:
     # ------------------------------------------------------------------ one step
     async def _step(self, call: ToolCall) -> AsyncIterator[AgentEvent]:
         self.steps += 1
-        step, t0 = self.steps, time.monotonic()
+        step, t0, asked = self.steps, time.monotonic(), getattr(self.s, "asked_s", 0.0)
         used = int(self.last_stats.get("prompt_tokens") or 0) + int(
             self.last_stats.get("completion_tokens") or 0
         )
@@ -425,6 +425,7 @@ class ToolLoop:
                 "retry": bool(result.meta.get("retry")),
             }
         )
+        waited = getattr(self.s, "asked_s", 0.0) - asked
         yield ToolStepDone(
             step,
             call.id,
@@ -435,7 +436,8 @@ class ToolLoop:
             result.output[-20_000:],
             result.exit_code,
             result.action_id,
-            time.monotonic() - t0,
+            max(0.0, time.monotonic() - t0 - waited),
+            waited,
         )
 
     @staticmethod
