@@ -282,6 +282,12 @@
   window.addEventListener("popstate", () => location.reload());
   // a request the server refused (a title left empty, a project removed in another window) or could not
   // answer says why in an alert, rather than nothing happening; the server's errors are one plain sentence
+  // hx-confirm asks with the System 7 dialog (Cancel the default button), not the browser's confirm()
+  document.body.addEventListener("htmx:confirm", (e) => {
+    if (!e.detail.question) return;
+    e.preventDefault();
+    ask(e.detail.question, { ok: "Delete", safe: true }).then((answer) => { if (answer !== null) e.detail.issueRequest(true); });
+  });
   // a form the server refused draws the form again with why (400 with HTML: Settings' allow rules, Stats'
   // prices): swapped in like an answer, not an error
   document.body.addEventListener("htmx:beforeSwap", (e) => {
