@@ -80,6 +80,8 @@ def test_browser_dialog_keys_enter_in_the_reason_and_esc_deny(project, fake_serv
     page.fill("#prompt", "/shell touch first.txt")
     page.press("#prompt", "Enter")
     dialog = wait_for(page, ".agent-approval")
+    # a command the user typed: the reason is theirs, kept in the transcript (no model is told)
+    assert "(optional, kept in the transcript)" in dialog.locator(".deny-reason").inner_text()
     dialog.locator("input[name=note]").fill("not in this folder")
     dialog.locator("input[name=note]").press("Enter")
     decision = wait_for(page, ".action-decision:has-text('Denied')")
