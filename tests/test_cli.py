@@ -108,6 +108,11 @@ def test_bad_sampling_value_is_rejected(model_home):
         (("synth", "tiny", "--layers", "-3"), "'-3' is not a number of layers"),
         (("agent", "--project", ".", "do", "it"), 'goes in quotes: flashcode agent "do it"'),
         (("ask", "say", "hi"), 'goes in quotes: flashcode ask "say hi"'),
+        # an option the command does not take: its own --help is the one to read
+        (
+            ("ask", "--foo", "hi"),
+            "flashcode ask: error: unrecognized arguments: --foo\n(`flashcode ask --help`",
+        ),
         (("agent", "--max-steps", "0", "--project", ".", "task"), "'0' is not a whole number of 1 or more"),
         (("agent", "--project", ".", "  "), "the task is empty"),
         (("ask", ""), "the prompt is empty"),

@@ -692,7 +692,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if words and not any(e.startswith("-") for e in extra)
             else ""
         )
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        # said by the subcommand's parser: its --help is the one that lists what it takes
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        own = sub.choices.get(args.command, parser) if sub is not None else parser
+        own.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:  # a bench script's own options (`flashcode bench websocket --runs 3`)
         args.rest = [*extra, *args.rest]
     logging.basicConfig(
