@@ -61,6 +61,10 @@ def test_conversations_list_export_and_import_round_trip(tmp_path: Path) -> None
     for argv in (("list", "--project", "work"), ("--project", "work", "list")):
         assert [row[0] for row in lines(flashcode("conversations", *argv, home=home).stdout)] == [new_id]
     assert len(lines(flashcode("conversations", "list", "--all", home=home).stdout)) == 2
+    # --data-dir after the action as well (a walkthrough's `conversations import --data-dir D FILE` was refused)
+    other = tmp_path / "elsewhere"
+    listed = flashcode("conversations", "list", "--all", "--data-dir", str(home), home=other)
+    assert listed.returncode == 0 and len(lines(listed.stdout)) == 2, listed.stderr
     both = flashcode("conversations", "--all", "list", "--trash", home=home)
     assert both.returncode != 0 and "--all and --trash cannot go together" in both.stderr
     # the option before the action names the project too (the action's own default had replaced it)

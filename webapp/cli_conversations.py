@@ -194,3 +194,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="into that project (default: the open one)",
     )
     i.set_defaults(func=cmd_conversations)
+    for action in (listing, e, i):  # `conversations import --data-dir D FILE` as well as before the action
+        action.add_argument("--data-dir", default=argparse.SUPPRESS, help=HELP["data_dir"])
