@@ -214,6 +214,16 @@ def test_a_model_is_found_by_the_start_of_its_name(tmp_path: Path) -> None:
     assert "qwen2.5-coder-0.5b" in str(err.value) and "not installed" not in str(err.value)
 
 
+def test_agent_with_a_model_not_installed_says_so_before_loading(tmp_path: Path) -> None:
+    """`flashcode agent --model nope` printed "loading nope (auto backend)…" and then that it does not exist."""
+    (tmp_path / "proj").mkdir()
+    proc = flashcode(
+        "agent", "--model", "nope", "--project", str(tmp_path / "proj"), "task", home=tmp_path / "home"
+    )
+    assert proc.returncode == 2 and "loading" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("flashcode: model 'nope' is not installed in "), proc.stderr
+
+
 def test_every_option_says_what_it_is_for() -> None:
     """`flashcode X --help` explains each argument (a new user found `task`, `--backend` and `--temperature`
     bare in `flashcode agent --help`)."""

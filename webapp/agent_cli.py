@@ -25,9 +25,10 @@ from typing import Any
 
 from engine import paths
 from engine.base import SamplingParams
+from engine.placement import is_gguf_path
 from engine.worker import Worker
 
-from . import cli_projects, engine_host, tools_cli
+from . import cli_projects, engine_host, preflight, tools_cli
 from .agent import events as ev
 from .agent.agent import AgentSession
 from .agent.loop import DEFAULT_AGENT_MODEL, DEFAULT_MAX_STEPS
@@ -267,6 +268,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         hidden = hidden_paths(projects.data_dir)
         run_only = approve_mcp_servers(store, ref, hidden, args.approve)
         model = args.model or DEFAULT_AGENT_MODEL
+        if not is_gguf_path(model):  # one that is not installed is said before "loading"
+            preflight.check_model(model, paths.home())
         if not args.json:  # loading takes a while: say what is happening
             print(f"loading {model} ({args.backend} backend)…", file=sys.stderr)
         worker = Worker(lambda: engine_host.make_loaded_backend(args.backend, model))
