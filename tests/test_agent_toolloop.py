@@ -897,13 +897,14 @@ def test_toolloop_cli_json(
 ) -> None:
     import json
 
-    from webapp import cli, engine_host
+    from webapp import cli, engine_host, preflight
 
     fake = FakeBackend(tools=True)
     fake.enqueue_call("write_file", path="cli.txt", content="C")
     fake.enqueue_call("run_command", command="cat cli.txt")
     fake.enqueue("All", " done.")
     monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    monkeypatch.setattr(preflight, "check_model", lambda name, root: None)  # the scripted engine is installed
     monkeypatch.setenv("FLASHCODE_HOME", str(project.parent / "home"))  # flashcode agent uses its database
     code = cli.main(
         ["agent", "--project", str(project), "--approve", "all", "--max-steps", "4", "--json", "go"]
