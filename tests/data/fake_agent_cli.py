@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.conftest import FakeBackend  # noqa: E402
-from webapp import cli, engine_host  # noqa: E402
+from webapp import cli, engine_host, preflight  # noqa: E402
 
 
 def main() -> int:
@@ -25,6 +25,7 @@ def main() -> int:
         else:
             fake.enqueue(reply["text"])
     engine_host.make_loaded_backend = lambda backend, model, options=None: fake  # type: ignore[assignment]
+    preflight.check_model = lambda name, root: None  # type: ignore[assignment,return-value]  # the scripted one
     try:
         return cli.main(args)
     finally:
