@@ -99,9 +99,10 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     page.goto(url)
     assert page.locator("#menubar-project").inner_text() == "Default"
 
-    # a bad directory gets its message, in the dialog
-    open_project(page, "new", tmp_path / "missing")
+    # a bad directory gets its message, in the dialog (New makes only the last folder of a path)
+    open_project(page, "new", tmp_path / "missing" / "deeper")
     assert "does not exist" in wait_for(page, "#project-dialog [data-error]").inner_text()
+    assert not (tmp_path / "missing").exists()
     page.screenshot(path=str(ARTIFACTS / "projects-bad-directory.png"))
     page.fill("#project-path", str(alpha))
     page.fill("#project-name", "Alpha")

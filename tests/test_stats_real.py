@@ -149,6 +149,7 @@ def seed(home: Path) -> None:
             model="smollm2-135m-instruct-q4_1",
             route=("chat", "search", "shell")[i % 3],
             conversation_id="seed",
+            message_id=i + 1,  # each a reply a message shows (a step that only called tools has none)
             project_id="default",  # the window opens on the page's project: the default one here
         )
         conn.execute("UPDATE stats_replies SET created_at=? WHERE id=?", (now - (18 - i) * 1200, rid))
