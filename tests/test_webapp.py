@@ -289,7 +289,14 @@ def test_webapp_import_brings_an_export_back_as_a_new_conversation(app_parts) ->
     again = _import(client, exported).headers["hx-redirect"].removeprefix("/c/")
     assert again not in (cid, new)
     one, two = client.get(f"/c/{cid}/export.json").json(), client.get(f"/c/{new}/export.json").json()
-    assert one["title"] == two["title"] and one["mode"] == two["mode"]
+    assert one["mode"] == two["mode"]
+    # its title says it is the copy (a walkthrough found two identical rows in the list), and so on
+    three = client.get(f"/c/{again}/export.json").json()
+    assert (one["title"], two["title"], three["title"]) == (
+        "export me",
+        "export me (imported)",
+        "export me (imported 2)",
+    )
 
     def strip(ms: list) -> list:
         return [(m["role"], m["content"], m["status"], m["stats"].get("completion_tokens")) for m in ms]

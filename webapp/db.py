@@ -1038,6 +1038,23 @@ def _is_quoting(hidden: str, files: int) -> bool:
     return at == len(hidden) and len(blocks) == files and not any(_TAG.search(m.group(2)) for m in blocks)
 
 
+def _imported_title(db: Database, project_id: str, title: str) -> str:
+    """`title`, or "TITLE (imported)" (then "(imported 2)", ...) when the project has a conversation of that
+    title (its own export brought back): two identical rows in the list could not be told apart."""
+    taken = {
+        row[0]
+        for row in db.conn.execute(
+            "SELECT title FROM conversations WHERE project_id = ? AND title LIKE ?", (project_id, f"{title}%")
+        )
+    }
+    if title not in taken:
+        return title
+    n, candidate = 2, f"{title} (imported)"
+    while candidate in taken:
+        candidate, n = f"{title} (imported {n})", n + 1
+    return candidate
+
+
 def import_json(
     db: Database, data: Any, project_id: str, convert_event: EventConverter | None = None
 ) -> Imported:
@@ -1084,7 +1101,7 @@ def import_json(
     if not messages:
         raise ConversationImportError("it has no user or assistant messages to import")
     title = data.get("title") if isinstance(data.get("title"), str) else ""
-    title = _text(" ".join(title.split())[:120]) or "Imported conversation"
+    title = _imported_title(db, project_id, _text(" ".join(title.split())[:120]) or "Imported conversation")
     events = data.get("events") if isinstance(data.get("events"), list) else []
     # always chat mode: continued, the file's messages are the model's context as they are, so the tools
     # (and this project's allow rules) wait until the user switches it to agent mode
