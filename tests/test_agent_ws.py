@@ -204,21 +204,38 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
             csrf = {"x-csrf-token": state.csrf_token}
             assert client.post("/agent/rules", data={"kind": "exact", "pattern": "ls"}).status_code == 403
             r = client.post(
-                "/agent/rules", data={"kind": "exact", "pattern": "python hello.py"}, headers=csrf
+                "/agent/rules",
+                data={"kind": "exact", "pattern": "python hello.py", "project": key},
+                headers=csrf,
             )
             assert r.status_code == 200 and "<code>python hello.py</code>" in r.text
             assert [(x.kind, x.pattern) for x in AgentStore(state.db.conn).list_rules(key)] == [
                 ("exact", "python hello.py")
             ]
-            r = client.post("/agent/rules", data={"kind": "prefix", "pattern": "python"}, headers=csrf)
+            r = client.post(
+                "/agent/rules", data={"kind": "prefix", "pattern": "python", "project": key}, headers=csrf
+            )
             assert (
                 r.status_code == 400 and "Not added: " in r.text and "can never be prefix-allowed" in r.text
             )
             assert 'value="python"' in r.text  # what was typed stays, to be mended
-            r = client.post("/agent/rules", data={"kind": "exact", "pattern": "ls; rm -rf x &"}, headers=csrf)
+            r = client.post(
+                "/agent/rules",
+                data={"kind": "exact", "pattern": "ls; rm -rf x &", "project": key},
+                headers=csrf,
+            )
             assert r.status_code == 400 and "no rule can allow it" in r.text
-            r = client.post("/agent/rules", data={"kind": "prefix", "pattern": "git status"}, headers=csrf)
+            r = client.post(
+                "/agent/rules", data={"kind": "prefix", "pattern": "git status", "project": key}, headers=csrf
+            )
             assert r.status_code == 200 and len(AgentStore(state.db.conn).list_rules(key)) == 2
+            # a form drawn for another project (one opened since in another window) adds nothing
+            r = client.post(
+                "/agent/rules", data={"kind": "exact", "pattern": "make", "project": "other"}, headers=csrf
+            )
+            assert r.status_code == 400 and "another project was opened" in r.text
+            assert len(AgentStore(state.db.conn).list_rules(key)) == 2
+            assert f'name="project" value="{key}"' in client.get("/agent/rules").text
     finally:
         worker.close()
 

@@ -222,6 +222,13 @@ def test_agent_with_a_model_not_installed_says_so_before_loading(tmp_path: Path)
     )
     assert proc.returncode == 2 and "loading" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("flashcode: model 'nope' is not installed in "), proc.stderr
+    # the agent's own model missing (a data directory set up by hand): setup fetches it
+    proc = flashcode("agent", "--project", str(tmp_path / "proj"), "task", home=tmp_path / "home")
+    assert (
+        proc.returncode == 2
+        and "the agent's model qwen2.5-coder-0.5b-instruct-q4_k_m is not installed" in proc.stderr
+    )
+    assert "run `flashcode setup --data-dir" in proc.stderr, proc.stderr
 
 
 def test_every_option_says_what_it_is_for() -> None:

@@ -397,6 +397,39 @@ def test_serve_starts_with_the_model_last_loaded_from_the_menu(data_dir: Path) -
     assert re.search(rf"loading {DEFAULT_MODEL} on \w+\.\.\.", log), log
 
 
+@pytest.mark.slow
+def test_a_remembered_model_that_no_longer_loads_gives_way_to_the_default_once(
+    tmp_path: Path, model_home: Path
+) -> None:
+    """The model last loaded passes the checks but fails to load (here: weights for a model it is not): the
+    terminal says so, the default loads, and the next start does not try it again."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from engine import paths
+    from tests.servers import serve_cli
+    from webapp.db import Database, remembered_model
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / DEFAULT_MODEL).symlink_to(
+        model_home / "models" / DEFAULT_MODEL, target_is_directory=True
+    )
+    (home / "gguf").symlink_to(model_home / "gguf", target_is_directory=True)
+    odd = home / "models" / "unloadable"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    save_file({"model.embed_tokens.weight": np.zeros((256, 64), np.float32)}, str(odd / "model.safetensors"))
+    db = Database(paths.database_path(home))
+    db.remember_model("mlx", "unloadable")
+    db.conn.close()
+    with serve_cli(home, backend="auto") as srv:
+        log = srv.log.read_text()
+    assert "loading unloadable on mlx (the model last loaded from the menu" in log, log
+    assert "; loading the default model instead" in log and f"loading {DEFAULT_MODEL} on " in log, log
+    assert remembered_model(paths.database_path(home)) is None  # not tried again
+
+
 def _page(url: str) -> str:
     import urllib.request
 

@@ -136,10 +136,16 @@ def test_grading_grades_the_last_reply_and_counts_routes(conn: sqlite3.Connectio
     g = stats.grade_last(conn, "bad", "  wrong   flag ", conversation_id="c", excerpt="rm -rf /tmp/x")
     assert (g.grade, g.route, g.note, g.excerpt) == ("bad", "shell", "wrong flag", "rm -rf /tmp/x")
     stats.grade_last(conn, "good", conversation_id="c")  # re-grading replaces
+    # d's last turn wrote no reply: said, not the turn before it graded in its place
+    with pytest.raises(stats.GradeError, match="the last turn wrote no reply to grade"):
+        stats.grade_last(conn, "bad", conversation_id="d")
+    stats.record_reply(
+        conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="d", message_id=4
+    )
     stats.grade_last(conn, "bad", conversation_id="d")
     counts, graded = stats.improve(conn)
     by_route = {c.route: (c.replies, c.good, c.bad, c.ungraded) for c in counts}
-    assert by_route == {"chat": (1, 0, 1, 0), "search": (1, 0, 0, 1), "shell": (1, 1, 0, 0)}  # no step graded
+    assert by_route == {"chat": (2, 0, 1, 1), "search": (1, 0, 0, 1), "shell": (1, 1, 0, 0)}  # no step graded
     assert [g.grade for g in graded] == ["bad", "good"]
     with pytest.raises(ValueError):
         stats.grade_last(conn, "meh")

@@ -95,19 +95,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         made = made.parent
     made = None if given.exists() else made
     root = preflight.check_data_dir(given)
+    options = backend_options(args)
     try:
         preflight.lock_data_dir(root)
         preflight.check_database(root)
         project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
-        if not is_gguf_path(args.model):  # (a GGUF is imported below)
+        remembered = _remembered_model(args, root, options)
+        if remembered is None and not is_gguf_path(args.model):  # (a GGUF is imported below)
             preflight.check_model(args.model or DEFAULT_MODEL, root)
     except StartupError:
         if made is not None:  # a refused start leaves nothing behind: only the empty folders it made go
             preflight.unlock_data_dir(root)
             preflight.remove_empty_tree(made)
         raise
-    options = backend_options(args)
-    remembered = _remembered_model(args, root, options)
     if remembered is not None:
         backend, model = remembered
     else:
@@ -128,28 +128,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise preflight.StartupError(str(exc)) from None
     sock = preflight.bind_socket(args.host, args.port)
     settings.port = sock.getsockname()[1]  # --port 0: the one the system picked
+
+    def load(backend: str, model: str, why: str = "") -> Any:
+        print(f"loading {model} on {backend}{why}...", flush=True)  # stdout: stderr carries only the error
+        return preflight.load_engine(lambda: make_loaded_backend(backend, model, options), model, backend)
+
+    forget = False  # the model last loaded failed: the next start does not try it again
     try:
-        last = " (the model last loaded from the menu; --model picks another)" if remembered else ""
-        print(f"loading {model} on {backend}{last}...", flush=True)  # stdout: stderr carries only the error
         try:
-            worker = preflight.load_engine(
-                lambda: make_loaded_backend(backend, model, options), model, backend
+            worker = load(
+                backend,
+                model,
+                " (the model last loaded from the menu; --model picks another)" * bool(remembered),
             )
         except StartupError as exc:
             if remembered is None:
                 raise
             print(f"flashcode: {exc}; loading the default model instead", file=sys.stderr, flush=True)
             backend, model = _placed_model(None, "auto", root, options)
-            print(f"loading {model} on {backend}...", flush=True)
-            worker = preflight.load_engine(
-                lambda: make_loaded_backend(backend, model, options), model, backend
-            )
+            worker, forget = load(backend, model), True
+            settings.backend, settings.model = backend, model
     except BaseException:
         sock.close()
         raise
     try:
         try:  # the database is opened (and migrated) here: its failures come before the URL
             app = create_app(settings, worker=worker)
+            if forget:
+                app.state.flashcode.db.forget_model()
         except sqlite3.Error as exc:
             raise preflight.StartupError(
                 ": ".join(preflight.database_problem(paths.database_path(root), exc))

@@ -626,6 +626,10 @@ class Database:
         if backend and model:
             self.set_setting(LAST_MODEL_KEY, {"backend": backend, "model": model})
 
+    def forget_model(self) -> None:
+        """The model last loaded could not load again: the next start loads the default."""
+        self.conn.execute("DELETE FROM app_settings WHERE key=?", (LAST_MODEL_KEY,))
+
     def set_setting(self, key: str, value: Any) -> None:
         self.conn.execute(
             "INSERT OR REPLACE INTO app_settings (key, value, updated_at) VALUES (?,?,?)",

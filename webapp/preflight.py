@@ -24,7 +24,7 @@ from typing import Any
 
 from engine import paths
 from engine.base import BackendUnavailableError, EngineError, ModelInfo, ModelNotFoundError
-from engine.models import DEFAULT_MODEL, find_model, installed_by_start, list_models
+from engine.models import AGENT_MODEL, DEFAULT_MODEL, find_model, installed_by_start, list_models
 from engine.worker import Worker
 
 from .db import check_version, storage_kind
@@ -255,6 +255,11 @@ def check_model(name: str, root: Path) -> ModelInfo:
             raise StartupError(
                 f"the default model {DEFAULT_MODEL} is not installed in {root} (installed: "
                 f"{', '.join(installed)}): run {setup}, or pick one with --model"
+            )
+        if name == AGENT_MODEL:  # `flashcode agent`'s default: setup fetches it too
+            raise StartupError(
+                f"the agent's model {AGENT_MODEL} is not installed in {root} (installed: "
+                f"{', '.join(installed) or 'none'}): run {setup} to fetch it, or pick one with --model"
             )
         raise StartupError(
             f"model {name!r} is not installed in {root} (installed: {', '.join(installed) or 'none'}): "

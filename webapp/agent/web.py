@@ -114,6 +114,7 @@ class AgentWeb:
         html = self.views.ui.allow_rules(
             rules,
             shown,
+            project,
             detect(),
             self.store.network_allowed(project),
             self.store.edits_approved(project),
@@ -128,6 +129,14 @@ class AgentWeb:
         was typed."""
         form = await request.form()
         kind, pattern = str(form.get("kind") or "exact"), str(form.get("pattern") or "")
+        if (
+            str(form.get("project") or "") != self._current_key()
+        ):  # another window opened another project since
+            return self._rules_html(
+                "Not added: another project was opened since this window showed its rules; they are shown now, "
+                "check them and add it again",
+                (kind, pattern),
+            )
         try:
             self.store.add_rule(self._current_key(), kind, pattern)  # type: ignore[arg-type]
         except ValueError as exc:

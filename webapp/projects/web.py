@@ -10,6 +10,7 @@ POST passed `webapp.security.CsrfMiddleware` before it arrives.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -171,9 +172,10 @@ class ProjectsWeb:
         made = make_folder(path) if mode == "new" else None
         try:
             return self.store.add(path, name or None)
-        except ProjectError:
+        except BaseException:
             if made is not None:
-                made.rmdir()
+                with contextlib.suppress(OSError):  # written into meanwhile: kept, and the refusal is said
+                    made.rmdir()
             raise
 
     async def remove_dialog(self, request: Request) -> HTMLResponse:

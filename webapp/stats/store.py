@@ -223,12 +223,9 @@ class Grade:
 
 
 def last_reply(conn: sqlite3.Connection, conversation_id: str | None = None) -> sqlite3.Row | None:
-    """The latest chat reply (in `conversation_id` when given): one a message shows, not an agent step that only
-    called tools (a turn of steps with no answer has nothing to grade)."""
-    sql = (
-        "SELECT id, conversation_id, message_id, route, model FROM stats_replies "
-        "WHERE source = 'chat' AND message_id IS NOT NULL"
-    )
+    """The latest chat generation (in `conversation_id` when given): a reply, or an agent step that only called
+    tools (no message id; its turn wrote no reply)."""
+    sql = "SELECT id, conversation_id, message_id, route, model FROM stats_replies WHERE source = 'chat'"
     args: tuple[Any, ...] = ()
     if conversation_id:
         sql, args = sql + " AND conversation_id = ?", (conversation_id,)
@@ -249,6 +246,10 @@ def grade_last(
     if reply is None:
         raise GradeError("there is no reply to grade yet: ask something first")
     reply_id, conv, message_id, route, model = tuple(reply)
+    if message_id is None:
+        # the last generation was an agent step that only called tools: its turn wrote no reply (the turn
+        # before it is not what the user means to grade)
+        raise GradeError("the last turn wrote no reply to grade (its agent steps only called tools)")
     conn.execute("DELETE FROM stats_grades WHERE reply_id = ?", (reply_id,))
     now = time.time()
     note_text = " ".join(note.split())[:500] or None
@@ -290,8 +291,9 @@ def improve(
             args,
         ).fetchall()
     )
-    of_grades = (
-        "WHERE reply_id IN (SELECT id FROM stats_replies WHERE project_id = ?)" if project is not None else ""
+    # grades of replies a message shows (one given to a tool step before they were told apart is not counted)
+    of_grades = "WHERE reply_id IN (SELECT id FROM stats_replies WHERE message_id IS NOT NULL{})".format(
+        " AND project_id = ?" if project is not None else ""
     )
     graded: dict[str, dict[str, int]] = {}
     for route, grade, n in conn.execute(
