@@ -154,7 +154,7 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.wait_for_selector(f"#conversation-list li[data-id='{copy}'].selected")
     assert (
         prompt in page.inner_text("#messages .msg-user")
-        and page.inner_text("#chat-title") == "Lighthouse story"
+        and page.inner_text("#chat-title") == "Lighthouse story (imported)"  # told apart from the original
     )
     assert "Stopped" in page.inner_text("#messages .msg-assistant .msg-stats")  # its reply's numbers came too
     # a file that is not an export: said in an alert, nothing added
