@@ -108,24 +108,11 @@ def test_stats_totals_and_tables(conn: sqlite3.Connection) -> None:
 def test_grading_grades_the_last_reply_and_counts_routes(conn: sqlite3.Connection) -> None:
     with pytest.raises(stats.GradeError, match="no reply"):
         stats.grade_last(conn, "good")
-    stats.record_reply(
-        conn,
-        reply(10, 0, 5, 9.0, 0.1),
-        backend="mlx",
-        model="m",
-        conversation_id="c",
-        route="search",
-        message_id=1,
-    )
-    stats.record_reply(
-        conn,
-        reply(10, 0, 5, 9.0, 0.1),
-        backend="mlx",
-        model="m",
-        conversation_id="c",
-        route="shell",
-        message_id=2,
-    )
+    for message_id, route in ((1, "search"), (2, "shell")):
+        stats.record_reply(
+            conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="c", route=route,
+            message_id=message_id,
+        )  # fmt: skip
     stats.record_reply(
         conn, reply(10, 0, 5, 9.0, 0.1), backend="mlx", model="m", conversation_id="d", message_id=3
     )
