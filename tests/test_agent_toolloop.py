@@ -447,6 +447,52 @@ def test_toolloop_auto_approved_edits_never_cover_a_git_dir_named_by_a_git_file(
     assert not (project / "meta" / ".repo" / "hooks" / "post-commit").exists()
 
 
+BARE_CONFIG = (
+    '[core]\n\trepositoryformatversion = 0\n\tworktree = ..\n\tfsmonitor = "touch /tmp/pwned; false"\n'
+)
+
+
+def test_toolloop_auto_approved_edits_never_make_a_git_dir_without_the_name(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """git takes any folder with HEAD beside objects/ and refs/ for a repository: four writes with no `.git`
+    in their paths plant one whose `core.fsmonitor` runs at the user's next `git status` there, outside the
+    sandbox. The write that completes it asks, warned, and so does every later write into it."""
+    writes = {
+        "docs/config": BARE_CONFIG,
+        "docs/objects/README": "x\n",
+        "docs/refs/README": "x\n",
+        "docs/HEAD": "ref: refs/heads/main\n",  # completes it: asks (denied)
+        "docs/Head": "ref: refs/heads/main\n",  # the same file on macOS
+        "notes.txt": "N",
+    }
+    for path, content in writes.items():
+        fake.enqueue_call("write_file", path=path, content=content)
+    fake.enqueue("ok")
+    approver = Approver(ev.Decision.deny(), ev.Decision.deny())
+    events = asyncio.run(collect(session(worker, project, approver, approve_edits=True), "go"))
+    assert [p.command for p in approver.asked] == ["docs/HEAD", "docs/Head"]
+    assert all("docs looking like a git directory" in p.warnings[0] for p in approver.asked)
+    assert not (project / "docs" / "HEAD").exists() and (project / "notes.txt").read_text() == "N"
+    assert [d.decision for d in of(events, ev.ToolStepDone)] == [
+        "rule",
+        "rule",
+        "rule",
+        "deny",
+        "deny",
+        "rule",
+    ]
+    # one that is there already (HEAD written first this time): its config is a write into a git directory
+    for name, content in (("HEAD", "ref: refs/heads/main\n"), ("objects/README", "x\n"), ("refs/x", "")):
+        (project / "lib" / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / "lib" / name).write_text(content)
+    fake.enqueue_call("write_file", path="lib/config", content=BARE_CONFIG)
+    fake.enqueue("ok")
+    approver = Approver(ev.Decision.deny())
+    asyncio.run(collect(session(worker, project, approver, approve_edits=True), "go"))
+    assert [p.command for p in approver.asked] == ["lib/config"] and not (project / "lib" / "config").exists()
+
+
 def test_toolloop_context_trim_elides_old_outputs(worker: Worker, project: Path) -> None:
     fake = FakeBackend(tools=True, context_length=2500)
     w = Worker(lambda: fake)
@@ -875,7 +921,7 @@ def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path,
             state = app.state.flashcode
             r = client.post(
                 "/agent/approve-edits",
-                data={"approve_edits": "on"},
+                data={"approve_edits": "on", "project": state.projects.current().id},
                 headers={"x-csrf-token": state.csrf_token},
             )
             assert r.status_code == 200 and 'id="settings-approve-edits" checked' in r.text

@@ -117,3 +117,46 @@ def test_a_git_created_by_a_command_is_flagged_and_an_existing_one_is_read_only(
     events = asyncio.run(collect(session, "/shell touch .git/hooks/post-commit"))
     assert of(events, ev.ActionExit)[0].exit_code != 0 and not (project / ".git/hooks/post-commit").exists()
     assert not any("created .git" in n.text for n in of(events, ev.Notice))
+
+
+def test_a_git_dir_planted_without_the_name_is_flagged_and_an_existing_one_is_read_only(
+    worker, fake, project, store
+) -> None:
+    """A command can make any folder a repository to git (HEAD beside objects/ and refs/): the transcript
+    warns, as for a new .git; once there, the sandbox keeps it read-only, as it does .git."""
+    import subprocess
+
+    approver = Approver(ev.Decision.once(), ev.Decision.once(), ev.Decision.once())
+    session = make_session(worker, project, store, approver)
+    plant = "mkdir -p src/objects src/refs && echo 'ref: refs/heads/main' > src/HEAD && touch src/config"
+    events = asyncio.run(collect(session, f"/shell {plant}"))
+    assert of(events, ev.ActionExit)[0].exit_code == 0
+    warned = [n.text for n in of(events, ev.Notice) if "into a git directory" in n.text]
+    assert len(warned) == 1 and "made src into a git directory" in warned[0]
+    assert not any("created .git" in n.text for n in of(events, ev.Notice))
+    config = '[core]\n\trepositoryformatversion = 0\n\tworktree = ..\n\tfsmonitor = "touch pwned; false"\n'
+    events = asyncio.run(collect(session, f"/shell printf '{config}' > src/config"))
+    assert of(events, ev.ActionExit)[0].exit_code != 0 and (project / "src" / "config").read_text() == ""
+    git = subprocess.run(["git", "status"], cwd=project / "src", capture_output=True, text=True)
+    assert "work tree" in git.stderr and not (project / "pwned").exists()  # a repository to git, a bare one
+    events = asyncio.run(collect(session, "/shell echo fine > notes.txt"))  # the rest stays writable
+    assert of(events, ev.ActionExit)[0].exit_code == 0
+    assert not [n for n in of(events, ev.Notice) if "git" in n.text]
+
+
+def test_the_walk_for_git_dirs_follows_no_link_and_stops_at_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for d in ("a/objects", "a/refs", "b/c/refs"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "a" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / "b" / "c" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    found, whole = sandbox.planted_git_dirs(tmp_path)
+    assert found == [tmp_path / "a", tmp_path / "b" / "c"] and whole
+    assert sandbox.makes_git_dir(tmp_path, tmp_path / "d" / "objects" / "x") is None
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "HEAD").write_text("")
+    assert sandbox.makes_git_dir(tmp_path, tmp_path / "d" / "objects" / "x") == tmp_path / "d"
+    monkeypatch.setattr(sandbox, "SCAN_FOLDERS", 2)
+    assert sandbox.planted_git_dirs(tmp_path)[1] is False

@@ -440,7 +440,7 @@ class AgentSession:
             yield changed
         ran_in = box.describe(policy) if policy is not None else proposal.sandbox
         run = CommandRun(verdict.command, self.project_dir, self.shell_timeout_s, self.output_cap, policy)
-        had_git = (self.project_dir / ".git").exists()
+        git_before = sandbox.git_state(self.project_dir) if policy is not None else None
         self._run = run
         try:
             async for item in run.stream():
@@ -452,8 +452,9 @@ class AgentSession:
             self._run = None
         self.store.record_result(action_id, exit_ev.exit_code, exit_ev.description)
         yield exit_ev
-        if policy is not None and not had_git and (self.project_dir / ".git").exists():
-            yield Notice(sandbox.GIT_CREATED, "warning")
+        if git_before is not None:
+            for warning in sandbox.git_warnings(self.project_dir, git_before):
+                yield Notice(warning, "warning")
         output = run.transcript() or "(no output)"
         messages: list[Message] = [
             {"role": "system", "content": SUMMARY_SYSTEM},

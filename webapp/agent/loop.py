@@ -63,7 +63,7 @@ from .tools import (
     fetch_url,
     openai_tools,
 )
-from .visible import touches_git
+from .visible import GIT_WARNING, touches_git
 
 if TYPE_CHECKING:
     from .agent import AgentSession
@@ -557,7 +557,19 @@ class ToolLoop:
         action_id = s.store.record_proposal(s.project, "write", change.path, s.conversation_id)
         # .git is never approved automatically: a hook or config written there runs outside the sandbox at
         # the user's next git command
-        auto = s.approve_edits and not touches_git(change.path) and not self._in_git_dir(change.path)
+        # (and so is a write that makes a folder one by its contents: HEAD beside objects/ or refs/)
+        made = sandbox.makes_git_dir(s.project_dir, (s.project_dir / change.path).resolve())
+        warnings = ()
+        if made is not None and not touches_git(change.path):
+            where = made.relative_to(s.project_dir.resolve()).as_posix()
+            warnings = (f"this write leaves {where or 'the project folder'} looking like a git directory to git "
+                        f"(HEAD beside objects/ or refs/): {GIT_WARNING}",)  # fmt: skip
+        auto = (
+            s.approve_edits
+            and not touches_git(change.path)
+            and not self._in_git_dir(change.path)
+            and made is None
+        )
         if auto:
             rule_text = "edits in this project are approved automatically"
         elif s.approve_edits:
@@ -576,6 +588,7 @@ class ToolLoop:
             rule_text=rule_text,
             allowed_by_rule=auto,
             choices=("deny", "once"),
+            warnings=warnings,
         )
         yield proposal
         if auto:
@@ -633,7 +646,7 @@ class ToolLoop:
         if changed is not None:
             yield changed
         ran_in = box.describe(policy) if policy is not None else proposal.sandbox
-        had_git = (s.project_dir / ".git").exists()
+        git_before = sandbox.git_state(s.project_dir) if policy is not None else None
         run = CommandRun(verdict.command, s.project_dir, s.shell_timeout_s, s.output_cap, policy)
         s._run = run
         exit_ev: ActionExit | None = None
@@ -648,10 +661,9 @@ class ToolLoop:
         assert exit_ev is not None
         s.store.record_result(action_id, exit_ev.exit_code, exit_ev.description)
         yield exit_ev
-        if policy is not None and not had_git and (s.project_dir / ".git").exists():
-            yield Notice(
-                sandbox.GIT_CREATED, "warning"
-            )  # hooks in a new .git would run at the user's next git
+        if git_before is not None:  # hooks in a new git directory would run at the user's next git
+            for warning in sandbox.git_warnings(s.project_dir, git_before):
+                yield Notice(warning, "warning")
         output = run.transcript() or "(no output)"
         ok = exit_ev.exit_code == 0
         yield ToolResult(

@@ -30,8 +30,9 @@ What is not covered
 - Reads of anything else the user can read (source trees, `/etc`): the sandbox keeps secrets and
   writes in, it is not a read jail.
 - A hard link that already exists in the project and points outside it (commands cannot make new ones
-  across the mount), a `.git` that a command creates in a project that had none (the agent warns), and
-  nested repositories' `.git` directories.
+  across the mount), and a git directory a command creates (read-only from the next command on; the agent
+  warns). Folders git would take for a repository with no `.git` in their names (`planted_git_dirs`) and
+  nested `sub/.git` are read-only like `.git`, when a walk of at most `SCAN_FOLDERS` folders finds them.
 - The seccomp filter on CPUs other than x86-64 and arm64 (there bubblewrap runs without it).
 - CPU, memory and disk use (the runner's timeout stops runaway commands; nothing caps disk writes
   inside the project).
@@ -398,12 +399,93 @@ GIT_CREATED = (
     "The command created .git in the project. The sandbox keeps an existing .git read-only, but not one "
     "made during the command: look at .git/hooks and .git/config before you use git outside flashcode."
 )
+# what makes git take a folder with no `.git` in its name for a repository (a bare one): a HEAD beside
+# objects/ and refs/ (or a commondir naming them). Its config (`core.fsmonitor`, `core.worktree`) and hooks
+# run programs at the next git run in or under it, outside the sandbox.
+GIT_MARKS = ("objects", "refs", "commondir")
+SCAN_FOLDERS = 20_000  # folders a scan for git directories looks at, at most (a project's node_modules)
+
+
+def git_created(folders: list[str]) -> str:
+    """The warning for git directories a command made that have no `.git` in their names."""
+    return (
+        f"The command made {', '.join(folders[:5])}{' …' if len(folders) > 5 else ''} into a git directory "
+        "(HEAD beside objects/ or refs/: git takes it for a repository, and its config and hooks run "
+        "programs at your next git in that folder, outside the sandbox). Look at it before you use git there."
+    )
+
+
+def git_state(project: Path) -> tuple[bool, frozenset[Path]]:
+    """Before a command: whether the project has `.git`, and the other git directories in it."""
+    project = Path(project).resolve()
+    return (project / ".git").exists(), frozenset(planted_git_dirs(project)[0])
+
+
+def git_warnings(project: Path, before: tuple[bool, frozenset[Path]]) -> list[str]:
+    """After a command: the warnings for the git directories it made (`before`: `git_state`'s), whose hooks and
+    config would run programs outside the sandbox at the user's next git."""
+    project = Path(project).resolve()
+    has_git, planted = git_state(project)
+    out = [GIT_CREATED] if has_git and not before[0] else []
+    made = sorted(d.relative_to(project).as_posix() for d in planted - before[1] if d != project / ".git")
+    if made:
+        out.append(git_created(made))
+    return out
+
+
+def looks_like_git_dir(folder: Path, adding: Path | None = None) -> bool:
+    """Whether git would take `folder` for a repository: a HEAD beside objects/, refs/ or a commondir
+    (more than git asks: any of the three). `adding`: a path about to be written, counted as there."""
+
+    def there(name: str) -> bool:  # a name written in another case counts (macOS: the same file)
+        return os.path.lexists(folder / name) or any(
+            p.parent == folder and p.name.casefold() == name.casefold()
+            for p in ((adding, *adding.parents) if adding is not None else ())
+        )
+
+    return there("HEAD") and any(there(m) for m in GIT_MARKS)
+
+
+def makes_git_dir(project: Path, path: Path) -> Path | None:
+    """The folder (the project or one inside it) that writing `path` would make, or leaves, a git
+    directory by the marks of `looks_like_git_dir`; None when none."""
+    project = Path(project).resolve()
+    for folder in reversed((path.parent, *path.parent.parents)):
+        if folder.is_relative_to(project) and looks_like_git_dir(folder, path):
+            return folder
+    return None
+
+
+def planted_git_dirs(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> tuple[list[Path], bool]:
+    """Folders in the project that git would take for a repository although no `.git` names them (see
+    `looks_like_git_dir`), found by a walk that follows no symbolic link and enters neither `skip` nor a
+    found one; and whether the walk saw every folder (at most `SCAN_FOLDERS`)."""
+    project = Path(project).resolve()
+    skipped = {Path(p) for p in skip}
+    found: list[Path] = []
+    todo, seen = [project], 0
+    while todo:
+        folder = todo.pop()
+        seen += 1
+        if seen > SCAN_FOLDERS:
+            return found, False
+        if folder != project and looks_like_git_dir(folder):
+            found.append(folder)
+            continue
+        try:
+            with os.scandir(folder) as entries:
+                subs = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        todo += [d for d in subs if d not in skipped]
+    return sorted(found), True
 
 
 def git_dirs(project: Path) -> list[Path]:
     """The project's git directories inside it, which the sandbox keeps read-only and file writes never
     approve automatically: `.git`, or the folder a `.git` file names (`gitdir:`, as `git init
-    --separate-git-dir` and worktrees write), and the `commondir` that one names."""
+    --separate-git-dir` and worktrees write), and the `commondir` that one names; and the folders that git
+    would take for a repository with no `.git` in their names (`planted_git_dirs`)."""
     project = Path(project).resolve()
     git = project / ".git"
     found: list[Path] = []
@@ -423,7 +505,9 @@ def git_dirs(project: Path) -> list[Path]:
             continue
         if common:
             found.append((d / common).resolve())
-    return [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
+    named = [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
+    planted, _ = planted_git_dirs(project, named)
+    return named + planted
 
 
 def _pins(project: Path, paths: list[Path]) -> list[Path]:
