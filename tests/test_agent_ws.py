@@ -198,10 +198,26 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
             html = client.get("/agent/rules").text
             assert "git status" in html and f"/agent/rules/{rule.id}/delete" in html
             assert client.post(f"/agent/rules/{rule.id}/delete").status_code == 403  # no CSRF token
-            r = client.post(f"/agent/rules/{rule.id}/delete", headers={"x-csrf-token": state.csrf_token})
-            assert r.status_code == 200 and "No allow rules" in r.text
-            # typed in Settings (a walkthrough found no way to add one there): checked as a dialog's rule is
             csrf = {"x-csrf-token": state.csrf_token}
+            # a Settings window drawn for another project (one opened since in another window) changes nothing:
+            # not its rules, not its network switch, not its edits' auto-approval (a review found the switches
+            # acting on whichever project was open)
+            for url, data in (
+                (f"/agent/rules/{rule.id}/delete", {}),
+                ("/agent/network", {"network": "on"}),
+                ("/agent/approve-edits", {"approve_edits": "on"}),
+            ):
+                r = client.post(url, data=data | {"project": "other"}, headers=csrf)
+                assert r.status_code == 400 and "another project was opened" in r.text, url
+            agents = AgentStore(state.db.conn)
+            assert (
+                agents.list_rules(key) and not agents.network_allowed(key) and not agents.edits_approved(key)
+            )
+            r = client.post(f"/agent/rules/{rule.id}/delete", data={"project": key}, headers=csrf)
+            assert r.status_code == 200 and "No allow rules" in r.text
+            r = client.post("/agent/network", data={"network": "on", "project": key}, headers=csrf)
+            assert r.status_code == 200 and agents.network_allowed(key)
+            # typed in Settings (a walkthrough found no way to add one there): checked as a dialog's rule is
             assert client.post("/agent/rules", data={"kind": "exact", "pattern": "ls"}).status_code == 403
             r = client.post(
                 "/agent/rules",
@@ -235,7 +251,7 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
             )
             assert r.status_code == 400 and "another project was opened" in r.text
             assert len(AgentStore(state.db.conn).list_rules(key)) == 2
-            assert f'name="project" value="{key}"' in client.get("/agent/rules").text
+            assert f'id="agent-rules-project" value="{key}"' in client.get("/agent/rules").text
     finally:
         worker.close()
 

@@ -114,11 +114,13 @@ def test_a_malformed_form_body_is_refused_not_a_500(client: TestClient) -> None:
 
 def test_a_rule_id_too_large_for_sqlite_deletes_nothing(client: TestClient) -> None:
     token = csrf(client)
+    project = re.search(r'id="agent-rules-project" value="([^"]*)"', client.get("/agent/rules").text)
+    assert project is not None
     for path in (
         "/agent/rules/99999999999999999999999999/delete",
         "/agent/mcp/rules/9223372036854775808/delete",
     ):
-        r = client.post(path, headers={"X-CSRF-Token": token, "Origin": BASE})
+        r = client.post(path, headers={"X-CSRF-Token": token, "Origin": BASE}, data={"project": project[1]})
         assert r.status_code == 200, (path, r.status_code)
 
 

@@ -20,6 +20,7 @@ import shlex
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from jinja2 import Environment
 from starlette.requests import Request
@@ -123,20 +124,23 @@ class AgentWeb:
         )
         return HTMLResponse(str(html), status_code=400 if error else 200)
 
+    def _stale(self, form: Any) -> bool:
+        """Whether a Settings form was drawn for another project than the one open now (another window opened
+        one since): its change would land on a project the user was not looking at."""
+        return str(form.get("project") or "") != self._current_key()
+
+    STALE = (
+        "another project was opened since this window showed its settings; they are shown now, check them and"
+    )
+
     async def add_rule(self, request: Request) -> HTMLResponse:
         """POST /agent/rules (`kind` exact or prefix, `pattern`): a rule typed in Settings, checked as one made
         from an approval dialog is (a prefix only from the table of safe ones); a refusal says why, keeping what
         was typed."""
         form = await request.form()
         kind, pattern = str(form.get("kind") or "exact"), str(form.get("pattern") or "")
-        if (
-            str(form.get("project") or "") != self._current_key()
-        ):  # another window opened another project since
-            return self._rules_html(
-                "Not added: another project was opened since this window showed its rules; they are shown now, "
-                "check them and add it again",
-                (kind, pattern),
-            )
+        if self._stale(form):
+            return self._rules_html(f"Not added: {self.STALE} add it again", (kind, pattern))
         try:
             self.store.add_rule(self._current_key(), kind, pattern)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -149,18 +153,24 @@ class AgentWeb:
 
     async def delete_rule(self, request: Request) -> HTMLResponse:
         """POST /agent/rules/{rule_id}/delete: remove one rule, answer with the new list."""
+        if self._stale(await request.form()):
+            return self._rules_html(f"Not removed: {self.STALE} remove it again")
         self.store.remove_rule(self._current_key(), int(request.path_params["rule_id"]))
         return self._rules_html()
 
     async def set_network(self, request: Request) -> HTMLResponse:
         """POST /agent/network: the project's network switch (form field `network=on`)."""
         form = await request.form()
+        if self._stale(form):
+            return self._rules_html(f"Not changed: {self.STALE} change it again")
         self.store.set_network_allowed(self._current_key(), form.get("network") == "on")
         return self._rules_html()
 
     async def set_approve_edits(self, request: Request) -> HTMLResponse:
         """POST /agent/approve-edits: "auto-approve file edits in this project" (`approve_edits=on`)."""
         form = await request.form()
+        if self._stale(form):
+            return self._rules_html(f"Not changed: {self.STALE} change it again")
         self.store.set_edits_approved(self._current_key(), form.get("approve_edits") == "on")
         return self._rules_html()
 
