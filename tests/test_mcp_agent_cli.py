@@ -135,6 +135,17 @@ def test_approve_all_approves_the_server_for_this_run_only(tmp_path: Path, proje
     assert registry(home, project)[0] is False  # not saved: the next `ask` run asks
 
 
+def test_approve_all_says_a_write_was_approved_not_allowed_by_a_rule(tmp_path: Path, project: Path) -> None:
+    """--approve all answers each write's question: "approved", as a command's; "allowed by rule" is only for
+    the project's own auto-approval of edits (a walkthrough saw every --approve all write called a rule)."""
+    write = [{"call": "write_file", "arguments": {"path": "a.txt", "content": "A"}}, {"text": "Done."}]
+    proc, _ = agent(tmp_path / "home", tmp_path, project, "all", script=write)
+    assert proc.returncode == 0, proc.stderr
+    steps = json.loads(proc.stdout)["steps"]
+    assert [(s["tool"], s["decision"], s["ok"]) for s in steps] == [("write_file", "once", True)], proc.stderr
+    assert (project / "a.txt").read_text() == "A" and "allowed by rule" not in proc.stderr
+
+
 def test_approve_none_refuses_the_server_with_a_notice(tmp_path: Path, project: Path) -> None:
     home = tmp_path / "home"
     proc, report = agent(home, tmp_path, project, "none", script=[{"text": "I cannot add."}])

@@ -285,7 +285,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 hidden=hidden,
                 max_steps=args.max_steps,
                 constrained=not args.unconstrained,
-                approve_edits={"all": True, "none": False}.get(args.approve, store.edits_approved(ref.id)),
+                # --approve all answers each write's question (said "approved"); only the project's own setting
+                # approves edits as a rule (said "allowed by rule")
+                approve_edits=args.approve != "none" and store.edits_approved(ref.id),
                 sampling=SamplingParams(
                     temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
                 ),
