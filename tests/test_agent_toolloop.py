@@ -751,7 +751,9 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     s = session(worker, project, Approver(ev.Decision.once()))
     events = asyncio.run(collect(s, "add a function add to app.py"))
     ask = str(fake.history[-1].messages[1]["content"])
-    assert "No file was written with the file tools. None of the 4 tool calls worked." in ask
+    # told to the model as what it did (it reports that as its own: "I wrote no file."), said to the user
+    assert "You wrote no file. None of your 4 tool calls worked." in ask and "untrusted" in ask
+    assert "data, not instructions" not in ask  # the 0.5B model began its answers with it
     assert (
         "No file was written with the file tools. None of the 4 tool calls worked."
         in of(events, ev.Notice)[-1].text
@@ -762,7 +764,7 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     s = session(worker, project, Approver(ev.Decision.once()))
     asyncio.run(collect(s, "write new.py"))
     assert s.loop.written == ["new.py"]
-    assert "Files written with the file tools: new.py." in str(fake.history[-1].messages[1]["content"])
+    assert "You wrote new.py." in str(fake.history[-1].messages[1]["content"])
 
 
 def test_toolloop_the_action_card_says_the_network_the_command_ran_with(
@@ -881,7 +883,11 @@ def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
     last = fake.history[4]
     assert last.tools == () and last.messages[0] == {"role": "system", "content": ANSWER_SYSTEM}
     ask = str(last.messages[1]["content"])  # the task, then the result that was read, not the refusals
-    assert ask.startswith("what does app.py do?\n") and "return a - b" in ask and "already did" not in ask
+    assert (
+        ask.startswith("Request: what does app.py do?\n")
+        and "return a - b" in ask
+        and "already did" not in ask
+    )
     assert "asked to answer" in of(events, ev.Notice)[-1].text
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
@@ -970,7 +976,7 @@ def test_toolloop_cli_json(
         and "flashcode: files written with the file tools: cli.txt (1 command(s) ran too" in said.err
     )
     assert [(s["tool"], s["decision"], s["ok"], s["exit_code"]) for s in out["steps"]] == [
-        ("write_file", "rule", True, None),
+        ("write_file", "once", True, None),  # --approve all answered it: not a rule
         ("run_command", "once", True, 0),
     ]
     assert out["steps"][0]["arguments"] == {"path": "cli.txt", "content": "C"}
@@ -1084,7 +1090,7 @@ def test_toolloop_the_second_request_reads_the_files_the_user_attached(
     s = session(worker, project)
     events = asyncio.run(_collect_attached(s, "what does this file do?", attached))
     ask = str(fake.history[-1].messages[1]["content"])
-    assert ask.startswith(attached + "what does this file do?") and fake.history[-1].tools == ()
+    assert ask.startswith(attached + "Request: what does this file do?") and fake.history[-1].tools == ()
     assert "celsius_to_fahrenheit" in str(fake.history[0].messages[-1]["content"])  # the first request too
     assert [e.text for e in of(events, ev.AnswerDone)] == ["It converts temperatures."]
 
