@@ -97,6 +97,7 @@ def child_main(args: argparse.Namespace) -> None:
         es.pipeline = args.pipeline
     if args.read_chunk >= 0:
         es.read_chunk = args.read_chunk or None  # 0: the reader's own chunk (one preadv per expert)
+    es.pf_min_misses = args.prefetch_min_misses
     req = GenerationRequest(
         prompt=args.prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens)
     )
@@ -143,6 +144,8 @@ def child_main(args: argparse.Namespace) -> None:
         "read_wait_s_total": round(es.stats.read_wait_s, 3),  # the compute thread blocked on expert reads
         "prefetched": es.stats.prefetched,
         "prefetch_used": es.stats.prefetch_used,
+        "prefetch_min_misses": es.pf_min_misses,
+        "miss_avg_per_layer": [round(float(m), 3) for m in es.miss_avg],
         "pipeline": es.pipeline if not es.host_writes else "host_writes",
         "profiled": args.profile,
         "profile": decode_profile(first["profile"], es.prof.snapshot(), decode_tokens, s.decode_tps),
@@ -460,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--prefetch-next", type=int, nargs="?", const=1, default=0,
                     help="opt-in, exact: read the guessed experts of the next N layers ahead (default 1 when given)")  # fmt: skip
+    ap.add_argument("--prefetch-min-misses", type=float, default=0.0,
+                    help="with --prefetch-next: guess only the layers whose decode calls miss this many experts on "
+                         "average (0: every layer)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="flash runs per routing (fresh processes)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="flash runs before the repeats, kept under warmup_runs, not summarized (a fresh GPU "
@@ -525,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []),
                    *(["--pipeline", args.pipeline] if args.pipeline else []),
                    *(["--io-threads", str(args.io_threads)] if args.io_threads else []),
-                   *(["--read-chunk", str(args.read_chunk)] if args.read_chunk >= 0 else []))  # fmt: skip
+                   *(["--read-chunk", str(args.read_chunk)] if args.read_chunk >= 0 else []),
+                   *(["--prefetch-min-misses", str(args.prefetch_min_misses)] if args.prefetch_min_misses else []))  # fmt: skip
     compare = tuple((name.strip(), tuple(flags.split())) for name, _, flags in
                     (c.partition(":") for c in args.compare.split(";") if c.strip()))  # fmt: skip
     work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")

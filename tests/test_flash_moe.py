@@ -95,6 +95,25 @@ def test_moe_streamed_matches_mlx_lm(
     assert stream.stats.experts_read > 0
 
 
+def test_moe_guessing_only_the_layers_that_miss_stays_exact(tiny_moe: Path, reference: Any) -> None:
+    """`pf_min_misses`: a layer is guessed only while its decode calls miss that many experts on average. Above
+    every layer's average nothing is guessed (no router matvec, no read ahead); at 0 every layer is; between,
+    some; the tokens and logits are the in-RAM model's either way."""
+    import mlx.core as mx
+
+    _, toks_ref, logits_ref = reference
+    guessed = {}
+    for floor in (0.0, 0.5, 99.0):
+        streamed, stream = streamed_model(tiny_moe, 5, "lru", True)
+        stream.pf_min_misses = floor
+        streamed(mx.array(PROMPT))
+        toks, logits = greedy(streamed)
+        assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4, floor
+        assert (stream.miss_avg > 0).any()  # decode calls missed, so there was something to guess
+        guessed[floor] = stream.stats.prefetched
+    assert guessed[99.0] == 0 < guessed[0.5] < guessed[0.0]  # (the average starts at 0: guessing starts late)
+
+
 def test_moe_grouped_prefill_is_bit_exact_and_computes_each_pair_once(tiny_moe: Path, reference: Any) -> None:
     """A chunk needing more experts than the bank (4 slots): on the CPU each group computes only its own
     (token, k) pairs, and the logits are the in-RAM model's to the bit, as with a bank holding them all."""

@@ -190,6 +190,12 @@ class ExpertStream:
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
         self.pf_depth = 0
         self.pf: dict[int, dict[int, tuple[int, Any]]] = {}  # layer index -> expert -> (staging slot, future)
+        # guess a layer only while it misses: its decode calls' misses, a moving average (0 = guess every layer).
+        # A guess costs the next router's matvec and readback in this layer's sync, and a wrong one disk time;
+        # a layer that seldom misses (skewed routing: ~0.35 a call) has little to hide
+        self.pf_min_misses = 0.0
+        self.miss_avg = np.zeros(len(self.layers))
+        self.last_misses = 0
         self.copier: BankCopier | None = None
         self.slot_addr: list[dict[str, tuple[int, int]]] = []  # per layer: tensor -> (address, slot bytes)
         if copier is not None:
@@ -232,12 +238,13 @@ class ExpertStream:
         if self.pf_k:
             copier.register(buffer_address(self.pf_staging.view), self.pf_staging.size)
 
-    def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray] | None = None) -> None:
+    def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray | None] | None = None) -> None:
         """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
         `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued)."""
         t0 = time.perf_counter()
         res = self.cache.access(i, ids.tolist())
         misses = [(k, s) for k, s, hit in res if not hit]
+        self.last_misses = len(misses)
         self.slot_of[i, [k for k, _, _ in res]] = [s for _, s, _ in res]
         self.prof.add("cache", time.perf_counter() - t0)
         ready = self._take_prefetched(i)
@@ -271,7 +278,13 @@ class ExpertStream:
         if self.copier is not None:
             self.copier.register(buffer_address(self.pf_staging.view), self.pf_staging.size)
 
-    def prefetch(self, i: int, guesses: list[np.ndarray]) -> None:
+    def guessed(self, i: int) -> list[bool]:
+        """Which of the next `pf_depth` layers after layer index `i` are guessed: those whose decode calls
+        miss `pf_min_misses` experts or more, on average."""
+        nxt = range(i + 1, min(i + 1 + self.pf_depth, len(self.layers)))
+        return [bool(self.miss_avg[j] >= self.pf_min_misses) for j in nxt]
+
+    def prefetch(self, i: int, guesses: list[np.ndarray | None]) -> None:
         """Layer index `i` has consumed its own prefetches: read the guesses for layers i+1 .. i+len(guesses)."""
         if not self.pf_k:
             return
@@ -281,6 +294,8 @@ class ExpertStream:
             j = i + d
             if j >= len(self.layers):
                 break
+            if guess is None:  # not guessed: that layer seldom misses (`pf_min_misses`)
+                continue
             layer, resident = self.layers[j], self.cache.layers[j].slot
             mine = self.pf.setdefault(j, {})
             base = (j % self.pf_depth) * self.pf_k
@@ -318,7 +333,7 @@ class ExpertStream:
         i: int,
         misses: list[tuple[int, int]],
         ready: dict[int, tuple[memoryview, Any]] | None = None,
-        guesses: list[np.ndarray] | None = None,
+        guesses: list[np.ndarray | None] | None = None,
     ) -> None:
         layer = self.layers[i]
         ub, ready = self.unit_bytes, ready or {}
@@ -351,7 +366,7 @@ class ExpertStream:
         futs: dict[Any, tuple[int, int, memoryview]],
         landed: list[tuple[int, int, memoryview]],
         ready: dict[int, tuple[memoryview, Any]],
-        guesses: list[np.ndarray] | None,
+        guesses: list[np.ndarray | None] | None,
     ) -> None:
         """The misses' reads are in flight (`futs`; `landed`: read ahead on a guess): into the bank, by the path."""
         layer, ub = self.layers[i], self.unit_bytes
@@ -414,7 +429,7 @@ class ExpertStream:
         i: int,
         futs: dict[Any, tuple[int, int, memoryview]],
         landed: list[tuple[int, int, memoryview]],
-        guesses: list[np.ndarray] | None,
+        guesses: list[np.ndarray | None] | None,
     ) -> None:
         """`direct`: each expert is copied into its bank slot as its read lands, while the others are in flight;
         the layer returns once every copy is done (its compute is queued next, and its staging is reused). Building
@@ -642,12 +657,16 @@ class StreamedSwitchGLU:
         return mx.concatenate(outs, axis=0)
 
     def _guess_ops(self, x: Any, k: int) -> list[Any]:
-        """Lazy top-k guesses of the next layers' experts: their routers on this layer's input (last token)."""
+        """Lazy top-k guesses of the next layers' experts: their routers on this layer's input (last token);
+        None for a layer not guessed (`ExpertStream.guessed`)."""
         import mlx.core as mx
 
         xl = x.reshape(-1, x.shape[-1])[-1:]
-        out = []
-        for gate in self.next_gates:
+        out: list[Any] = []
+        for gate, wanted in zip(self.next_gates, self.stream.guessed(self.index), strict=False):
+            if not wanted:
+                out.append(None)
+                continue
             logits = gate(xl)
             out.append(mx.argpartition(-logits, kth=k - 1, axis=-1)[0, :k] if k < logits.shape[-1] else
                        mx.argsort(-logits, axis=-1)[0])  # fmt: skip
@@ -665,11 +684,16 @@ class StreamedSwitchGLU:
             prof.add("wait_input", t1 - t0)
             t0 = t1
         k = indices.shape[-1]
-        guess_ops = self._guess_ops(x, k) if self.next_gates and indices.size <= 64 else []
-        if guess_ops:  # opt-in: decode-sized calls guess the next layers, read back in the same sync
-            mx.eval(indices, *guess_ops)
+        decode = indices.size <= 64
+        guess_ops = self._guess_ops(x, k) if self.next_gates and decode else []
+        if any(
+            g is not None for g in guess_ops
+        ):  # opt-in: decode calls guess the next layers, in the same sync
+            mx.eval(indices, *(g for g in guess_ops if g is not None))
         chosen = np.array(indices)  # the one host sync of the layer: the router's choice
-        guesses = [np.array(g) for g in guess_ops]
+        guesses = [None if g is None else np.array(g) for g in guess_ops]
+        if all(g is None for g in guesses):
+            guesses = []
         st.stats.calls += 1
         st.stats.host_syncs += 1
         prof.calls += 1
@@ -680,6 +704,8 @@ class StreamedSwitchGLU:
         slots = st.cache.slots
         if len(ids) <= slots:
             st.ensure(self.index, ids, guesses)
+            if decode:
+                st.miss_avg[self.index] += 0.2 * (st.last_misses - st.miss_avg[self.index])
             t0 = time.perf_counter()
             if st.host_writes:  # CPU: every (token, k) pair, split over the CPU streams
                 flat = chosen.reshape(-1)
