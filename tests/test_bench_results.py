@@ -37,6 +37,8 @@ RAW = {
     "flash-moe-gpu-speculation-uniform.json": "runs",
     "flash-moe-gpu-queue-skewed.json": "runs",
     "flash-moe-gpu-queue-uniform.json": "runs",
+    "flash-moe-gpu-adaptive-skewed.json": "runs",
+    "flash-moe-gpu-adaptive-uniform.json": "runs",
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",
     "flash-residency.json": "residency",
