@@ -146,6 +146,24 @@ def test_ws_regenerate_without_reply_is_an_error(client: TestClient) -> None:
         assert 'role="alert"' in ws.receive_text()
 
 
+def test_ws_nothing_is_written_into_a_conversation_in_the_trash(
+    client: TestClient, fake: FakeBackend
+) -> None:
+    """Send, regenerate and continue each refuse a trashed conversation with the same words (a red-team pass
+    made a `continue` write a reply into one; regenerate said it "does not exist")."""
+    fake.enqueue("first")
+    db = client.app.state.flashcode.db
+    with connect(client) as ws:
+        send(ws, type="send", text="q")
+        cid = conversation_id(until(ws, r'data-state="idle"'))
+        stored = [(m.id, m.content) for m in db.messages(cid)]
+        db.trash_conversation(cid)
+        for msg in ({"type": "send", "text": "more"}, {"type": "regenerate"}, {"type": "continue"}):
+            send(ws, conversation_id=cid, **msg)
+            assert "in the Trash: put it back" in until(ws, r'role="alert"')[-1], msg
+    assert [(m.id, m.content) for m in db.messages(cid)] == stored and len(fake.history) == 1
+
+
 def test_ws_escapes_model_output(client: TestClient, fake: FakeBackend) -> None:
     fake.enqueue("<script>alert(1)</script>", " <img src=x onerror=alert(2)>")
     with connect(client) as ws:

@@ -278,15 +278,23 @@ class Session:
             return None
         return shown
 
+    def _gone(self, conversation_id: str) -> bool:
+        """True (and said) when the conversation is in the Trash or no longer exists: nothing is written
+        into it (a send, a regenerate, a continue)."""
+        db = self.ctx.db
+        if db.get_conversation(conversation_id) is not None:
+            return False
+        if db.get_conversation(conversation_id, trashed=True) is not None:
+            self.error("that conversation is in the Trash: put it back (View > Trash) to go on with it")
+        else:
+            self.error("that conversation no longer exists: start a new one (File > New Conversation)")
+        return True
+
     def _send(self, msg: p.Send) -> None:
         db, views = self.ctx.db, self.views
-        conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
-        if msg.conversation_id and conv is None:
-            if db.get_conversation(msg.conversation_id, trashed=True) is not None:
-                self.error("that conversation is in the Trash: put it back (View > Trash) to go on with it")
-            else:
-                self.error("that conversation no longer exists: start a new one (File > New Conversation)")
+        if msg.conversation_id and self._gone(msg.conversation_id):
             return
+        conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
         created = conv is None
@@ -363,8 +371,7 @@ class Session:
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.ctx.db
-        if db.get_conversation(msg.conversation_id) is None:
-            self.error("nothing to regenerate: that conversation does not exist")
+        if self._gone(msg.conversation_id):
             return
         if msg.seen is not None and self._missed(msg.conversation_id, msg.seen):
             return  # another window added since: the reply this page shows is not the last one any more
@@ -378,6 +385,8 @@ class Session:
 
     def _continue(self, msg: p.Continue) -> None:
         """The reply cut at the token limit goes on: same message, the prompt ends with its text."""
+        if self._gone(msg.conversation_id):  # a red-team pass wrote into a trashed conversation this way
+            return
         messages = self.ctx.db.messages(msg.conversation_id)
         last = messages[-1] if messages else None
         if last is None or last.role != "assistant" or not last.content or last.status != "complete":
