@@ -225,3 +225,28 @@ def test_an_atomic_write_keeps_the_files_mode_writes_through_a_symlink_and_to_a_
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o666 & ~umask
     paths.write_text_atomic(Path("/dev/null"), "nothing")  # a device is written to, never replaced
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_title_with_escape_sequences_reaches_no_terminal(tmp_path: Path) -> None:
+    """An imported conversation is untrusted text: its title loses controls and bidi characters on the way in,
+    and the list shows any left (a title stored by an older flashcode) as <U+…> markers — a red-team pass
+    cleared lines, set the window title and wrote the clipboard (OSC 52) with `flashcode conversations`."""
+    home = tmp_path / "home"
+    home.mkdir()
+    evil = "Harmless \x1b[2K\x1b[1A\x1b]0;owned\x07\x1b]52;c;ZWNobyBwd25lZA==\x07\u202eevil"
+    export = {
+        "format": "flashcode-conversation",
+        "title": evil,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    (tmp_path / "evil.json").write_text(json.dumps(export))
+    done = flashcode("conversations", "import", str(tmp_path / "evil.json"), home=home)
+    assert done.returncode == 0, done.stderr
+    db = Database(home / "flashcode.db")
+    stored = db.get_conversation(done.stdout.strip())
+    assert stored is not None and stored.title.isprintable() and "\u202e" not in stored.title
+    older = db.create_conversation(evil, "qwen", "mlx")  # as an older version stored it
+    db.close()
+    listed = flashcode("conversations", home=home)
+    assert listed.returncode == 0 and "\x1b" not in listed.stdout and "\u202e" not in listed.stdout
+    assert f"{older.id}\t" in listed.stdout and "<U+001B>]52;c;" in listed.stdout

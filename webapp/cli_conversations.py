@@ -30,6 +30,7 @@ from .db import (
     parse_import,
 )
 from .projects.store import ProjectStore
+from .render import visible_line
 from .units import HELP
 
 
@@ -92,8 +93,10 @@ def cmd_conversations(args: argparse.Namespace) -> int:
         )
         for c in shown:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated_at))
-            title = " ".join(c.title.split())
-            print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{names.get(c.project_id, c.project_id)}\t{title}")
+            # a title (an imported one is untrusted text) could hold a terminal's escape sequences: shown as markers
+            title = visible_line(" ".join(c.title.split()))
+            project = visible_line(names.get(c.project_id, c.project_id))
+            print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{project}\t{title}")
         if not shown and sys.stderr.isatty():
             print("no conversations here (--all lists every project's, --trash the Trash's)", file=sys.stderr)
     finally:

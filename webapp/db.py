@@ -1105,7 +1105,10 @@ def import_json(
     if not messages:
         raise ConversationImportError("it has no user or assistant messages to import")
     title = data.get("title") if isinstance(data.get("title"), str) else ""
-    title = _imported_title(db, project_id, _text(" ".join(title.split())[:120]) or "Imported conversation")
+    # on one line, without controls, bidi or zero-width characters (a title with escape sequences was printed as
+    # it stood by `flashcode conversations`; U+202E turned it around in the list)
+    shown = "".join(c if c.isprintable() else " " for c in _text(title))
+    title = _imported_title(db, project_id, " ".join(shown.split())[:120] or "Imported conversation")
     events = data.get("events") if isinstance(data.get("events"), list) else []
     # always chat mode: continued, the file's messages are the model's context as they are, so the tools
     # (and this project's allow rules) wait until the user switches it to agent mode
