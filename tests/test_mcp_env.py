@@ -67,6 +67,8 @@ def test_every_field_is_expanded_and_shown_as_written() -> None:
     other = parse_entry("s", stdio.raw, environ={**env, "KEY": "rotated"})
     assert other.fingerprint != stdio.fingerprint
     assert parse_entry("s", stdio.raw, environ=dict(env)).fingerprint == stdio.fingerprint
+    # the whole SHA-256 (a red-team pass made two configs share a fingerprint cut to 36 bits in 2 s)
+    assert len(stdio.fingerprint) == 64 and int(stdio.fingerprint, 16) >= 0
     # a url that is only valid once expanded; one that is not valid even then
     assert (
         parse_entry("u", {"url": "${NOPE:-http://localhost:1}/mcp"}, environ={}).url

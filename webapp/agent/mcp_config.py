@@ -75,11 +75,14 @@ class ServerConfig:
 
     @property
     def fingerprint(self) -> str:
-        """A digest of what would run (command, args, env, url, headers): approval is for this."""
+        """A digest of what would run (command, args, env, url, headers): approval is for this. The whole
+        SHA-256: cut to 64 bits, two configs sharing one could be made (a birthday search, ~2^33 hashes), the
+        harmless one approved and the other swapped in by a `git pull` without a question. An approval stored
+        under an older, cut fingerprint no longer matches: that server asks once more."""
         body = json.dumps(
             [self.transport, self.command, list(self.args), list(self.env), self.url, list(self.headers)]
         )
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
+        return hashlib.sha256(body.encode()).hexdigest()
 
     @property
     def usable(self) -> bool:
