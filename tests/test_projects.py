@@ -537,6 +537,45 @@ def test_projects_files_window_lists_respecting_gitignore_and_views_escaped(clie
         assert why in client.get("/files/view", params={"path": bad}).text
 
 
+def test_projects_files_window_reads_the_disk_off_the_event_loop_and_a_bounded_gitignore(
+    client, two, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cloned repository's .gitignore of 100,000 patterns held every request 14 s per listing (a red-team
+    pass): the listing now runs off the event loop — here one held open still lets /health answer — and each
+    ignore file counts for at most IGNORE_LINES patterns (past them a file is shown, not hidden)."""
+    import threading
+
+    from webapp.projects import files
+
+    a, _ = two
+    _open(client, a)
+    lines = [f"pat{i}_*/x{i}" for i in range(files.IGNORE_LINES)] + ["late.txt"]
+    (a / "pkg" / ".gitignore").write_text("\n".join(lines) + "\n")
+    (a / "pkg" / "late.txt").write_text("x")
+    inner = re.findall(r'<tr data-path="([^"]+)"', client.get("/files/list", params={"dir": "pkg"}).text)
+    assert "pkg/late.txt" in inner and "pkg/mod.py" in inner
+    entered, release = threading.Event(), threading.Event()
+    listing = files.ProjectTree.list
+
+    def held(self, rel_dir=""):
+        entered.set()
+        assert release.wait(30)
+        return listing(self, rel_dir)
+
+    monkeypatch.setattr(files.ProjectTree, "list", held)
+    got: list[str] = []
+    slow = threading.Thread(target=lambda: got.append(client.get("/files/list", params={"dir": "pkg"}).text))
+    slow.start()
+    try:
+        assert entered.wait(30)
+        assert client.get("/health").status_code == 200  # answered while the listing is held
+        assert not got
+    finally:
+        release.set()
+        slow.join(30)
+    assert got and "pkg/mod.py" in got[0]
+
+
 def test_projects_hidden_characters_in_file_names_and_titles_are_marked(client, two) -> None:
     """A file name or a conversation title with a right-to-left override (a model or a cloned repo can
     make either) cannot pass for another name: the hidden character shows as a <U+202E> mark."""

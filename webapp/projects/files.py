@@ -4,7 +4,8 @@ file for display, and attaching files to the next message.
 What is covered: paths are relative to the project and resolved (symlinks included) before use; one
 that leads outside the project, into `.git`, or to something ignored is refused with a message.
 Listings skip `.git` and whatever the project's `.gitignore` files (root and nested, with
-`.git/info/exclude`) ignore, using `pathspec`'s git semantics. Files are shown only when they are
+`.git/info/exclude`) ignore, using `pathspec`'s git semantics (at most `IGNORE_BYTES` and `IGNORE_LINES` of
+each; the callers run all of it off the event loop). Files are shown only when they are
 text (UTF-8, no NUL) and at most `VIEW_LIMIT` bytes; attachments at most `ATTACH_LIMIT` bytes each
 and `ATTACH_TOTAL` together. What is not covered: file contents are the user's project, but are
 treated as untrusted data all the same: escaped when shown (pygments escapes), quoted as untrusted
@@ -15,6 +16,7 @@ What it does not know: HTTP, templates, the database.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from dataclasses import dataclass
@@ -48,11 +50,25 @@ class Entry:
         return f"{suffix.upper()} file" if suffix else "file"
 
 
+# what one ignore file may hold for the Files window (git has no limit; a cloned repository's .gitignore of
+# 100,000 patterns held the server 14 s per listing): past these, the rest of that file is not read
+IGNORE_BYTES = 256 << 10
+IGNORE_LINES = 10_000
+
+
 def _spec_lines(path: Path) -> list[str]:
     try:
-        return path.read_text(errors="replace").splitlines()
+        with path.open("rb") as f:
+            data = f.read(IGNORE_BYTES)
     except OSError:
         return []
+    return data.decode("utf-8", errors="replace").splitlines()[:IGNORE_LINES]
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(lines: tuple[str, ...]) -> pathspec.GitIgnoreSpec:
+    """The spec of these patterns, compiled once (each listing, view and attachment asks for it again)."""
+    return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
 class ProjectTree:
@@ -76,7 +92,7 @@ class ProjectTree:
                 body = text[1:] if neg else text
                 anchored = body.lstrip("/") if "/" in body.rstrip("/") else f"**/{body}"
                 lines.append(("!" if neg else "") + f"{prefix}/{anchored}")
-        return pathspec.GitIgnoreSpec.from_lines(lines)
+        return _compiled(tuple(lines))
 
     def ignored(self, rel: str, is_dir: bool = False) -> bool:
         parts = [p for p in rel.split("/") if p]

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from .files import ATTACH_LIMIT, ATTACH_TOTAL, FilesError, ProjectTree
+from .files import ATTACH_LIMIT, ATTACH_TOTAL, Entry, FilesError, ProjectTree
 from .store import DEFAULT_ID, ProjectError, ProjectRef, ProjectStore, make_folder
 
 MAX_BROWSE = 400
@@ -43,6 +43,18 @@ def _human(n: float) -> str:
             return f"{n:,.1f}".removesuffix(".0") + f" {unit}"
         n /= 1024
     return f"{n} GB"
+
+
+def _entries(tree: ProjectTree, rel: str, error: str) -> tuple[list[Entry], str, str]:
+    """(the entries of folder `rel`, the error to show, the folder shown): the project's top when `rel`
+    cannot be listed, nothing when the project's folder itself is gone (the first error says so)."""
+    try:
+        return tree.list(rel), error, rel
+    except FilesError as exc:
+        try:
+            return tree.list(""), str(exc), ""
+        except FilesError:
+            return [], str(exc), ""
 
 
 def _not_attached(tree: ProjectTree, rel: str, exc: FilesError) -> str:
@@ -204,16 +216,9 @@ class ProjectsWeb:
         project = self.store.current()
         return ProjectTree(project.path), project.id
 
-    def _listing(self, rel: str, error: str = "") -> str:
+    async def _listing(self, rel: str, error: str = "") -> str:
         tree, pid = self._tree()
-        try:
-            entries = tree.list(rel)
-        except FilesError as exc:
-            error, rel = str(exc), ""
-            try:  # the project's top instead
-                entries = tree.list("")
-            except FilesError:  # the folder itself is gone or unreadable: the first error says so
-                entries = []
+        entries, error, rel = await run_in_threadpool(_entries, tree, rel, error)  # the disk, off the loop
         crumbs = [p for p in rel.strip("/").split("/") if p]
         trail = [(p, "/".join(crumbs[: i + 1])) for i, p in enumerate(crumbs)]
         return str(
@@ -222,17 +227,19 @@ class ProjectsWeb:
             )
         )
 
+    # a project's files (a folder of thousands, a long .gitignore) are read off the event loop: a listing once
+    # held every other request, Stop and the approval dialogs for seconds
     async def files_window(self, request: Request) -> HTMLResponse:
-        return HTMLResponse(str(self.ui.files_window(self._listing(""))))
+        return HTMLResponse(str(self.ui.files_window(await self._listing(""))))
 
     async def files_list(self, request: Request) -> HTMLResponse:
-        return HTMLResponse(self._listing(request.query_params.get("dir", "")))
+        return HTMLResponse(await self._listing(request.query_params.get("dir", "")))
 
     async def file_view(self, request: Request) -> HTMLResponse:
         rel = request.query_params.get("path", "")
         tree, _ = self._tree()
         try:
-            text, size = tree.read_text(rel)
+            text, size = await run_in_threadpool(tree.read_text, rel)
         except FilesError as exc:
             return HTMLResponse(str(self.ui.file_view(rel, 0, "", str(exc))))
         try:
@@ -262,9 +269,9 @@ class ProjectsWeb:
             if any(p == rel for p, _, _ in have):
                 continue
             try:
-                text, size = tree.read_text(rel, limit=ATTACH_LIMIT)
+                text, size = await run_in_threadpool(tree.read_text, rel, ATTACH_LIMIT)
             except FilesError as exc:
-                errors.append(_not_attached(tree, rel, exc))
+                errors.append(await run_in_threadpool(_not_attached, tree, rel, exc))
                 continue
             if sum(s for _, s, _ in have) + size > ATTACH_TOTAL:
                 errors.append(
