@@ -131,8 +131,13 @@ def test_flashcode_tools_lists_builtin_and_mcp_tools(tmp_path: Path, project: Pa
     assert names["run_command"]["needs_approval"] and names["write_file"]["needs_approval"]
     assert not any(n.startswith("demo__") for n in names)  # not approved: never started
     assert any("not approved yet" in n for n in out["notices"])
+    # what --approve-server approves is said in full, as the agent's prompt says it: the environment too
+    write_config(project, demo={"command": sys.executable, "args": [SERVER], "env": {"API_KEY": "${HOME}"}})
     after = run_cli(home, "--project", str(project), "--json", "--approve-server", "demo")
     assert after.returncode == 0, after.stderr
+    assert (
+        "env API_KEY=${HOME}" in after.stderr and "reads from flashcode's environment: $HOME" in after.stderr
+    )
     out = json.loads(after.stdout)
     names = {t["name"]: t for t in out["tools"]}
     assert names["demo__add"]["source"] == "demo" and names["demo__add"]["needs_approval"]

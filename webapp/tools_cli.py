@@ -105,7 +105,10 @@ def cmd_tools(args: argparse.Namespace) -> int:
                     f"--approve-server: there is no usable .mcp.json server {name!r}"
                 )
             mstore.approve(ref.id, name, found.fingerprint)
-            print(visible_text(f"approved {name}: {found.describe()}"), file=sys.stderr)
+            # all of what was approved, as the agent's prompt and Settings show it: the environment a stdio
+            # server gets, the headers sent to an HTTP one, the variables a ${VAR} reads
+            more = "".join(f"\n  {line}" for line in found.details())
+            print(visible_text(f"approved {name}: {found.describe()}{more}"), file=sys.stderr)
         hidden = hidden_paths(projects.data_dir)
         result = asyncio.run(collect(store, ref.id, ref.path, hidden))
     finally:
