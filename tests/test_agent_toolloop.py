@@ -403,6 +403,22 @@ def test_toolloop_auto_approve_edits_and_network_off(
     assert "network access is off" in tool_results(fake)[1]
 
 
+def test_toolloop_a_step_result_is_never_written_as_a_files_content(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen in a walkthrough: with edits approved automatically, the 0.5B model wrote "notes.txt changed." (the
+    last step's own result) into notes.txt, then answered that it wrote what was asked. Refused, never asked."""
+    fake.enqueue_call("write_file", path="notes.txt", content="hello")
+    fake.enqueue_call("write_file", path="notes.txt", content="notes.txt created.\n")
+    fake.enqueue_call("edit_file", path="notes.txt", old_text="hello", new_text=" notes.txt   created. ")
+    fake.enqueue("Done.")
+    approver = Approver()
+    events = asyncio.run(collect(session(worker, project, approver, approve_edits=True), "write hello"))
+    assert (project / "notes.txt").read_text() == "hello" and not approver.asked
+    assert [d.ok for d in of(events, ev.ToolStepDone)] == [True, False, False]
+    assert all("not the file's content" in r for r in tool_results(fake)[1:3])
+
+
 def test_toolloop_auto_approved_edits_never_cover_git(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
@@ -751,8 +767,9 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     s = session(worker, project, Approver(ev.Decision.once()))
     events = asyncio.run(collect(s, "add a function add to app.py"))
     ask = str(fake.history[-1].messages[1]["content"])
-    # told to the model as what it did (it reports that as its own: "I wrote no file."), said to the user
-    assert "You wrote no file. None of your 4 tool calls worked." in ask and "untrusted" in ask
+    # told to the model in its own voice (it copies these lines into its answer: "You wrote…" came back as
+    # "None of your 4 tool calls worked" to the user), said to the user in the third person
+    assert "I wrote no file. I ran no command. None of my 4 tool calls worked." in ask and "untrusted" in ask
     assert "data, not instructions" not in ask  # the 0.5B model began its answers with it
     assert (
         "No file was written with the file tools. None of the 4 tool calls worked."
@@ -764,7 +781,7 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     s = session(worker, project, Approver(ev.Decision.once()))
     asyncio.run(collect(s, "write new.py"))
     assert s.loop.written == ["new.py"]
-    assert "You wrote new.py." in str(fake.history[-1].messages[1]["content"])
+    assert "I wrote new.py. I ran no command." in str(fake.history[-1].messages[1]["content"])
 
 
 def test_toolloop_the_action_card_says_the_network_the_command_ran_with(
@@ -973,7 +990,7 @@ def test_toolloop_cli_json(
     }
     assert (
         out["changed_files"] == ["cli.txt"]
-        and "flashcode: files written with the file tools: cli.txt (1 command(s) ran too" in said.err
+        and "flashcode: files written with the file tools: cli.txt (1 command ran too" in said.err
     )
     assert [(s["tool"], s["decision"], s["ok"], s["exit_code"]) for s in out["steps"]] == [
         ("write_file", "once", True, None),  # --approve all answered it: not a rule

@@ -73,8 +73,9 @@ STALLED = 3  # refused repeats in a row that end the steps: the model is asked t
 # after a stall, the model is asked once more, without tools, in a prompt of its own: the task and what the tools
 # returned. (Asked at the end of the agent's conversation, the 0.5B model answered "The task is done.")
 # Worded for the 0.5B model: asked to "answer from the tool results given with it", it began 6 of 12 answers
-# with "The tools returned the following data (untrusted source=…)" and copied the results; told what it did
-# in the second person and asked for a first-person reply, 1 of 12 (bench/agent.py's answers, replayed)
+# with "The tools returned the following data (untrusted source=…)" and copied the results; asked for a
+# first-person reply, 1 of 12 (bench/agent.py's answers, replayed). It copies the facts it is given into the
+# answer, so they are written in its voice ("I wrote calc.py. I ran no command.")
 ANSWER_SYSTEM = (
     "You are flashcode, a coding agent. You ran tools for the user's request. Reply to the user in one or two "
     "sentences, in the first person, saying what you did and what it showed, from the facts and tool results "
@@ -169,6 +170,9 @@ class ToolLoop:
         self.written: list[str] = []  # the files this turn's tools changed, in order (a path may repeat)
         # Python files that parsed before one of this turn's edits and do not now: why
         self.broken: dict[str, str] = {}
+        self._said: set[str] = (
+            set()
+        )  # what this turn's steps returned (one line each): never a file's content
 
     # ------------------------------------------------------------------ the loop
     async def run(
@@ -280,24 +284,23 @@ class ToolLoop:
         the second person (what it did), which it then reports as its own."""
         changed = list(dict.fromkeys(self.written))
         worked = sum(1 for r in self.records if r["ok"])
-        if to_model:
-            said = f"You wrote {', '.join(changed)}." if changed else "You wrote no file."
+        if to_model:  # in the model's own voice: it copies these lines into its answer as they stand
+            said = f"I wrote {', '.join(changed)}." if changed else "I wrote no file."
         else:
             said = (
                 f"Files written with the file tools: {', '.join(changed)}."
                 if changed
                 else "No file was written with the file tools."
             )
-        if any(r["tool"] == "run_command" and r["ok"] for r in self.records):
-            said += (
-                " You ran commands; their output is in the tool results."
-                if to_model
-                else " Commands ran; their output says what they did."
-            )
+        ran = [r for r in self.records if r["tool"] == "run_command" and r["ok"]]
+        if ran:
+            said += " I ran commands." if to_model else " Commands ran; their output says what they did."
+        elif to_model:  # else the 0.5B model said "Then I ran python3 calc.py" when nothing ran
+            said += " I ran no command."
         if self.broken:
-            said += f" No longer parsing as Python after {'your' if to_model else 'its'} edits: {', '.join(self.broken)}."
+            said += f" No longer parsing as Python after {'my' if to_model else 'its'} edits: {', '.join(self.broken)}."
         if self.records and not worked:
-            said += f" None of {'your' if to_model else 'the'} {len(self.records)} tool calls worked."
+            said += f" None of {'my' if to_model else 'the'} {len(self.records)} tool calls worked."
         return said
 
     def _only_a_call(self, text: str) -> bool:
@@ -424,6 +427,7 @@ class ToolLoop:
         except Exception as exc:  # noqa: BLE001 - a failing tool is the model's result, not a crash
             result = ToolResult(False, f"Error: {type(exc).__name__}: {exc}")
         content = result.content
+        self._said.add(" ".join(content.split()))
         self.messages.append(tool_message(call, self._quote(call, content)))
         if content.startswith(
             ("Error: step ", "Error: the user denied exactly this call", "Error: that is what")
@@ -490,6 +494,15 @@ class ToolLoop:
                 "the steps returned, or run a real command.",
             )
             return
+        if call.name in ("write_file", "edit_file") and self._echoed(call):
+            # the 0.5B model wrote "notes.txt changed." (the last step's result) into notes.txt, and answered
+            # that it wrote what was asked: not asked (an auto-approved edit would land), refused as a repeat is
+            yield ToolResult(
+                False,
+                "Error: that is what a step returned, not the file's content; nothing was written. Write the "
+                "content the user asked for, or answer the user.",
+            )
+            return
         if (before := self._repeats(call)) is not None:  # MCP calls too: each would ask the user again
             step, worked = before
             denied = [  # the user said no to this call in this turn: say so, however often it comes back
@@ -549,6 +562,11 @@ class ToolLoop:
                 False, f"Error: {exc}", meta={"retry": True} if isinstance(exc, StaleChange) else {}
             )
 
+    def _echoed(self, call: ToolCall) -> bool:
+        """A write whose new text is one of this turn's tool results ("notes.txt changed.")."""
+        text = call.arguments.get("content" if call.name == "write_file" else "new_text")
+        return isinstance(text, str) and bool(text.strip()) and " ".join(text.split()) in self._said
+
     def _repeats(self, call: ToolCall) -> tuple[int, bool] | None:
         """A small model's loop: the step among the last three that made this same call, and whether
         it worked; None when there is none. A command may be rerun unless it was the step just before."""
@@ -589,7 +607,8 @@ class ToolLoop:
             rule_text = "edits in this project are approved automatically"
         elif s.approve_edits:
             rule_text = (
-                "writes into the project's git directory always ask, even with edits approved automatically"
+                "writes into a git directory (or that make a folder one) always ask, even with edits approved "
+                "automatically"
             )
         else:
             rule_text = "file writes always ask"
