@@ -146,6 +146,24 @@ def test_approve_all_says_a_write_was_approved_not_allowed_by_a_rule(tmp_path: P
     assert (project / "a.txt").read_text() == "A" and "allowed by rule" not in proc.stderr
 
 
+def test_approve_all_never_writes_into_a_git_directory(tmp_path: Path, project: Path) -> None:
+    """--approve all approves every edit but one into a git directory (or one that makes a folder one): such a
+    write always asks, so here it is denied, its warning said (a walkthrough saw `print('hello')` land in a
+    planted docs/HEAD with no word)."""
+    for d in ("docs/objects", "docs/refs"):
+        (project / d).mkdir(parents=True)
+    (project / "docs" / "HEAD").write_text("ref: refs/heads/main\n")
+    write = [{"call": "write_file", "arguments": {"path": "docs/HEAD", "content": "x"}}, {"text": "Done."}]
+    proc, _ = agent(tmp_path / "home", tmp_path, project, "all", script=write)
+    assert proc.returncode == 0, proc.stderr
+    steps = json.loads(proc.stdout)["steps"]
+    assert [(s["tool"], s["decision"], s["ok"]) for s in steps] == [("write_file", "deny", False)], (
+        proc.stderr
+    )
+    assert (project / "docs" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert "Warning: this write leaves docs looking like a git directory" in proc.stderr
+
+
 def test_approve_none_refuses_the_server_with_a_notice(tmp_path: Path, project: Path) -> None:
     home = tmp_path / "home"
     proc, report = agent(home, tmp_path, project, "none", script=[{"text": "I cannot add."}])

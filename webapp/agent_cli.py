@@ -37,6 +37,7 @@ from .agent.mcp_store import McpStore
 from .agent.router import route_step
 from .agent.search import DDGSProvider
 from .agent.store import AgentStore
+from .agent.visible import GIT_WARNING
 from .agent.web import hidden_paths
 from .projects.store import ProjectRef
 from .render import visible_text
@@ -108,6 +109,15 @@ def terminal_approval(mode: str) -> Any:
 
     async def approve(p: ev.Proposal) -> ev.Decision:
         if mode == "all":
+            for w in p.warnings:  # said, as the dialog says them
+                print(visible_text(f"Warning: {w} ({p.command})"), file=sys.stderr)
+            if p.tool == "write" and any(GIT_WARNING in w for w in p.warnings):
+                # a write into a git directory (or one that makes a folder one) always asks, even with edits
+                # approved automatically: its hooks and config run outside the sandbox at the next git
+                return ev.Decision.deny(
+                    "--approve all does not approve a write into a git directory (its hooks and config run "
+                    "outside the sandbox at your next git); run with --approve ask to decide it"
+                )
             return ev.Decision.once()
         if mode == "none":
             return ev.Decision.deny("the agent runs with --approve none")
@@ -336,7 +346,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 if changed
                 else "flashcode: no file was written with the file tools"
             )
-            + (f" ({ran} command(s) ran too, and may have changed others)" if ran else ""),
+            + (
+                f" ({ran} command{'s' if ran != 1 else ''} ran too, and may have changed others)"
+                if ran
+                else ""
+            ),
             file=sys.stderr,
         )
         for path, why in result["broken_files"].items():
