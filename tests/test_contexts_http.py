@@ -205,7 +205,7 @@ def test_contexts_http_pane_for_htmx(client):
     )
     cid = c.get("/projects/default/contexts").json()["contexts"][0]["id"]
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
-    assert "resumed" in r.text and f'href="/c/{conv}"' in r.text
+    assert "Resumed " in r.text and f'href="/c/{conv}"' in r.text
     r = c.post("/projects/default/contexts", data={"name": ""}, headers=hx)  # an error lands in the pane
     assert r.status_code == 200 and 'role="alert"' in r.text
     r = c.post(f"/projects/default/contexts/{cid}/delete", headers=hx)

@@ -224,7 +224,10 @@ class SavedContexts:
         if _htmx(request):
             conv = ctx.conversation_id if ctx else None
             if res.resumed:
-                return self._pane(request, note=res.message + ".", link=f"/c/{conv}" if conv else "")
+                said = (
+                    res.message[:1].upper() + res.message[1:]
+                )  # a sentence in the pane ("Resumed 'teal poem' …")
+                return self._pane(request, note=said + ".", link=f"/c/{conv}" if conv else "")
             return self._pane(request, error=res.message)
         return JSONResponse(
             {

@@ -59,7 +59,10 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
     except OSError as exc:
         raise ProjectError(f"{text} cannot be checked: {exc.strerror or exc}") from exc
     if not exists:
-        raise ProjectError(f"{text} does not exist: check the spelling, or create the folder first")
+        raise ProjectError(
+            f"{text} does not exist: check the spelling, or make the folder first (in the browser, File › New "
+            "Project… makes it)"
+        )
     if not is_dir:
         raise ProjectError(f"{text} is a file, not a directory: pick the folder that holds it")
     if not os.access(path, os.R_OK | os.X_OK):
