@@ -384,7 +384,8 @@ def register_agent(sub: Any) -> None:
         default="ask",
         choices=["ask", "all", "none"],
         help="ask on the terminal (default), approve every edit, command and MCP call (still sandboxed; "
-        ".mcp.json servers for this run), or deny all (the project's allow rules still apply)",
+        ".mcp.json servers for this run; never a write into a git directory), or deny all (the project's "
+        "allow rules still apply)",
     )
     p.add_argument(
         "--max-steps", type=positive_int, default=DEFAULT_MAX_STEPS, help="tool steps before it stops to ask"
