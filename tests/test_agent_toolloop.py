@@ -776,6 +776,10 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
         in of(events, ev.Notice)[-1].text
     )
     assert s.loop.written == [] and s.loop.facts().startswith("No file was written")
+    s.loop.records.append({"tool": "run_command", "ok": False, "exit_code": 127})  # ran, and failed
+    assert "I wrote no file. The commands I ran failed." in s.loop.facts(to_model=True)
+    s.loop.records.append({"tool": "run_command", "ok": True, "exit_code": 0})
+    assert "I ran commands." in s.loop.facts(to_model=True) and "failed" not in s.loop.facts(to_model=True)
     fake.enqueue_call("write_file", path="new.py", content="x = 1\n").enqueue("")
     fake.enqueue("Wrote new.py.")
     s = session(worker, project, Approver(ev.Decision.once()))

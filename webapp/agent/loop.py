@@ -292,11 +292,11 @@ class ToolLoop:
                 if changed
                 else "No file was written with the file tools."
             )
-        ran = [r for r in self.records if r["tool"] == "run_command" and r["ok"]]
-        if ran:
+        ran = [r for r in self.records if r["tool"] == "run_command" and r.get("exit_code") is not None]
+        if any(r["ok"] for r in ran):
             said += " I ran commands." if to_model else " Commands ran; their output says what they did."
         elif to_model:  # else the 0.5B model said "Then I ran python3 calc.py" when nothing ran
-            said += " I ran no command."
+            said += " The commands I ran failed." if ran else " I ran no command."
         if self.broken:
             said += f" No longer parsing as Python after {'my' if to_model else 'its'} edits: {', '.join(self.broken)}."
         if self.records and not worked:
