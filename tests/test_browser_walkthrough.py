@@ -93,16 +93,12 @@ def test_browser_settings_show_the_rules_and_network_an_approval_saved(project, 
     assert settings.locator("#agent-rules .rules-error").count() == 0
     page.screenshot(path=str(ARTIFACTS / "walkthrough-settings-rules.png"))
 
-    # hx-confirm (Delete of a saved context) asks with the System 7 dialog, not the browser's confirm()
+    # Remove asks first (a walkthrough removed a rule with one click, no undo), with the System 7 dialog that
+    # hx-confirm gets (Delete of a saved context too), not the browser's confirm()
     native: list[str] = []
     page.on("dialog", lambda d: (native.append(d.message), d.dismiss()))
     row = settings.locator("#agent-rules tr", has_text="python3 -m pytest -q")
-    page.evaluate(
-        """() => { const b = [...document.querySelectorAll('#agent-rules tr')]
-                     .find((r) => r.textContent.includes('python3 -m pytest -q')).querySelector('button');
-                   b.setAttribute('hx-confirm', 'Remove the rule?'); htmx.process(b); }"""
-    )
-    asked = page.locator("#alerts .alert-box.modal", has_text="Remove the rule?")
+    asked = page.locator("#alerts .alert-box.modal", has_text="Remove the allow rule ‘python3 -m pytest -q’?")
     row.locator("button").click()
     until(lambda: asked.count() == 1, "the System 7 confirmation")
     asked.locator(".dialog-cancel").click()  # Cancel: nothing is sent
