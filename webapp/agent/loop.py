@@ -660,9 +660,10 @@ class ToolLoop:
         yield ToolResult(True, said, decision, action_id=action_id, output=change.diff)
 
     def _in_git_dir(self, path: str) -> bool:
-        """Whether `path` lies in a git directory that a `.git` file names (`gitdir:`), which no name shows."""
+        """Whether `path` lies in a git directory that a `.git` file names (`gitdir:`), which no name shows (one
+        with no name at all, `makes_git_dir` finds by the path's folders: no walk of the project per write)."""
         full = (self.s.project_dir / path).resolve()
-        return any(full.is_relative_to(d) for d in sandbox.git_dirs(self.s.project_dir))
+        return any(full.is_relative_to(d) for d in sandbox.named_git_dirs(self.s.project_dir))
 
     async def _command(self, command: str) -> AsyncIterator[AgentEvent | ToolResult]:
         s = self.s

@@ -482,10 +482,16 @@ def planted_git_dirs(project: Path, skip: list[Path] | tuple[Path, ...] = ()) ->
 
 
 def git_dirs(project: Path) -> list[Path]:
-    """The project's git directories inside it, which the sandbox keeps read-only and file writes never
-    approve automatically: `.git`, or the folder a `.git` file names (`gitdir:`, as `git init
-    --separate-git-dir` and worktrees write), and the `commondir` that one names; and the folders that git
-    would take for a repository with no `.git` in their names (`planted_git_dirs`)."""
+    """The project's git directories inside it, which the sandbox keeps read-only: `named_git_dirs`, and the
+    folders that git would take for a repository with no `.git` in their names (`planted_git_dirs`)."""
+    named = named_git_dirs(project)
+    return named + planted_git_dirs(project, named)[0]
+
+
+def named_git_dirs(project: Path) -> list[Path]:
+    """`.git`, or the folder a `.git` file names (`gitdir:`, as `git init --separate-git-dir` and worktrees
+    write), and the `commondir` that one names: found without a walk (a file write asks about them; the
+    others it finds by its path's folders, `makes_git_dir`)."""
     project = Path(project).resolve()
     git = project / ".git"
     found: list[Path] = []
@@ -505,9 +511,7 @@ def git_dirs(project: Path) -> list[Path]:
             continue
         if common:
             found.append((d / common).resolve())
-    named = [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
-    planted, _ = planted_git_dirs(project, named)
-    return named + planted
+    return [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
 
 
 def _pins(project: Path, paths: list[Path]) -> list[Path]:
