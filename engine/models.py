@@ -90,6 +90,17 @@ def find_model(name: str | None = None, root: Path | None = None, exact: bool = 
         return model_info(d)
     if given and not exact and (found := installed_by_start(name, root)) is not None:
         return found
+    if as_path.is_dir():  # not a name: a folder, but not a model's
+        ggufs = sorted(as_path.glob("*.gguf"))[:3]
+        also = (
+            f"; for its GGUF file run `flashcode import {ggufs[0]}`"
+            if ggufs
+            else "; for a GGUF file run `flashcode import FILE.gguf`"
+        )
+        raise ModelNotFoundError(
+            f"{as_path} is a folder but not a model folder (it has no config.json): pass a folder that holds an "
+            f"MLX model's config.json and *.safetensors, or an installed model's name{also}"
+        )
     installed = ", ".join(m.name for m in list_models(root)) or "none"
     hint = (
         "run `flashcode setup`"

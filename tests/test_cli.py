@@ -203,6 +203,13 @@ def test_a_model_is_found_by_the_start_of_its_name(tmp_path: Path) -> None:
         find_model("llama", tmp_path)
     with pytest.raises(ModelNotFoundError):  # a command that rewrites a model's files names it whole
         find_model("qwen", tmp_path, exact=True)
+    # a folder that is no model's is said as a folder, not as an unknown name (it was "model 'somedir' not found")
+    (tmp_path / "somedir").mkdir()
+    with pytest.raises(ModelNotFoundError, match="somedir is a folder but not a model folder .*config.json"):
+        find_model(str(tmp_path / "somedir"), tmp_path)
+    (tmp_path / "somedir" / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match="flashcode import .*m.gguf"):
+        find_model(str(tmp_path / "somedir"), tmp_path)
     # `flashcode serve --model qwen` checks the model before it starts: the same rule
     from webapp.preflight import StartupError, check_model
 
