@@ -160,3 +160,39 @@ def test_the_walk_for_git_dirs_follows_no_link_and_stops_at_its_bound(
     assert sandbox.makes_git_dir(tmp_path, tmp_path / "d" / "objects" / "x") == tmp_path / "d"
     monkeypatch.setattr(sandbox, "SCAN_FOLDERS", 2)
     assert sandbox.planted_git_dirs(tmp_path)[1] is False
+
+
+def test_the_walks_for_git_dirs_run_off_the_event_loop(
+    worker, fake, project, store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command walks the project for git directories three times (before, for the sandbox's mounts, after):
+    in a big project that took seconds on the event loop, and every other window waited. Slowed here, the loop
+    still ticks while they run."""
+    import time
+
+    slow = sandbox.planted_git_dirs
+
+    def planted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.4)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "planted_git_dirs", planted)
+    session = make_session(worker, project, store, Approver(ev.Decision.once()))
+
+    async def go() -> tuple[list, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        events = await collect(session, "/shell echo hi")
+        ticker.cancel()
+        return events, ticks
+
+    events, ticks = asyncio.run(go())
+    assert of(events, ev.ActionExit)[0].exit_code == 0
+    assert ticks >= 30, ticks  # 1.2 s of walks; on the loop they allowed a tick or two

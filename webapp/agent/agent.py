@@ -442,7 +442,9 @@ class AgentSession:
             yield changed
         ran_in = box.describe(policy) if policy is not None else proposal.sandbox
         run = CommandRun(verdict.command, self.project_dir, self.shell_timeout_s, self.output_cap, policy)
-        git_before = sandbox.git_state(self.project_dir) if policy is not None else None
+        git_before = (
+            await asyncio.to_thread(sandbox.git_state, self.project_dir) if policy is not None else None
+        )
         self._run = run
         try:
             async for item in run.stream():
@@ -455,7 +457,7 @@ class AgentSession:
         self.store.record_result(action_id, exit_ev.exit_code, exit_ev.description)
         yield exit_ev
         if git_before is not None:
-            for warning in sandbox.git_warnings(self.project_dir, git_before):
+            for warning in await asyncio.to_thread(sandbox.git_warnings, self.project_dir, git_before):
                 yield Notice(warning, "warning")
         output = run.transcript() or "(no output)"
         messages: list[Message] = [

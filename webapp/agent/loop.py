@@ -681,7 +681,7 @@ class ToolLoop:
         if changed is not None:
             yield changed
         ran_in = box.describe(policy) if policy is not None else proposal.sandbox
-        git_before = sandbox.git_state(s.project_dir) if policy is not None else None
+        git_before = await asyncio.to_thread(sandbox.git_state, s.project_dir) if policy is not None else None
         run = CommandRun(verdict.command, s.project_dir, s.shell_timeout_s, s.output_cap, policy)
         s._run = run
         exit_ev: ActionExit | None = None
@@ -697,7 +697,7 @@ class ToolLoop:
         s.store.record_result(action_id, exit_ev.exit_code, exit_ev.description)
         yield exit_ev
         if git_before is not None:  # hooks in a new git directory would run at the user's next git
-            for warning in sandbox.git_warnings(s.project_dir, git_before):
+            for warning in await asyncio.to_thread(sandbox.git_warnings, s.project_dir, git_before):
                 yield Notice(warning, "warning")
         output = run.transcript() or "(no output)"
         ok = exit_ev.exit_code == 0

@@ -121,7 +121,9 @@ class CommandRun:
         try:
             if self.sandbox is not None and not self.cwd.is_dir():
                 raise FileNotFoundError(2, "No such file or directory")
-            with self.launch(tmp_dir) as (argv, pass_fds):
+            with contextlib.ExitStack() as stack:
+                # the sandbox's arguments walk the project (its git directories): off the event loop
+                argv, pass_fds = await asyncio.to_thread(stack.enter_context, self.launch(tmp_dir))
                 proc = await asyncio.create_subprocess_exec(
                     *argv,
                     cwd=self.cwd,
