@@ -22,7 +22,8 @@ median tok/s); `--profile` adds one profiled flash run per routing: per decode
 token and per MoE layer, where the time goes (router + readback, cache, read wait, host-to-device copy,
 bank update, expert compute, the rest of the token), each part evaluated on the spot (engine/flash/moe.py
 `MoEProfile`); `--compare "NAME:FLAGS;..."` adds flash runs with other engine flags (e.g. the previous
-device path: `legacy:--pipeline legacy`); a flag NAME=VALUE sets that run's environment instead (MLX's own
+device path: `legacy:--pipeline legacy`), after the repeats or, with `--interleave`, one of each after every
+repeat (named NAME1, NAME2, ...); a flag NAME=VALUE sets that run's environment instead (MLX's own
 switches, e.g. `nographs:MLX_USE_CUDA_GRAPHS=0`). The output starts with `provenance()` (command, commit, machine).
 """
 
@@ -319,6 +320,7 @@ def bench_one(
     warmup: int = 0,
     probe_threads: tuple[int, ...] = (8,),
     probe_chunks: tuple[int, ...] = (0,),
+    interleave: bool = False,
 ) -> dict[str, Any]:
     from engine.flash.split import load_manifest
 
@@ -343,6 +345,23 @@ def bench_one(
         log(
             f"  warm-up {r + 1}/{warmup}: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, TTFT {f.get('ttft_s')}"
         )
+
+    def compared(names: tuple[tuple[str, tuple[str, ...]], ...], suffix: str = "") -> None:
+        for (
+            name,
+            flags,
+        ) in names:  # the same cap and model, other engine flags (e.g. the previous device path)
+            drop_page_cache()
+            f = run_flash(
+                model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=(*child_flags, *flags)
+            )
+            res.setdefault("compare", {})[name + suffix] = {
+                "flags": list(flags),
+                **f,
+            }  # NAME=VALUE: environment
+            log(f"  {name + suffix} ({' '.join(flags)}): {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, "
+                f"hit {f.get('decode_hit_rate')}, read wait {f.get('read_wait_s_total')} s")  # fmt: skip
+
     res["flash_runs"] = []
     for r in range(repeats):
         drop_page_cache()
@@ -350,6 +369,10 @@ def bench_one(
         res["flash_runs"].append(f)
         log(f"  flash {r + 1}/{repeats}: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, hit {f.get('decode_hit_rate')}, "
             f"read wait {f.get('read_wait_s_total')} s")  # fmt: skip
+        if (
+            interleave
+        ):  # each compare run right after a repeat: a disk that drifts over the lease hits both alike
+            compared(compare, str(r + 1))
     res["flash"] = median_run(res["flash_runs"])
     if profile:  # one more run, each part evaluated on the spot: slower, but it says where the time goes
         drop_page_cache()
@@ -358,14 +381,8 @@ def bench_one(
         res["profile"] = f
         parts = (f.get("profile") or {}).get("ms_per_token")
         log(f"  profiled: {f['status']} {f.get('decode_tps') or 0:.3f} tok/s; ms/token {parts}")
-    for name, flags in compare:  # the same cap and model, other engine flags (e.g. the previous device path)
-        drop_page_cache()
-        f = run_flash(
-            model, tokens, cap, timeout, policy, top_k, prefetch_next, child_flags=(*child_flags, *flags)
-        )
-        res.setdefault("compare", {})[name] = {"flags": list(flags), **f}  # NAME=VALUE flags: environment
-        log(f"  {name} ({' '.join(flags)}): {f['status']} {f.get('decode_tps') or 0:.3f} tok/s, "
-            f"hit {f.get('decode_hit_rate')}")  # fmt: skip
+    if not interleave:
+        compared(compare)
     if (
         compute_tps
     ):  # the model does not fit in RAM here: a compute ceiling measured elsewhere, labelled as such
@@ -477,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", default="", help='extra flash runs with other flags: "NAME:FLAGS;NAME:FLAGS"'
     )
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run each --compare once after every repeat (NAME1, NAME2, ...), not all after the repeats",
+    )
+    ap.add_argument(
         "--pipeline",
         default="",
         choices=["", "direct", "threaded", "overlap", "legacy"],
@@ -552,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                                              tuple(float(b) for b in args.routing_bias.split(",") if b), child_flags,
                                              args.repeats, args.profile, compare, args.warmup,
                                              tuple(int(t) for t in args.probe_threads.split(",")),
-                                             tuple(int(c) for c in args.probe_chunks.split(",")))  # fmt: skip
+                                             tuple(int(c) for c in args.probe_chunks.split(",")),
+                                             args.interleave)  # fmt: skip
         if not args.keep:
             shutil.rmtree(model, ignore_errors=True)
     head = results["runs"].get("skewed") or next(iter(results["runs"].values()))
