@@ -203,3 +203,46 @@ def test_bench_style_mlx_worker_exits_cleanly(model_home: Path) -> None:
     code = f"import os; os.environ['FLASHCODE_HOME'] = {str(model_home)!r}\n" + MLX_MODEL_EXIT
     codes = _exit_codes(code, runs=3, timeout=300)
     assert all(rc == 0 and not err for rc, err in codes), codes
+
+
+SWITCH_BACK = """
+import sys
+from engine.base import GenerationRequest, SamplingParams
+from engine.flash.backend import current_rss_bytes
+from engine.worker import Worker
+from webapp.engine_host import make_loaded_backend
+
+class Probe:  # a backend that only notes the process's RSS when it is made (what flash plans its budget on)
+    def __init__(self):
+        self.rss = current_rss_bytes()
+    def close(self):
+        pass
+
+w = Worker(lambda: make_loaded_backend("mlx", None))
+before = w.switch(Probe).rss  # the model closed once: what a process that loaded one holds
+w.switch(lambda: make_loaded_backend("mlx", None))
+list(w.submit(GenerationRequest(prompt="Count to ten.", sampling=SamplingParams(max_tokens=24, temperature=0))))
+after = w.switch(Probe).rss
+print(before, after)
+w.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_switch_hands_the_closed_models_memory_back(model_home: Path) -> None:
+    """The pages a closed model held go back to the OS before the next one loads (`release_memory`): flash plans
+    its budget on the RSS it finds at load, and a process that had run an MLX model kept ~110 MB of it, so each
+    switch gave the next flash model a smaller context, then refused it (helper's finding)."""
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SWITCH_BACK],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FLASHCODE_HOME": str(model_home)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, after = map(int, proc.stdout.split()[-2:])
+    assert after - before < 36e6, (before / 1e6, after / 1e6)  # here: +21-23 MB; +51 MB before the fix

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import paths
-from engine.base import Backend, BackendUnavailableError
+from engine.base import Backend, BackendUnavailableError, EngineError
 from engine.models import find_model
 from engine.registry import available_backends, backend_class, backend_factory
 from engine.worker import Worker
@@ -258,15 +258,19 @@ class EngineState:
             await asyncio.to_thread(
                 self.worker.switch, lambda: make_loaded_backend(backend, model, self.options)
             )
-        except Exception:
+        except Exception as exc:
             if previous[0] and previous[1]:
                 with_previous = previous
                 try:
                     await asyncio.to_thread(
                         self.worker.switch, lambda: make_loaded_backend(*with_previous, self.options)
                     )
-                except Exception:  # noqa: BLE001
+                except Exception as again:  # noqa: BLE001 - said with the first error
                     log.exception("could not restore %s on %s", previous[1], previous[0])
+                    raise EngineError(
+                        f"{exc}. The model before it, {previous[1]} on {previous[0]}, could not be loaded again "
+                        f"either ({again}): no model is loaded now; pick one in the model menu"
+                    ) from exc
             raise
         finally:
             await self.refresh()

@@ -15,7 +15,6 @@ What it does not know: threads (the worker owns it), HTTP, how MoE routing works
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Any
 from .. import cpu_fast
 from ..base import BudgetError, Done, EngineError, Event, GenerationRequest, ModelInfo, ModelLoadError
 from ..mlx_backend import MLXBackend, compute_dtype, peak_rss_bytes
+from ..worker import release_memory
 from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, fmt_up, plan_budget, plan_residency
 from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
@@ -186,8 +186,7 @@ class FlashBackend(MLXBackend):
         span = self._layer_span(man)
         if span is not None:  # a pipeline rank: only its own layers stream, under its own budget
             man = man.shard(*span)
-        gc.collect()
-        mx.clear_cache()
+        release_memory()  # the RSS measured below is the runtime the budget pays first
         if self.budget_setting == "auto":
             from .memory import auto_budget
 
