@@ -201,6 +201,25 @@ def test_in_place_split_detects_changed_weights(imported: Path, tmp_path: Path) 
     FlashBackend(runtime_bytes=0).load(info)
 
 
+def test_a_failed_re_split_keeps_the_last_split_and_its_checksums(imported: Path, tmp_path: Path) -> None:
+    """A re-split that fails (weights cut short) leaves the last split's manifest as it was: it used to be
+    deleted first, so the next flash load split again silently and took a damaged file's checksums."""
+    import shutil
+
+    from engine.flash.split import SplitError, split_model
+
+    model = tmp_path / "m"
+    shutil.copytree(imported, model, ignore=shutil.ignore_patterns("split"))
+    split_model(model, progress=False)
+    manifest = (model / "split" / "manifest.json").read_text()
+    weights = max(model.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) - 4096])
+    with pytest.raises(SplitError):
+        split_model(model, progress=False)
+    assert (model / "split" / "manifest.json").read_text() == manifest
+
+
 # --------------------------------------------------------------------------- under a cgroup 2.5x smaller than the GGUF
 NO_CGROUP = None
 try:

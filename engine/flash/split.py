@@ -232,11 +232,16 @@ def split_model(
         )
     out.mkdir(parents=True, exist_ok=True)
     before = _previous_in_place(out) if not copy and not force else None
-    (out / "manifest.json").unlink(missing_ok=True)  # an interrupted re-split must not look complete
+    if copy:  # units.bin is written again: an interrupted re-split must not look complete
+        (out / "manifest.json").unlink(missing_ok=True)
+    # (in place, the last split's manifest stays until the new one is whole: a failed re-split keeps its checksums)
     total = sum(r.nbytes for r in refs.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"split {model_dir.name}", disable=not progress)
     if not copy:
-        manifest = _split_in_place(model_dir, out, config, refs, plan, streamed, bar)
+        try:
+            manifest = _split_in_place(model_dir, out, config, refs, plan, streamed, bar)
+        finally:
+            bar.close()  # its line ends before an error is printed
         if before is not None and (changed := _changed_units(before, manifest)):
             (out / "manifest.json").write_text(
                 json.dumps(before, indent=1)
