@@ -220,7 +220,10 @@ def test_a_context_cut_by_the_budget_says_to_raise_the_budget(tiny_split: Path, 
         req = GenerationRequest(
             prompt="word " * (tight.context_length + 50), sampling=SamplingParams(max_tokens=4)
         )
-        with pytest.raises(ContextLimitError, match=r"raise --memory-budget \(the budget of"):
+        with pytest.raises(
+            ContextLimitError,
+            match=r"raise the memory budget \(--memory-budget, or Settings in the web app: the budget of",
+        ):
             list(tight.stream(req, threading.Event()))
     finally:
         tight.close()

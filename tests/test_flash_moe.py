@@ -272,6 +272,37 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     assert extra["expert_cache"]["used_bytes"] <= extra["expert_cache"]["capacity_bytes"] < 60_000_000
 
 
+def test_a_moe_context_is_4096_unless_asked_and_the_fix_says_so(tiny_moe: Path, caplog) -> None:
+    """A MoE model gets 4096 tokens of context whatever the budget (the rest holds experts): said as that, with
+    --ctx-size as the fix (it said "raise --memory-budget", even under a 10 TB budget), and a --ctx-size the
+    budget can hold is given whole (it was cut to 4096 too)."""
+    import logging
+    import threading
+
+    from engine.base import ContextLimitError, GenerationRequest, ModelInfo, SamplingParams
+    from engine.flash.backend import FlashBackend
+
+    info = ModelInfo("moe-tiny", tiny_moe, "qwen3_moe", 0, split_path=tiny_moe / "split")
+    roomy = FlashBackend(memory_budget=10**13, runtime_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        roomy.load(info)
+    try:
+        assert roomy.context_length == 4096
+        assert "a MoE model gets a 4096-token context of the model's 8192" in caplog.text
+        assert "raise --memory-budget" not in caplog.text
+        req = GenerationRequest(prompt="word " * 4200, sampling=SamplingParams(max_tokens=2))
+        with pytest.raises(ContextLimitError, match="--ctx-size"):
+            list(roomy.stream(req, threading.Event()))
+    finally:
+        roomy.close()
+    asked = FlashBackend(memory_budget=10**13, runtime_bytes=0, context_length=6000)
+    asked.load(info)
+    try:
+        assert asked.context_length == 6000
+    finally:
+        asked.close()
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -29,7 +29,7 @@ from ..worker import release_memory
 from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, fmt_up, plan_budget, plan_residency
 from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
-from .moe import expert_floor, has_experts, load_experts, moe_counters, moe_extra
+from .moe import MOE_CONTEXT, expert_floor, has_experts, load_experts, moe_counters, moe_extra
 from .reader import UnitReader
 from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
 
@@ -83,14 +83,15 @@ def cast_pinned(model: Any) -> None:
 
 def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan, budget: int | None, *,
                  verify: bool = False, prefetch: int = 2, policy: str = "lru", top_k: int | None = None,
-                 expert_prefetch: bool = False, routing_bias: float = 0.0,
-                 float_bytes: int = 2) -> tuple[LayerStream | None, Any]:  # fmt: skip
+                 expert_prefetch: bool = False, routing_bias: float = 0.0, float_bytes: int = 2,
+                 context_asked: bool = False) -> tuple[LayerStream | None, Any]:  # fmt: skip
     """Attach the streamed layers to a pinned-only model: MoE layers read their routed experts (moe.py),
     dense layers — all of a dense model, a MoE model's `mlp_only_layers` — their FFN pieces (dense.py)."""
     stream, experts = None, None
     if has_experts(man):
         experts = load_experts(model, man, reader, plan, budget, policy, top_k, verify=verify,
-                               prefetch_next=expert_prefetch, routing_bias=routing_bias)  # fmt: skip
+                               prefetch_next=expert_prefetch, routing_bias=routing_bias,
+                               context_asked=context_asked)  # fmt: skip
     if man.dense_units():
         keep = set(plan.resident_layers)
         resident = load_resident(man, reader, [u for u in man.dense_units() if u.layer in keep], float_bytes)
@@ -135,11 +136,17 @@ class FlashBackend(MLXBackend):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._context_asked: int | None = (
+            self._context_override
+        )  # --ctx-size, before a load sets the planned one
         # bytes, None (no budget: stream everything) or "auto" (memory.py: resolved at each load)
         self.budget_setting = memory_budget
         self.memory_budget: int | None = None if memory_budget == "auto" else memory_budget  # type: ignore[assignment]
         self.auto_budget: dict[str, Any] | None = None
         self._budget_cut_context = False  # the budget left room for less context than the model's
+        self._moe_cut_context = (
+            False  # ... because a MoE model keeps MOE_CONTEXT tokens unless asked (moe.py)
+        )
         self.io_threads = io_threads
         self.prefetch = prefetch
         self.verify_limit = verify_limit
@@ -209,7 +216,7 @@ class FlashBackend(MLXBackend):
         tokenizer = load_tokenizer(model.path, eos_token_ids=load_config(root).get("eos_token_id"))
         runtime = self._measure_runtime()
         float_bytes = 4 if compute_dtype() == mx.float32 else 2
-        ctx = self._context_override or int(man.config.get("max_position_embeddings", 4096))
+        ctx = self._context_asked or int(man.config.get("max_position_embeddings", 4096))
         if self.memory_budget and self.prefill_step_size > 128:
             self.prefill_step_size = 128  # prefill activations grow with the step; keep them small
         args = (ctx, self.prefill_step_size, float_bytes)
@@ -250,7 +257,8 @@ class FlashBackend(MLXBackend):
             stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
                                            prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
                                            expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias,
-                                           float_bytes=float_bytes)  # fmt: skip
+                                           float_bytes=float_bytes,
+                                           context_asked=self._context_asked is not None)  # fmt: skip
         except SplitError:
             reader.close()
             raise
@@ -274,20 +282,34 @@ class FlashBackend(MLXBackend):
         if self.memory_budget:
             self._context_override = plan.context
             self._budget_cut_context = plan.context < ctx
-            if (
-                plan.context < ctx
-            ):  # said: a prompt too long for it is told to raise the budget, not the context
-                log.warning("flash: the memory budget of %s leaves room for a %d-token context of the %d asked; "
-                            "raise --memory-budget for more", fmt(self.memory_budget), plan.context, ctx)  # fmt: skip
+            # MoE keeps MOE_CONTEXT tokens unless asked for more: then --ctx-size, not the budget, is the fix
+            self._moe_cut_context = (
+                experts is not None and self._context_asked is None and plan.context == min(ctx, MOE_CONTEXT)
+            )
+            if plan.context < ctx:  # said: a prompt too long for it is told what to raise
+                log.warning("flash: %s", self._cut_words(ctx))
         self._model_info = model
         self.prompt_cache.reset()
         log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s, runtime %.1f MB",
                  model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct,
                  self.runtime.get("rss_bytes", 0) / 1e6)  # fmt: skip
 
+    def _cut_words(self, ctx: int) -> str:
+        """Why the context is shorter than `ctx`, the model's or the one asked, and what gives more."""
+        assert self.plan is not None and self.memory_budget
+        if self._moe_cut_context:
+            return (f"a MoE model gets a {self.plan.context}-token context of the model's {ctx} (the rest of the "
+                    f"memory budget holds experts); ask for more with --ctx-size (it then comes out of the budget)")  # fmt: skip
+        return (f"the memory budget of {fmt(self.memory_budget)} leaves room for a {self.plan.context}-token context "
+                f"of the {ctx} asked; raise --memory-budget for more")  # fmt: skip
+
     def context_fix(self) -> str:
+        if self._budget_cut_context and self.memory_budget and self._moe_cut_context:
+            return (f"ask for a longer context with --ctx-size when you start flashcode (a MoE model gets "
+                    f"{MOE_CONTEXT} tokens unless asked)")  # fmt: skip
         if self._budget_cut_context and self.memory_budget:
-            return f"raise --memory-budget (the budget of {fmt(self.memory_budget)} leaves room for this context)"
+            return (f"raise the memory budget (--memory-budget, or Settings in the web app: the budget of "
+                    f"{fmt(self.memory_budget)} leaves room for this context)")  # fmt: skip
         return ""
 
     def _layer_span(self, man: Manifest) -> tuple[int, int] | None:

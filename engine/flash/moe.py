@@ -875,11 +875,17 @@ def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool | int, n_
     return k * len(units) * resident_expert_bytes(units) + staging
 
 
+# the KV cache a MoE model gets unless a longer context is asked for (--ctx-size): the rest of the budget holds
+# experts, where a bigger cache saves reads at every token
+MOE_CONTEXT = 4096
+
+
 def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
                  top_k: int | None = None, verify: bool = False, prefetch_next: bool | int = False,
-                 routing_bias: float = 0.0) -> ExpertStream:  # fmt: skip
+                 routing_bias: float = 0.0, context_asked: bool = False) -> ExpertStream:  # fmt: skip
     """Size the expert cache from what the budget leaves (after pinned weights, buffers and a KV cache of
-    up to 4096 tokens, else 256), build the banks and attach the streamed layers. Sets `plan.context`."""
+    up to MOE_CONTEXT tokens — the whole `plan.context` when `context_asked`, the user's --ctx-size — else
+    256), build the banks and attach the streamed layers. Sets `plan.context`."""
     from .budget import MIN_CONTEXT
 
     units = expert_units(man)
@@ -898,7 +904,7 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
         staging = (max_misses + k * prefetch_next) * unit
         if not man.dense_units():  # no dense layer: the plan's read-ahead buffers are never made
             staging = max(0, staging - plan.buffers)
-        for ctx in (min(plan.context, 4096), MIN_CONTEXT):
+        for ctx in (plan.context if context_asked else min(plan.context, MOE_CONTEXT), MIN_CONTEXT):
             left = budget - plan.fixed - staging - ctx * plan.per_token
             if left >= k * n_layers * resident:
                 break
