@@ -19,6 +19,13 @@ def test_sizes_in_range_and_refusals() -> None:
     for text in ("inf", "1e999MB", "nan", "1e400GB", "-1GB", "lots", "5XB"):
         with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
             parse_budget(text)
+    # a budget no model can run under is refused where it is typed (`1.5` was 1.5 bytes, refused only at load)
+    assert parse_budget("1.5GB") == 1_500_000_000 and parse_budget("64MB") == 64_000_000
+    with pytest.raises(argparse.ArgumentTypeError, match="under 64 MB.*without a unit is bytes.*1.5GB"):
+        parse_budget("1.5")
+    for text in ("0", "10MB", "0GB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="under 64 MB, which cannot hold the runtime"):
+            parse_budget(text)
 
 
 def test_infinite_max_tokens_is_a_clear_refusal() -> None:

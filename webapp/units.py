@@ -44,9 +44,22 @@ def parse_size(text: str) -> int:
     return int(value * SIZE_UNITS[unit])
 
 
+MIN_BUDGET = 64_000_000  # below it no model runs: Python, MLX and a tokenizer alone hold more
+
+
 def parse_budget(text: str) -> int | str:
-    """'auto' (what the machine or its memory cgroup can spare, engine/flash/memory.py) or a size."""
-    return "auto" if text.strip().lower() == "auto" else parse_size(text)
+    """'auto' (what the machine or its memory cgroup can spare, engine/flash/memory.py) or a size of at least
+    MIN_BUDGET (`1.5` was 1.5 bytes, refused only at load with a shortfall of the whole runtime)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    size = parse_size(text)
+    if size < MIN_BUDGET:
+        bare = not any(c.isalpha() for c in text)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is under 64 MB, which cannot hold the runtime"
+            + (": a number without a unit is bytes; give one, e.g. 1.5GB or 300MB" if bare else "")
+        )
+    return size
 
 
 def _checked(text: str, cast: type, ok: Callable[[Any], bool], accepted: str) -> Any:

@@ -289,10 +289,6 @@ class ChatPages:
             budget = parse_budget(text)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             return HTMLResponse(self.views.budget_form(f"Not set: {exc}."))
-        if isinstance(budget, int) and budget < 64_000_000:
-            return HTMLResponse(
-                self.views.budget_form("Not set: a budget under 64 MB cannot hold the runtime.")
-            )
         try:
             reloaded = await self.engine.set_budget(budget)
         except Exception as exc:  # noqa: BLE001 - said in the form; the engine restored what it had
