@@ -303,6 +303,52 @@ def test_a_moe_context_is_4096_unless_asked_and_the_fix_says_so(tiny_moe: Path, 
         asked.close()
 
 
+def test_lossy_moe_options_are_said_at_load_and_in_each_reply(tiny_moe: Path, caplog) -> None:
+    """--top-k-experts below the model's and --routing-bias are said at load and in every reply's stats (the
+    footer shows them); a top-k not below the model's, or MoE options on a model with no experts, are said as
+    ignored (they ran silently)."""
+    import html
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    from engine.base import Done, GenerationRequest, ModelInfo, SamplingParams
+    from engine.flash.backend import FlashBackend
+    from webapp.render import make_environment
+
+    info = ModelInfo("moe-tiny", tiny_moe, "qwen3_moe", 0, split_path=tiny_moe / "split")
+    req = GenerationRequest(prompt="Once upon a time", sampling=SamplingParams(temperature=0.0, max_tokens=3))
+    lossy = FlashBackend(memory_budget=60_000_000, runtime_bytes=0, top_k=1, routing_bias=1.0)
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        lossy.load(info)
+    try:
+        done = list(lossy.stream(req, threading.Event()))[-1]
+    finally:
+        lossy.close()
+    assert isinstance(done, Done)
+    said = "1 of the model's 4 experts a token; cache-aware routing (bias 1)"
+    assert done.stats.extra["lossy"] == said and f"lossy options on: {said}" in caplog.text
+    footer = (
+        make_environment()
+        .get_template("macros.html")
+        .module.stats_footer(  # type: ignore[attr-defined]
+            SimpleNamespace(
+                id=1, status="complete", stats={"completion_tokens": 3, "extra": done.stats.extra}
+            )
+        )
+    )
+    assert 'data-stat="lossy"' in footer and f"Lossy: {said}" in html.unescape(footer)
+    caplog.clear()
+    exact = FlashBackend(memory_budget=60_000_000, runtime_bytes=0, top_k=4)
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        exact.load(info)
+    try:
+        assert "lossy" not in list(exact.stream(req, threading.Event()))[-1].stats.extra
+    finally:
+        exact.close()
+    assert "--top-k-experts 4 is not fewer than the model's 4: the model's own routing runs" in caplog.text
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -29,7 +29,7 @@ from ..worker import release_memory
 from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, fmt_up, plan_budget, plan_residency
 from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
-from .moe import MOE_CONTEXT, expert_floor, has_experts, load_experts, moe_counters, moe_extra
+from .moe import MOE_CONTEXT, expert_floor, has_experts, load_experts, moe_counters, moe_extra, top_k_of
 from .reader import UnitReader
 from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
 
@@ -144,9 +144,9 @@ class FlashBackend(MLXBackend):
         self.memory_budget: int | None = None if memory_budget == "auto" else memory_budget  # type: ignore[assignment]
         self.auto_budget: dict[str, Any] | None = None
         self._budget_cut_context = False  # the budget left room for less context than the model's
-        self._moe_cut_context = (
-            False  # ... because a MoE model keeps MOE_CONTEXT tokens unless asked (moe.py)
-        )
+        # ... because a MoE model keeps MOE_CONTEXT tokens unless asked (moe.py)
+        self._moe_cut_context = False
+        self.lossy: list[str] = []  # the lossy MoE options in effect, in words (_lossy_options)
         self.io_threads = io_threads
         self.prefetch = prefetch
         self.verify_limit = verify_limit
@@ -254,6 +254,7 @@ class FlashBackend(MLXBackend):
                 self._verify_units(man, reader)
             obj, cfg = load_model(man.weights_root, lazy=True, strict=False)
             self._own_layers(obj)
+            self.lossy = self._lossy_options(model.name, top_k_of(obj))
             stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
                                            prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
                                            expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias,
@@ -293,6 +294,31 @@ class FlashBackend(MLXBackend):
         log.info("flash: %s, %.1f MB pinned, %d units of up to %.1f MB, direct I/O %s, runtime %.1f MB",
                  model.name, plan.pinned / 1e6, len(man.units), man.max_unit_bytes / 1e6, reader.direct,
                  self.runtime.get("rss_bytes", 0) / 1e6)  # fmt: skip
+
+    def _lossy_options(self, name: str, model_k: int) -> list[str]:
+        """The lossy MoE options that take effect (each said once at load, and in every reply's stats); the
+        ones that do not are said as ignored, not run silently."""
+        moe_only = [f for f, on in (("--top-k-experts", self.top_k is not None), ("--routing-bias", bool(self.routing_bias)),
+                                    ("--expert-prefetch", self.expert_prefetch)) if on]  # fmt: skip
+        if not model_k:
+            if moe_only:
+                log.warning(
+                    "flash: %s ignored: %s has no experts (they apply to MoE models)",
+                    ", ".join(moe_only),
+                    name,
+                )
+            return []
+        lossy = []
+        if self.top_k is not None and self.top_k >= model_k:
+            log.warning("flash: --top-k-experts %d is not fewer than the model's %d: the model's own routing runs "
+                        "(exact)", self.top_k, model_k)  # fmt: skip
+        elif self.top_k is not None:
+            lossy.append(f"{self.top_k} of the model's {model_k} experts a token")
+        if self.routing_bias:
+            lossy.append(f"cache-aware routing (bias {self.routing_bias:g})")
+        if lossy:
+            log.warning("flash: lossy options on: %s; replies differ from the model's own", "; ".join(lossy))
+        return lossy
 
     def _cut_words(self, ctx: int) -> str:
         """Why the context is shorter than `ctx`, the model's or the one asked, and what gives more."""
@@ -363,6 +389,8 @@ class FlashBackend(MLXBackend):
                     "rss_bytes": current_rss_bytes(),
                     **self.memory_report(),
                 })  # fmt: skip
+                if self.lossy:
+                    s.extra["lossy"] = "; ".join(self.lossy)
                 if self.expert_stream and m0 is not None:
                     s.extra.update(moe_extra(self.expert_stream, m0, passes))
                 s.peak_rss_bytes = s.extra["peak_rss_bytes"]
