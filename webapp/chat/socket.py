@@ -595,6 +595,10 @@ class Session:
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
                 stream.abandon()
+        if getattr(self.ctx.engine.worker.backend, "live_stats", None) is not None:
+            self.send(
+                self.views.engine_meter(None)
+            )  # a meter of the reply being written; its footer keeps the numbers
         self._finish(stream, done, history, gen)
 
     def _history(self, conversation_id: str) -> list[Message]:
