@@ -98,3 +98,30 @@ def test_a_stopped_flash_reply_keeps_the_engine_numbers(flash_client: TestClient
         "SELECT prompt_tokens, completion_tokens FROM stats_replies WHERE conversation_id = ?", (cid,)
     ).fetchall()  # Stats counts the reply once, with the prompt the engine counted after the stop
     assert [tuple(r) for r in rows] == [(stats["prompt_tokens"], stats["completion_tokens"])]
+
+
+@pytest.mark.slow
+def test_a_reply_that_fills_the_context_says_so_not_the_token_limit(default_model, tmp_path: Path) -> None:
+    """A reply cut because the conversation filled the model's context (a flash budget's short context, say)
+    said "Stopped at the token limit" with a Continue that could only fail: it says the context is full and
+    what to do instead."""
+    import html
+
+    from engine.mlx_backend import MLXBackend
+
+    def load() -> MLXBackend:
+        b = MLXBackend(context_length=96)
+        b.load(default_model)
+        return b
+
+    worker = Worker(load)
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    try:
+        with TestClient(app, base_url=BASE) as c, connect(c) as ws:
+            send(ws, type="send", text="Count from one to one hundred in words.", conversation_id="",
+                 max_tokens=400, temperature=0)  # fmt: skip
+            shown = html.unescape("".join(until(ws, r'data-state="idle"', limit=2000)))
+        assert 'data-flag="context"' in shown and "Stopped: the context is full (96 tokens)" in shown
+        assert 'data-flag="length"' not in shown and "continue-button" not in shown
+    finally:
+        worker.close()

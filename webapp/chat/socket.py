@@ -662,8 +662,12 @@ class Session:
         # from the page's Ready on, another window may write here (the task itself ends just after)
         self.writing_in = None
         then = [views.controls(generating=False, can_regenerate=True)]
+        used = done.stats.prompt_tokens + done.stats.completion_tokens
         if done.stats.prompt_tokens:
-            then.append(views.gauge(done.stats.prompt_tokens + done.stats.completion_tokens))
+            then.append(views.gauge(used))
+        ctx = self.ctx.engine.context_length
+        if done.finish_reason == "length" and ctx and used >= ctx:  # not the token limit: Continue cannot help
+            done.stats.extra["context_full"] = ctx
         final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
         if final is not None and final.status == "stopped":  # a stop answers before the engine's numbers
             asyncio.get_running_loop().create_task(self._complete_stopped(stream, final, history, gen))
