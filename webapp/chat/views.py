@@ -138,7 +138,14 @@ class ChatViews(TranscriptViews):
         groups = []
         for m in models:
             p = fits.get(m)
-            fit = None if p is None else ("fits in RAM" if p.fits else "does not fit in RAM: from SSD")
+            where = (
+                "the memory budget" if p is not None and p.source == "given" else "RAM"
+            )  # --memory-budget given
+            fit = (
+                None
+                if p is None
+                else (f"fits in {where}" if p.fits else f"does not fit in {where}: from SSD")
+            )
             size = (
                 None
                 if p is None
