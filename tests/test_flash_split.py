@@ -380,3 +380,27 @@ def test_a_read_queue_never_closed_lets_its_threads_go() -> None:
     ):
         time.sleep(0.05)
     assert not any(t.name.startswith("flash-read-orphan") for t in threading.enumerate())
+
+
+def test_the_reimport_advice_names_the_models_own_gguf(tmp_path: Path) -> None:
+    """Damage's advice names the GGUF the model was imported from when it is still there (it said FILE.gguf)."""
+    from engine.flash.safetensors_io import reimport
+
+    model = tmp_path / "m"
+    model.mkdir()
+    assert reimport(model) == "`flashcode import --force FILE.gguf`"
+    gguf = tmp_path / "my model.gguf"
+    (model / "flashcode.json").write_text(json.dumps({"source_gguf": str(gguf)}))
+    assert reimport(model) == "`flashcode import --force FILE.gguf`"  # gone: a path that would not work
+    gguf.write_bytes(b"GGUF")
+    assert reimport(model) == f"`flashcode import --force '{gguf}'`"
+    (model / "flashcode.json").write_text("[1]")
+    assert reimport(model) == "`flashcode import --force FILE.gguf`"
+
+
+def test_a_file_where_the_split_goes_is_said_in_words(tmp_path: Path, tiny: Path) -> None:
+    from engine.flash.split import SplitError, split_model
+
+    (tmp_path / "split").write_text("not a folder")
+    with pytest.raises(SplitError, match="is a file where the split's folder goes: move it away"):
+        split_model(tiny, tmp_path / "split", progress=False)

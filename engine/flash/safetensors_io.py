@@ -8,6 +8,7 @@ any dtype (bf16 included) round-trips exactly and no file is held in RAM whole.
 from __future__ import annotations
 
 import json
+import shlex
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def read_header(path: Path) -> dict[str, TensorRef]:
     ) as exc:  # UnicodeDecodeError: a ValueError
         raise DamagedHeaderError(
             f"{path} is damaged: its safetensors header cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
-            "import the model again (`flashcode import --force FILE.gguf`)"
+            f"import the model again ({reimport(path.parent)})"
         ) from exc
     return out
 
@@ -126,3 +127,15 @@ def write_header(f: BinaryIO, specs: Iterable[TensorSpec], metadata: dict[str, s
     f.write(struct.pack("<Q", len(raw)))
     f.write(raw)
     return 8 + len(raw)
+
+
+def reimport(model_dir: Path) -> str:
+    """The command that imports a model again: with its own GGUF when the import recorded one that is still
+    there (`flashcode.json`), else with a placeholder for it."""
+    try:
+        src = json.loads((Path(model_dir) / "flashcode.json").read_text()).get("source_gguf")
+    except (OSError, ValueError, AttributeError):
+        src = None
+    if isinstance(src, str) and src and Path(src).is_file():
+        return f"`flashcode import --force {shlex.quote(src)}`"
+    return "`flashcode import --force FILE.gguf`"

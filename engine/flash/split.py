@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from ..base import ModelLoadError
-from .safetensors_io import DTYPE_SIZES, TensorRef, TensorSpec, iter_chunks, read_model_tensors, write_header
+from .safetensors_io import (
+    DTYPE_SIZES,
+    TensorRef,
+    TensorSpec,
+    iter_chunks,
+    read_model_tensors,
+    reimport,
+    write_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +238,8 @@ def split_model(
         raise SplitError(
             f"cannot split {model_dir}: streamed FFN weights must be MLX-quantized (uint32 packed)"
         )
+    if out.exists() and not out.is_dir():
+        raise SplitError(f"{out} is a file where the split's folder goes: move it away, then split again")
     out.mkdir(parents=True, exist_ok=True)
     before = _previous_in_place(out) if not copy and not force else None
     if copy:  # units.bin is written again: an interrupted re-split must not look complete
@@ -248,7 +258,7 @@ def split_model(
             )  # the last split stays, and refuses
             raise SplitError(
                 f"the weights in {model_dir} no longer match the checksums of their last split ({changed}): "
-                "they are damaged or were changed. Import the model again (`flashcode import --force FILE.gguf`); "
+                f"they are damaged or were changed. Import the model again ({reimport(model_dir)}); "
                 "weights you changed on purpose: `flashcode split MODEL --force`"
             )
         _copy_small_files(model_dir, out)
@@ -431,7 +441,7 @@ def load_manifest(root: Path) -> Manifest:
             have = f.stat().st_size if f.exists() else -1
             if have < need:
                 raise SplitError(f"the model's weights in {f} are missing or truncated ({have} bytes, the split "
-                                 f"needs {need}): import the model again")  # fmt: skip
+                                 f"needs {need}): import the model again ({reimport(man.weights_dir)})")  # fmt: skip
         return man
     need = max((u.offset + u.padded for u in units), default=0)
     have = man.units_path.stat().st_size if man.units_path.exists() else -1
@@ -483,7 +493,7 @@ def damaged(man: Manifest, what: str) -> str:
     splitting again would only take the damage's checksums: the model is imported again instead."""
     if man.in_place:
         return (f"the model's weights in {man.weights_dir} are damaged (or changed since they were split): {what}; "
-                "import the model again (`flashcode import --force FILE.gguf`): its split is made again at its next load")  # fmt: skip
+                f"import the model again ({reimport(man.weights_dir)}): its split is made again at its next load")  # fmt: skip
     return f"the split at {man.root} is damaged: {what}; run `flashcode split MODEL` again"
 
 
