@@ -96,7 +96,9 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
                 until(ws, rf"<dd>{budget / 1e9:.2f} GB \(set, not auto\)</dd>")
                 # a budget given is what the menu's fit is judged against, and said so (it said "in RAM")
                 menu = html.unescape(c.get("/").text)
-                assert re.search(rf'<optgroup label="{SYNTH} — [\d.]+ MB in RAM, fits in the memory budget"', menu)
+                assert re.search(
+                    rf'<optgroup label="{SYNTH} — [\d.]+ MB in RAM, fits in the memory budget"', menu
+                )
                 r = c.post("/engine/budget", data={"memory_budget": "lots", "csrf_token": token})
                 assert "Not set: not a size" in html.unescape(r.text)
                 r = c.post("/engine/budget", data={"memory_budget": "auto", "csrf_token": token})

@@ -666,7 +666,9 @@ class Session:
         if done.stats.prompt_tokens:
             then.append(views.gauge(used))
         ctx = self.ctx.engine.context_length
-        if done.finish_reason == "length" and ctx and used >= ctx:  # not the token limit: Continue cannot help
+        if (
+            done.finish_reason == "length" and ctx and used >= ctx
+        ):  # not the token limit: Continue cannot help
             done.stats.extra["context_full"] = ctx
         final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
         if final is not None and final.status == "stopped":  # a stop answers before the engine's numbers
