@@ -335,7 +335,7 @@ class MLXBackend:
             hint = ""
             damaged = isinstance(exc, UnicodeDecodeError) or "safetensors" in str(exc).lower()
             if damaged:  # a cut or overwritten weights file
-                hint = ": its files may be damaged (`flashcode doctor` checks them); import the model again"
+                hint = ": its files may be damaged (`flashcode doctor` checks that they are whole); import the model again"
             raise ModelLoadError(f"could not load {model.name} from {model.path}: {exc}{hint}") from exc
         cast_for_device(obj)
         self.model_obj, self.tokenizer, self.config = obj, tok, cfg

@@ -247,6 +247,13 @@ def test_doctor_names_a_damaged_model_and_its_fix(tmp_path: Path) -> None:
     done = flashcode("import", str(tmp_path / "tiny.gguf"), "--name", "tiny", "--data-dir", str(home))
     assert done.returncode == 0, done.stderr
     assert flashcode("doctor", "--data-dir", str(home)).returncode == 0
+    split = home / "models" / "tiny" / "split"  # flash's split, its manifest emptied: doctor said "all set"
+    split.mkdir()
+    (split / "manifest.json").write_text("{}")
+    proc = flashcode("doctor", "--data-dir", str(home))
+    assert proc.returncode == 1 and "tiny: its flash split is damaged" in proc.stdout
+    assert "`flashcode split tiny` makes it again" in proc.stdout
+    _shutil.rmtree(split)
     gguf = Path(json.loads((home / "models" / "tiny" / "flashcode.json").read_text())["source_gguf"])
     with gguf.open("r+b") as fh:
         fh.truncate(gguf.stat().st_size // 2)

@@ -263,6 +263,15 @@ def model_problem(m: Any) -> str | None:
             return None
         if want and have != want:
             problem = f"{m.gguf_path} (which llama-server loads) is {have:,} bytes, not the {want:,} it was imported from"
+    if problem is None and m.split_path is not None:  # flash's layout: its manifest, and the weights it maps
+        from engine.flash.split import SplitError, load_manifest
+
+        try:
+            load_manifest(m.split_path)
+        except (SplitError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            problem = (
+                f"its flash split is damaged ({str(exc)[:300]}); `flashcode split {m.name}` makes it again"
+            )
     return problem
 
 
