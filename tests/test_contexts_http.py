@@ -264,6 +264,10 @@ def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path:
             assert r.json()["resumed"], r.json()
             r = c.post(url, json={"name": "again", "conversation_id": first}, headers=headers)
             assert r.status_code == 201 and r.json()["token_count"] == saved["token_count"], r.text
+            pane = c.get(f"/projects/{pid}/window", headers={"hx-request": "true"}).text
+            assert (
+                "(MLX or flash)</td>" in pane
+            )  # the cache's format, which the flash engine resumes too ("(mlx)")
             r = c.post("/projects/no-such-project/contexts", json={"name": "x"}, headers=headers)
             assert r.status_code == 404 and not (data_dir / "projects" / "no-such-project").exists()
     finally:
