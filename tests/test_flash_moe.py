@@ -290,6 +290,7 @@ def test_a_moe_context_is_4096_unless_asked_and_the_fix_says_so(tiny_moe: Path, 
         assert roomy.context_length == 4096
         assert "a MoE model gets a 4096-token context of the model's 8192" in caplog.text
         assert "raise --memory-budget" not in caplog.text
+        assert "more than this machine's memory" in caplog.text  # 10 TB is no limit: said
         req = GenerationRequest(prompt="word " * 4200, sampling=SamplingParams(max_tokens=2))
         with pytest.raises(ContextLimitError, match="--ctx-size"):
             list(roomy.stream(req, threading.Event()))

@@ -210,6 +210,14 @@ class FlashBackend(MLXBackend):
                 f"({fmt(cgroup)}): the kernel would kill it before the budget is reached; use --memory-budget auto "
                 f"(the cgroup's limit) or at most {fmt(cgroup)}, or raise the cgroup's limit"
             )
+        if self.memory_budget and self.budget_setting != "auto":
+            import psutil
+
+            total = psutil.virtual_memory().total
+            if self.memory_budget > total:  # not a limit: the system runs out first
+                log.warning("flash: the memory budget %s is more than this machine's memory (%s): it swaps or is "
+                            "killed before the budget is reached; use --memory-budget auto", fmt(self.memory_budget),
+                            fmt(total))  # fmt: skip
         if self.memory_budget:
             reset_peak_rss()  # peak RSS is reported against the budget from here, the tokenizer's load included
         # the tokenizer first: it is part of the runtime the budget pays before the engine
