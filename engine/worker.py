@@ -171,7 +171,7 @@ class Worker:
             if self._backend is not None:
                 self._backend.close()
                 self._backend = None
-                release_memory()
+            release_memory()  # also what a load that failed had taken, before the one restored after it
             self._backend = factory()
             return self._backend
 

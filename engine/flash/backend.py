@@ -136,9 +136,8 @@ class FlashBackend(MLXBackend):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._context_asked: int | None = (
-            self._context_override
-        )  # --ctx-size, before a load sets the planned one
+        # --ctx-size, kept apart from _context_override, which a load sets to the context it planned
+        self._context_asked: int | None = self._context_override
         # bytes, None (no budget: stream everything) or "auto" (memory.py: resolved at each load)
         self.budget_setting = memory_budget
         self.memory_budget: int | None = None if memory_budget == "auto" else memory_budget  # type: ignore[assignment]

@@ -595,10 +595,9 @@ class Session:
             if done is None:  # the task was cancelled (socket closed): keep what streamed
                 gen.cancel()
                 stream.abandon()
+        # the meter is of the reply being written: hidden once it is done (its footer keeps the numbers)
         if getattr(self.ctx.engine.worker.backend, "live_stats", None) is not None:
-            self.send(
-                self.views.engine_meter(None)
-            )  # a meter of the reply being written; its footer keeps the numbers
+            self.send(self.views.engine_meter(None))
         self._finish(stream, done, history, gen)
 
     def _history(self, conversation_id: str) -> list[Message]:
@@ -666,10 +665,8 @@ class Session:
         if done.stats.prompt_tokens:
             then.append(views.gauge(used))
         ctx = self.ctx.engine.context_length
-        if (
-            done.finish_reason == "length" and ctx and used >= ctx
-        ):  # not the token limit: Continue cannot help
-            done.stats.extra["context_full"] = ctx
+        if done.finish_reason == "length" and ctx and used >= ctx:  # the context, not the token limit
+            done.stats.extra["context_full"] = ctx  # Continue cannot help: the footer says what can
         final = stream.finish(done.text, done.finish_reason, done.stats.to_dict(), done.error, then=then)
         if final is not None and final.status == "stopped":  # a stop answers before the engine's numbers
             asyncio.get_running_loop().create_task(self._complete_stopped(stream, final, history, gen))
