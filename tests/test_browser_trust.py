@@ -189,6 +189,11 @@ def test_browser_transcript_mode_gauge_and_connection_survive(served, browser, a
         connected(page)
         page.locator("#connection[hidden]").wait_for(state="attached")
         page.locator(".agent-action.tool-shell").wait_for()
+        # the block may be the page's own until the server's transcript replaces it (a loaded machine saw one
+        # without its route in between): wait for the redrawn turn whole
+        until(
+            lambda: page.locator(".agent-route[data-route=shell]").count() == 1, 30, "the route after resync"
+        )
         check_command_block(page, "resync")
         page.locator("#status .status-text", has_text="Ready").wait_for()
         assert page.input_value("#prompt") == "are you there?"
