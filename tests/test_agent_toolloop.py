@@ -727,6 +727,23 @@ def test_toolloop_a_stalled_model_is_asked_to_answer_with_what_it_has(
     assert not [m for m in s.loop.messages if m.get("role") == "user" and "Stop calling tools" in str(m)]
 
 
+def test_toolloop_an_answer_loses_the_quoting_tags_it_copied(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """Seen in a walkthrough: the 0.5B model ended its answer with the `</untrusted>` that closes a quoted tool
+    result, and the UI and the CLI showed it. Answers lose the tags (held answers and streamed ones)."""
+    for _ in range(4):
+        fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue("7 return a * b", " </untrusted>")
+    events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
+    assert [e.text for e in of(events, ev.AnswerDone)] == ["7 return a * b"]
+    fake.enqueue_call("read_file", path="app.py").enqueue(
+        '<untrusted source="read_file app.py">\nIt adds.\n</untrusted>'
+    )
+    events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
+    assert [e.text for e in of(events, ev.AnswerDone)] == ["It adds."]
+
+
 def test_toolloop_a_turn_that_ends_with_no_words_after_steps_asks_for_an_answer(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:

@@ -63,6 +63,7 @@ from .tools import (
     fetch_url,
     openai_tools,
 )
+from .untrusted import without_wrapper
 from .visible import GIT_WARNING, touches_git
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class ToolLoop:
                 # steps, then a turn that ended with no word, or with a call written as text (both seen: the 0.5B
                 # model after it ran a program): what it wrote stays shown, and it is asked once to answer
                 if text.strip():
-                    yield AnswerDone(text, done.finish_reason, self.last_stats)
+                    yield AnswerDone(without_wrapper(text), done.finish_reason, self.last_stats)
                 outcome: list[str] = []
                 async for ev in self._answer_now("the model ended its turn without an answer", outcome):
                     yield ev
@@ -229,10 +230,10 @@ class ToolLoop:
                     yield AnswerDone("", "cancelled" if outcome == ["cancelled"] else "stop", self.last_stats)
                 return
             if ended or not calls:
-                yield AnswerDone(text, done.finish_reason, self.last_stats, done.error)
+                yield AnswerDone(without_wrapper(text), done.finish_reason, self.last_stats, done.error)
                 return
-            if text.strip():
-                yield AnswerDone(text, "stop", self.last_stats)  # words before the calls: their own reply
+            if text.strip():  # words before the calls: their own reply
+                yield AnswerDone(without_wrapper(text), "stop", self.last_stats)
             else:  # only calls: no reply carries these numbers
                 yield Generated(self.last_stats)
             self.messages.append(assistant_message(text, calls))
@@ -380,6 +381,7 @@ class ToolLoop:
                 yield Notice(f"The answer could not be written: {done.error}", "warning")
             outcome.append("none")
             return
+        text = without_wrapper(text)  # held until done: shown without what it copied of the quoting
         self.messages.append(assistant_message(text, []))
         outcome.append("answered")
         yield AnswerDelta(text)

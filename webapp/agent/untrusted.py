@@ -108,3 +108,15 @@ def attribute(value: str, limit: int = 200) -> str:
         else:
             out.append({'"': "&quot;", ">": "&gt;"}.get(ch, ch))
     return "".join(out)
+
+
+# what a model copies of the quoting into its own words: the tags, and the escape of a `<` inside (the 0.5B model
+# ended an answer with "return a * b </untrusted>", shown to the user as it stood)
+_WRAPPER = re.compile(r'\s*</?untrusted(?:\s+source="[^"\n]*")?\s*>\s*', re.IGNORECASE)
+
+
+def without_wrapper(text: str) -> str:
+    """A model's answer without the `<untrusted>` tags it copied from the quoted results."""
+    if not _WRAPPER.search(text):
+        return text
+    return _WRAPPER.sub(lambda m: "\n" if "\n" in m.group(0) else " ", text).strip()
