@@ -276,3 +276,30 @@ def test_browser_generation_settings_base_model_and_projects(home: Path, browser
         assert stats and stats["y"] + stats["height"] <= 700 and stats["x"] + stats["width"] <= 900
         small.screenshot(path=str(artifacts / "trust_stats_900x700.png"))
         assert not page.errors and not small.errors
+
+
+def test_browser_resume_goes_to_the_conversation_and_the_list_stays_reachable(served, browser) -> None:
+    """Saved Contexts opened over the conversation list (its New hidden under the window's title bar), and
+    Resume only said so in the pane: a newcomer typed into the conversation open, which started afresh. Now the
+    window leaves the list free and Resume opens the conversation whose context is live."""
+    home, port = served
+    with serve_cli(home, "--port", str(port), backend="mlx", timeout=300) as srv:
+        page = new_page(browser)
+        page.goto(srv.url)
+        connected(page)
+        send(page, "Say hi.")
+        replies_done(page, 1)
+        saved_in = page.url
+        menu(page, "View", "button[data-open=projects-window]")
+        page.fill("#contexts-pane .contexts-save input[name=name]", "hello")
+        page.locator("#contexts-pane .contexts-save button[type=submit]").click()
+        page.locator("#contexts-pane .contexts-note", has_text="Saved").wait_for(timeout=60_000)
+        page.click("a.new-link", timeout=5_000)  # not under the window
+        page.locator("#chat-title", has_text="New Conversation").wait_for()
+        page.goto(srv.url)  # a new conversation in a fresh page: the window draws its pane when opened
+        connected(page)
+        menu(page, "View", "button[data-open=projects-window]")
+        page.locator("#contexts-pane button", has_text="Resume").click()
+        page.wait_for_url(saved_in, timeout=60_000)  # (page.url polled between sleeps never updates)
+        connected(page)
+        assert page.locator(".msg-assistant").count() == 1 and not page.errors

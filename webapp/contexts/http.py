@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from jinja2 import Environment
 from starlette.background import BackgroundTask
@@ -227,7 +228,12 @@ class SavedContexts:
                 said = (
                     res.message[:1].upper() + res.message[1:]
                 )  # a sentence in the pane ("Resumed 'teal poem' …")
-                return self._pane(request, note=said + ".", link=f"/c/{conv}" if conv else "")
+                pane = self._pane(request, note=said + ".", link=f"/c/{conv}" if conv else "")
+                if conv and urlsplit(request.headers.get("hx-current-url", "")).path != f"/c/{conv}":
+                    # the page goes to the conversation whose context is now live (a newcomer typed into the
+                    # one open, which started afresh, and missed the link)
+                    pane.headers["HX-Redirect"] = f"/c/{conv}"
+                return pane
             return self._pane(request, error=res.message)
         return JSONResponse(
             {
