@@ -206,6 +206,11 @@ def test_contexts_http_pane_for_htmx(client):
     cid = c.get("/projects/default/contexts").json()["contexts"][0]["id"]
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
     assert "Resumed " in r.text and f'href="/c/{conv}"' in r.text
+    assert r.headers["hx-redirect"] == f"/c/{conv}"  # the page goes to the conversation now live
+    r = c.post(
+        f"/projects/default/contexts/{cid}/resume", headers={**hx, "hx-current-url": f"{BASE}/c/{conv}"}
+    )
+    assert "Resumed " in r.text and "hx-redirect" not in r.headers  # already there
     r = c.post("/projects/default/contexts", data={"name": ""}, headers=hx)  # an error lands in the pane
     assert r.status_code == 200 and 'role="alert"' in r.text
     r = c.post(f"/projects/default/contexts/{cid}/delete", headers=hx)
