@@ -66,6 +66,16 @@ def model_info(path: Path) -> ModelInfo:
     )
 
 
+def source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF file a model was imported from (`flashcode.json`), when it is still there: what an import made
+    again reads."""
+    try:
+        src = json.loads((Path(model_dir) / "flashcode.json").read_text()).get("source_gguf")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(src) if isinstance(src, str) and src and Path(src).is_file() else None
+
+
 def list_models(root: Path | None = None) -> list[ModelInfo]:
     out = []
     for d in sorted(paths.models_dir(root).iterdir()):

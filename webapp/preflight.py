@@ -24,7 +24,7 @@ from typing import Any
 
 from engine import paths
 from engine.base import BackendUnavailableError, EngineError, ModelInfo, ModelNotFoundError
-from engine.models import AGENT_MODEL, DEFAULT_MODEL, find_model, installed_by_start, list_models
+from engine.models import AGENT_MODEL, DEFAULT_MODEL, find_model, installed_by_start, list_models, source_gguf
 from engine.worker import Worker
 
 from .db import check_version, storage_kind
@@ -316,11 +316,8 @@ def safetensors_problem(path: Path) -> str | None:
 def reinstall_hint(d: Path, root: Path) -> str:
     if d.name == DEFAULT_MODEL and d.parent == paths.models_dir(root):
         return f"delete it and run `flashcode setup --data-dir {q(root)}`"
-    try:
-        source = json.loads((d / "flashcode.json").read_text()).get("source_gguf")
-    except (OSError, ValueError):
-        source = None
-    gguf = q(source) if source and Path(source).is_file() else "FILE.gguf"
+    source = source_gguf(d)
+    gguf = q(source) if source else "FILE.gguf"
     return f"import it again with `flashcode import {gguf} --name {q(d.name)} --force --data-dir {q(root)}`"
 
 

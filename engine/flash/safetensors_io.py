@@ -130,12 +130,12 @@ def write_header(f: BinaryIO, specs: Iterable[TensorSpec], metadata: dict[str, s
 
 
 def reimport(model_dir: Path) -> str:
-    """The command that imports a model again: with its own GGUF when the import recorded one that is still
-    there (`flashcode.json`), else with a placeholder for it."""
-    try:
-        src = json.loads((Path(model_dir) / "flashcode.json").read_text()).get("source_gguf")
-    except (OSError, ValueError, AttributeError):
-        src = None
-    if isinstance(src, str) and src and Path(src).is_file():
-        return f"`flashcode import --force {shlex.quote(src)}`"
-    return "`flashcode import --force FILE.gguf`"
+    """The command that imports a model again: with its own GGUF when it is still there, else a placeholder."""
+    from ..models import source_gguf
+
+    src = source_gguf(model_dir)
+    return (
+        f"`flashcode import --force {shlex.quote(str(src))}`"
+        if src
+        else "`flashcode import --force FILE.gguf`"
+    )

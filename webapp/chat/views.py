@@ -138,13 +138,10 @@ class ChatViews(TranscriptViews):
         groups = []
         for m in models:
             p = fits.get(m)
-            where = (
-                "the memory budget" if p is not None and p.source == "given" else "RAM"
-            )  # --memory-budget given
+            given = p is not None and p.source == "given"  # --memory-budget: the fit is against it
+            where = "the memory budget" if given else "RAM"
             fit = (
-                None
-                if p is None
-                else (f"fits in {where}" if p.fits else f"does not fit in {where}: from SSD")
+                None if p is None else f"fits in {where}" if p.fits else f"does not fit in {where}: from SSD"
             )
             size = (
                 None
