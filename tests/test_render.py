@@ -31,3 +31,10 @@ def test_render_plain_code_and_inline() -> None:
 def test_render_helpers() -> None:
     assert escape_text("<&>") == "&lt;&amp;&gt;"
     assert ".highlight" in pygments_css()
+
+
+def test_render_keeps_a_models_single_newlines_as_line_breaks() -> None:
+    # A listing one file a line (or a numbered one not starting at 1) was joined into one paragraph.
+    out = render_markdown("The files:\nsrc/a.py\n2. src/b.py\n\nNext paragraph")
+    assert out.count("<br />") == 2 and out.count("<p>") == 2
+    assert "src/a.py<br />" in out

@@ -152,7 +152,9 @@ def _highlight(code: str, lang: str, _attrs: str) -> str:
 
 @lru_cache(maxsize=1)
 def _md() -> MarkdownIt:
-    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
+    # breaks: a model's single newline is a line break, as in every chat app (a listing of files, one a
+    # line, was one paragraph); a blank line still ends a paragraph.
+    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False, "breaks": True})
     md.enable("table")
     md.block.ruler.at("table", _bounded_table, {"alt": ["paragraph", "reference"]})
     md.enable("strikethrough")
