@@ -71,6 +71,7 @@ def test_agent_ws_run_once_deny_and_always(ws, project: Path, fake: FakeBackend)
     conv: list[str] = []
     frames, dialog = ask(ws, "/shell echo hi > a.txt", conv)
     assert "echo hi &gt; a.txt" in frames and str(project.resolve()) in frames and "30 s" in frames
+    assert 'id="chat-title" data-title="/shell echo hi &gt; a.txt"' in frames  # the work asked names it
     send(ws, type="answer", dialog_id=dialog, choice="once")
     frames = until(ws, r'id="status" class="controls" data-state="idle"')
     assert f'id="dialog-{dialog}" hx-swap-oob="delete"' in frames and "Exit code 0" in frames
@@ -116,6 +117,7 @@ def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBacken
     send(ws, type="send", text="/help")
     frames = until(ws, r'data-state="idle"')
     assert "/shell COMMAND" in frames and "/search QUERY" in frames
+    assert 'data-title="Untitled"' in frames  # /help names nothing; a command with work does (below)
     conv = re.search(r'id="conversation-id" value="([0-9a-f]+)"', frames).group(1)  # type: ignore[union-attr]
     send(ws, type="send", text="/agent", conversation_id=conv)
     until(ws, r"Agent mode")
@@ -123,6 +125,7 @@ def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBacken
     send(ws, type="send", text="make a file", conversation_id=conv)
     frames = until(ws, r'id="dialog-[\w-]+"')
     assert "Route: <strong>shell</strong>" in frames and "touch routed.txt" in frames
+    assert 'id="chat-title" data-title="make a file"' in frames
     dialog = re.search(r'id="dialog-([\w-]+)"', frames).group(1)  # type: ignore[union-attr]
     send(ws, type="answer", dialog_id=dialog, choice="deny")
     until(ws, r'data-state="idle"')
@@ -504,3 +507,16 @@ def test_slash_commands_that_write_no_reply_add_no_warning(tmp_path: Path, proje
             until(sock, r'data-state="idle"')
         notes = [e.data.get("text") for e in app.state.flashcode.db.events(cid) if e.type == "notice"]
     assert not [n for n in notes if "without an answer" in str(n) or "ended before" in str(n)], notes
+
+
+def test_agent_ws_a_command_with_work_names_the_conversation(ws, project: Path) -> None:
+    """A conversation begun with /help, then /shell, was "Untitled" for good (slash commands named none)."""
+    send(ws, type="send", text="/help")
+    conv = [re.search(r'id="conversation-id" value="([0-9a-f]+)"', until(ws, r'data-state="idle"')).group(1)]  # type: ignore[union-attr]
+    frames, dialog = ask(ws, "/shell   ls -a", conv)
+    assert 'id="chat-title" data-title="/shell ls -a" hx-swap-oob="true"' in frames
+    assert re.search(r'<ul id="conversation-list"[^>]*hx-swap-oob="true"[^>]*>.*/shell ls -a', frames, re.S)
+    send(ws, type="answer", dialog_id=dialog, choice="deny")
+    until(ws, r'data-state="idle"')
+    frames, dialog = ask(ws, "/shell pwd", conv)
+    assert "data-title=" not in frames  # named once

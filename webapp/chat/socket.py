@@ -38,7 +38,7 @@ from ..engine_host import EngineState
 from ..turns import NEW_MODE_KEY, DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
 from . import protocol as p
 from .pipeline import ReplyStream
-from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title
+from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title, names_conversation
 from .views import ChatViews
 
 log = logging.getLogger(__name__)
@@ -298,15 +298,17 @@ class Session:
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
         created = conv is None
-        # a slash command (/model, /stats) names no conversation: the first message for the model does
+        # a slash command (/model, /stats) names no conversation: the first message for the model does, or
+        # a command that asks for work (/shell pytest -q)
         command = self.turns is not None and is_slash_command(msg.text)
+        naming = not command or names_conversation(msg.text)
         if conv is None:
             project_id = self._new_in(msg.project_id)
             if project_id is None:
                 return
-            title = UNTITLED if command else make_title(msg.text, TITLE_CHARS)
+            title = make_title(msg.text, TITLE_CHARS) if naming else UNTITLED
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
-        retitled = not created and not command and self._still_untitled(conv)
+        retitled = not created and naming and self._still_untitled(conv)
         if retitled:
             conv.title = make_title(msg.text, TITLE_CHARS)
             db.rename_conversation(conv.id, conv.title)
