@@ -948,6 +948,41 @@ def test_projects_a_new_conversation_goes_in_the_project_the_page_shows(client, 
     )
 
 
+def test_projects_a_conversation_of_a_removed_project_runs_nothing_in_the_open_one(client, two) -> None:
+    """Alpha was removed (its data kept) and Beta opened: a /shell sent in an Alpha conversation still open in
+    a tab proposed its command in Beta's folder, under Beta's rules (red-team). Nothing is sent or run until
+    Alpha's folder is added again, which brings the conversation back to it."""
+    a, b = two
+    _open(client, a)
+    parts = client.app.state.flashcode
+    alpha = parts.projects.current()
+
+    def turn(sock, text: str, cid: str | None, until: str) -> str:
+        sock.send_text(
+            json.dumps({"type": "send", "text": text, **({"conversation_id": cid} if cid else {})})
+        )
+        frames = ""
+        for _ in range(200):
+            frames += sock.receive_text()
+            if re.search(until, frames):
+                return frames
+        raise AssertionError(frames[-500:])
+
+    with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
+        frames = turn(sock, "hi", None, 'data-state="idle"')
+        cid = re.search(r'id="conversation-id" value="(\w+)"', frames).group(1)  # type: ignore[union-attr]
+        _open(client, b)
+        parts.projects.remove(alpha.id)
+        before = len(parts.db.messages(cid))
+        said = turn(sock, "/shell touch made-here.txt", cid, "removed from the list|dialog-")
+        assert "nothing was sent or run" in said and "dialog-" not in said
+        assert len(parts.db.messages(cid)) == before and not (b / "made-here.txt").exists()
+        assert parts.db.get_conversation(cid) is not None  # kept
+        parts.projects.add(a)
+        frames = turn(sock, "/shell touch made-here.txt", cid, r'id="dialog-[\w-]+"')
+        assert str(a.resolve()) in frames and str(b.resolve()) not in frames
+
+
 def test_projects_removing_a_project_waits_for_the_saves_being_written_first(client, two) -> None:
     """Saves written behind a reply land before a project is removed: one landing after would put the removed
     project's folder back, holding a deleted conversation's cache."""

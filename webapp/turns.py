@@ -17,6 +17,12 @@ from typing import Any, Protocol
 
 # app_settings: the mode last chosen (picker or /agent, /raw), which a new conversation starts in
 NEW_MODE_KEY = "new_conversation_mode"
+# A conversation whose project was taken off the list keeps its place (adding the folder again brings it
+# back), but nothing runs in it meanwhile: the open project's folder, rules and network switch are not its.
+PROJECT_REMOVED = (
+    "This conversation's project was removed from the list (its conversations are kept): nothing was sent or run. "
+    "Add its folder again with File › Open Project… (or flashcode projects add FOLDER) to go on with it."
+)
 
 
 class ReplyHook(Protocol):

@@ -32,7 +32,7 @@ from engine.base import SamplingParams
 from ..db import Database
 from ..engine_host import EngineState
 from ..settings import Settings
-from ..turns import NEW_MODE_KEY, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
+from ..turns import NEW_MODE_KEY, PROJECT_REMOVED, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
 from . import events as ev
 from .agent import AgentSession, tools_note
 from .sandbox import detect
@@ -280,6 +280,12 @@ class AgentTurns:
     async def run(self, turn: Turn, text: str) -> None:
         """One agent turn for a user message already stored and shown."""
         conversation_id, db = turn.conversation_id, self.web.db
+        conv, projects = db.get_conversation(conversation_id), self.web.projects
+        if conv is not None and projects is not None and projects.get(conv.project_id) is None:
+            removed = ev.Notice(PROJECT_REMOVED, "warning")  # never the open project's folder instead
+            db.add_event(conversation_id, removed.type, removed.to_dict())
+            turn.send(self.web.views.event(removed))
+            return
         project = self.web.project_for(conversation_id)
         if not project.path.is_dir():  # moved or deleted since: nothing can run there, and nothing is lost
             gone = ev.Notice(

@@ -35,7 +35,15 @@ from engine.worker import Generation
 
 from ..db import UNTITLED, Conversation, Database, StoredMessage, storage_kind
 from ..engine_host import EngineState
-from ..turns import NEW_MODE_KEY, DialogAnswer, ProjectLookup, ReplyHook, TurnHandler, TurnHandlerFactory
+from ..turns import (
+    NEW_MODE_KEY,
+    PROJECT_REMOVED,
+    DialogAnswer,
+    ProjectLookup,
+    ReplyHook,
+    TurnHandler,
+    TurnHandlerFactory,
+)
 from . import protocol as p
 from .pipeline import ReplyStream
 from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title, names_conversation
@@ -279,10 +287,15 @@ class Session:
         return shown
 
     def _gone(self, conversation_id: str) -> bool:
-        """True (and said) when the conversation is in the Trash or no longer exists: nothing is written
+        """True (and said) when the conversation is in the Trash, no longer exists, or its project was removed
+        from the list (its commands would run in the open project): nothing is written
         into it (a send, a regenerate, a continue)."""
-        db = self.ctx.db
-        if db.get_conversation(conversation_id) is not None:
+        db, projects = self.ctx.db, self.ctx.projects
+        conv = db.get_conversation(conversation_id)
+        if conv is not None:
+            if projects is not None and projects.get(conv.project_id) is None:
+                self.error(PROJECT_REMOVED)
+                return True
             return False
         if db.get_conversation(conversation_id, trashed=True) is not None:
             self.error("that conversation is in the Trash: put it back (View > Trash) to go on with it")
