@@ -185,6 +185,36 @@ def test_serve_damaged_database_says_how_to_recover_it(data_dir: Path) -> None:
     assert path.read_bytes() == bytes(data)  # untouched
 
 
+def test_a_damaged_migrations_table_is_damage_not_a_newer_flashcode(data_dir: Path) -> None:
+    """Two row ids of `schema_migrations` scribbled (out of order): serve, the CLI and doctor said the
+    database was "written by a newer flashcode (schema version 120 …): upgrade flashcode" (red-team)."""
+    from webapp.db import Database
+
+    path = data_dir / "flashcode.db"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'schema_migrations'").fetchone()
+    (size,) = conn.execute("PRAGMA page_size").fetchone()
+    conn.close()
+    data = bytearray(path.read_bytes())
+    head = (root - 1) * size + (100 if root == 1 else 0)
+    assert data[head] == 13  # a table leaf page: cell pointers, then each cell's payload length and row id
+    count = int.from_bytes(data[head + 3 : head + 5], "big")
+    cells = [int.from_bytes(data[head + 8 + 2 * i : head + 10 + 2 * i], "big") for i in range(count)]
+    offset = (root - 1) * size
+    data[offset + cells[-1] + 1], data[offset + cells[3] + 1] = 99, 120
+    path.write_bytes(bytes(data))
+    for proc in (
+        flashcode("serve", "--data-dir", str(data_dir)),
+        flashcode("conversations", "--all", "--data-dir", str(data_dir)),
+    ):
+        said = one_sentence(proc)
+        assert said.startswith(f"{path} is damaged (") and "newer flashcode" not in said, said
+    doctor = flashcode("doctor", "--data-dir", str(data_dir))
+    assert "is damaged" in doctor.stdout + doctor.stderr and "newer" not in doctor.stdout + doctor.stderr
+
+
 # --------------------------------------------------------------------------- model
 def test_serve_unknown_model_lists_the_installed_ones(data_dir: Path) -> None:
     installed = ", ".join(m.name for m in list_models(data_dir))

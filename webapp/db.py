@@ -400,9 +400,18 @@ def remembered_model(path: Path) -> tuple[str, str] | None:
     )
 
 
+def quick_check(conn: sqlite3.Connection) -> None:
+    """SQLite's own quick integrity check; DatabaseError (as SQLite words it) when pages are damaged."""
+    verdict = conn.execute("PRAGMA quick_check").fetchone()
+    if verdict is None or verdict[0] != "ok":
+        first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
+        raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
+
+
 def check_version(conn: sqlite3.Connection, path: Path | None = None) -> None:
     found, known = stored_version(conn), latest_version()
     if found > known:
+        quick_check(conn)  # a damaged migrations table (random bytes) reads as "schema version 9159"
         where = f"the database {path}" if path else "the database"
         raise NewerDatabaseError(
             f"{where} was written by a newer flashcode (schema version {found}; this one knows up to "

@@ -24,9 +24,9 @@ import psutil
 
 from engine.models import human_size, list_models
 
-from .db import SCHEMA_VERSION, storage_kind, stored_version
+from .db import SCHEMA_VERSION, quick_check, storage_kind, stored_version
 from .engine_host import default_backend
-from .preflight import database_problem, model_dir_problem, not_writable, quick_check, read_only
+from .preflight import database_problem, model_dir_problem, not_writable, read_only
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -189,8 +189,8 @@ def check_database(root: Path) -> Check:
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:
+            quick_check(conn)  # first: a damaged page can read as a newer schema version
             version = stored_version(conn)
-            quick_check(conn)
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:

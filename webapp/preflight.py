@@ -27,7 +27,7 @@ from engine.base import BackendUnavailableError, EngineError, ModelInfo, ModelNo
 from engine.models import AGENT_MODEL, DEFAULT_MODEL, find_model, installed_by_start, list_models, source_gguf
 from engine.worker import Worker
 
-from .db import check_version, storage_kind
+from .db import check_version, quick_check, storage_kind
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +191,6 @@ def not_writable(path: Path) -> bool:
     return not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK)
 
 
-def quick_check(conn: sqlite3.Connection) -> None:
-    """SQLite's own quick integrity check; DatabaseError (as SQLite words it) when pages are damaged."""
-    verdict = conn.execute("PRAGMA quick_check").fetchone()
-    if verdict is None or verdict[0] != "ok":
-        first = str(verdict[0] if verdict else "no answer").splitlines()[0][:200]
-        raise sqlite3.DatabaseError(f"database disk image is malformed: {first}")
-
-
 def check_database(root: Path) -> None:
     """Refused before it is touched: a database from a newer flashcode, one that is not SQLite or is
     damaged, one another program holds locked."""
@@ -210,8 +202,8 @@ def check_database(root: Path) -> None:
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
         try:
+            quick_check(conn)  # first: a damaged page can read as a newer schema version
             check_version(conn, path)
-            quick_check(conn)
         finally:
             conn.close()
         conn = sqlite3.connect(path, timeout=2, isolation_level=None)
