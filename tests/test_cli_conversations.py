@@ -46,6 +46,12 @@ def test_conversations_list_export_and_import_round_trip(tmp_path: Path) -> None
     assert (
         again.returncode != 0 and "--force replaces it" in again.stderr
     )  # a file is never overwritten unasked
+    for inside in (home / "flashcode.db", home / "flashcode.db-wal", home / "models" / "x.json"):
+        wiped = flashcode("conversations", "export", cid, "-o", str(inside), "--force", home=home)
+        assert wiped.returncode != 0 and "inside flashcode's data directory" in wiped.stderr, wiped.stderr
+    kept = Database(home / "flashcode.db")
+    assert kept.get_conversation(cid) is not None  # the export had replaced the database
+    kept.close()
     md = flashcode("conversations", "export", cid, "--format", "md", home=home)
     assert "## Assistant\n\nan off-by-one" in md.stdout
 

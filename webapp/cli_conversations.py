@@ -117,6 +117,12 @@ def _export(db: Database, args: argparse.Namespace) -> int:
     out = Path(args.output).expanduser()
     if out.is_dir():
         raise preflight.StartupError(f"-o {args.output}: that is a directory; give a file name")
+    root = db.path.parent.resolve()
+    if out.resolve().is_relative_to(root):  # --force over flashcode.db replaced every conversation
+        raise preflight.StartupError(
+            f"-o {args.output}: that is inside flashcode's data directory ({root}), where its database, models "
+            "and saved contexts live; write the export somewhere else"
+        )
     if out.exists() and not args.force:
         raise preflight.StartupError(f"-o {args.output}: the file exists; --force replaces it")
     try:  # whole or not at all: a full disk leaves the file --force would replace as it was
