@@ -215,6 +215,27 @@ def test_a_damaged_migrations_table_is_damage_not_a_newer_flashcode(data_dir: Pa
     assert "is damaged" in doctor.stdout + doctor.stderr and "newer" not in doctor.stdout + doctor.stderr
 
 
+def test_serve_removes_what_a_save_cut_short_by_a_crash_left(data_dir: Path) -> None:
+    """A kill -9 mid-save left `contexts/.tmp-*` (176 MB in the red-team's run); the Saved Contexts window
+    did not count it and the next save failed for lack of disk. A serve, holding the data directory's lock,
+    removes such leftovers at its start (here one refused later, for its model); saved ones stay."""
+    contexts = data_dir / "projects" / "p1" / "contexts"
+    saved, cut = contexts / "20261205-101010-abcdef", contexts / ".tmp-x1y2z3"
+    autosave_cut = data_dir / "projects" / "p1" / "autosave" / ".tmp-q9"
+    for folder in (saved, cut, autosave_cut):
+        folder.mkdir(parents=True)
+        (folder / "cache.bin").write_bytes(b"k" * 300_000)
+    (saved / "meta.json").write_text("{}")
+    elsewhere = data_dir / "projects" / "p1" / ".tmp-not-a-save"
+    elsewhere.mkdir()
+    proc = flashcode("serve", "--data-dir", str(data_dir), "--model", "nonexistent")
+    assert (
+        proc.returncode == 2 and "removed 600.0 KB that a save cut short by a crash had left" in proc.stdout
+    )
+    assert not cut.exists() and not autosave_cut.exists()
+    assert (saved / "cache.bin").stat().st_size == 300_000 and elsewhere.is_dir()
+
+
 # --------------------------------------------------------------------------- model
 def test_serve_unknown_model_lists_the_installed_ones(data_dir: Path) -> None:
     installed = ", ".join(m.name for m in list_models(data_dir))

@@ -24,8 +24,9 @@ from typing import Any, NoReturn
 from engine import paths
 from engine.base import Done, EngineError, GenerationRequest, SamplingParams, TextDelta
 from engine.flash import cli as flash_cli
-from engine.models import DEFAULT_MODEL
+from engine.models import DEFAULT_MODEL, human_size
 from engine.placement import is_gguf_path
+from engine.sessions import ContextStore
 
 from . import agent_cli, cli_bench, cli_conversations, cli_projects, preflight
 from .db import remembered_model, storage_problem
@@ -99,6 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         preflight.lock_data_dir(root)
         preflight.check_database(root)
+        freed = ContextStore.sweep_leftovers(root)  # this serve holds the lock: no save is in flight
+        if freed:
+            print(f"removed {human_size(freed)} that a save cut short by a crash had left", flush=True)
         project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)
         remembered = _remembered_model(args, root, options)
         if remembered is None and not is_gguf_path(args.model):  # (a GGUF is imported below)
