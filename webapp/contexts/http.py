@@ -228,6 +228,13 @@ class SavedContexts:
                 said = (
                     res.message[:1].upper() + res.message[1:]
                 )  # a sentence in the pane ("Resumed 'teal poem' …")
+                if conv and self.db.get_conversation(conv) is None:  # the redirect went to a plain 404
+                    where = (
+                        "is in the Trash: put it back (View › Trash) to go on with it"
+                        if self.db.get_conversation(conv, trashed=True)
+                        else "was deleted, so there is none to go on with: delete this context if it is no use"
+                    )
+                    return self._pane(request, note=f"{said}. Its conversation {where}.")
                 pane = self._pane(request, note=said + ".", link=f"/c/{conv}" if conv else "")
                 if conv and urlsplit(request.headers.get("hx-current-url", "")).path != f"/c/{conv}":
                     # the page goes to the conversation whose context is now live (a newcomer typed into the
