@@ -392,6 +392,20 @@ def _tree_bytes(folder: Path) -> int:
     return sum(st.st_size for st in _tree_files(folder))
 
 
+def is_installed(sha: str, root: Path | None = None) -> bool:
+    """Whether a model with these weights (`model_identity`) is installed in the data directory `root` (the
+    one the process runs on: `--data-dir` and $FLASHCODE_HOME set it alike)."""
+    from .models import list_models
+
+    for m in list_models(root):
+        try:
+            if model_identity(m) == sha:
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 # --------------------------------------------------------------------------- the store
 class ContextStore:
     """Saved contexts of every project under one data directory."""
@@ -648,15 +662,20 @@ class ContextStore:
         dt = time.perf_counter() - t0
         return ResumeResult(True, f"resumed {ctx.name!r}: {n} tokens in {dt:.2f} s", ctx, n, dt)
 
-    @staticmethod
-    def check_model(ctx: SavedContext, model: ModelInfo | None) -> None:
+    def check_model(self, ctx: SavedContext, model: ModelInfo | None) -> None:
         if model is None:
             raise CacheMismatchError("no model is loaded: load the context's model to resume it")
         sha = model_identity(model)
         if sha != ctx.model_sha256:
+            fix = f"load {ctx.model} to resume it"
+            if not is_installed(ctx.model_sha256):  # the model menu cannot offer it
+                fix = (
+                    f"{ctx.model} is not installed any more: import it again (`flashcode import FILE.gguf --name "
+                    f"{ctx.model}`) to resume it, or delete this context"
+                )
             raise CacheMismatchError(
                 f"context {ctx.name!r} was saved with model {ctx.model} (weights {ctx.model_sha256[:12]}) and the "
-                f"loaded model is {model.name} (weights {sha[:12]}): load {ctx.model} to resume it"
+                f"loaded model is {model.name} (weights {sha[:12]}): {fix}"
             )
 
     # ------------------------------------------------------------------ managing
@@ -784,16 +803,9 @@ class ContextStore:
             raise ContextImportError(f"{file.name} is incomplete or damaged: re-export it")
         return meta
 
-    @staticmethod
-    def _require_installed(meta: dict[str, Any], file: Path) -> None:
-        from .models import list_models
-
-        for m in list_models():
-            try:
-                if model_identity(m) == meta["model_sha256"]:
-                    return
-            except (OSError, ValueError):
-                continue
+    def _require_installed(self, meta: dict[str, Any], file: Path) -> None:
+        if is_installed(str(meta["model_sha256"])):
+            return
         raise ContextImportError(
             f"{file.name} was saved with model {meta['model']} (weights {str(meta['model_sha256'])[:12]}), "
             f"which is not installed here: import that model first (`flashcode import FILE.gguf`)"

@@ -116,6 +116,13 @@ def test_sessions_resume_refuses_another_model(saved, tmp_path, default_model):
         saved.store.resume(other, "p1", saved.contexts[None].id)
     res = try_resume(saved.store, other, "p1", saved.contexts[None].id)
     assert not res.resumed and "re-reads it from the start" in res.message
+    # its model deleted since: the menu cannot offer it, so "load smollm2" is no advice (red-team)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHCODE_HOME", str(tmp_path / "no-models"))
+        with pytest.raises(
+            CacheMismatchError, match=r"smollm2\S* is not installed any more: import it again"
+        ):
+            saved.store.resume(other, "p1", saved.contexts[None].id)
 
 
 def test_sessions_resume_refuses_truncated_file(saved, mlx_backend, tmp_path):
