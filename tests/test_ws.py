@@ -565,6 +565,38 @@ def test_ws_storage_failures_and_broken_characters_are_said_in_words(
             assert said in alert and str(db.path) in alert and "internal error" not in alert
 
 
+def test_ws_a_reply_the_database_refuses_midway_streams_on_and_says_regenerate(
+    client: TestClient, fake: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk filled while a reply streamed: the reply's save so far failed and ended it, and the alert said
+    "send again (what you typed is still in the box)" — but the message was stored and the box cleared, so
+    sending again stored it twice (red-team). A failed save so far is logged and the reply goes on; a reply
+    that cannot be stored at its end says to press Regenerate."""
+    import sqlite3
+
+    from webapp.chat import pipeline
+
+    db = client.app.state.flashcode.db
+    monkeypatch.setattr(pipeline, "SAVE_PARTIAL_SECONDS", 0.0)  # every flush saves what streamed so far
+
+    def full(*a, **k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(db, "save_partial", full)
+    fake.enqueue("a reply that streams on " * 20)
+    with connect(client) as ws:
+        send(ws, type="send", text="hello")
+        frames = "".join(until(ws, r'data-state="idle"'))
+        cid = conversation_id([frames])
+        assert 'role="alert"' not in frames
+        assert db.messages(cid)[-1].status == "complete" and "streams on" in db.messages(cid)[-1].content
+        monkeypatch.setattr(db, "finish_message", full)
+        fake.enqueue("this one cannot be stored")
+        send(ws, type="send", text="again", conversation_id=cid)
+        alert = until(ws, r'role="alert"')[-1]
+        assert "press Regenerate (your message was saved" in alert and "still in the box" not in alert
+
+
 def test_sync_sends_only_what_another_window_changed(client: TestClient, fake: FakeBackend) -> None:
     """GET /c/ID/sync: the transcript, newest message id, controls, gauge, title, mode and list, out of band;
     never the composer (what the other window has typed) or the window itself."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -168,7 +169,12 @@ class ReplyStream:
                 self.send(self.views.controls(generating=True))
         if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
             self.last_save = self.last_flush
-            self.db.save_partial(self.message.id, self.text)
+            try:
+                self.db.save_partial(self.message.id, self.text)
+            except (
+                sqlite3.Error
+            ):  # a full disk, a lock held elsewhere: the reply streams on, stored at its end
+                log.warning("could not save the reply so far; it is saved when it ends", exc_info=True)
 
     def close(self) -> None:
         """Send what is pending and stop the batching timer."""

@@ -64,8 +64,13 @@ ENGINE_NUMBERS = (
 )
 
 
-def explain(exc: BaseException, db_path: Path) -> str | None:
-    """A storage failure in words that say what to do (None: not one of them)."""
+SEND_AGAIN = "send again (what you typed is still in the box)"
+# a reply that failed to be stored: its message was (the page cleared the box), so sending again made a copy
+REGENERATE = "press Regenerate (your message was saved; its reply could not be)"
+
+
+def explain(exc: BaseException, db_path: Path, then: str = SEND_AGAIN) -> str | None:
+    """A storage failure in words that say what to do (None: not one of them); `then`: how to try again."""
     kind = storage_kind(exc)  # SQLite's result code (db.py: the one reading of it)
     if kind == "ioerror":
         return (
@@ -75,17 +80,17 @@ def explain(exc: BaseException, db_path: Path) -> str | None:
     if kind == "full":
         return (
             f"flashcode could not save to its database ({db_path}): the disk is full. Free some space there, "
-            "then send again (what you typed is still in the box)"
+            f"then {then}"
         )
     if kind == "busy":
         return (
             f"flashcode's database ({db_path}) is held busy by another program (a sqlite3 shell, a backup "
-            "tool?): close it, then send again (what you typed is still in the box)"
+            f"tool?): close it, then {then}"
         )
     if kind == "readonly":
         return f"flashcode's database ({db_path}) cannot be written (a read-only disk or folder): fix that, then restart it"
     if isinstance(exc, OSError) and exc.errno == 28:
-        return "the disk is full: free some space, then send again (what you typed is still in the box)"
+        return f"the disk is full: free some space, then {then}"
     return None
 
 
@@ -530,7 +535,7 @@ class Session:
         exc = task.exception()
         log.error("generation failed", exc_info=exc)
         self.send(self.views.controls(generating=False, can_regenerate=True))
-        said = explain(exc, self.ctx.db.path) if exc is not None else None
+        said = explain(exc, self.ctx.db.path, REGENERATE) if exc is not None else None
         self.error(said or f"the reply failed: {type(exc).__name__}: {exc}")
 
     async def _stop_turn(self) -> None:
