@@ -267,6 +267,19 @@ def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
             assert r.status_code == 400 and "as_of" in r.text
             r = c.post("/stats/prices/reset", headers={"x-csrf-token": state.csrf_token})
             assert r.status_code == 200 and not costs.prices_path(tmp_path).exists()
+            # a hand edit's typo: the window shows the defaults, and Save replaced the user's rows for good
+            own = '{"models": [{"name": "my-gpt", "input": 1, "cached_input": 0, "output": 2, "as_of": "2026-01-01"},]}'
+            costs.prices_path(tmp_path).write_text(own)
+            r = c.post("/stats/prices", data=form, headers={"x-csrf-token": state.csrf_token})
+            kept = list(tmp_path.glob("prices.unreadable-*.json"))
+            assert r.status_code == 200 and len(kept) == 1 and kept[0].read_text() == own
+            assert "could not be read, so it was kept as" in r.text and kept[0].name in r.text
+            costs.prices_path(tmp_path).write_text("{")
+            r = c.post("/stats/prices/reset", headers={"x-csrf-token": state.csrf_token})
+            assert "kept as" in r.text and not costs.prices_path(tmp_path).exists()
+            assert sorted(p.read_text() for p in tmp_path.glob("prices.unreadable-*.json")) == sorted(
+                [own, "{"]
+            )
     finally:
         worker.close()
 

@@ -21,6 +21,8 @@ import datetime
 import json
 import math
 import re
+import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,25 @@ def parse_prices(data: Any, source: str = "price table") -> tuple[Price, ...]:
     if len(set(names)) != len(names):
         raise PriceTableError(f"{source}: model names must be unique")
     return tuple(out)
+
+
+def keep_unreadable(path: Path) -> Path | None:
+    """A table at `path` that cannot be read (a hand edit's typo) is copied aside before the Stats window's
+    Save or Reset replaces it (the window had shown the defaults, so saving dropped the user's own rows);
+    the copy's path, or None when there was nothing to keep."""
+    if not path.exists():
+        return None
+    try:
+        load_prices(path)
+        return None
+    except PriceTableError:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        kept = path.with_name(f"{path.stem}.unreadable-{stamp}{path.suffix}")
+        n = 2
+        while kept.exists():  # two in one second: never one over another
+            kept, n = path.with_name(f"{path.stem}.unreadable-{stamp}-{n}{path.suffix}"), n + 1
+        shutil.copy2(path, kept)
+        return kept
 
 
 def save_prices(path: Path, prices: tuple[Price, ...] | list[Price]) -> None:

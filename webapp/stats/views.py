@@ -44,6 +44,12 @@ SLASH_COMMANDS: tuple[SlashSpec, ...] = (
 SLASH_NAMES = frozenset(c.name for c in SLASH_COMMANDS)
 
 
+def _kept_note(kept: Path | None) -> str | None:
+    if kept is None:
+        return None
+    return f"The price table could not be read, so it was kept as {kept} before this one replaced it."
+
+
 # --------------------------------------------------------------------------- the window
 @dataclass(frozen=True)
 class CostRow:
@@ -316,13 +322,17 @@ class Stats:
             )
         except costs.PriceTableError as exc:
             return self._window(error=str(exc), status_code=400, project=project)
-        costs.save_prices(costs.prices_path(self.data_dir), prices)
-        return self._window(project=project)
+        path = costs.prices_path(self.data_dir)
+        kept = costs.keep_unreadable(path)
+        costs.save_prices(path, prices)
+        return self._window(error=_kept_note(kept), project=project)
 
     async def reset_prices_route(self, request: Request) -> HTMLResponse:
         form = await request.form()
-        costs.prices_path(self.data_dir).unlink(missing_ok=True)
-        return self._window(project=_picked(form.get("project")))
+        path = costs.prices_path(self.data_dir)
+        kept = costs.keep_unreadable(path)
+        path.unlink(missing_ok=True)
+        return self._window(error=_kept_note(kept), project=_picked(form.get("project")))
 
     # ------------------------------------------------------------------ recording (a ReplyHook)
     def record_chat_reply(
