@@ -382,6 +382,7 @@ def test_webapp_import_shows_no_speed_for_a_rate_that_is_missing_or_not_a_number
     ("body", "said"),
     [
         ("not json at all", "it is not JSON"),
+        ("# Name three colors\n\n## User", "only a JSON export imports"),  # a Markdown export
         ('{"title": "x"}', "expected a JSON object with a 'messages' list"),
         ('[{"role": "user", "content": "hi"}]', "expected a JSON object with a 'messages' list"),
         ('{"messages": [{"role": "system", "content": "x"}]}', "no user or assistant messages"),

@@ -935,7 +935,10 @@ def parse_import(body: bytes) -> Any:
     try:
         return json.loads(body.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ConversationImportError(f"it is not JSON ({exc})") from None
+        raise ConversationImportError(
+            f"it is not JSON ({exc}): only a JSON export imports (File › Export as JSON, or `flashcode "
+            "conversations export ID`; a Markdown export is for reading)"
+        ) from None
 
 
 @dataclass
