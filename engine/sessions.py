@@ -662,7 +662,8 @@ class ContextStore:
         dt = time.perf_counter() - t0
         return ResumeResult(True, f"resumed {ctx.name!r}: {n} tokens in {dt:.2f} s", ctx, n, dt)
 
-    def check_model(self, ctx: SavedContext, model: ModelInfo | None) -> None:
+    @staticmethod
+    def check_model(ctx: SavedContext, model: ModelInfo | None) -> None:
         if model is None:
             raise CacheMismatchError("no model is loaded: load the context's model to resume it")
         sha = model_identity(model)
@@ -803,7 +804,8 @@ class ContextStore:
             raise ContextImportError(f"{file.name} is incomplete or damaged: re-export it")
         return meta
 
-    def _require_installed(self, meta: dict[str, Any], file: Path) -> None:
+    @staticmethod
+    def _require_installed(meta: dict[str, Any], file: Path) -> None:
         if is_installed(str(meta["model_sha256"])):
             return
         raise ContextImportError(

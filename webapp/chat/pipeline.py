@@ -171,9 +171,7 @@ class ReplyStream:
             self.last_save = self.last_flush
             try:
                 self.db.save_partial(self.message.id, self.text)
-            except (
-                sqlite3.Error
-            ):  # a full disk, a lock held elsewhere: the reply streams on, stored at its end
+            except sqlite3.Error:  # a full disk, a lock held elsewhere: streams on, stored at its end
                 log.warning("could not save the reply so far; it is saved when it ends", exc_info=True)
 
     def close(self) -> None:

@@ -293,8 +293,8 @@ class Session:
 
     def _gone(self, conversation_id: str) -> bool:
         """True (and said) when the conversation is in the Trash, no longer exists, or its project was removed
-        from the list (its commands would run in the open project): nothing is written
-        into it (a send, a regenerate, a continue)."""
+        from the list (its commands would run in the open project's folder): nothing is written into it (a
+        send, a regenerate, a continue)."""
         db, projects = self.ctx.db, self.ctx.projects
         conv = db.get_conversation(conversation_id)
         if conv is not None:

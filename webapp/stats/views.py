@@ -47,7 +47,7 @@ SLASH_NAMES = frozenset(c.name for c in SLASH_COMMANDS)
 def _kept_note(kept: Path | None) -> str | None:
     if kept is None:
         return None
-    return f"The price table could not be read, so it was kept as {kept} before this one replaced it."
+    return f"The price table could not be read, so it was kept as {kept} before it was replaced."
 
 
 # --------------------------------------------------------------------------- the window
