@@ -392,18 +392,18 @@ def _tree_bytes(folder: Path) -> int:
     return sum(st.st_size for st in _tree_files(folder))
 
 
-def is_installed(sha: str, root: Path | None = None) -> bool:
-    """Whether a model with these weights (`model_identity`) is installed in the data directory `root` (the
-    one the process runs on: `--data-dir` and $FLASHCODE_HOME set it alike)."""
+def installed_with(sha: str, root: Path | None = None) -> str | None:
+    """The name of an installed model with these weights (`model_identity`; renamed models match), in the
+    data directory `root` (the one the process runs on: `--data-dir` and $FLASHCODE_HOME set it alike)."""
     from .models import list_models
 
     for m in list_models(root):
         try:
             if model_identity(m) == sha:
-                return True
+                return m.name
         except (OSError, ValueError):
             continue
-    return False
+    return None
 
 
 # --------------------------------------------------------------------------- the store
@@ -611,7 +611,13 @@ class ContextStore:
         176 MB leftover made the next save fail for lack of disk while the window said 2 MB used."""
         freed = 0
         for leftover in paths.projects_dir(root).glob("*/*/.tmp-*"):
-            if leftover.parent.name not in ("contexts", "autosave") or leftover.is_symlink():
+            place = leftover.parent
+            # projects/scratch is the Default project's working folder (the user's files), not a data folder
+            if (
+                place.name not in ("contexts", "autosave")
+                or place.parent.name == "scratch"
+                or leftover.is_symlink()
+            ):
                 continue
             if leftover.is_dir():
                 freed += sum(
@@ -668,12 +674,13 @@ class ContextStore:
             raise CacheMismatchError("no model is loaded: load the context's model to resume it")
         sha = model_identity(model)
         if sha != ctx.model_sha256:
-            fix = f"load {ctx.model} to resume it"
-            if not is_installed(ctx.model_sha256):  # the model menu cannot offer it
-                fix = (
-                    f"{ctx.model} is not installed any more: import it again (`flashcode import FILE.gguf --name "
-                    f"{ctx.model}`) to resume it, or delete this context"
-                )
+            installed = installed_with(ctx.model_sha256)  # its name now (renamed), or None: the menu lacks it
+            fix = (
+                f"load {installed} to resume it"
+                if installed
+                else f"{ctx.model} is not installed any more: import it again (`flashcode import FILE.gguf --name "
+                f"{ctx.model}`) to resume it"
+            )
             raise CacheMismatchError(
                 f"context {ctx.name!r} was saved with model {ctx.model} (weights {ctx.model_sha256[:12]}) and the "
                 f"loaded model is {model.name} (weights {sha[:12]}): {fix}"
@@ -806,7 +813,7 @@ class ContextStore:
 
     @staticmethod
     def _require_installed(meta: dict[str, Any], file: Path) -> None:
-        if is_installed(str(meta["model_sha256"])):
+        if installed_with(str(meta["model_sha256"])):
             return
         raise ContextImportError(
             f"{file.name} was saved with model {meta['model']} (weights {str(meta['model_sha256'])[:12]}), "

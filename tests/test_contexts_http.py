@@ -211,13 +211,16 @@ def test_contexts_http_pane_for_htmx(client):
         f"/projects/default/contexts/{cid}/resume", headers={**hx, "hx-current-url": f"{BASE}/c/{conv}"}
     )
     assert "Resumed " in r.text and "hx-redirect" not in r.headers  # already there
-    db.trash_conversation(conv)  # the redirect went to a 404 page (red-team)
+    db.trash_conversation(conv)  # resumed, the redirect went to a 404 page (red-team): not resumed now
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
-    assert "hx-redirect" not in r.headers and "Its conversation is in the Trash: put it back" in r.text
+    assert "hx-redirect" not in r.headers and "its conversation is in the Trash: put it back" in r.text
+    assert "Resumed " not in r.text and 'role="alert"' in r.text
     db.delete_conversation(conv)
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
-    assert "hx-redirect" not in r.headers and "Its conversation was deleted" in r.text
-    assert f'href="/c/{conv}"' not in r.text
+    assert "hx-redirect" not in r.headers and "its conversation was deleted" in r.text
+    assert f'href="/c/{conv}"' not in r.text and "Resumed " not in r.text
+    r = c.post(f"/projects/default/contexts/{cid}/resume", headers=TOKEN)
+    assert r.status_code == 409 and "its conversation was deleted" in r.json()["error"]
     r = c.post("/projects/default/contexts", data={"name": ""}, headers=hx)  # an error lands in the pane
     assert r.status_code == 200 and 'role="alert"' in r.text
     r = c.post(f"/projects/default/contexts/{cid}/delete", headers=hx)

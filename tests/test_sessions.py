@@ -123,6 +123,14 @@ def test_sessions_resume_refuses_another_model(saved, tmp_path, default_model):
             CacheMismatchError, match=r"smollm2\S* is not installed any more: import it again"
         ):
             saved.store.resume(other, "p1", saved.contexts[None].id)
+    # installed under another name (renamed): that name is the one to load
+    renamed = tmp_path / "renamed-home" / "models" / "my-small"
+    renamed.parent.mkdir(parents=True)
+    renamed.symlink_to(default_model.path, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHCODE_HOME", str(tmp_path / "renamed-home"))
+        with pytest.raises(CacheMismatchError, match=r": load my-small to resume it"):
+            saved.store.resume(other, "p1", saved.contexts[None].id)
 
 
 def test_sessions_resume_refuses_truncated_file(saved, mlx_backend, tmp_path):

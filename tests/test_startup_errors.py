@@ -228,12 +228,14 @@ def test_serve_removes_what_a_save_cut_short_by_a_crash_left(data_dir: Path) -> 
     (saved / "meta.json").write_text("{}")
     elsewhere = data_dir / "projects" / "p1" / ".tmp-not-a-save"
     elsewhere.mkdir()
+    users = data_dir / "projects" / "scratch" / "contexts" / ".tmp-build"  # the Default project's own files
+    users.mkdir(parents=True)
     proc = flashcode("serve", "--data-dir", str(data_dir), "--model", "nonexistent")
     assert (
         proc.returncode == 2 and "removed 600.0 KB that a save cut short by a crash had left" in proc.stdout
     )
     assert not cut.exists() and not autosave_cut.exists()
-    assert (saved / "cache.bin").stat().st_size == 300_000 and elsewhere.is_dir()
+    assert (saved / "cache.bin").stat().st_size == 300_000 and elsewhere.is_dir() and users.is_dir()
 
 
 # --------------------------------------------------------------------------- model

@@ -579,10 +579,16 @@ def test_ws_a_reply_the_database_refuses_midway_streams_on_and_says_regenerate(
     db = client.app.state.flashcode.db
     monkeypatch.setattr(pipeline, "SAVE_PARTIAL_SECONDS", 0.0)  # every flush saves what streamed so far
 
+    tries: list[int] = []
+
     def full(*a, **k):
+        tries.append(1)
         raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(db, "save_partial", full)
+    def partial_full(*a, **k):  # once: a locked database waits out SQLite's busy timeout on the event loop
+        full()
+
+    monkeypatch.setattr(db, "save_partial", partial_full)
     fake.enqueue("a reply that streams on " * 20)
     with connect(client) as ws:
         send(ws, type="send", text="hello")
@@ -590,11 +596,23 @@ def test_ws_a_reply_the_database_refuses_midway_streams_on_and_says_regenerate(
         cid = conversation_id([frames])
         assert 'role="alert"' not in frames
         assert db.messages(cid)[-1].status == "complete" and "streams on" in db.messages(cid)[-1].content
+        assert len(tries) == 1, tries
         monkeypatch.setattr(db, "finish_message", full)
         fake.enqueue("this one cannot be stored")
         send(ws, type="send", text="again", conversation_id=cid)
         alert = until(ws, r'role="alert"')[-1]
         assert "press Regenerate (your message was saved" in alert and "still in the box" not in alert
+        # the reply row itself could not be written: Regenerate writes one (it said "nothing to regenerate")
+        monkeypatch.undo()
+        kept = [m for m in db.messages(cid) if m.role == "assistant" and not m.content]
+        for m in kept:
+            db.delete_message(m.id)
+        assert db.messages(cid)[-1].role == "user"
+        fake.enqueue("written at last")
+        send(ws, type="regenerate", conversation_id=cid)
+        assert "nothing to regenerate" not in until(ws, r'data-state="idle"|nothing to regenerate')[-1]
+        texts = [m.content for m in db.messages(cid)]
+        assert texts[-1] == "written at last" and texts.count("again") == 1
 
 
 def test_sync_sends_only_what_another_window_changed(client: TestClient, fake: FakeBackend) -> None:

@@ -98,9 +98,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = preflight.check_data_dir(given)
     options = backend_options(args)
     try:
-        preflight.lock_data_dir(root)
+        locked = preflight.lock_data_dir(root)
         preflight.check_database(root)
-        freed = ContextStore.sweep_leftovers(root)  # this serve holds the lock: no save is in flight
+        # held: no save of another process is in flight (no locks on this file system: nothing is swept)
+        freed = ContextStore.sweep_leftovers(root) if locked else 0
         if freed:
             print(f"removed {human_size(freed)} that a save cut short by a crash had left", flush=True)
         project = cli_projects.project_dir(args)  # --project DIR: opened at start (added if new)

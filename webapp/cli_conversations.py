@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,14 @@ def cmd_conversations(args: argparse.Namespace) -> int:
     return 0
 
 
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether two paths are one folder (by inode: a case-insensitive disk spells it more than one way)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _export(db: Database, args: argparse.Namespace) -> int:
     conv = _conversation(db, args.id)
     messages, events = db.messages(conv.id), db.events(conv.id)
@@ -118,7 +127,7 @@ def _export(db: Database, args: argparse.Namespace) -> int:
     if out.is_dir():
         raise preflight.StartupError(f"-o {args.output}: that is a directory; give a file name")
     root = db.path.parent.resolve()
-    if out.resolve().is_relative_to(root):  # --force over flashcode.db replaced every conversation
+    if any(_same_folder(d, root) for d in out.resolve().parents):  # --force over flashcode.db replaced it all
         raise preflight.StartupError(
             f"-o {args.output}: that is inside flashcode's data directory ({root}), where its database, models "
             "and saved contexts live; write the export somewhere else"

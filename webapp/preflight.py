@@ -101,10 +101,10 @@ def check_data_dir(root: Path) -> Path:
 _LOCKS: list[Any] = []  # the open lock files: held until this process ends
 
 
-def lock_data_dir(root: Path) -> None:
+def lock_data_dir(root: Path) -> bool:
     """One `serve` per data directory: a second would take the first one's streaming reply for a
     crash's and mark it cut, and both would write the same conversations. The lock (flock) goes with
-    the process, however it ends."""
+    the process, however it ends. False: this file system has no locks (said in the log)."""
     import fcntl
 
     path = root / "serve.lock"
@@ -122,7 +122,7 @@ def lock_data_dir(root: Path) -> None:
                 "the data directory %s cannot be locked (%s): run one serve on it at a time", root, exc
             )
             f.close()
-            return
+            return False
         f.seek(0)
         pid = f.read().strip() or "unknown"
         f.close()
@@ -135,6 +135,7 @@ def lock_data_dir(root: Path) -> None:
     f.write(f"{os.getpid()}\n")
     f.flush()
     _LOCKS.append(f)
+    return True
 
 
 def unlock_data_dir(root: Path) -> None:

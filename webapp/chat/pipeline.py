@@ -95,6 +95,7 @@ class ReplyStream:
         self.pending: list[str] = []
         self.last_flush = 0.0
         self.last_save = time.monotonic()
+        self.partial_failed = False  # a save so far failed: no more tries for this reply
         self.last_progress: float | None = None
         self.prompt_total = 0  # the prompt's size, once the engine reports its progress
         self.timer: asyncio.TimerHandle | None = None
@@ -167,11 +168,13 @@ class ReplyStream:
             self.first_sent = self.last_flush
             if self.last_progress is not None:  # back from "Reading your prompt…"
                 self.send(self.views.controls(generating=True))
-        if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS:
+        if self.last_flush - self.last_save >= SAVE_PARTIAL_SECONDS and not self.partial_failed:
             self.last_save = self.last_flush
             try:
                 self.db.save_partial(self.message.id, self.text)
             except sqlite3.Error:  # a full disk, a lock held elsewhere: streams on, stored at its end
+                # once: each try on a locked database waits out SQLite's busy timeout on the event loop
+                self.partial_failed = True
                 log.warning("could not save the reply so far; it is saved when it ends", exc_info=True)
 
     def close(self) -> None:

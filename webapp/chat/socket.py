@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -67,6 +68,7 @@ ENGINE_NUMBERS = (
 SEND_AGAIN = "send again (what you typed is still in the box)"
 # a reply that failed to be stored: its message was (the page cleared the box), so sending again made a copy
 REGENERATE = "press Regenerate (your message was saved; its reply could not be)"
+CONTINUE_FAILED = "reload the page (the reply keeps the text it had before Continue)"
 
 
 def explain(exc: BaseException, db_path: Path, then: str = SEND_AGAIN) -> str | None:
@@ -396,6 +398,9 @@ class Session:
         if msg.seen is not None and self._missed(msg.conversation_id, msg.seen):
             return  # another window added since: the reply this page shows is not the last one any more
         messages = db.messages(msg.conversation_id)
+        if messages and messages[-1].role == "user":  # its reply could not be stored (a full disk): write one
+            self._start(msg.conversation_id)
+            return
         if not messages or messages[-1].role != "assistant":
             self.error("nothing to regenerate: the last message is not a reply")
             return
@@ -526,16 +531,20 @@ class Session:
                 continuing,
             )
         )
-        task.add_done_callback(self._generation_ended)
+        task.add_done_callback(functools.partial(self._generation_ended, continuing=continuing is not None))
         self._turn_began(conversation_id, task)
 
-    def _generation_ended(self, task: asyncio.Task[None]) -> None:
+    def _generation_ended(self, task: asyncio.Task[None], continuing: bool = False) -> None:
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
         log.error("generation failed", exc_info=exc)
         self.send(self.views.controls(generating=False, can_regenerate=True))
-        said = explain(exc, self.ctx.db.path, REGENERATE) if exc is not None else None
+        said = (
+            explain(exc, self.ctx.db.path, CONTINUE_FAILED if continuing else REGENERATE)
+            if exc is not None
+            else None
+        )
         self.error(said or f"the reply failed: {type(exc).__name__}: {exc}")
 
     async def _stop_turn(self) -> None:

@@ -216,6 +216,9 @@ class SavedContexts:
 
     async def resume_context(self, request: Request) -> Response:
         store, pid, cid = self._store(), request.path_params["project_id"], request.path_params["context_id"]
+        gone = await asyncio.to_thread(self._conversation_gone, store, pid, cid)
+        if gone:  # resumed, it would be the live cache of nothing (the redirect went to a plain 404)
+            return self._pane(request, error=gone) if _htmx(request) else JSONResponse({"error": gone}, 409)
         if self.before_resume is not None:
             await self.before_resume()
         res = await self.worker.acall(lambda b: try_resume(store, b, pid, cid))
@@ -228,13 +231,6 @@ class SavedContexts:
                 said = (
                     res.message[:1].upper() + res.message[1:]
                 )  # a sentence in the pane ("Resumed 'teal poem' …")
-                if conv and self.db.get_conversation(conv) is None:  # the redirect went to a plain 404
-                    where = (
-                        "is in the Trash: put it back (View › Trash) to go on with it"
-                        if self.db.get_conversation(conv, trashed=True)
-                        else "was deleted, so there is none to go on with: delete this context if it is no use"
-                    )
-                    return self._pane(request, note=f"{said}. Its conversation {where}.")
                 pane = self._pane(request, note=said + ".", link=f"/c/{conv}" if conv else "")
                 if conv and urlsplit(request.headers.get("hx-current-url", "")).path != f"/c/{conv}":
                     # the page goes to the conversation whose context is now live (a newcomer typed into the
@@ -251,6 +247,19 @@ class SavedContexts:
                 "conversation_id": ctx.conversation_id if ctx else None,
             }
         )
+
+    def _conversation_gone(self, store: Any, project_id: str, context_id: str) -> str | None:
+        """Why a saved context cannot be resumed because its conversation is gone; None when it is there (or the
+        context has none, or is not found: the resume says that)."""
+        try:
+            conv = store.get(project_id, context_id).conversation_id
+        except EngineError:
+            return None
+        if not conv or self.db.get_conversation(conv) is not None:
+            return None
+        if self.db.get_conversation(conv, trashed=True) is not None:
+            return "its conversation is in the Trash: put it back (View › Trash), then resume it"
+        return "its conversation was deleted, so there is none to go on with: delete this context if it is no use"
 
     async def rename_context(self, request: Request) -> Response:
         f = await _fields(request)
