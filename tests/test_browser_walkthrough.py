@@ -179,7 +179,8 @@ def test_browser_undo_shows_the_conversation_again_and_empty_trash_drops_the_not
     page.click("#conversation-list .trash-note .undo-trash")
     until(lambda: page.locator("#conversation-id").input_value() == cid, "the chat window shows it again")
     assert page.locator("#chat-title").inner_text() == "keep this one"
-    assert "keep this one" in page.locator("#messages").inner_text()
+    # the transcript may be redrawn once more by the window's resync (seen once in CI, under load)
+    until(lambda: "keep this one" in page.locator("#messages").inner_text(), "the conversation's messages")
     assert page.url.endswith(f"/c/{cid}")
     assert page.locator(f"#conversation-list li.selected[data-id='{cid}']").count() == 1
 
