@@ -140,6 +140,57 @@ def test_ws_regenerate_replaces_last_reply(client: TestClient, fake: FakeBackend
     assert [m["content"] for m in data["messages"]] == ["q", "second"]
 
 
+def test_ws_regenerate_keeps_the_old_reply_until_the_new_one_is_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regenerate deleted the reply before the new one existed: an engine failing (or Stop pressed at once, or
+    a crash) lost it for good. It stays stored while the new one streams, and a new one that ends without
+    text leaves it in place, shown again; one with text replaces it."""
+    slow = FakeBackend(delay=0.05)
+    slow.enqueue("the", " first", " answer")
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as ws:
+            send(ws, type="send", text="q")
+            cid = conversation_id(until(ws, r'data-state="idle"'))
+            old = db.messages(cid)[-1]
+            assert old.content == "the first answer"
+            # the engine fails before any text
+            real = slow.stream
+
+            def failing(request, cancel):
+                slow.history.append(request)
+                raise RuntimeError("the model went away")
+                yield  # a generator, as the real one
+
+            monkeypatch.setattr(slow, "stream", failing)
+            send(ws, type="regenerate", conversation_id=cid)
+            frames = "".join(until(ws, r'role="alert"'))
+            assert "the model went away" in frames
+            assert [(m.id, m.content) for m in db.messages(cid)] == [(old.id - 1, "q"), (old.id, old.content)]
+            # the page showed the old reply again after the new empty one
+            assert frames.rfind(f'id="msg-{old.id}"') > frames.rfind('hx-swap-oob="delete"')
+            assert [m["content"] for m in slow.history[-1].messages if m["role"] != "system"] == ["q"]
+            # Stop before the first token: the old reply stays too
+            monkeypatch.setattr(slow, "stream", real)
+            slow.enqueue(*[f" t{i}" for i in range(100)])
+            slow.delay = 0.3
+            send(ws, type="regenerate", conversation_id=cid)
+            until(ws, r'data-status="streaming"')
+            send(ws, type="stop")
+            until(ws, r'data-state="idle"')
+            assert [m.content for m in db.messages(cid)] == ["q", old.content]
+            # a new reply streaming: the old one is still stored; once the new one is, it replaces the old
+            slow.delay = 0.05
+            slow.enqueue(*[f" n{i}" for i in range(40)])
+            send(ws, type="regenerate", conversation_id=cid)
+            until(ws, r"n3")
+            assert old.id in [m.id for m in db.messages(cid)]
+            until(ws, r'data-state="idle"')
+        texts = [m.content for m in db.messages(cid)]
+        assert texts[0] == "q" and texts[1].startswith(" n0") and len(texts) == 2
+
+
 def test_ws_regenerate_without_reply_is_an_error(client: TestClient) -> None:
     with connect(client) as ws:
         send(ws, type="regenerate", conversation_id="nope")

@@ -72,11 +72,15 @@ class ReplyStream:
         started: float | None = None,
         continuing: StoredMessage | None = None,
         turn: str = "chat",
+        replacing: StoredMessage | None = None,
     ) -> None:
         self.db, self.views, self.engine, self.hooks, self.send = db, views, engine, hooks, send
         self.conversation_id, self.route = conversation_id, route
         self.turn = turn  # "agent": an agent turn's answer (not regenerated or continued as a chat reply)
         self.continuing = continuing
+        # Regenerate: the reply this one replaces, deleted once this one is stored with text; one that ends
+        # before any text (an engine error, Stop at once, a crash) leaves it as it was
+        self.replacing = replacing
         if continuing is None:
             self.message = db.add_message(conversation_id, "assistant", "", status="streaming")
             self.prefix = ""
@@ -113,7 +117,8 @@ class ReplyStream:
         """The fragments that show this reply starting: a new empty reply, or the cut one reopened
         (its finished blocks in the body, its unfinished tail where new text will join it)."""
         if self.continuing is None:
-            return [self.views.append_message(self.message)]
+            gone = [self.views.delete_message(self.replacing.id)] if self.replacing is not None else []
+            return [*gone, self.views.append_message(self.message)]
         body = replace(self.message, content=self.prefix[: self.done_upto])
         return [
             self.views.replace_message(body),
@@ -204,8 +209,9 @@ class ReplyStream:
         error: str | None = None,
         then: Iterable[str] = (),
     ) -> StoredMessage | None:
-        """Store the reply with its stats, run the hooks, and send it rendered (with `then`); None when the
-        conversation was deleted while the reply streamed (nothing left to store or show). A conversation
+        """Store the reply with its stats, run the hooks, and send it rendered (with `then`); None when
+        nothing new was stored: the conversation was deleted while the reply streamed (nothing left to store or
+        show), or a Regenerate wrote no text (the reply it was to replace is shown again). A conversation
         moved to the Trash meanwhile keeps its reply (Put Back shows it)."""
         self.close()
         self.finished = True
@@ -229,7 +235,11 @@ class ReplyStream:
         numbers |= {"model": model, "backend": backend}
         if error:
             numbers["error"] = error
-        self.db.finish_message(self.message.id, self.prefix + text if text else self.text, status, numbers)
+        content = self.prefix + text if text else self.text
+        if not content and self._keep_replaced(*then):
+            return None
+        self.db.finish_message(self.message.id, content, status, numbers)
+        self._drop_replaced()
         self.run_hooks(numbers)
         self.db.touch(self.conversation_id, model, backend)
         final = self.db.messages(self.conversation_id)[-1]
@@ -242,7 +252,26 @@ class ReplyStream:
             return
         self.close()
         self.finished = True
+        if not self.text and self._keep_replaced():
+            return
         self.db.finish_message(self.message.id, self.text, "stopped", self.message.stats or None)
+        self._drop_replaced()
+
+    def _keep_replaced(self, *then: str) -> bool:
+        """A Regenerate that wrote nothing: its empty row goes and the reply it was to replace is shown again
+        (True); False when this reply replaces none."""
+        if self.replacing is None:
+            return False
+        self.db.delete_message(self.message.id)
+        self.send(
+            self.views.delete_message(self.message.id), self.views.append_message(self.replacing), *then
+        )
+        return True
+
+    def _drop_replaced(self) -> None:
+        if self.replacing is not None:  # this reply is stored: the one it replaces goes
+            self.db.delete_message(self.replacing.id)
+            self.replacing = None
 
     def run_hooks(self, stats: Mapping[str, Any], completed: bool = False) -> None:
         """Each `ReplyHook` on this reply's numbers (`completed`: a stopped reply's, completed since)."""

@@ -404,9 +404,8 @@ class Session:
         if not messages or messages[-1].role != "assistant":
             self.error("nothing to regenerate: the last message is not a reply")
             return
-        db.delete_message(messages[-1].id)
-        self.send(self.views.delete_message(messages[-1].id))
-        self._start(msg.conversation_id)
+        # stays until the new reply is stored (the page swaps them when it starts): a failure keeps it
+        self._start(msg.conversation_id, replacing=messages[-1])
 
     def _continue(self, msg: p.Continue) -> None:
         """The reply cut at the token limit goes on: same message, the prompt ends with its text."""
@@ -522,6 +521,7 @@ class Session:
         sampling: dict[str, Any] | None = None,
         first: list[str] | None = None,
         continuing: StoredMessage | None = None,
+        replacing: StoredMessage | None = None,
     ) -> None:
         task = asyncio.create_task(
             self._generate(
@@ -529,6 +529,7 @@ class Session:
                 self.views.sampling(conversation_id) | (sampling or {}),
                 first or [],
                 continuing,
+                replacing,
             )
         )
         task.add_done_callback(functools.partial(self._generation_ended, continuing=continuing is not None))
@@ -564,6 +565,7 @@ class Session:
         started: float | None = None,
         continuing: StoredMessage | None = None,
         turn: str = "chat",
+        replacing: StoredMessage | None = None,
     ) -> ReplyStream:
         """A reply through the one pipeline (the chat's, or one a `TurnHandler` writes)."""
         ctx = self.ctx
@@ -579,6 +581,7 @@ class Session:
             started=started,
             continuing=continuing,
             turn=turn,
+            replacing=replacing,
         )
 
     async def _generate(
@@ -587,6 +590,7 @@ class Session:
         sampling: dict[str, Any],
         first: list[str],
         continuing: StoredMessage | None = None,
+        replacing: StoredMessage | None = None,
     ) -> None:
         views, engine = self.views, self.ctx.engine
         if self.ctx.before_reply is not None:  # e.g. resume the conversation's saved KV cache
@@ -594,13 +598,18 @@ class Session:
             first = []
             if note := await self.ctx.before_reply(conversation_id):
                 self.send(views.alert(note, "note"))
-        history = self._history(conversation_id)  # a reply to continue is its last message
+        # a reply to continue is its last message; one being regenerated is not in it
+        history = self._history(conversation_id, None if replacing is None else replacing.id)
         request = self._request(history, sampling, continuing is not None)
         submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
         self.cancel = gen.cancel
         stream = self.reply_stream(
-            conversation_id, received=self.received, started=submitted, continuing=continuing
+            conversation_id,
+            received=self.received,
+            started=submitted,
+            continuing=continuing,
+            replacing=replacing,
         )
         self.send(
             *first,
@@ -629,9 +638,9 @@ class Session:
             self.send(self.views.engine_meter(None))
         self._finish(stream, done, history, gen)
 
-    def _history(self, conversation_id: str) -> list[Message]:
+    def _history(self, conversation_id: str, without: int | None = None) -> list[Message]:
         """The model's context: a chat-mode system prompt (no tools; the conversation's own system prompt
-        after it), then the messages since the latest /clear."""
+        after it), then the messages since the latest /clear (but message `without`: a reply regenerated)."""
         db = self.ctx.db
         start = db.context_start(conversation_id)
         own = self.views.generation(conversation_id)["system"]
@@ -639,7 +648,7 @@ class Session:
         return [{"role": "system", "content": system}] + [
             {"role": m.role, "content": m.content}
             for m in db.messages(conversation_id)
-            if m.role in ("user", "assistant", "system") and m.content and m.id > start
+            if m.role in ("user", "assistant", "system") and m.content and m.id > start and m.id != without
         ]
 
     def _request(
