@@ -167,7 +167,13 @@ def test_git_hooks_and_config_are_read_only(scratch: Scratch) -> None:
 
 SECRETS = [".ssh/id_ed25519", ".aws/credentials", ".config/gh/hosts.yml", ".netrc", ".git-credentials",
            ".docker/config.json", ".kube/config", ".gnupg/private-keys-v1.d/key.key", ".cargo/credentials.toml",
-           ".config/git/credentials", ".cache/huggingface/token", ".claude/.credentials.json", ".pgpass"]  # fmt: skip
+           ".config/git/credentials", ".cache/huggingface/token", ".claude/.credentials.json", ".pgpass",
+           # red-team: readable before (a snap or Flatpak Firefox's cookies, yarn's and pip's tokens, a key
+           # exported in .bashrc)
+           "snap/firefox/common/.mozilla/firefox/p.default/cookies.sqlite",
+           ".var/app/org.mozilla.firefox/.mozilla/firefox/p.default/cookies.sqlite",
+           ".config/BraveSoftware/Brave-Browser/Default/Cookies", ".yarnrc.yml", ".config/pip/pip.conf",
+           ".bashrc", ".zshrc", ".profile"]  # fmt: skip
 
 
 @pytest.mark.parametrize("relative", SECRETS)

@@ -310,6 +310,26 @@ OPTIONS = probe_class(
     ],
 )
 
+# `--` after an option that takes the next word as its value is that value, not the end of the options:
+# the denied option after it still runs (red-team: rg ran `sh notes.sh`, git grep ran a file as a pager, sort
+# ran its temporary data as a shell script, tree and sort wrote files, all under plain prefix rules)
+DASHDASH_VALUE = probe_class(
+    "dashdash-value",
+    (),
+    [
+        ("rg-e", "rg -e -- --pre=sh x notes.sh", rules("rg")),
+        ("rg-regexp", "rg --regexp -- --pre=sh x notes.sh", rules("rg")),
+        ("rg-e-search-zip", "rg -e -- -z x a.gz", rules("rg")),
+        ("git-grep-e", "git grep -e -- -Osh -- notes.sh", rules("git grep")),
+        ("git-log-output", f"git log --author -- --output={M}", rules("git log")),
+        ("sort-compress", "sort --random-source -- --compress-program=sh -S 4k big.txt", rules("sort")),
+        ("sort-o", f"sort --random-source -- -o {M} in.txt", rules("sort")),
+        ("tree-o", f"tree -P -- -o {M} .", rules("tree")),
+        ("file-C", "file -F -- -C -m mymagic", rules("file")),
+        ("date-set", "date -d -- --set=1999-01-01", rules("date")),
+    ],
+)
+
 INTERPRETERS = [
     "python3.13t", "python3.12", "python3", "python", "pypy3", "toybox", "busybox", "ipython", "ipython3",
     "Rscript", "R", "julia", "irb", "ruby", "valgrind", "xvfb-run", "prlimit", "fakeroot", "tmux",
@@ -691,6 +711,9 @@ POSITIVE = [
     pytest.param("python3 -m pytest -q", rules("=python3 -m pytest -q"), id="exact-pytest"),
     pytest.param("find src -type f -name '*.py' -newer README.md", rules("find"), id="find-newer"),
     pytest.param("ls -la\twc", rules("ls"), id="tab"),
+    pytest.param("rg -n -e foo -- src", rules("rg"), id="rg-dashdash"),
+    pytest.param("ls -- -la", rules("ls"), id="ls-dashdash"),
+    pytest.param("date -d tomorrow +%F", rules("date"), id="date-value"),
 ]
 
 
