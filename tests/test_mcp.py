@@ -402,6 +402,23 @@ def test_sandbox_stops_writes_outside_the_project(
         shutil.rmtree(outside, ignore_errors=True)
 
 
+def test_a_git_directory_an_mcp_server_makes_is_said(
+    worker: Worker, fake: FakeBackend, project: Path, store: AgentStore
+) -> None:
+    """A stdio server writes in the project as a command does, but only a command's run said so when it made
+    `.git` (whose config and hooks run at the user's next git, outside the sandbox) (red-team)."""
+    approve_file_servers(store, project)
+    servers = McpServers()
+    s = make_session(worker, project, store, servers, Approver(ev.Decision.once(), ev.Decision.once()))
+    fake.enqueue_call("demo__write_note", path="notes.txt", text="x")
+    fake.enqueue_call("demo__write_note", path=".git", text="gitdir: ../elsewhere").enqueue("ok")
+    events = run(lambda: turn(s), servers)
+    steps = of(events, ev.ToolStepDone)
+    assert steps[0].ok and steps[1].ok and (project / ".git").is_file()
+    warned = [n.text for n in of(events, ev.Notice) if ".git" in n.text]
+    assert len(warned) == 1 and warned[0].startswith("The MCP server demo created .git"), warned
+
+
 @pytest.mark.skipif(not SANDBOXED, reason="no OS sandbox here")
 def test_network_follows_the_project_switch(
     worker: Worker, fake: FakeBackend, project: Path, store: AgentStore

@@ -657,6 +657,9 @@ class McpTools:
             if decision == "deny":
                 yield ToolResult(False, denied(reason), decision, action_id=action_id)
                 return
+        # a stdio server writes in the project as a command does: a git directory it makes is said (its hooks
+        # and config would run at the user's next git, outside the sandbox)
+        git_before = None if launch.remote else await asyncio.to_thread(sandbox.git_state, s.project_dir)
         try:
             handle = await self.servers.handle(launch)
             task = asyncio.ensure_future(handle.call(tool.remote_name, dict(call.arguments)))
@@ -680,6 +683,9 @@ class McpTools:
         text = result_text(result)[:RESULT_CHARS]
         ok = not getattr(result, "is_error", False)
         s.store.record_result(action_id, None, "ok" if ok else "tool error")
+        if git_before is not None:
+            for warning in await asyncio.to_thread(sandbox.git_warnings, s.project_dir, git_before):
+                yield Notice(warning.replace("The command", f"The MCP server {tool.server}"), "warning")
         content = text if ok else f"Error from {call.name}: {text}"
         yield ToolResult(ok, content, decision, action_id=action_id, output=text)
 
