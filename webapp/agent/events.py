@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from .runner import CommandExit, OutputChunk
-from .visible import proposal_warnings
+from .visible import diff_rows, proposal_warnings
 
 DecisionKind = Literal["deny", "once", "always_exact", "always_prefix"]
 DECISIONS: tuple[DecisionKind, ...] = ("deny", "once", "always_exact", "always_prefix")
@@ -118,6 +118,11 @@ class Proposal(_Event):
     def __post_init__(self) -> None:
         found = proposal_warnings(self.tool, self.command, self.diff)
         object.__setattr__(self, "warnings", tuple(dict.fromkeys((*self.warnings, *found))))
+
+    @property
+    def diff_rows(self) -> int:
+        """The change's rows when its box scrolls (the dialog says so), else 0."""
+        return diff_rows(self.diff)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,41 @@ def touches_git(path: str) -> bool:
     return False
 
 
+COMMAND_LINES = 8  # the dialog's command box shows about this many lines before it scrolls
+DIFF_LINES = 14  # and its change box about this many
+BLANK_RUN = re.compile(
+    r"[ \t]{40,}\S"
+)  # a run of blanks within a line (not its indentation): text pushed aside
+
+
+def diff_rows(diff: str | None) -> int:
+    """How many rows a change has when its box scrolls (more than DIFF_LINES; the dialog says so), else 0.
+    Not a warning: most writes are longer than that."""
+    rows = diff.rstrip("\n").count("\n") + 1 if diff else 0
+    return rows if rows > DIFF_LINES else 0
+
+
+def _out_of_sight(what: str, text: str, lines: int | None, marked: bool = False) -> list[str]:
+    """Warnings for `text` that the dialog's box does not show at once: more lines than it holds (`lines`),
+    and a line whose end a long run of blanks pushes far to the side (a model may hide the part that matters
+    there). `marked`: a diff's rows, each after its one-character mark (`+`, `-`, ` `)."""
+    out = []
+    rows = text.split("\n")
+    body = [(r[1:] if marked else r).lstrip() for r in rows]  # a line's own indentation hides nothing
+    if lines is not None and len(rows) > lines:
+        out.append(
+            f"the {what} is {len(rows)} lines long: scroll its box to read all of it before you decide"
+        )
+    if (
+        m := max((BLANK_RUN.search(row) for row in body), key=lambda m: m.end() - m.start() if m else 0)
+    ) is not None:
+        out.append(
+            f"the {what} has a line with {m.end() - 1 - m.start()} blanks in a row before more text: the box "
+            "wraps it, and what follows the blanks starts a new row"
+        )
+    return out
+
+
 def proposal_warnings(tool: str, command: str, diff: str | None = None) -> tuple[str, ...]:
     """The warning lines the approval dialog shows above everything else for one proposal."""
     out = []
@@ -60,6 +95,10 @@ def proposal_warnings(tool: str, command: str, diff: str | None = None) -> tuple
         out.append(
             f"the change contains invisible characters ({', '.join(names)}); they are shown as <U+…> markers"
         )
+    if tool != "write":  # a write's "command" is its path
+        out += _out_of_sight(what, command, COMMAND_LINES)
+    if body:
+        out += _out_of_sight("change", body, None, marked=bool(diff and diff.startswith("--- ")))
     if tool == "write" and touches_git(command):
         out.append(f"this writes inside .git/: {GIT_WARNING}")
     elif tool == "shell" and _GIT_WORD.search(command):
