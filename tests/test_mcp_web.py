@@ -59,32 +59,72 @@ def test_settings_lists_approves_adds_disables_and_removes(client: TestClient, p
     project_id = client.app_state.agent.project_for(None).id  # type: ignore[attr-defined]
     mstore = McpStore(client.app_state.db.conn)  # type: ignore[attr-defined]
     fingerprint = mstore.servers(project_id, project).servers[0].fingerprint
-    assert client.post("/agent/mcp/demo/approve", data={"fingerprint": "stale"}).text.count("changed") == 1
-    r = client.post("/agent/mcp/demo/approve", data={"fingerprint": fingerprint})
+    here = {"project": project_id}  # the project the list was drawn for (the panel's hidden field)
+    assert 'id="mcp-project" value="' + project_id + '"' in r.text
+    assert (
+        client.post("/agent/mcp/demo/approve", data={"fingerprint": "stale"} | here).text.count("changed")
+        == 1
+    )
+    r = client.post("/agent/mcp/demo/approve", data={"fingerprint": fingerprint} | here)
     assert 'data-status="enabled"' in r.text and mstore.servers(project_id, project).servers[0].usable
     # add one in Settings: a stdio server with arguments and environment; a bad one says why
     r = client.post(
         "/agent/mcp/add",
-        data={"name": "calc", "command": sys.executable, "args": f"{SERVER}\n--only=add", "env": "A=1"},
+        data={"name": "calc", "command": sys.executable, "args": f"{SERVER}\n--only=add", "env": "A=1"}
+        | here,
     )
     assert 'id="mcp-server-calc"' in r.text
     calc = {s.name: s for s in mstore.servers(project_id, project).servers}["calc"]
     assert calc.source == "settings" and calc.args == (SERVER, "--only=add") and calc.env == (("A", "1"),)
-    r = client.post("/agent/mcp/add", data={"name": "bad name", "command": "x"})
+    r = client.post("/agent/mcp/add", data={"name": "bad name", "command": "x"} | here)
     assert "was not added" in r.text
-    r = client.post("/agent/mcp/add", data={"name": "web", "url": "ftp://example"})
+    r = client.post("/agent/mcp/add", data={"name": "web", "url": "ftp://example"} | here)
     assert "was not added" in r.text and "http" in r.text
     # disable, enable, remove; a tool rule listed and removed
-    r = client.post("/agent/mcp/calc/enable", data={"enabled": "off"})
+    r = client.post("/agent/mcp/calc/enable", data={"enabled": "off"} | here)
     assert 'id="mcp-server-calc" data-status="disabled"' in r.text
-    r = client.post("/agent/mcp/calc/enable", data={"enabled": "on"})
+    r = client.post("/agent/mcp/calc/enable", data={"enabled": "on"} | here)
     assert 'id="mcp-server-calc" data-status="enabled"' in r.text
     rule = mstore.allow_tool(project_id, "calc__add")
     assert "calc__add" in client.get("/agent/mcp").text
-    r = client.post(f"/agent/mcp/rules/{rule.id}/delete")
+    r = client.post(f"/agent/mcp/rules/{rule.id}/delete", data=here)
     assert "No MCP tool is allowed" in r.text
-    r = client.post("/agent/mcp/calc/remove")
+    r = client.post("/agent/mcp/calc/remove", data=here)
     assert 'id="mcp-server-calc"' not in r.text and 'id="mcp-server-demo"' in r.text
+
+
+def test_a_list_drawn_for_another_project_changes_nothing(
+    client: TestClient, project: Path, tmp_path: Path
+) -> None:
+    """A window still showing project A's MCP servers approved B's (opened since in another window): the
+    buttons acted on the project open now, so the user approved a `.mcp.json` server they never saw
+    (red-team). A POST from a list drawn for another project is refused, and the list of the open one shown."""
+    projects = client.app_state.projects  # type: ignore[attr-defined]
+    a = projects.current().id
+    b_dir = tmp_path / "b"
+    b_dir.mkdir()
+    write_config(b_dir, demo={"command": sys.executable, "args": [SERVER, "--only=add"]})
+    mstore = McpStore(client.app_state.db.conn)  # type: ignore[attr-defined]
+    b = projects.add(b_dir).id
+    projects.open(b)  # another window opened B
+    fingerprint = mstore.servers(b, b_dir).servers[0].fingerprint  # the same name; what runs is B's
+    posts = [
+        ("/agent/mcp/demo/approve", {"fingerprint": fingerprint}),
+        ("/agent/mcp/demo/enable", {"enabled": "off"}),
+        ("/agent/mcp/add", {"name": "calc", "command": sys.executable, "args": SERVER}),
+        ("/agent/mcp/demo/remove", {}),
+    ]
+    for url, data in posts:
+        r = client.post(url, data=data | {"project": a})
+        assert r.status_code == 200 and "another project was opened since" in r.text, url
+        assert f"<code>b ({b_dir})</code>" in r.text  # the list now shown is B's
+    b_servers = mstore.servers(b, b_dir).servers
+    assert [s.name for s in b_servers] == ["demo"] and not b_servers[0].approved and b_servers[0].enabled
+    assert (
+        client.post("/agent/mcp/demo/approve", data={"fingerprint": fingerprint, "project": b}).status_code
+        == 200
+    )
+    assert mstore.servers(b, b_dir).servers[0].approved
 
 
 def test_settings_posts_need_the_csrf_token(client: TestClient) -> None:

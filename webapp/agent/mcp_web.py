@@ -66,14 +66,24 @@ class McpWeb:
             self.servers.running(ref.id),
             error,
             found.file_error or "",
+            ref.id,
         )
         return HTMLResponse(str(html))
+
+    STALE = "another project was opened since this window showed its MCP servers; they are shown now, check them and"
+
+    def _stale(self, form: Any) -> bool:
+        """Whether the list was drawn for another project than the one open now (another window opened one
+        since): an approval would land on a project whose `.mcp.json` the user never saw."""
+        return str(form.get("project") or "") != self.current().id
 
     async def page(self, request: Request) -> HTMLResponse:
         return await self._html()
 
     async def add(self, request: Request) -> HTMLResponse:
         form = await request.form()
+        if self._stale(form):
+            return await self._html(f"Not added: {self.STALE} add it again")
         name = str(form.get("name") or "").strip()
         url = str(form.get("url") or "").strip()
         if url:
@@ -98,6 +108,8 @@ class McpWeb:
 
     async def enable(self, request: Request) -> HTMLResponse:
         form = await request.form()
+        if self._stale(form):
+            return await self._html(f"Not changed: {self.STALE} change it again")
         name, ref = request.path_params["name"], self.current()
         on = form.get("enabled") == "on"
         try:
@@ -110,6 +122,8 @@ class McpWeb:
 
     async def approve(self, request: Request) -> HTMLResponse:
         form = await request.form()
+        if self._stale(form):
+            return await self._html(f"Not approved: {self.STALE} approve it again")
         name, ref = request.path_params["name"], self.current()
         found = {s.name: s for s in self.store.servers(ref.id, ref.path).servers}.get(name)
         if found is None or found.source != "file" or found.error:
@@ -120,11 +134,15 @@ class McpWeb:
         return await self._html()
 
     async def remove(self, request: Request) -> HTMLResponse:
+        if self._stale(await request.form()):
+            return await self._html(f"Not removed: {self.STALE} remove it again")
         name, ref = request.path_params["name"], self.current()
         self.store.remove(ref.id, name)
         await self.servers.stop(ref.id, name)
         return await self._html()
 
     async def delete_rule(self, request: Request) -> HTMLResponse:
+        if self._stale(await request.form()):
+            return await self._html(f"Not removed: {self.STALE} remove it again")
         self.store.remove_tool_rule(self.current().id, int(request.path_params["rule_id"]))
         return await self._html()
