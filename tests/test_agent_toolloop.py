@@ -208,6 +208,11 @@ def test_toolloop_step_limit_then_continue(fake: FakeBackend, worker: Worker, pr
     more = asyncio.run(collect(s, "/continue"))
     assert len(of(more, ev.ToolStepDone)) == 2
     assert of(more, ev.AnswerDone)[-1].text == "All listed."
+    # the task is done: /continue again runs nothing (it asked the model again, which repeated its answer)
+    asked = len(fake.history)
+    again = asyncio.run(collect(s, "/continue"))
+    assert len(fake.history) == asked and not of(again, ev.ToolStepDone) and not of(again, ev.AnswerDone)
+    assert "there is no agent task to continue" in of(again, ev.Notice)[-1].text
 
 
 def test_toolloop_stop_during_command(fake: FakeBackend, worker: Worker, project: Path) -> None:

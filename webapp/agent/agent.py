@@ -367,8 +367,11 @@ class AgentSession:
         return "\n".join(names[:LISTED]) + more
 
     async def _continue(self) -> AsyncIterator[AgentEvent]:
-        if self.loop is None:
-            yield Notice("there is no agent task to continue", "warning")
+        if self.loop is None or not self.loop.at_limit:  # a finished task is not run again (it was)
+            yield Notice(
+                "there is no agent task to continue: /continue goes on with a task that stopped at its step limit",
+                "warning",
+            )
             return
         async for ev in self.loop.resume():
             yield ev

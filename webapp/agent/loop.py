@@ -162,6 +162,7 @@ class ToolLoop:
         self.attached = ""  # the files the user attached to them, quoted (run())
         self.steps = 0  # tool calls run so far, over every resume
         self.limit = max_steps
+        self.at_limit = False  # the task stopped at its step limit: /continue goes on with it (only then)
         self.records: list[dict[str, Any]] = []  # one per step: tool, arguments, decision, ok, exit_code
         self.last_stats: dict[str, Any] = {}
         self.mcp: McpTools | None = None  # the project's MCP servers' tools (mcp.py), loaded by run()
@@ -192,6 +193,7 @@ class ToolLoop:
     async def resume(self, more_steps: int | None = None) -> AsyncIterator[AgentEvent]:
         """Continue after the step limit: `more_steps` more (default: the loop's max_steps)."""
         self.limit = self.steps + (more_steps or self.max_steps)
+        self.at_limit = False
         self._stall_from = len(self.records)
         async for ev in self._loop():
             yield ev
@@ -250,6 +252,7 @@ class ToolLoop:
                 yield AnswerDone("", "cancelled", self.last_stats)
                 return
             if self.steps >= self.limit:
+                self.at_limit = True
                 yield StepLimitReached(self.steps, self.limit)
                 return
             if self._stalled():  # a small model that keeps making a refused call: not another step
@@ -261,7 +264,7 @@ class ToolLoop:
                     yield AnswerDone("", "cancelled", self.last_stats)
                 elif outcome != ["answered"]:
                     # no answer either: /continue gives it max_steps more, as at the limit
-                    self.limit = self.steps
+                    self.limit, self.at_limit = self.steps, True
                     yield StepLimitReached(self.steps, self.limit, why)
                 return
 
