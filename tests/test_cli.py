@@ -137,9 +137,12 @@ def test_bad_arguments_are_refused_before_any_model_loads(
 @pytest.mark.slow
 def test_chat_streams_and_exits(model_home):
     proc = flashcode("chat", "--backend", "mlx", "--temperature", "0", "--max-tokens", "16",
-                     home=model_home, input="Which city is the capital of France?\n/exit\n")  # fmt: skip
+                     home=model_home, input="/help\n/model\nWhich city is the capital of France?\n/exit\n")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "bot> " in proc.stdout and "Paris" in proc.stdout
+    # /help and a web app command are answered here, not sent to the model (it answered "/help" as a question)
+    assert proc.stdout.count("bot> ") == 1, proc.stdout
+    assert proc.stderr.count("Commands: /clear") == 2 and "/model is not a command here" in proc.stderr
 
 
 def test_setup_is_idempotent(model_home):

@@ -72,7 +72,11 @@ def test_db_finish_message_stores_stats_and_exports(tmp_path: Path) -> None:
     assert js["title"] == "Export me" and js["messages"][1]["content"] == "**a**"
     d.rename_conversation(c.id, "Renamed <b>x</b> *y*")
     md = export_markdown(d.get_conversation(c.id), msgs)  # a title is plain text, not markup
-    assert md.startswith("# Renamed &lt;b&gt;x&lt;/b&gt; \\*y\\*\n") and "**a**" in md
+    # backslashes, not entities: the file reads as typed (`&lt;b&gt;` in it did not), a renderer shows `<b>`
+    assert md.startswith("# Renamed \\<b\\>x\\</b\\> \\*y\\*\n") and "**a**" in md
+    from markdown_it import MarkdownIt
+
+    assert MarkdownIt("commonmark").render(md.split("\n")[0]) == "<h1>Renamed &lt;b&gt;x&lt;/b&gt; *y*</h1>\n"
 
 
 def test_db_export_keeps_what_an_agent_did(tmp_path: Path) -> None:

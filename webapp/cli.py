@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -495,7 +496,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print(
         f"flashcode chat — {backend.model.name} on {name}. /clear resets, /exit or Ctrl-D quits, "
-        "Ctrl-C stops a reply.",
+        "Ctrl-C stops a reply, /help says so again.",
         file=sys.stderr,
     )
     try:
@@ -515,6 +516,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if line.strip() == "/clear":
                 history = history[:1] if args.system else []
                 print("(cleared)", file=sys.stderr)
+                continue
+            if re.fullmatch(
+                r"/[A-Za-z-]+", line.strip()
+            ):  # /help, or a web app command: not the model's words
+                said = "" if line.strip() == "/help" else f"{line.strip()} is not a command here. "
+                print(
+                    f"{said}Commands: /clear resets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a "
+                    "reply. Anything else is sent to the model. The web app's commands (/shell, /model, …) are "
+                    "in `flashcode serve`; `flashcode agent` works on a project.",
+                    file=sys.stderr,
+                )
                 continue
             history.append({"role": "user", "content": line})
             print("bot> ", end="", flush=True)
@@ -632,7 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="server log detail",
     )
-    cli_projects.add_project_arg(p)
+    cli_projects.add_project_arg(
+        p,
+        "open this folder as the project (added to the projects if new; default: the project open last, or "
+        "Default): its conversations, allow rules and saved contexts, and where the agent works",
+    )
     _add_verbose(p)
     p.set_defaults(func=cmd_serve)
 

@@ -80,14 +80,14 @@ def _absolute(raw: str) -> str:
     return os.path.abspath(os.path.expanduser(text)) if text and "\x00" not in text else text
 
 
-def add_project_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--project",
-        default=None,
-        metavar="DIR",
-        help="the project this conversation belongs to, and the directory it runs in (added to `flashcode "
-        "projects` if new); the model is not shown its files: `flashcode agent` works on a project",
-    )
+CONVERSATION_PROJECT = (
+    "the project this conversation belongs to, and the directory it runs in (added to `flashcode projects` if "
+    "new); the model is not shown its files: `flashcode agent` works on a project"
+)
+
+
+def add_project_arg(p: argparse.ArgumentParser, help: str = CONVERSATION_PROJECT) -> None:
+    p.add_argument("--project", default=None, metavar="DIR", help=help)
 
 
 def project_dir(args: argparse.Namespace) -> Path | None:

@@ -816,9 +816,9 @@ def _safe_event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[s
 
 
 def _plain_markdown(text: str) -> str:
-    """Plain text on one Markdown line, shown as typed: HTML and Markdown's inline marks escaped."""
-    text = " ".join(text.split()).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return re.sub(r"([\\`*_\[\]#|!])", r"\\\1", text)
+    """Plain text on one Markdown line, shown as typed: HTML and Markdown's inline marks backslash-escaped
+    (`\\<b>` renders as `<b>`, and reads almost as typed in the file itself, where `&lt;b&gt;` did not)."""
+    return re.sub(r"([\\`*_\[\]#|!<>&])", r"\\\1", " ".join(text.split()))
 
 
 def _user_attachments(m: StoredMessage) -> list[dict[str, Any]] | None:

@@ -129,7 +129,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "tools", help="list the tools the agent would get in a project (built-in and MCP), and which ask"
     )
-    cli_projects.add_project_arg(p)
+    cli_projects.add_project_arg(
+        p, "the project whose tools to list (added to the projects if new; default: the open one)"
+    )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object: project, tools, servers, notices"
     )

@@ -198,7 +198,10 @@ def parse(raw: str | bytes | None) -> ClientMessage:
     if raw is None or isinstance(raw, bytes):
         raise ProtocolError("send text frames holding one JSON object")
     if len(raw.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"the message is too long (over {MAX_MESSAGE_BYTES // 1024} KiB): {TOO_LONG}")
+        raise ProtocolError(  # the limit said is the one a shorter message then meets: characters of text
+            f"the message is too long (at most {MAX_TEXT_CHARS:,} characters; this one is over "
+            f"{MAX_MESSAGE_BYTES // 1024} KiB): {TOO_LONG}"
+        )
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
