@@ -153,7 +153,12 @@
     new: newConversation, rename, delete: remove, import: importConversation,
     "empty-trash": emptyTrash,
     "export-md": () => download("md"), "export-json": () => download("json"),
-    stop: () => click("#stop-button"), regenerate: () => click("#regenerate-button"),
+    stop: () => click("#stop-button"),
+    regenerate: () => {  // the menu item is always there: when the button is off, say why (it did nothing)
+      const b = $("#regenerate-button");
+      if (b && !b.disabled) return b.click();
+      if (!generating()) alertBox(b?.title || "There is no reply to regenerate yet.");
+    },
     "copy-last": () => {
       const all = document.querySelectorAll(".msg-assistant .body");
       if (!all.length) return alertBox("There is no reply to copy yet.");

@@ -177,7 +177,7 @@ def test_mcp_call_approved_and_denied_in_chromium(browser, tmp_path: Path) -> No
     data, project = make_project(tmp_path, "demo", "add,echo")
     fake = FakeBackend(tools=True, context_length=32768)
     fake.enqueue_call("demo__add", a=2, b=40).enqueue("The sum is 42.")
-    fake.enqueue_call("demo__echo", text="<b>hi</b>").enqueue("OK, I did not echo it.")
+    fake.enqueue_call("demo__echo", text="<b>hi</b>  x").enqueue("OK, I did not echo it.")
     worker = Worker(lambda: fake)
     context = browser.new_context(viewport={"width": 1100, "height": 760})
     page = context.new_page()
@@ -201,6 +201,9 @@ def test_mcp_call_approved_and_denied_in_chromium(browser, tmp_path: Path) -> No
             no = step_status(page, "demo__echo")
             assert no.get_attribute("data-ok") == "false" and no.get_attribute("data-decision") == "deny"
             assert "Denied" in no.inner_text() and "Denied by the user: not now, thanks" in no.inner_text()
+            # an argument as the model wrote it: its two spaces kept (an edit's old_text depends on them)
+            args = page.locator('.agent-step[data-tool="demo__echo"] .step-args code')
+            assert args.inner_text() == "<b>hi</b>  x", args.inner_text()
             # one long line wraps inside its card (it ran out of the window, cut off: a walkthrough)
             result = no.locator("pre.step-result")
             assert result.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), result.bounding_box()
@@ -211,7 +214,7 @@ def test_mcp_call_approved_and_denied_in_chromium(browser, tmp_path: Path) -> No
         worker.close()
     assert len(seen) == 2
     check_dialog(seen[0], 'demo__add {"a": 2, "b": 40}')
-    check_dialog(seen[1], 'demo__echo {"text": "<b>hi</b>"}')
+    check_dialog(seen[1], 'demo__echo {"text": "<b>hi</b>  x"}')
     to_model = [m["content"] for m in fake.history[-1].messages if m.get("role") == "tool"]
     assert to_model[-1].startswith('<untrusted source="tool demo__echo">')
     assert "Denied by the user: not now, thanks" in to_model[-1]

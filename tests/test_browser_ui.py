@@ -171,3 +171,47 @@ def test_browser_a_second_tab_follows_the_conversation_and_a_stale_one_keeps_its
     assert not other_errors, other_errors
     other.context.close()
     assert not page.errors, page.errors
+
+
+def test_browser_undo_stays_in_the_window_after_a_long_title(fake_server, page, tmp_path: Path) -> None:
+    """A conversation named with a long word (no spaces) moved to the Trash: the note's text could not wrap and
+    pushed Undo past the window's edge, out of reach (walkthrough). The text wraps; Undo stays in the window."""
+    import re
+
+    from engine.paths import database_path
+    from webapp.db import Database
+
+    url, fake = fake_server
+    fake.enqueue("an answer")
+    page.goto(url)
+    page.fill("#prompt", "hello")
+    page.press("#prompt", "Enter")
+    page.wait_for_url(re.compile(r".*/c/[0-9a-f]+$"))
+    page.wait_for_selector("#status[data-state=idle]")
+    cid = page.url.rsplit("/", 1)[1]
+    db = Database(database_path(tmp_path))
+    db.rename_conversation(cid, "Fix-subtract-" + "x" * 160)
+    db.close()
+    page.reload()
+    page.dispatch_event("nav [data-open=conversations-window]", "click")
+    page.click("#conversations-window [data-action=delete]")
+    page.press(".alert-box.modal .dialog-ok", "Enter")
+    undo = page.locator("#conversation-list .trash-note .undo-trash")
+    undo.wait_for()
+    button, window = undo.bounding_box(), page.locator("#conversations-window").bounding_box()
+    assert button["x"] + button["width"] <= window["x"] + window["width"], (button, window)
+    undo.click()
+    page.wait_for_selector(f"#conversation-list li[data-id='{cid}']")
+    assert not page.errors, page.errors
+
+
+def test_browser_special_regenerate_says_why_when_there_is_nothing_to_regenerate(fake_server, page) -> None:
+    """Special › Regenerate did nothing at all where the Regenerate button was off (after a command turn, in a
+    new conversation): it says why, as the button's tooltip does."""
+    url, _fake = fake_server
+    page.goto(url)
+    page.wait_for_selector("#regenerate-button[disabled]", state="attached")
+    page.dispatch_event("nav [data-action=regenerate]", "click")
+    box = page.locator("#alerts .alert-box", has_text="Regenerate rewrites the last chat reply")
+    box.wait_for(timeout=5_000)
+    assert not page.errors, page.errors

@@ -502,7 +502,7 @@ class AgentSession:
             str(self.project_dir),
             0.0,
             diff=change.diff,
-            rule_text="file writes always ask",
+            rule_text="a file you write with /write always asks",
             choices=("deny", "once"),
             typed=True,  # only /write comes here (the tool loop's writes have their own path)
         )

@@ -616,7 +616,7 @@ class ToolLoop:
                 "automatically"
             )
         else:
-            rule_text = "file writes always ask"
+            rule_text = "file writes ask (Settings can approve this project's edits automatically)"
         proposal = Proposal(
             action_id,
             "write",
