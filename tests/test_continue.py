@@ -140,6 +140,45 @@ def test_continue_only_the_last_finished_reply(tmp_path: Path, fake: FakeBackend
     assert len(rows) == 4 and rows[-1].content == "Hello world. and more."
 
 
+def test_a_stopped_reply_continues_and_an_agent_answer_does_not(tmp_path: Path) -> None:
+    """A reply stopped with Esc had no Continue (only one cut at the token limit had; walkthrough): it has one,
+    and the same message goes on. An agent's answer cut off says it is one from its start, so it is never
+    continued as a chat reply."""
+    slow = FakeBackend(delay=0.05)
+    slow.enqueue(*[f" w{i}" for i in range(200)])
+    worker = Worker(lambda: slow)
+    app = create_app(Settings(data_dir=tmp_path, load_model=False), worker=worker)
+    db = app.state.flashcode.db
+    try:
+        with TestClient(app, base_url=BASE) as client, connect(client) as ws:
+            send(ws, type="send", text="count")
+            cid = conversation_id(until(ws, r" w3"))
+            send(ws, type="stop")
+            frames = "".join(until(ws, r'data-state="idle"'))
+            stopped = db.messages(cid)[-1]
+            assert stopped.status == "stopped" and stopped.content.startswith(" w0")
+            footer = re.search(rf'id="msg-{stopped.id}-stats".*?</footer>', frames, re.S).group(0)  # type: ignore[union-attr]
+            assert "Stopped" in footer and "continue-button" in footer
+            slow.enqueue(" and", " the rest.")
+            send(ws, type="continue", conversation_id=cid, message_id=stopped.id)
+            until(ws, r'data-state="idle"')
+            rows = db.messages(cid)
+            assert len(rows) == 2 and rows[-1].id == stopped.id and rows[-1].status == "complete"
+            assert rows[-1].content == stopped.content + " and the rest."
+            assert slow.history[-1].continue_final
+            # an agent's answer, cut off by a crash mid-stream: marked from the start, not continued
+            from webapp.chat.pipeline import ReplyStream
+
+            stream = ReplyStream(db=db, views=None, engine=None, hooks=(), send=lambda *a: None,  # type: ignore[arg-type]
+                                 conversation_id=cid, turn="agent")  # fmt: skip
+            db.save_partial(stream.message_id, "I listed the files")
+            assert db.messages(cid)[-1].stats == {"turn": "agent"}
+            send(ws, type="continue", conversation_id=cid)
+            assert "answer cannot be continued" in "".join(until(ws, r"alert-box"))
+    finally:
+        worker.close()
+
+
 # --------------------------------------------------------------------------- llama-server
 @pytest.mark.llama
 @pytest.mark.slow

@@ -82,7 +82,9 @@ class ReplyStream:
         # before any text (an engine error, Stop at once, a crash) leaves it as it was
         self.replacing = replacing
         if continuing is None:
-            self.message = db.add_message(conversation_id, "assistant", "", status="streaming")
+            # an agent's answer says so from its start: one cut off (a stop, a crash) is not continued as a chat reply
+            turned = {"turn": turn} if turn != "chat" else None
+            self.message = db.add_message(conversation_id, "assistant", "", status="streaming", stats=turned)
             self.prefix = ""
         else:  # Continue: the reply cut at the token limit grows in its own row (streaming again)
             db.finish_message(continuing.id, continuing.content, "streaming", continuing.stats)

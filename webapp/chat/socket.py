@@ -413,8 +413,9 @@ class Session:
             return
         messages = self.ctx.db.messages(msg.conversation_id)
         last = messages[-1] if messages else None
-        if last is None or last.role != "assistant" or not last.content or last.status != "complete":
-            self.error("nothing to continue: the last message is not a finished reply")
+        # a reply cut at the token limit, stopped, or cut short by a server that stopped
+        if last is None or last.role != "assistant" or not last.content or last.status == "error":
+            self.error("nothing to continue: the last message is not a reply with text")
             return
         if last.stats.get("turn") == "agent":
             self.error("an agent's answer cannot be continued: send a message instead")
