@@ -321,8 +321,13 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
     ]  # not twice
     assert session.history
     assert of(asyncio.run(collect(session, "/clear")), ev.Cleared) and session.history == []
-    assert of(asyncio.run(collect(session, "/model other-model")), ev.ModelRequested)[0].name == "other-model"
+    switched = asyncio.run(collect(session, "/model other-model"))
+    assert of(switched, ev.ModelRequested)[0].name == "other-model"
     assert seen == ["other-model"]
+    # the switch is said when it is done (the transcript said only "Switching to …": walkthrough)
+    assert [(n.text, n.level) for n in of(switched, ev.Notice)] == [
+        ("Loaded other-model: the next replies are its.", "info")
+    ]
 
     async def fails(name: str) -> str:
         return f"Could not load {name}: model {name!r} not found"

@@ -298,8 +298,13 @@ class AgentSession:
             yield Cleared()
         elif name == "model":
             yield ModelRequested(arg)
-            if self.on_model is not None and (failed := await self.on_model(arg)):
-                yield Notice(failed, "warning")  # in the transcript, after its "Switching to …"
+            if self.on_model is not None:  # in the transcript, after its "Switching to …"
+                failed = await self.on_model(arg)
+                yield (
+                    Notice(failed, "warning")
+                    if failed
+                    else Notice(f"Loaded {arg}: the next replies are its.")
+                )
         elif name in ("search", "shell"):
             route = name
             yield RouteChosen(name, {}, {}, forced=True)
