@@ -722,3 +722,11 @@ def test_ws_a_slash_command_first_leaves_the_title_to_the_first_real_message(
         send(ws, type="send", text="a real first message")
         third = conversation_id(until(ws, r'data-state="idle"'))
     assert db.get_conversation(third).title == "a real first message"  # as before
+
+
+def test_about_says_the_version(client: TestClient) -> None:
+    """About flashcode named no version (walkthrough): the one `engine.__version__` says (saved contexts
+    record it too)."""
+    from engine import __version__
+
+    assert f'<p class="about-version" data-field="version">Version {__version__}</p>' in client.get("/").text

@@ -30,6 +30,7 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name, guess_lexer
 from pygments.util import ClassNotFound
 
+from engine import __version__
 from engine.models import human_size
 
 PYGMENTS_STYLE = "bw"  # monochrome, as a System 7 screen would be
@@ -118,6 +119,7 @@ def make_environment() -> Environment:
     env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
     env.filters["when"] = when
     env.filters["web_url"] = web_url  # an untrusted link: http(s) only
+    env.globals["flashcode_version"] = __version__  # About flashcode
     return env
 
 
