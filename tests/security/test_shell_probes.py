@@ -780,3 +780,12 @@ def test_deep_nesting_fails_closed_quickly_without_crashing(command: str, plain:
     assert v.reason
     if not plain:
         assert v.allowed is False, v.reason
+
+
+def test_a_refused_rule_is_quoted_as_typed() -> None:
+    """A refusal quoted the rule with Python's escapes (`'ls \\'a b\\' "c"'`, walkthrough): as typed, in
+    backticks; a rule holding characters that do not print keeps the escapes, so they show."""
+    with pytest.raises(ValueError, match=r"^`ls 'a b' \"c\" <x>` is not a plain command"):
+        validate_rule("prefix", "ls 'a b' \"c\" <x>")
+    with pytest.raises(ValueError, match=r"^'ls\\x1b\[2K' is not a plain command"):
+        validate_rule("exact", "ls\x1b[2K")

@@ -544,6 +544,12 @@ def _offer_prefix(v: Verdict) -> None:
     v.prefix = suggest_prefix(part)
 
 
+def _as_typed(pattern: str) -> str:
+    """A rule as its refusal quotes it: as typed, in backticks (Python's quoting, escapes and all, where it
+    holds characters that do not print)."""
+    return f"`{pattern}`" if pattern.isprintable() else repr(pattern)
+
+
 def validate_rule(kind: RuleKind, pattern: str) -> Rule:
     """Refuse rules that could never be safe: prefix rules outside the table, anything not plain."""
     pattern = normalize(pattern)
@@ -554,11 +560,15 @@ def validate_rule(kind: RuleKind, pattern: str) -> Rule:
     try:
         parts = parse_command(pattern)
     except ShellParseError as exc:
-        raise ValueError(f"{pattern!r} is not a plain command ({exc}); no rule can allow it") from None
+        raise ValueError(
+            f"{_as_typed(pattern)} is not a plain command ({exc}); no rule can allow it"
+        ) from None
     if kind == "prefix":
         if len(parts) != 1 or parts[0].redirects:
-            raise ValueError(f"a prefix rule must be one plain command without redirections, got {pattern!r}")
+            raise ValueError(
+                f"a prefix rule must be one plain command without redirections, got {_as_typed(pattern)}"
+            )
         blocker = _valid_prefix(parts[0].argv)
         if blocker:
-            raise ValueError(f"{pattern!r} can never be prefix-allowed: {blocker}")
+            raise ValueError(f"{_as_typed(pattern)} can never be prefix-allowed: {blocker}")
     return Rule(kind, pattern)
