@@ -727,6 +727,18 @@ class ContextStore:
             Path(tmp).unlink(missing_ok=True)
         return dest
 
+    def _free_name(self, project_id: str, name: str) -> str:
+        """`name`, or `name (imported)`, `name (imported 2)`, … when a context of the project has it."""
+        taken = {c.name for c in self.list(project_id)}
+        if name not in taken:
+            return name
+        n = 1
+        while (
+            found := clean_name(f"{name[: _MAX_NAME - 16]} (imported{f' {n}' if n > 1 else ''})")
+        ) in taken:
+            n += 1
+        return found
+
     def import_file(
         self, project_id: str, file: Path, name: str | None = None, require_model: bool = True
     ) -> SavedContext:
@@ -744,6 +756,8 @@ class ContextStore:
                 self._require_installed(meta, file)
             if name is not None:
                 meta["name"] = clean_name(name)
+            else:  # the same export imported twice: two rows told apart (they were the same name and time)
+                meta["name"] = self._free_name(project_id, clean_name(str(meta["name"])))
             self._check_quota(project_id, sum(i.file_size for i in zf.infolist()))
             parent = self.contexts_dir(project_id, create=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))

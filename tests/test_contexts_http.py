@@ -143,6 +143,15 @@ def test_contexts_http_export_import(client, tmp_path):
     )
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "moved" and r.json()["project_id"] == "other"
+    # the same export imported again, and again, under its own name: rows told apart (walkthrough)
+    export = c.get(f"/projects/default/contexts/{ctx['id']}/export").content
+    names = [
+        c.post(
+            "/projects/default/contexts/import", files={"file": ("x.flashctx", export)}, headers=TOKEN
+        ).json()["name"]
+        for _ in range(2)
+    ]
+    assert names == ["to move (imported)", "to move (imported 2)"]
     r = c.post(
         "/projects/other/contexts/import", files={"file": ("my <session>.flashctx", b"junk")}, headers=TOKEN
     )
