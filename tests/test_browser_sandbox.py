@@ -123,6 +123,8 @@ def test_browser_a_change_hides_nothing_past_its_box(project, fake_server, page)
     )
     assert tail, "the text after the blanks is out of the box"
     assert "400 blanks in a row" in dialog.locator("[data-field=warnings]").inner_text()
+    card = page.locator(".agent-action .diff").last  # the transcript's copy wraps too
+    assert card.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), card.bounding_box()
     dialog.locator("button[data-choice=deny]").click()
     wait_for(page, ".action-decision:has-text('Denied')")
     assert not (project / "Makefile").exists()
