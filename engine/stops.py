@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+MAX_STOP_CHARS = 256  # a stop string's length at most: every token is checked against each one's prefixes
+
 
 class StopFilter:
     """Feed text pieces; get back what is safe to show, and whether a stop string was hit."""
@@ -22,9 +24,22 @@ class StopFilter:
             self.stopped = True
             self._pending = ""
             return text[:cut]
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        hold = max((self._held(text, s) for s in self.stops), default=0)
         self._pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
+
+    @staticmethod
+    def _held(text: str, stop: str) -> int:
+        """The longest end of `text` that begins `stop` (so may still become it), 0 if none: tried from the
+        longest down, and only where `stop` holds the text's last character."""
+        last = text[-1:]
+        k = min(len(stop) - 1, len(text))
+        while k > 0:
+            k = stop.rfind(last, 0, k) + 1  # the longest prefix no longer than k that ends with `last`
+            if k and text.endswith(stop[:k]):
+                return k
+            k -= 1
+        return 0
 
     def flush(self) -> str:
         out, self._pending = self._pending, ""

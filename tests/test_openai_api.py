@@ -149,6 +149,12 @@ def test_openai_lists_models_with_the_current_backend(client: TestClient) -> Non
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text"),
         ({"tools": [{"type": "function"}]}, 400, "tools are not supported"),
         ({"n": 2}, 400, "n must be 1"),
+        ({"n": True}, 400, "n must be 1"),
+        ({"logit_bias": {"50256": -100}}, 400, "logit_bias is not supported"),
+        ({"top_logprobs": 2}, 400, "top_logprobs are not supported"),
+        ({"tool_choice": "required"}, 400, "tool_choice needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice needs tools"),
+        ({"stop": ["\x01" + "z" * 257]}, 400, "a stop string is at most 256 characters"),
         ({"temperature": -1}, 400, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"stop": 5}, 400, "stop must be a string"),
@@ -181,6 +187,24 @@ def test_openai_rejects_bad_requests_with_openai_errors(
     field = next(iter(body))
     if status == 400 and field not in ("messages",):
         assert err["param"] == field  # the field is named, as OpenAI names it
+
+
+def test_openai_refuses_an_oversized_or_too_deep_body_without_holding_it(client: TestClient) -> None:
+    """An 800 MB body was read whole into memory before the 413 (red-team); a body declared or found past the
+    limit stops being read. JSON nested 100,000 deep was a 500 with a traceback: a 400."""
+    from webapp.api.openai import MAX_BODY_BYTES
+
+    headers = {"content-type": "application/json", "content-length": str(MAX_BODY_BYTES + 1)}
+    r = client.post("/v1/chat/completions", content=b"{}", headers=headers)
+    assert r.status_code == 413 and "over 4 MB" in r.json()["error"]["message"]
+    # an undeclared (chunked) body is read up to the limit only (the test client sends it whole all the same)
+    chunks = (b" " * (1 << 20) for _ in range(8))
+    r = client.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = client.post(
+        "/v1/chat/completions", content=b"[" * 100_000, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
 
 
 def test_openai_retrieves_one_model_and_answers_unknown_paths_in_openai_shape(client: TestClient) -> None:

@@ -45,6 +45,7 @@ from .units import (
     positive_int,
     probability,
     seed,
+    stop_string,
 )
 
 __all__ = [
@@ -569,7 +570,7 @@ def add_generation_args(
     p.add_argument("--temperature", type=non_negative_float, default=0.7, help=HELP["temperature"])
     p.add_argument("--top-p", type=probability, default=1.0, help=HELP["top_p"])
     p.add_argument("--seed", type=seed, default=None, help=HELP["seed"])
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", type=stop_string, help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
     add_engine_args(p)
     p.add_argument(

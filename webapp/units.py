@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from engine.stops import MAX_STOP_CHARS
+
 # what the options every command shares mean, said once for every parser's --help
 HELP = {
     "backend": "engine: mlx (in RAM), llama (llama-server), flash (streamed from SSD); auto: MLX on a Mac or a GPU, "
@@ -94,6 +96,15 @@ def non_negative_float(text: str) -> float:
 def port_number(text: str) -> int:
     """A TCP port: 1-65535, or 0 (the system picks a free one)."""
     return _checked(text, int, lambda v: 0 <= v <= 65535, "a port: use 1-65535 (or 0 for any free one)")
+
+
+def stop_string(text: str) -> str:
+    """A stop string: not empty, at most MAX_STOP_CHARS characters (each token is checked against it)."""
+    if not 0 < len(text) <= MAX_STOP_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"a stop string is 1 to {MAX_STOP_CHARS} characters, not {len(text):,}"
+        )
+    return text
 
 
 def probability(text: str) -> float:

@@ -55,6 +55,7 @@ from engine.base import (
 )
 from engine.models import installed_by_start, list_models
 from engine.registry import available_backends
+from engine.stops import MAX_STOP_CHARS
 from engine.worker import Generation, Worker
 
 from ..engine_host import EngineState
@@ -198,10 +199,21 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
                 f"{unsupported} are not supported by flashcode's API: send plain chat messages",
                 param=unsupported,
             )
-    if body.get("n") not in (None, 1):
+    if isinstance(body.get("n"), bool) or body.get("n") not in (
+        None,
+        1,
+    ):  # `true == 1` in Python, not in JSON
         raise APIError(400, "n must be 1", param="n")
     if body.get("logprobs"):
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    if body.get("top_logprobs"):
+        raise APIError(400, "top_logprobs are not supported", param="top_logprobs")
+    if body.get("logit_bias"):  # accepted and ignored, it would change nothing the client asked for
+        raise APIError(400, "logit_bias is not supported by flashcode's API", param="logit_bias")
+    if body.get("tool_choice") not in (None, "none", "auto"):  # "required" or a function: there are no tools
+        raise APIError(
+            400, "tool_choice needs tools, which flashcode's API does not support", param="tool_choice"
+        )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise APIError(
@@ -224,6 +236,8 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         stops = (None,)  # refused below
     if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):  # each token is checked against every one's prefixes
+        raise APIError(400, f"a stop string is at most {MAX_STOP_CHARS} characters long", param="stop")
     max_tokens = DEFAULT_MAX_TOKENS
     for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
         given = _integer(body, key, 1, MAX_TOKENS_LIMIT)
@@ -285,13 +299,25 @@ def wanted_model(requested: Any, current: tuple[str, str] | None) -> tuple[str |
 
 
 async def read_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MB")
+    """The request's JSON object, read up to MAX_BODY_BYTES and no further (an 800 MB body was held in
+    memory whole before it was refused)."""
+    too_big = APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MB")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body is not JSON flashcode reads: it nests too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
     return body
