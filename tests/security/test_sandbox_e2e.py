@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from webapp.agent.files import PathOutsideProjectError, ProjectFiles
 from webapp.agent.sandbox import SandboxPolicy, detect
 from webapp.agent.shell import Rule, check_command
 
@@ -489,6 +490,31 @@ def test_a_project_that_holds_the_secrets_does_not_uncover_them(scratch: Scratch
         assert SECRET not in ran.output, ran.output
         assert (data / "flashcode.db").read_text() == SECRET + "\n"
         assert (project / "inside.txt").read_text() == "ok\n", ran.output  # the project is still writable
+
+
+def test_another_data_directory_inside_the_project_is_hidden(scratch: Scratch) -> None:
+    """Only the server's own data directory was hidden: a second one inside the project (another
+    FLASHCODE_HOME, another --data-dir) was writable, so a command approved once planted an allow rule for
+    itself there (red-team). Any folder holding flashcode.db or serve.lock is hidden, from commands and from
+    the file tools, made before or after the files were looked at."""
+    other = scratch.project / "tools" / "fchome"
+    other.mkdir(parents=True)
+    (other / "flashcode.db").write_text(SECRET + "\n")
+    command = "cat tools/fchome/flashcode.db; echo planted >> tools/fchome/flashcode.db; ls -a tools/fchome"
+    assert SECRET in run_command(command, scratch.project, sandboxed=False).output  # the probe reads it
+    (other / "flashcode.db").write_text(SECRET + "\n")
+    ran = run_command(command, scratch.project)
+    assert SECRET not in ran.output and (other / "flashcode.db").read_text() == SECRET + "\n", ran.output
+    files = ProjectFiles(scratch.project)
+    for path in ("tools/fchome/flashcode.db", "tools/fchome/rules.txt"):
+        with pytest.raises(PathOutsideProjectError, match="flashcode data directory"):
+            files.resolve(path)
+    later = scratch.project / "late"
+    later.mkdir()
+    (later / "serve.lock").write_text("")  # made after the file tools looked: still refused
+    with pytest.raises(PathOutsideProjectError, match="flashcode data directory"):
+        files.resolve("late/flashcode.db")
+    assert files.resolve("tools/other.txt") == scratch.project.resolve() / "tools" / "other.txt"
 
 
 def test_a_project_inside_a_hidden_folder_works_and_the_rest_of_it_stays_hidden(scratch: Scratch) -> None:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sandbox import own_paths, secret_paths
+from .sandbox import inner_data_dirs, looks_like_data_dir, own_paths, secret_paths
 
 MAX_READ_BYTES = 200_000
 MAX_SEARCH_BYTES = 8 << 20  # search_text reads this much of a file at most
@@ -155,6 +155,9 @@ class ProjectFiles:
         # sandbox (a `.pth` file there would run at flashcode's next start), so the agent never writes there
         self.own = tuple(p for p in own_paths() if p != self.root and p.is_relative_to(self.root))
         self.hidden += self.secrets  # left out of listings and searches too
+        # another flashcode data directory inside the project (its allow rules, its conversations): the sandbox
+        # hides it from commands, and the file tools keep out of it too (`resolve` checks ones made since)
+        self.hidden += tuple(inner_data_dirs(self.root))
         # an edit whose text does not occur: the error shows the file's lines (all of a short file; else those
         # around the closest line) to copy `old_text` from. A small model otherwise invents it (`return add(a, b)`
         # for `return a - b`) and repeats the call; bench/agent.py --mode constrained-noshow turns it off
@@ -180,9 +183,13 @@ class ProjectFiles:
                 f"{shown(raw)} holds credentials (one of the paths the sandbox hides), which are out of bounds "
                 "for the agent"
             )
-        if any(full == h or full.is_relative_to(h) for h in self.hidden):
+        if any(full == h or full.is_relative_to(h) for h in self.hidden) or any(
+            looks_like_data_dir(d)
+            for d in (full, *full.parents)
+            if d != self.root and d.is_relative_to(self.root)
+        ):
             raise PathOutsideProjectError(
-                f"{shown(raw)} is in flashcode's own data directory, which is out of bounds for the agent"
+                f"{shown(raw)} is in a flashcode data directory, which is out of bounds for the agent"
             )
         _check_path(str(full), raw)  # a link may lead somewhere deeper or to a name that is not UTF-8
         return full

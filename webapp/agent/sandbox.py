@@ -415,8 +415,38 @@ def secret_paths(existing: bool = True) -> list[Path]:
     return [home / p for p in SECRET_PATHS if not existing or os.path.lexists(home / p)]
 
 
+DATA_MARKS = ("flashcode.db", "serve.lock")  # what makes a folder a flashcode data directory
+
+
+def looks_like_data_dir(folder: Path) -> bool:
+    """Whether `folder` is a flashcode data directory (its database, or a server's lock): another one than the
+    server's own (`policy.hidden`), which the sandbox hides as well — its allow rules would let a command
+    allow itself in the server that uses it."""
+    return any(os.path.lexists(Path(folder) / mark) for mark in DATA_MARKS)
+
+
+def inner_data_dirs(project: Path) -> list[Path]:
+    """The flashcode data directories inside the project (not the project itself), found by a walk that follows
+    no symbolic link and enters no found one (at most SCAN_FOLDERS folders)."""
+    project = Path(project).resolve()
+    found: list[Path] = []
+    todo, seen = [project], 0
+    while todo and seen < SCAN_FOLDERS:
+        folder = todo.pop()
+        seen += 1
+        if folder != project and looks_like_data_dir(folder):
+            found.append(folder)
+            continue
+        try:
+            with os.scandir(folder) as entries:
+                todo += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+    return sorted(found)
+
+
 def _secret_paths(policy: SandboxPolicy) -> list[Path]:
-    paths = secret_paths() + [Path(p) for p in policy.hidden]
+    paths = secret_paths() + [Path(p) for p in policy.hidden] + inner_data_dirs(policy.project_dir)
     return [p for p in paths if os.path.lexists(p)]
 
 
