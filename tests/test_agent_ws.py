@@ -473,6 +473,24 @@ def test_an_agent_turn_in_a_project_whose_folder_is_gone_says_so(ws, project: Pa
     assert "is gone (moved or deleted)" in until(ws, r'id="status" class="controls" data-state="idle"')
 
 
+def test_an_agent_turn_in_a_project_whose_folder_became_a_link_runs_nothing(
+    ws, project: Path, tmp_path: Path
+) -> None:
+    """Swapped for a symbolic link to another folder while the server ran (the red-team's led to the home
+    folder, where the next command wrote): the transcript says so and no dialog asks; the web turn never
+    mounts or writes the folder the link leads to."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    project.rename(tmp_path / "proj-real")
+    project.symlink_to(elsewhere, target_is_directory=True)
+    send(ws, type="send", text="/shell touch planted.txt")
+    frames = until(ws, r'id="status" class="controls" data-state="idle"|id="dialog-')  # (the old code asked)
+    assert f"now leads to {elsewhere}" in frames and 'id="dialog-' not in frames
+    send(ws, type="send", text="/write planted.txt\nx")
+    assert "now leads to" in until(ws, r'id="status" class="controls" data-state="idle"')
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_an_agent_step_waiting_for_approval_says_so_and_a_command_shows_its_output_once(
     tmp_path: Path, project: Path
 ) -> None:

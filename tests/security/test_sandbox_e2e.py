@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from webapp.agent.files import PathOutsideProjectError, ProjectFiles
+from webapp.agent.files import FileToolError, PathOutsideProjectError, ProjectFiles
 from webapp.agent.sandbox import SandboxPolicy, detect
 from webapp.agent.shell import Rule, check_command
 
@@ -515,6 +515,32 @@ def test_another_data_directory_inside_the_project_is_hidden(scratch: Scratch) -
     with pytest.raises(PathOutsideProjectError, match="flashcode data directory"):
         files.resolve("late/flashcode.db")
     assert files.resolve("tools/other.txt") == scratch.project.resolve() / "tools" / "other.txt"
+
+
+def test_a_project_folder_swapped_for_a_link_runs_and_writes_nothing(scratch: Scratch) -> None:
+    """The home-folder rule was checked when a project was added only: a project's folder swapped for a
+    symbolic link to the home folder while the server ran, the next command was mounted there read-write and
+    wrote `.gitconfig` and `.cargo/env` (run by the next login, outside the sandbox) (red-team). A path that
+    now leads elsewhere runs nothing and the file tools write nothing."""
+    project = scratch.project
+    (project / "a.txt").write_text("here\n")
+    files = ProjectFiles(project)
+    assert files.resolve("a.txt") == project / "a.txt"
+    project.rename(scratch.base / "project-moved")
+    project.symlink_to(scratch.home, target_is_directory=True)
+    ran = run_command("touch planted-in-home.txt", project)
+    assert ran.exit_code is None and "now leads to" in (ran.error or ""), ran
+    assert not (scratch.home / "planted-in-home.txt").exists()
+    with pytest.raises(FileToolError, match="now leads to"):
+        ProjectFiles(project)
+    inner = scratch.base / "parent-link"  # a folder above the project swapped: the same
+    inner.symlink_to(scratch.base, target_is_directory=True)
+    ran = run_command("touch x.txt", inner / "project-moved")
+    assert (
+        ran.exit_code is None
+        and "now leads to" in (ran.error or "")
+        and not (scratch.base / "project-moved" / "x.txt").exists()
+    )
 
 
 def test_a_project_inside_a_hidden_folder_works_and_the_rest_of_it_stays_hidden(scratch: Scratch) -> None:

@@ -29,7 +29,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sandbox import inner_data_dirs, looks_like_data_dir, own_paths, secret_paths
+from .sandbox import (
+    ProjectMovedError,
+    inner_data_dirs,
+    looks_like_data_dir,
+    own_paths,
+    pinned_project,
+    secret_paths,
+)
 
 MAX_READ_BYTES = 200_000
 MAX_SEARCH_BYTES = 8 << 20  # search_text reads this much of a file at most
@@ -137,7 +144,10 @@ def _os_errors(path: str) -> Iterator[None]:
 
 class ProjectFiles:
     def __init__(self, root: Path, hidden: tuple[Path, ...] = ()) -> None:
-        self.root = Path(root).resolve(strict=True)
+        try:
+            self.root = pinned_project(root)  # never a folder a symbolic link swapped in since it was added
+        except ProjectMovedError as exc:
+            raise FileToolError(str(exc)) from None
         if not self.root.is_dir():
             raise FileToolError(f"the project directory {root} is not a directory")
         # inside the project but out of bounds: flashcode's data directory (every conversation, saved

@@ -23,6 +23,7 @@ from typing import Literal
 
 from .sandbox import (
     NetworkUnavailableError,
+    ProjectMovedError,
     SandboxPolicy,
     SandboxUnavailableError,
     command_env,
@@ -134,7 +135,7 @@ class CommandRun:
                     env=env,
                     pass_fds=pass_fds,
                 )
-        except NetworkUnavailableError as exc:
+        except (NetworkUnavailableError, ProjectMovedError) as exc:
             yield CommandExit(None, error=f"not run: {exc}")
             return
         except SandboxUnavailableError as exc:

@@ -300,6 +300,7 @@ def launch(
     status = detect()
     if not status.available:
         raise SandboxUnavailableError(status.reason)
+    pinned_project(policy.project_dir)
     if policy.network and status.kind == "bubblewrap" and not system_program("slirp4netns"):
         raise NetworkUnavailableError(NO_SLIRP)
     if status.kind == "sandbox-exec":
@@ -395,6 +396,25 @@ def _env_args_fd(env: dict[str, str] | None) -> Iterator[int | None]:
 
 class SandboxUnavailableError(RuntimeError):
     pass
+
+
+class ProjectMovedError(SandboxUnavailableError):
+    """The project's folder (or one above it) is now a symbolic link: it leads somewhere else than the folder
+    that was checked when the project was added (home, a folder above it, ~/.config: never projects)."""
+
+
+def pinned_project(project_dir: Path | str) -> Path:
+    """The project's folder, as it was checked when the project was added: ProjectMovedError when the path now
+    leads elsewhere (the folder, or one above it, swapped for a symbolic link while the server ran: commands
+    then wrote in the home folder the link led to)."""
+    given = Path(os.path.abspath(project_dir))
+    real = given.resolve()
+    if real != given:
+        raise ProjectMovedError(
+            f"the project's folder {given} now leads to {real} (a symbolic link): nothing runs or is written there. "
+            "Open the project where it is now (File › Open Project…), which checks that folder first"
+        )
+    return real
 
 
 class NetworkUnavailableError(SandboxUnavailableError):

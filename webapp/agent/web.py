@@ -35,7 +35,7 @@ from ..settings import Settings
 from ..turns import NEW_MODE_KEY, PROJECT_REMOVED, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
 from . import events as ev
 from .agent import AgentSession, tools_note
-from .sandbox import detect
+from .sandbox import ProjectMovedError, detect, pinned_project
 from .search import DDGSProvider
 from .slash import SlashCommands
 from .store import AgentStore
@@ -296,6 +296,13 @@ class AgentTurns:
             )
             db.add_event(conversation_id, gone.type, gone.to_dict())
             turn.send(self.web.views.event(gone))
+            return
+        try:  # swapped for a symbolic link since it was added (it led to the home folder): nothing runs there
+            pinned_project(project.path)
+        except ProjectMovedError as exc:
+            moved = ev.Notice(f"{str(exc)[:1].upper()}{str(exc)[1:]}.", "warning")
+            db.add_event(conversation_id, moved.type, moved.to_dict())
+            turn.send(self.web.views.event(moved))
             return
         agent = self.agent_for(conversation_id)
         # under the turn's values (the chat gives them all): the agent's defaults
