@@ -59,6 +59,25 @@ def registry(home: Path, project: Path) -> tuple[bool, list[str]]:
         db.close()
 
 
+def mstore_approve(home: Path, project: Path) -> None:
+    db = Database(home / "flashcode.db")
+    try:
+        ref = ProjectStore(db.conn, home).by_path(project.resolve())
+        mstore = McpStore(db.conn)
+        cfg = mstore.servers(ref.id, ref.path).servers[0]  # type: ignore[union-attr]
+        mstore.approve(ref.id, cfg.name, cfg.fingerprint)  # type: ignore[union-attr]
+    finally:
+        db.close()
+
+
+def mstore_allow(home: Path, project: Path, tool: str) -> None:
+    db = Database(home / "flashcode.db")
+    try:
+        McpStore(db.conn).allow_tool(ProjectStore(db.conn, home).by_path(project.resolve()).id, tool)  # type: ignore[union-attr]
+    finally:
+        db.close()
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     p = tmp_path / "proj"
@@ -76,7 +95,9 @@ def test_ask_approves_the_server_for_the_project_then_asks_for_each_call(
     err = proc.stderr
     assert "The project's .mcp.json names the MCP server demo, not approved yet" in err
     assert "mcp_server.py --only=add,echo" in err and "approve it only if you trust this command" in err
-    assert "Approve demo for this project? [y/N]" in err and f"approved demo for {project.resolve()}" in err
+    # stdin is a pipe here: the server runs for this run, and nothing is saved from it (red-team: a stray `y`
+    # or `a` in piped text approved for good)
+    assert "Approve demo for this project? [y/N]" in err and "approved demo for this run only" in err
     assert 'The agent wants to call the MCP tool: demo__add {"a": 2, "b": 40}' in err
     assert "Its result reaches the model as untrusted data." in err
     assert "[y]es once, [a]lways in this project, or no (Enter, or type why not" in err
@@ -87,7 +108,10 @@ def test_ask_approves_the_server_for_the_project_then_asks_for_each_call(
     assert report["tool_messages"][0].startswith('<untrusted source="tool demo__add">')
     assert "42" in report["tool_messages"][0]
     approved, paths = registry(home, project)
-    assert approved and str(project.resolve()) in paths  # persisted, in `flashcode projects`
+    assert (
+        not approved and str(project.resolve()) in paths
+    )  # the project in `flashcode projects`, no approval
+    mstore_approve(home, project)  # as Settings (or a terminal's y) approves it
     listed = subprocess.run(
         [sys.executable, "-m", "webapp.cli", "projects"],
         cwd=ROOT,
@@ -106,9 +130,11 @@ def test_ask_approves_the_server_for_the_project_then_asks_for_each_call(
     assert [(s["tool"], s["decision"], s["ok"]) for s in out["steps"]] == [("demo__add", "deny", False)]
     assert "Denied by the user: no, use mental arithmetic" in report["tool_messages"][0]
 
-    # "a": always allow this tool in this project; the run after that asks nothing
+    # "a" from a pipe saves no rule: denied, said so; a rule made in Settings (the store) asks nothing
     proc, _ = agent(home, tmp_path, project, "ask", stdin="a\n")
-    assert json.loads(proc.stdout)["steps"][0]["decision"] == "always_exact", proc.stderr
+    assert json.loads(proc.stdout)["steps"][0]["decision"] == "deny", proc.stderr
+    assert "not allowed: stdin is not a terminal" in proc.stderr
+    mstore_allow(home, project, "demo__add")
     proc, report = agent(home, tmp_path, project, "ask", stdin="")
     assert json.loads(proc.stdout)["steps"][0]["decision"] == "rule", proc.stderr
     assert "Allow?" not in proc.stderr and "42" in report["tool_messages"][0]

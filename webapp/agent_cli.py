@@ -90,6 +90,12 @@ def register(sub: Any) -> None:
 
 
 # --------------------------------------------------------------------------- flashcode agent
+FROM_A_PIPE = (
+    "stdin is not a terminal, and what is saved for the project (an allow rule, a server's approval) is "
+    "saved only from one: answer in a terminal, or in the web app's Settings"
+)
+
+
 def ask_terminal(prompt: str) -> str:
     """One line from stdin, the prompt on stderr (stdout is the answer, or the --json object)."""
     print(prompt, end="", file=sys.stderr, flush=True)
@@ -147,6 +153,9 @@ def terminal_approval(mode: str) -> Any:
         if answer.lower() in ("y", "yes"):
             return ev.Decision.once()
         if always and answer.lower() in ("a", "always"):
+            if not sys.stdin.isatty():  # a line of piped text never makes a rule that outlives this run
+                print(f"  not allowed: {FROM_A_PIPE}", file=sys.stderr)
+                return ev.Decision.deny(f"not allowed: {FROM_A_PIPE}")
             return ev.Decision.always_exact()
         return ev.Decision.deny(answer)
 
@@ -253,7 +262,12 @@ def approve_mcp_servers(
             answer = (
                 ask_terminal(visible_text(f"Approve {cfg.name} for this project? [y/N] ")).strip().lower()
             )
-            if answer in ("y", "yes"):
+            if (
+                answer in ("y", "yes") and not sys.stdin.isatty()
+            ):  # a pipe answers for this run, saves nothing
+                run_only.add((cfg.name, cfg.fingerprint))
+                print(visible_text(f"approved {cfg.name} for this run only ({FROM_A_PIPE})"), file=sys.stderr)
+            elif answer in ("y", "yes"):
                 mstore.approve(ref.id, cfg.name, cfg.fingerprint)
                 print(visible_text(f"approved {cfg.name} for {ref.path}"), file=sys.stderr)
             else:
