@@ -758,6 +758,14 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     gone = _cli(home, "projects", "remove", "Work", "--delete-data")
     assert gone.returncode == 0 and "was not touched" in gone.stdout and work.is_dir()
+    # a folder whose name holds escape sequences (OSC 52 writes the clipboard): marked, never sent raw
+    odd = tmp_path / "x\x1b]52;c;cm0gLXJmIH4=\x07y"
+    odd.mkdir()
+    added = _cli(home, "projects", "add", str(odd), "--name", "Odd")
+    listed = _cli(home, "projects")
+    assert added.returncode == 0 and "\x1b" not in added.stdout + listed.stdout + listed.stderr
+    assert "x<U+001B>]52;c;cm0gLXJmIH4=<U+0007>y" in listed.stdout
+    assert _cli(home, "projects", "remove", "Odd").returncode == 0
     assert len(_cli(home, "projects").stdout.splitlines()) == 1
     moved = tmp_path / "work-renamed"
     (tmp_path / "app").mkdir()

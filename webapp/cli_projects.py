@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import preflight
 from .db import Database
+from .render import visible_text
 from .projects.store import ProjectError, ProjectStore, check_apart_from_data, check_directory
 from .turns import ProjectRef
 from .units import HELP
@@ -48,25 +49,31 @@ def cmd_projects(args: argparse.Namespace) -> int:
             if before is not None and before.id == project.id:  # said, so a rename is never silent
                 renamed = f", renamed from {before.name}" if before.name != project.name else ""
                 print(
-                    f"flashcode: {project.path} was already a project ({project.name}{renamed})",
+                    visible_text(
+                        f"flashcode: {project.path} was already a project ({project.name}{renamed})"
+                    ),
                     file=sys.stderr,
                 )
-            print(f"{project.name}\t{project.path}")
+            print(visible_text(f"{project.name}\t{project.path}"))
         elif action == "move":
             found = _named(store, args.name)
             moved = store.move(found.id, _absolute(args.dir))
             print(
-                f"moved {moved.name}: {found.path} -> {moved.path} (its conversations, rules and saved contexts stay)"
+                visible_text(
+                    f"moved {moved.name}: {found.path} -> {moved.path} (its conversations, rules and saved contexts "
+                    "stay)"
+                )
             )
         elif action == "remove":
             found = _named(store, args.name)
             store.remove(found.id, delete_data=args.delete_data)
             kept = "deleted flashcode's data for it" if args.delete_data else "kept flashcode's data for it"
-            print(f"removed {found.name} ({found.path} was not touched; {kept})")
+            print(visible_text(f"removed {found.name} ({found.path} was not touched; {kept})"))
         else:
             counts = store.conversation_counts()
             for p in store.all():
-                print(f"{p.name}\t{p.path}\t{counts.get(p.id, 0)}")
+                # a folder's name may hold escape sequences (a title change, a clipboard write): marked, not sent
+                print(visible_text(f"{p.name}\t{p.path}\t{counts.get(p.id, 0)}"))
     except ProjectError as exc:
         raise preflight.StartupError(str(exc)) from None
     finally:
