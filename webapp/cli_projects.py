@@ -14,8 +14,8 @@ from pathlib import Path
 
 from . import preflight
 from .db import Database
-from .render import visible_text
 from .projects.store import ProjectError, ProjectStore, check_apart_from_data, check_directory
+from .render import visible_text
 from .turns import ProjectRef
 from .units import HELP
 
