@@ -327,6 +327,8 @@ DASHDASH_VALUE = probe_class(
         ("tree-o", f"tree -P -- -o {M} .", rules("tree")),
         ("file-C", "file -F -- -C -m mymagic", rules("file")),
         ("date-set", "date -d -- --set=1999-01-01", rules("date")),
+        ("date-value-rearmed", "date -d -d 0101000099", rules("date")),  # a value re-arming the next (review)
+        ("date-value-rearmed-r", "date -r -f 0101000099", rules("date")),
     ],
 )
 
@@ -714,6 +716,7 @@ POSITIVE = [
     pytest.param("rg -n -e foo -- src", rules("rg"), id="rg-dashdash"),
     pytest.param("ls -- -la", rules("ls"), id="ls-dashdash"),
     pytest.param("date -d tomorrow +%F", rules("date"), id="date-value"),
+    pytest.param("date -d -3days +%F", rules("date"), id="date-dash-value"),  # refused for a while (review)
 ]
 
 

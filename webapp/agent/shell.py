@@ -83,17 +83,18 @@ class ProgramSpec:
         denied = next((a for a in args if any(a.startswith(p) for p in self.deny_args)), None)
         if denied is not None:
             return f"`{program} {denied}` can run programs or write files"
-        # Every word that looks like an option is checked, wherever it stands: after `--` too, and as an
-        # option's value. Which options take the next word as their value differs by program and version
-        # (`rg -e -- --pre=sh` reads `--` as the pattern, so `--pre` is still an option), so `--` ending the
-        # options cannot be trusted; a pattern or file that only looks like a denied option asks.
+        # Every word that looks like an option is checked, wherever it stands: after `--` too, and as the value
+        # of an option not declared in `takes_value`. Which options take the next word as their value differs by
+        # program and version (`rg -e -- --pre=sh` reads `--` as the pattern, so `--pre` is still an option), so
+        # `--` ending the options cannot be trusted; a pattern or file that only looks like a denied option asks.
         options_end = False
         value_next = False
         for arg in args:
             operand = options_end or arg == "-" or not arg.startswith("-")
-            if value_next:
-                value_next, operand = False, False
-            elif operand and self.operands is not None and not arg.startswith(self.operands):
+            if value_next:  # the value of an option declared to take one (`date -d -3days`): only that value
+                value_next = False
+                continue
+            if operand and self.operands is not None and not arg.startswith(self.operands):
                 return (
                     f"`{program} {arg}`: only operands starting with `{self.operands}` may be prefix-allowed"
                 )
