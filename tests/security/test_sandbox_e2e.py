@@ -499,6 +499,8 @@ def test_another_data_directory_inside_the_project_is_hidden(scratch: Scratch) -
     the file tools, made before or after the files were looked at."""
     other = scratch.project / "tools" / "fchome"
     other.mkdir(parents=True)
+    for i in range(30):  # a deep tree walked first (depth-first) used up the walk's budget: breadth-first
+        (scratch.project / "node_modules" / f"p{i}" / "a" / "b").mkdir(parents=True)
     (other / "flashcode.db").write_text(SECRET + "\n")
     command = "cat tools/fchome/flashcode.db; echo planted >> tools/fchome/flashcode.db; ls -a tools/fchome"
     assert SECRET in run_command(command, scratch.project, sandboxed=False).output  # the probe reads it

@@ -43,6 +43,7 @@ What is not covered
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -446,22 +447,24 @@ def looks_like_data_dir(folder: Path) -> bool:
 
 
 def inner_data_dirs(project: Path) -> list[Path]:
-    """The flashcode data directories inside the project (not the project itself), found by a walk that follows
-    no symbolic link and enters no found one (at most SCAN_FOLDERS folders)."""
+    """The flashcode data directories inside the project (not the project itself), found by a breadth-first
+    walk (shallow ones first: a data directory is rarely deep, a node_modules is) that follows no symbolic
+    link, enters no found one, and looks at SCAN_FOLDERS folders at most."""
     project = Path(project).resolve()
     found: list[Path] = []
-    todo, seen = [project], 0
+    todo, seen = collections.deque([project]), 0
     while todo and seen < SCAN_FOLDERS:
-        folder = todo.pop()
+        folder = todo.popleft()
         seen += 1
-        if folder != project and looks_like_data_dir(folder):
-            found.append(folder)
-            continue
         try:
-            with os.scandir(folder) as entries:
-                todo += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+            with os.scandir(folder) as it:
+                entries = list(it)
         except OSError:
             continue
+        if folder != project and any(e.name in DATA_MARKS for e in entries):
+            found.append(folder)
+            continue
+        todo.extend(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
     return sorted(found)
 
 
