@@ -492,22 +492,17 @@ def test_a_project_that_holds_the_secrets_does_not_uncover_them(scratch: Scratch
         assert (project / "inside.txt").read_text() == "ok\n", ran.output  # the project is still writable
 
 
-def test_another_data_directory_inside_the_project_is_hidden(
-    scratch: Scratch, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_another_data_directory_inside_the_project_is_hidden(scratch: Scratch) -> None:
     """Only the server's own data directory was hidden: a second one inside the project (another
     FLASHCODE_HOME, another --data-dir) was writable, so a command approved once planted an allow rule for
     itself there (red-team). Any folder holding flashcode.db or serve.lock is hidden, from commands and from
     the file tools, made before or after the files were looked at."""
     other = scratch.project / "tools" / "fchome"
     other.mkdir(parents=True)
-    for i in range(30):  # a deep tree walked first (depth-first) used up the walk's budget: breadth-first
+    for i in range(
+        30
+    ):  # a bigger tree beside it: walked breadth-first, the shallow data directory comes first
         (scratch.project / "node_modules" / f"p{i}" / "a" / "b").mkdir(parents=True)
-    from webapp.agent import sandbox
-
-    monkeypatch.setattr(
-        sandbox, "SCAN_FOLDERS", 40
-    )  # the budget: the 90 folders under node_modules exceed it
     (other / "flashcode.db").write_text(SECRET + "\n")
     command = "cat tools/fchome/flashcode.db; echo planted >> tools/fchome/flashcode.db; ls -a tools/fchome"
     assert SECRET in run_command(command, scratch.project, sandboxed=False).output  # the probe reads it
