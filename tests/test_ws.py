@@ -19,7 +19,7 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from engine.base import GenerationStats
+from engine.base import Done, GenerationStats, TextDelta
 from engine.worker import Worker
 from tests.conftest import FakeBackend
 from webapp.app import create_app
@@ -187,8 +187,45 @@ def test_ws_regenerate_keeps_the_old_reply_until_the_new_one_is_stored(
             until(ws, r"n3")
             assert old.id in [m.id for m in db.messages(cid)]
             until(ws, r'data-state="idle"')
+            # an engine error midway: the old reply is the better one (review)
+            latest = db.messages(cid)[-1]
+
+            def fails_midway(request, cancel):
+                slow.history.append(request)
+                yield TextDelta("half an", (1,))
+                yield Done(GenerationStats(), "error", "half an", error="the engine ran out of memory")
+
+            monkeypatch.setattr(slow, "stream", fails_midway)
+            send(ws, type="regenerate", conversation_id=cid)
+            frames = "".join(until(ws, r'role="alert"'))  # after the controls went back to idle
+            assert "ran out of memory" in frames and 'data-state="idle"' in frames
+            assert [(m.id, m.content) for m in db.messages(cid)][1:] == [(latest.id, latest.content)]
         texts = [m.content for m in db.messages(cid)]
         assert texts[0] == "q" and texts[1].startswith(" n0") and len(texts) == 2
+
+
+def test_a_crash_during_regenerate_leaves_one_reply(tmp_path: Path) -> None:
+    """A crash while Regenerate wrote left the old reply and the new one's part (two replies in a row, which
+    templates that need turns to alternate refuse): the next start settles it as the Regenerate would have."""
+    from webapp.db import Database
+
+    db = Database(tmp_path / "f.db")
+    conv = db.create_conversation("c")
+    for part in ("with text", ""):
+        db.add_message(conv.id, "user", "q")
+        old = db.add_message(conv.id, "assistant", "the old reply")
+        new = db.add_message(conv.id, "assistant", "", status="streaming", stats={"replaces": old.id})
+        if part:
+            db.save_partial(new.id, part)
+    db.close()
+    db = Database(tmp_path / "f.db", recover=True)
+    rows = [(m.role, m.content, m.status) for m in db.messages(conv.id)]
+    assert rows == [
+        ("user", "q", "complete"),
+        ("assistant", "with text", "incomplete"),  # the new one had text: it replaced the old
+        ("user", "q", "complete"),
+        ("assistant", "the old reply", "complete"),  # it had none: the old one stays
+    ]
 
 
 def test_ws_regenerate_without_reply_is_an_error(client: TestClient) -> None:

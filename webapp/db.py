@@ -487,6 +487,16 @@ class Database:
         self.conn.close()
 
     def _mark_interrupted(self) -> int:
+        """Replies a crash cut off are marked incomplete. One a Regenerate was writing (`replaces` in its stats)
+        settles what the Regenerate would have: with text it replaces the old reply, without it goes and the old
+        one stays (two replies in a row: templates that need turns to alternate would fail on each)."""
+        for row in self.conn.execute(
+            "SELECT id, content, stats FROM messages WHERE status='streaming' AND stats LIKE '%\"replaces\"%'"
+        ).fetchall():
+            old = json.loads(row["stats"] or "{}").get("replaces")
+            if not isinstance(old, int) or isinstance(old, bool):
+                continue
+            self.conn.execute("DELETE FROM messages WHERE id=?", (old if row["content"] else row["id"],))
         return self.conn.execute("UPDATE messages SET status='incomplete' WHERE status='streaming'").rowcount
 
     # ------------------------------------------------------------------ conversations

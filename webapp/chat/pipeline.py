@@ -83,8 +83,12 @@ class ReplyStream:
         self.replacing = replacing
         if continuing is None:
             # an agent's answer says so from its start: one cut off (a stop, a crash) is not continued as a chat reply
-            turned = {"turn": turn} if turn != "chat" else None
-            self.message = db.add_message(conversation_id, "assistant", "", status="streaming", stats=turned)
+            marks = ({"turn": turn} if turn != "chat" else {}) | (
+                {"replaces": replacing.id} if replacing is not None else {}  # a crash recovery settles it
+            )
+            self.message = db.add_message(
+                conversation_id, "assistant", "", status="streaming", stats=marks or None
+            )
             self.prefix = ""
         else:  # Continue: the reply cut at the token limit grows in its own row (streaming again)
             db.finish_message(continuing.id, continuing.content, "streaming", continuing.stats)
@@ -238,8 +242,8 @@ class ReplyStream:
         if error:
             numbers["error"] = error
         content = self.prefix + text if text else self.text
-        if not content and self._keep_replaced(*then):
-            return None
+        if (not content or status == "error") and self._keep_replaced(*then):
+            return None  # nothing written, or an engine error midway: the old reply is the better one
         self.db.finish_message(self.message.id, content, status, numbers)
         self._drop_replaced()
         self.run_hooks(numbers)
@@ -256,7 +260,8 @@ class ReplyStream:
         self.finished = True
         if not self.text and self._keep_replaced():
             return
-        self.db.finish_message(self.message.id, self.text, "stopped", self.message.stats or None)
+        marks = {k: v for k, v in self.message.stats.items() if k != "replaces"}  # settled below
+        self.db.finish_message(self.message.id, self.text, "stopped", marks or None)
         self._drop_replaced()
 
     def _keep_replaced(self, *then: str) -> bool:

@@ -728,8 +728,11 @@ class Session:
                 stats["prompt_tokens"] = await worker.acall(lambda b: len(b.apply_chat_template(history)))
         except Exception:  # noqa: BLE001 - the footer is a nicety; the reply is stored already
             return
-        if stats == reply.stats or not any(m.id == reply.id for m in db.messages(reply.conversation_id)):
-            return  # nothing new, or the reply is gone meanwhile (regenerated, deleted)
+        now = next((m for m in db.messages(reply.conversation_id) if m.id == reply.id), None)
+        if stats == reply.stats or now is None or (now.status, now.content) != ("stopped", reply.content):
+            # nothing new, the reply gone meanwhile (regenerated, deleted), or Continue reopened it (then its row
+            # streams again: these numbers would end it as stopped, and its old text over the new)
+            return
         db.finish_message(reply.id, reply.content, reply.status, stats)
         stream.run_hooks(stats, completed=True)  # Stats counts its prompt too
         frames = [self.views.replace_message(dataclasses.replace(reply, stats=stats))]
