@@ -492,6 +492,8 @@ def _cut(finish_reason: str | None, tokens: int, max_tokens: int) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from .agent.slash import DEFAULT as WEB_COMMANDS
+
     cli_projects.enter_project(args)
     name, backend = _placed_backend(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -518,9 +520,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 history = history[:1] if args.system else []
                 print("(cleared)", file=sys.stderr)
                 continue
-            if re.fullmatch(
-                r"/[A-Za-z-]+", line.strip()
-            ):  # /help, or a web app command: not the model's words
+            word = line.strip()[1:].lower() if re.fullmatch(r"/[A-Za-z-]+", line.strip()) else ""
+            if word in WEB_COMMANDS:  # /help, or a web app command: not the model's words (`/tmp` is)
                 said = "" if line.strip() == "/help" else f"{line.strip()} is not a command here. "
                 print(
                     f"{said}Commands: /clear resets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a "

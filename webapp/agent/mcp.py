@@ -609,6 +609,14 @@ class McpTools:
                 yield Notice(f"MCP server {name}: tools left out: {'; '.join(skipped)}", "warning")
 
     # ------------------------------------------------------------------ a call
+    async def _git_notices(self, server: str, before: Any) -> list[Notice]:
+        """The warnings for git directories the server made in the project during the call (`before`:
+        `sandbox.git_state`'s, None for a remote server)."""
+        if before is None:
+            return []
+        said = await asyncio.to_thread(sandbox.git_warnings, self.s.project_dir, before)
+        return [Notice(w.replace("The command", f"The MCP server {server}"), "warning") for w in said]
+
     async def execute(self, call: ToolCall) -> AsyncIterator[AgentEvent | ToolResult]:
         s, tool, launch = self.s, self.tools[call.name], self.launches[call.name]
         if why := check_mcp_arguments(tool.parameters, call.arguments):
@@ -672,20 +680,23 @@ class McpTools:
             if not s.halted:
                 raise
             s.store.record_result(action_id, None, "stopped")
+            for notice in await self._git_notices(tool.server, git_before):
+                yield notice
             yield ToolResult(False, "Error: stopped by the user", decision, action_id=action_id)
             return
         except ServerDown as exc:
             message = f"MCP server {tool.server} {exc}"
             s.store.record_result(action_id, None, message[:500])
             yield Notice(message, "warning")
+            for notice in await self._git_notices(tool.server, git_before):  # made before it went down
+                yield notice
             yield ToolResult(False, f"Error: {message}", decision, action_id=action_id, output=message)
             return
         text = result_text(result)[:RESULT_CHARS]
         ok = not getattr(result, "is_error", False)
         s.store.record_result(action_id, None, "ok" if ok else "tool error")
-        if git_before is not None:
-            for warning in await asyncio.to_thread(sandbox.git_warnings, s.project_dir, git_before):
-                yield Notice(warning.replace("The command", f"The MCP server {tool.server}"), "warning")
+        for notice in await self._git_notices(tool.server, git_before):
+            yield notice
         content = text if ok else f"Error from {call.name}: {text}"
         yield ToolResult(ok, content, decision, action_id=action_id, output=text)
 

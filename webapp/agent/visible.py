@@ -54,10 +54,18 @@ BLANK_RUN = re.compile(
 )  # a run of blanks within a line (not its indentation): text pushed aside
 
 
+ROW_CHARS = 80  # about this many characters fit a row of the dialog's boxes (a longer line wraps)
+
+
+def _rows(lines: list[str]) -> int:
+    """The rows `lines` take in a box that wraps them."""
+    return sum(max(1, -(-len(line) // ROW_CHARS)) for line in lines)
+
+
 def diff_rows(diff: str | None) -> int:
-    """How many rows a change has when its box scrolls (more than DIFF_LINES; the dialog says so), else 0.
-    Not a warning: most writes are longer than that."""
-    rows = diff.rstrip("\n").count("\n") + 1 if diff else 0
+    """How many rows a change takes when its box scrolls (more than DIFF_LINES, long lines wrapped; the dialog
+    says so), else 0. Not a warning: most writes are longer than that."""
+    rows = _rows(diff.rstrip("\n").split("\n")) if diff else 0
     return rows if rows > DIFF_LINES else 0
 
 
@@ -67,10 +75,12 @@ def _out_of_sight(what: str, text: str, lines: int | None, marked: bool = False)
     there). `marked`: a diff's rows, each after its one-character mark (`+`, `-`, ` `)."""
     out = []
     rows = text.split("\n")
-    body = [(r[1:] if marked else r).lstrip() for r in rows]  # a line's own indentation hides nothing
-    if lines is not None and len(rows) > lines:
+    # a line's own indentation hides nothing in a change; in a command, blanks at a line's start push it too
+    body = [r[1:].lstrip() for r in rows] if marked else [rows[0].lstrip(), *rows[1:]]
+    if lines is not None and _rows(rows) > lines:
         out.append(
-            f"the {what} is {len(rows)} lines long: scroll its box to read all of it before you decide"
+            f"the {what} takes {_rows(rows)} rows (long lines wrap): scroll its box to read all of it before you "
+            "decide"
         )
     if (
         m := max((BLANK_RUN.search(row) for row in body), key=lambda m: m.end() - m.start() if m else 0)
