@@ -31,6 +31,7 @@ import pytest
 from webapp.agent.files import FileToolError, PathOutsideProjectError, ProjectFiles
 from webapp.agent.sandbox import SandboxPolicy, detect
 from webapp.agent.shell import Rule, check_command
+from webapp.agent.tools import ReadTools
 
 from .conftest import HOOK, SECRET, Scratch, git, run_command, run_control
 
@@ -518,6 +519,9 @@ def test_another_data_directory_inside_the_project_is_hidden(scratch: Scratch) -
     (later / "serve.lock").write_text("")  # made after the file tools looked: still refused
     with pytest.raises(PathOutsideProjectError, match="flashcode data directory"):
         files.resolve("late/flashcode.db")
+    (later / "notes.txt").write_text("needle in a data directory\n")  # searched: not shown (review)
+    (scratch.project / "found.txt").write_text("needle in the project\n")
+    assert ReadTools(files).search_text("needle") == "found.txt:1:needle in the project"
     assert files.resolve("tools/other.txt") == scratch.project.resolve() / "tools" / "other.txt"
 
 

@@ -23,7 +23,7 @@ import httpcore
 import httpx
 
 from .files import FileToolError, ProjectFiles
-from .sandbox import system_program
+from .sandbox import inner_data_dirs, system_program
 
 Effect = Literal["none", "write", "shell", "network"]
 MAX_LIST = 400  # entries list_files returns
@@ -262,13 +262,15 @@ class ReadTools:
             raise FileToolError(f"not a regular expression: {exc}") from exc
         start = self.files.resolve(path or ".")
         rg = system_program("rg", self.files.root)  # runs here, unsandboxed: never one found in the project
-        hits = self._rg(rg, pattern, start) if rg else self._python(regex, start)
+        # what the files keep out of, and a data directory made in the project since they looked (review)
+        hidden = (*self.files.hidden, *inner_data_dirs(self.files.root))
+        hits = self._rg(rg, pattern, start, hidden) if rg else self._python(regex, start, hidden)
         if not hits:
             return "(no matches)"
         more = "\n[... more matches not shown]" if len(hits) > MAX_MATCHES else ""
         return "\n".join(hits[:MAX_MATCHES]) + more
 
-    def _rg(self, rg: str, pattern: str, start: Path) -> list[str]:
+    def _rg(self, rg: str, pattern: str, start: Path, hidden_dirs: tuple[Path, ...]) -> list[str]:
         argv = [rg, "--no-require-git", "--line-number", "--no-heading", "--color", "never", "-m", "20"]
         proc = subprocess.run(
             [*argv, "-e", pattern, "--", str(start)],
@@ -278,16 +280,12 @@ class ReadTools:
             timeout=20,
         )
         root = str(self.files.root) + os.sep
-        hidden = tuple(str(h.relative_to(self.files.root)) + os.sep for h in self.files.hidden)
+        hidden = tuple(str(h.relative_to(self.files.root)) + os.sep for h in hidden_dirs)
         lines = (line.removeprefix(root) for line in proc.stdout.splitlines())
         return [line[:300] for line in lines if not line.startswith(hidden)][: MAX_MATCHES + 1]
 
-    def _python(self, regex: re.Pattern[str], start: Path) -> list[str]:
-        names = (
-            [self.files.relative(start)]
-            if start.is_file()
-            else walk(self.files.root, start, self.files.hidden)
-        )
+    def _python(self, regex: re.Pattern[str], start: Path, hidden_dirs: tuple[Path, ...]) -> list[str]:
+        names = [self.files.relative(start)] if start.is_file() else walk(self.files.root, start, hidden_dirs)
         hits: list[str] = []
         for rel in names:
             try:  # through ProjectFiles: a symlink out of the project (to a secret, /proc/self/environ) is refused
