@@ -35,6 +35,8 @@ RAW = {
     "flash-moe-gpu-graphs-h200.json": "runs",
     "flash-moe-gpu-speculation-skewed.json": "runs",
     "flash-moe-gpu-speculation-uniform.json": "runs",
+    "flash-moe-gpu-interleave-skewed.json": "runs",
+    "flash-moe-gpu-interleave-uniform.json": "runs",
     "flash-moe-gpu-queue-skewed.json": "runs",
     "flash-moe-gpu-queue-uniform.json": "runs",
     "flash-moe-gpu-adaptive-skewed.json": "runs",
