@@ -3,7 +3,10 @@
 Runs each command through the agent's own `CommandRun` (spawn, stream, exit), sandboxed and not,
 interleaved, and reports the median wall time of each and the added milliseconds per command.
 
-    .venv/bin/python bench/sandbox.py [--runs 30]
+    .venv/bin/python bench/sandbox.py [--runs 30] [--folders 24000 --out bench/results/sandbox-folders.json]
+
+`--folders N` fills the project with N empty folders first (a node_modules' shape: packages of nested
+folders), which the sandbox's set-up walks for git and data directories.
 """
 
 from __future__ import annotations
@@ -36,10 +39,24 @@ async def one(command: str, project: Path, sandboxed: bool) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-async def measure(runs: int) -> dict[str, list[dict[str, float]]]:
+def fill(project: Path, folders: int) -> None:
+    """`folders` empty folders: node_modules/pkgI/{lib,dist,src}/{a,b,c}, 13 a package."""
+    made = 0
+    for i in range(folders):
+        package = project / "node_modules" / f"pkg{i}"
+        for part in ("lib", "dist", "src"):
+            for sub in ("a", "b", "c"):
+                (package / part / sub).mkdir(parents=True)
+        made += 13
+        if made >= folders:
+            return
+
+
+async def measure(runs: int, folders: int = 0) -> dict[str, list[dict[str, float]]]:
     with tempfile.TemporaryDirectory(prefix="flashcode-bench-sandbox-") as tmp:
         project = Path(tmp)
         (project / "a.txt").write_text("x\n")
+        fill(project, folders)
         await asyncio.create_subprocess_exec("git", "init", "-q", cwd=project)
         await asyncio.sleep(0.2)
         raw: dict[str, list[dict[str, float]]] = {}
@@ -61,13 +78,14 @@ async def measure(runs: int) -> dict[str, list[dict[str, float]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--folders", type=int, default=0, help="empty folders in the project (default 0)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sandbox.json"))
     args = ap.parse_args()
     status = detect()
     if not status.available:
         print(f"no sandbox here: {status.reason}", file=sys.stderr)
         return 1
-    raw = asyncio.run(measure(args.runs))
+    raw = asyncio.run(measure(args.runs, args.folders))
     summary = {}
     for command, rows in raw.items():
         sb = statistics.median(r["sandboxed_ms"] for r in rows)
@@ -82,6 +100,7 @@ def main() -> int:
         **provenance(),
         "sandbox": status.kind,
         "runs_per_command": args.runs,
+        "project_folders": args.folders,
         "added_ms_per_command": round(statistics.median(s["added_ms"] for s in summary.values()), 2),
         "summary": summary,
         "raw_runs": raw,

@@ -170,13 +170,13 @@ def test_the_walks_for_git_dirs_run_off_the_event_loop(
     still ticks while they run."""
     import time
 
-    slow = sandbox.planted_git_dirs
+    slow = sandbox.scan_project
 
-    def planted(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def scan(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(0.4)
         return slow(*args, **kwargs)
 
-    monkeypatch.setattr(sandbox, "planted_git_dirs", planted)
+    monkeypatch.setattr(sandbox, "scan_project", scan)
     session = make_session(worker, project, store, Approver(ev.Decision.once()))
 
     async def go() -> tuple[list, int]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from webapp.agent import sandbox
 from webapp.agent.files import FileToolError, PathOutsideProjectError, ProjectFiles
 from webapp.agent.sandbox import SandboxPolicy, detect
 from webapp.agent.shell import Rule, check_command
@@ -525,6 +526,21 @@ def test_another_data_directory_inside_the_project_is_hidden(scratch: Scratch) -
     assert files.resolve("tools/other.txt") == scratch.project.resolve() / "tools" / "other.txt"
 
 
+def test_a_data_directory_that_git_also_takes_for_a_repository_stays_hidden(scratch: Scratch) -> None:
+    """The data and the git directories were found by two walks, and a folder in both lists was hidden, then
+    mounted again read-only from its real self for git's sake: its database readable (review). One walk now
+    finds both; a data directory is hidden whatever else it looks like."""
+    both = scratch.project / "both"
+    for name in ("objects", "refs"):
+        (both / name).mkdir(parents=True)
+    (both / "HEAD").write_text("ref: refs/heads/main\n")
+    (both / "flashcode.db").write_text(SECRET + "\n")
+    ran = run_command("cat both/flashcode.db; ls -a both", scratch.project)
+    assert SECRET not in ran.output and "HEAD" not in ran.output, ran.output
+    scan = sandbox.scan_project(scratch.project, sandbox.named_git_dirs(scratch.project))  # not its .git
+    assert scan.data_dirs == [both.resolve()] and scan.git_dirs == [] and scan.complete
+
+
 def test_a_project_folder_swapped_for_a_link_runs_and_writes_nothing(scratch: Scratch) -> None:
     """The home-folder rule was checked when a project was added only: a project's folder swapped for a
     symbolic link to the home folder while the server ran, the next command was mounted there read-write and
@@ -549,6 +565,57 @@ def test_a_project_folder_swapped_for_a_link_runs_and_writes_nothing(scratch: Sc
         and "now leads to" in (ran.error or "")
         and not (scratch.base / "project-moved" / "x.txt").exists()
     )
+
+
+def test_a_project_folder_swapped_after_its_check_is_never_mounted_where_the_link_leads(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder was checked (`pinned_project`), then bound by its name: swapped for a link to the home folder
+    between the two, the command was mounted there read-write (review). The writable folders are bound from
+    descriptors opened as they were checked, so the swap makes the command fail to start, or it writes in the
+    folder that was checked (moved), never where the link leads. The same for a folder inside the project
+    that is bound writable (a pin above a hidden secret)."""
+    project = scratch.project
+    for name in ("objects", "refs"):  # a git directory with no .git in its name: read-only, `deep` its pin
+        (project / "deep" / "inner" / name).mkdir(parents=True)
+    (project / "deep" / "inner" / "HEAD").write_text("ref: refs/heads/main\n")
+    real_scan = sandbox.scan_project
+    swapped: list[str] = []
+
+    def swap_then_walk(
+        folder: Path, skip: list[Path]
+    ) -> sandbox.ProjectScan:  # builds the arguments, after the check
+        found = real_scan(folder, skip)
+        if not swapped:
+            swapped.append("project")
+            project.rename(scratch.base / "project-moved")  # a relative link: bubblewrap's mount follows it
+            project.symlink_to(os.path.relpath(scratch.home, project.parent), target_is_directory=True)
+        return found
+
+    monkeypatch.setattr(sandbox, "scan_project", swap_then_walk)
+    ran = run_command("touch planted-in-home.txt", project)
+    assert swapped and not (scratch.home / "planted-in-home.txt").exists(), ran
+    assert ran.exit_code != 0 or (scratch.base / "project-moved" / "planted-in-home.txt").exists(), ran
+
+    project.unlink()
+    (scratch.base / "project-moved").rename(project)
+    (scratch.home / "deep" / "inner").mkdir(parents=True)  # what the old code's binds by name then found
+    swapped.clear()
+
+    def swap_inner_then_walk(folder: Path, skip: list[Path]) -> sandbox.ProjectScan:
+        found = real_scan(folder, skip)
+        if not swapped:
+            swapped.append("deep")
+            (project / "deep").rename(project / "deep-moved")
+            (project / "deep").symlink_to(
+                os.path.relpath(scratch.home / "deep", project), target_is_directory=True
+            )
+        return found
+
+    monkeypatch.setattr(sandbox, "scan_project", swap_inner_then_walk)
+    ran = run_command("touch deep/planted.txt", project)
+    assert swapped and not (scratch.home / "deep" / "planted.txt").exists(), ran
+    assert ran.exit_code is None and "changed while the command was being set up" in (ran.error or ""), ran
 
 
 def test_a_project_inside_a_hidden_folder_works_and_the_rest_of_it_stays_hidden(scratch: Scratch) -> None:
@@ -664,6 +731,37 @@ def test_a_commands_own_env_is_set_inside_and_never_on_a_command_line(scratch: S
             done.stdout + done.stderr
         )
         assert done.stdout.count(SECRET) == 1, done.stdout
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_the_folders_descriptors_mount_the_project_and_never_reach_the_command(
+    scratch: Scratch, monkeypatch: pytest.MonkeyPatch, network: bool
+) -> None:
+    """The writable folders are bound from descriptors (`--bind-fd`). One left open in the command would be a
+    way out: `openat(fd, "../..")` walks the host's tree, where nothing is read-only or hidden. bubblewrap
+    closes each after its mount; the command holds only its own. Without `--bind-fd` (bubblewrap before 0.7)
+    the folders are bound by name, and commands still write in the project."""
+    from webapp.agent.sandbox import argv_fds, command_env, launch
+
+    (scratch.project / "deep" / "inner" / "objects").mkdir(parents=True)  # a pin: `deep`
+    (scratch.project / "deep" / "inner" / "HEAD").write_text("ref: refs/heads/main\n")
+    policy = SandboxPolicy(scratch.project, network=network)
+    command = ["bash", "-c", "touch made deep/made && for f in /proc/self/fd/*; do readlink $f; done; true"]
+    for binds_fds in (True, False):
+        monkeypatch.setattr(sandbox, "_binds_from_fds", lambda _bwrap, on=binds_fds: on)
+        with launch(command, policy) as (argv, fds):
+            head = argv[: argv.index("--")]
+            assert ("--bind-fd" in head) is binds_fds and ("--bind" in head) is not binds_fds, head
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=60, env=command_env(), pass_fds=fds
+            )
+        assert done.returncode == 0, done.stderr
+        assert (scratch.project / "made").exists() and (scratch.project / "deep" / "made").exists()
+        held = done.stdout.splitlines()  # /dev/null and pipes: no folder
+        assert held and not any(line.startswith(str(scratch.base)) or line == "/" for line in held), held
+        (scratch.project / "made").unlink()
+        (scratch.project / "deep" / "made").unlink()
+    assert argv_fds(["bwrap", "--bind-fd", "7", "/p", "--", "tool", "--bind-fd", "7"], 7) == [2]
 
 
 def _plant(folder: Path, name: str, marker: Path) -> None:

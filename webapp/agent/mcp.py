@@ -259,29 +259,44 @@ class ServerHandle:
             # the config's env goes into the sandbox only: the wrapper, bubblewrap and usernet.py run with the
             # clean environment (a PATH or BASH_ENV of the config would run a project file outside the sandbox)
             env = sandbox.command_env(project_dir=project)
-            with sandbox.launch(argv, self.launch.policy(), env=dict(cfg.env)) as (wrapped, fds):
-                argv = list(wrapped)
-                if fds:  # the seccomp program and the env: bwrap reads them from fds 3, 4, ... that a wrapper opens
-                    files, named = [], {fd: sandbox.argv_fds(argv, fd) for fd in fds}  # before any is renamed
-                    for n, fd in enumerate(fds, start=3):
-                        for i in named[fd]:
-                            argv[i] = str(n)
-                        # mode 0600, and deleted once the server answered
-                        handle, path = tempfile.mkstemp(prefix="flashcode-mcp-fd-")
-                        with os.fdopen(handle, "wb") as f:
-                            f.write(os.pread(fd, 1 << 20, 0))
-                        files.append(path)
-                    self._fd_files = files
-                    opens = " ".join(f'{n}<"${i}"' for i, n in enumerate(range(3, 3 + len(files)), start=1))
-                    script = f'exec {opens}; shift {len(files)}; exec "$@"'
-                    argv = [
-                        sandbox.system_program("bash", project) or "/bin/bash",
-                        "-c",
-                        script,
-                        "flashcode-mcp",
-                        *files,
-                        *argv,
-                    ]
+            # held open while the server runs: the folders' descriptors are reopened by the wrapper
+            wrapped, fds = stack.enter_context(sandbox.launch(argv, self.launch.policy(), env=dict(cfg.env)))
+            argv = list(wrapped)
+            if (
+                fds
+            ):  # the seccomp program, the env, the folders: bwrap reads fds 3, 4, ... that a wrapper opens
+                files, sources, named = (
+                    [],
+                    [],
+                    {fd: sandbox.argv_fds(argv, fd) for fd in fds},
+                )  # before renaming
+                for n, fd in enumerate(fds, start=3):
+                    for i in named[fd]:
+                        argv[i] = str(n)
+                    try:
+                        data = os.pread(fd, 1 << 20, 0)
+                    except (
+                        OSError
+                    ):  # a folder (O_PATH): the same folder, reopened through this process's /proc
+                        sources.append(f"/proc/{os.getpid()}/fd/{fd}")
+                        continue
+                    # mode 0600, and deleted once the server answered
+                    handle, path = tempfile.mkstemp(prefix="flashcode-mcp-fd-")
+                    with os.fdopen(handle, "wb") as f:
+                        f.write(data)
+                    files.append(path)
+                    sources.append(path)
+                self._fd_files = files
+                opens = " ".join(f'{n}<"${i}"' for i, n in enumerate(range(3, 3 + len(sources)), start=1))
+                script = f'exec {opens}; shift {len(sources)}; exec "$@"'
+                argv = [
+                    sandbox.system_program("bash", project) or "/bin/bash",
+                    "-c",
+                    script,
+                    "flashcode-mcp",
+                    *sources,
+                    *argv,
+                ]
         params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(project))
         return stdio_client(params, errlog=self.errlog)
 

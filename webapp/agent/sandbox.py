@@ -6,7 +6,8 @@ to pass) that run `argv` inside the sandbox; `detect()` says whether one is avai
 
 What is covered (Linux, bubblewrap)
 - Writes only in the project directory and a private, empty `/tmp` that vanishes with the command;
-  the rest of the filesystem is mounted read-only. The project's `.git` is read-only as a whole (a
+  the rest of the filesystem is mounted read-only. The writable folders are mounted from descriptors
+  opened as they were checked (`--bind-fd`, bubblewrap 0.7 on), not looked up by name again. The project's `.git` is read-only as a whole (a
   hook or `commondir` planted there would run later, outside the sandbox, on the user's `git commit`;
   a read-only mount also cannot be renamed away), so git commands that write refuse inside the sandbox.
 - Kernel knobs stay read-only even for root: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, ...
@@ -52,7 +53,7 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -297,7 +298,8 @@ def launch(
     macOS (Linux mounts an empty one itself). `env`: variables set inside the sandbox only, for the
     command (an MCP server's config): the sandbox's own programs never see them (a `PATH` or `BASH_ENV`
     there would run a program of the project's outside the sandbox), and neither does a command line.
-    Where the descriptors cannot be passed as they are, `argv_fds` says where they are named."""
+    Where the descriptors cannot be passed as they are, `argv_fds` says where they are named (the folders'
+    descriptors, `_FolderFds`, are `O_PATH`: reopen them through /proc, their contents cannot be copied)."""
     status = detect()
     if not status.available:
         raise SandboxUnavailableError(status.reason)
@@ -310,9 +312,88 @@ def launch(
             argv = ["/usr/bin/env", *pairs, "/bin/sh", "-c", 'exec "$@"', "sh", *argv]
         yield _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp")), ()
         return
-    with _seccomp_fd() as fd, _env_args_fd(env) as env_fd:
-        fds = tuple(f for f in (fd, env_fd) if f is not None)
-        yield _bwrap_argv(argv, policy, fd, env_fd), fds
+    with _seccomp_fd() as fd, _env_args_fd(env) as env_fd, _folder_fds(policy.project_dir) as folders:
+        args = _bwrap_argv(argv, policy, fd, env_fd, folders.open if folders else None)
+        fds = tuple(f for f in (fd, env_fd) if f is not None) + (folders.fds if folders else ())
+        yield args, fds
+
+
+@functools.cache
+def _binds_from_fds(bwrap: str) -> bool:
+    """Whether this bubblewrap mounts a folder from an open descriptor (`--bind-fd`, bubblewrap 0.7 on)."""
+    try:
+        done = subprocess.run(
+            [bwrap, "--help"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=command_env()
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--bind-fd" in done.stdout + done.stderr
+
+
+class _FolderFds:
+    """The writable folders of a command's sandbox, opened (`O_PATH`) from the project's folder as it was
+    checked, one name at a time without following a symbolic link: bubblewrap mounts what these descriptors
+    hold (`--bind-fd`, and it checks that what it mounted is that folder), not what the names lead to when it
+    runs. A folder swapped for a link between the check and the mount makes the command fail to start,
+    never a mount of where the link leads."""
+
+    def __init__(self, project: Path, root: int) -> None:
+        self.project, self.root, self._opened = project, root, {project: root}
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        return tuple(self._opened.values())
+
+    def open(self, folder: Path) -> int:
+        if folder in self._opened:
+            return self._opened[folder]
+        fd = self.root
+        try:
+            for part in folder.relative_to(self.project).parts:
+                nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                if fd != self.root:
+                    os.close(fd)
+                fd = nxt
+        except OSError as exc:
+            if fd != self.root:
+                os.close(fd)
+            raise SandboxUnavailableError(
+                f"{folder} changed while the command was being set up ({exc.strerror or exc}): run it again"
+            ) from None
+        self._opened[folder] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._opened.values():
+            os.close(fd)
+        self._opened.clear()
+
+
+@contextlib.contextmanager
+def _folder_fds(project_dir: Path) -> Iterator[_FolderFds | None]:
+    """`_FolderFds` for the project, or None where this bubblewrap binds by name only (before 0.7: then the
+    folder is checked just before, `pinned_project`, and a swap in between is a race that is not covered)."""
+    bwrap = system_program("bwrap", project_dir) or "/usr/bin/bwrap"
+    if not _binds_from_fds(bwrap):
+        yield None
+        return
+    project = pinned_project(project_dir)
+    try:
+        root = os.open(project, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxUnavailableError(
+            f"the project's folder {project} cannot be opened: {exc.strerror or exc}"
+        ) from None
+    folders = _FolderFds(project, root)
+    try:
+        if os.readlink(f"/proc/self/fd/{root}") != str(project):  # swapped between the check and the open
+            pinned_project(project_dir)
+            raise ProjectMovedError(
+                f"the project's folder {project} changed while the command was being set up: run it again"
+            )
+        yield folders
+    finally:
+        folders.close()
 
 
 # seccomp: refuse socket(AF_UNIX, ...), the keyring calls and io_uring; everything else is allowed. A classic
@@ -370,8 +451,11 @@ def _seccomp_fd() -> Iterator[int | None]:
 
 
 def argv_fds(argv: list[str], fd: int) -> list[int]:
-    """Where `argv` (from `launch`) names descriptor `fd`: the values of its `--seccomp` and `--args`."""
-    return [i + 1 for i, a in enumerate(argv[:-1]) if a in ("--seccomp", "--args") and argv[i + 1] == str(fd)]
+    """Where `argv` (from `launch`) names descriptor `fd`: the values of its `--seccomp`, `--args` and
+    `--bind-fd`, before the `--` that starts the command (whose own words are left alone)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    flags = ("--seccomp", "--args", "--bind-fd")
+    return [i + 1 for i, a in enumerate(argv[: end - 1]) if a in flags and argv[i + 1] == str(fd)]
 
 
 @contextlib.contextmanager
@@ -447,29 +531,12 @@ def looks_like_data_dir(folder: Path) -> bool:
 
 
 def inner_data_dirs(project: Path) -> list[Path]:
-    """The flashcode data directories inside the project (not the project itself), found by a breadth-first
-    walk (shallow ones first: a data directory is rarely deep, a node_modules is) that follows no symbolic
-    link, enters no found one, and looks at SCAN_FOLDERS folders at most."""
-    project = Path(project).resolve()
-    found: list[Path] = []
-    todo, seen = collections.deque([project]), 0
-    while todo and seen < SCAN_FOLDERS:
-        folder = todo.popleft()
-        seen += 1
-        try:
-            with os.scandir(folder) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        if folder != project and any(e.name in DATA_MARKS for e in entries):
-            found.append(folder)
-            continue
-        todo.extend(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
-    return sorted(found)
+    """The flashcode data directories inside the project (not the project itself): `scan_project`'s."""
+    return scan_project(project).data_dirs
 
 
-def _secret_paths(policy: SandboxPolicy) -> list[Path]:
-    paths = secret_paths() + [Path(p) for p in policy.hidden] + inner_data_dirs(policy.project_dir)
+def _secret_paths(policy: SandboxPolicy, data_dirs: list[Path]) -> list[Path]:
+    paths = secret_paths() + [Path(p) for p in policy.hidden] + data_dirs
     return [p for p in paths if os.path.lexists(p)]
 
 
@@ -538,36 +605,60 @@ def makes_git_dir(project: Path, path: Path) -> Path | None:
     return None
 
 
-def planted_git_dirs(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> tuple[list[Path], bool]:
-    """Folders in the project that git would take for a repository although no `.git` names them (see
-    `looks_like_git_dir`), found by a walk that follows no symbolic link and enters neither `skip` nor a
-    found one; and whether the walk saw every folder (at most `SCAN_FOLDERS`)."""
+@dataclass(frozen=True)
+class ProjectScan:
+    """What one walk of the project found: other flashcode data directories (`looks_like_data_dir`), folders
+    git would take for a repository although no `.git` names them (`looks_like_git_dir`), and whether the
+    walk saw every folder (at most `SCAN_FOLDERS`)."""
+
+    data_dirs: list[Path]
+    git_dirs: list[Path]
+    complete: bool
+
+
+_GIT_MARKS_FOLDED = frozenset(m.casefold() for m in GIT_MARKS)
+
+
+def scan_project(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> ProjectScan:
+    """One breadth-first walk of the project (shallow folders first: a data or git directory is rarely deep,
+    a node_modules is) that follows no symbolic link, enters neither `skip` nor a found directory, and looks
+    at `SCAN_FOLDERS` folders at most. A folder that is both is a data directory (hidden, not only read-only).
+    One walk serves both lists: a command's mounts needed two, each 0.3-0.5 s on a 24,000-folder project."""
     project = Path(project).resolve()
-    skipped = {Path(p) for p in skip}
-    found: list[Path] = []
-    todo, seen = [project], 0
+    skipped = {str(p) for p in skip}
+    data: list[Path] = []
+    gits: list[Path] = []
+    todo, seen, top = collections.deque([str(project)]), 0, str(project)  # strings: a Path per folder costs
     while todo:
-        folder = todo.pop()
+        folder = todo.popleft()
         seen += 1
         if seen > SCAN_FOLDERS:
-            return found, False
-        if folder != project and looks_like_git_dir(folder):
-            found.append(folder)
-            continue
+            return ProjectScan(sorted(data), sorted(gits), False)
         try:
-            with os.scandir(folder) as entries:
-                subs = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
-        except OSError:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError:  # not listed (no read permission): git may still take it for a repository
+            if folder != top and looks_like_git_dir(Path(folder)):
+                gits.append(Path(folder))
             continue
-        todo += [d for d in subs if d not in skipped]
-    return sorted(found), True
+        if folder != top and entries:
+            names = {e.name for e in entries}
+            if any(mark in names for mark in DATA_MARKS):
+                data.append(Path(folder))
+                continue
+            folded = {n.casefold() for n in names}  # a cheap sieve; `looks_like_git_dir` decides as git would
+            if "head" in folded and folded & _GIT_MARKS_FOLDED and looks_like_git_dir(Path(folder)):
+                gits.append(Path(folder))
+                continue
+        todo.extend(e.path for e in entries if e.is_dir(follow_symlinks=False) and e.path not in skipped)
+    return ProjectScan(sorted(data), sorted(gits), True)
 
 
-def git_dirs(project: Path) -> list[Path]:
-    """The project's git directories inside it, which the sandbox keeps read-only: `named_git_dirs`, and the
-    folders that git would take for a repository with no `.git` in their names (`planted_git_dirs`)."""
-    named = named_git_dirs(project)
-    return named + planted_git_dirs(project, named)[0]
+def planted_git_dirs(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> tuple[list[Path], bool]:
+    """Folders in the project that git would take for a repository although no `.git` names them, and whether
+    the walk saw every folder: `scan_project`'s."""
+    scan = scan_project(project, skip)
+    return scan.git_dirs, scan.complete
 
 
 def named_git_dirs(project: Path) -> list[Path]:
@@ -608,8 +699,20 @@ def _pins(project: Path, paths: list[Path]) -> list[Path]:
 
 
 def _bwrap_argv(
-    argv: list[str], policy: SandboxPolicy, seccomp_fd: int | None = None, env_fd: int | None = None
+    argv: list[str],
+    policy: SandboxPolicy,
+    seccomp_fd: int | None = None,
+    env_fd: int | None = None,
+    folder_fd: Callable[[Path], int] | None = None,
 ) -> list[str]:
+    """bubblewrap's arguments. `folder_fd`: the descriptor each writable folder is bound from (`_FolderFds`);
+    without it, folders are bound by name."""
+
+    def writable(folder: Path) -> list[str]:
+        if folder_fd is None:
+            return ["--bind", str(folder), str(folder)]
+        return ["--bind-fd", str(folder_fd(folder)), str(folder)]
+
     project = Path(policy.project_dir).resolve()
     bwrap = system_program("bwrap", project) or "/usr/bin/bwrap"  # never one found in the project
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
@@ -622,16 +725,18 @@ def _bwrap_argv(
     # emptied tree, then pin the folders that lead to what is hidden or read-only inside it, then hide
     # every other secret, the ones inside the project too (a project opened at ~/.config must not uncover
     # its git credentials), and make the git directories read-only.
-    secrets = [s.resolve() for s in _secret_paths(policy)]
+    named = named_git_dirs(project)
+    scan = scan_project(project, named)  # one walk for the data and the git directories inside the project
+    secrets = [s.resolve() for s in _secret_paths(policy, scan.data_dirs)]
     holders = [s for s in secrets if s != project and s in project.parents]
     for real in holders:
         args += ["--tmpfs", str(real)]
-    args += ["--bind", str(project), str(project)]
+    args += writable(project)
     hidden = [real for real in secrets if real != project and real not in holders]  # the project itself stays
-    gits = git_dirs(project)
+    gits = [*named, *(d for d in scan.git_dirs if d not in hidden)]
     own = [p for p in own_paths() if p.is_relative_to(project) and p != project and p.exists()]
     for folder in _pins(project, hidden + gits + own):
-        args += ["--bind", str(folder), str(folder)]
+        args += writable(folder)
     for real in hidden:
         if real.is_dir():
             args += ["--tmpfs", str(real)]
@@ -686,7 +791,9 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         "(deny network-outbound (remote unix-socket))",
         '(allow network-outbound (remote unix-socket (path-literal "/private/var/run/mDNSResponder")))',
     ]
-    secrets = [s for s in _secret_paths(policy) if s.resolve() != project]
+    named = named_git_dirs(project)
+    scan = scan_project(project, named)
+    secrets = [s for s in _secret_paths(policy, scan.data_dirs) if s.resolve() != project]
     if secrets:
         lines.append(
             "(deny file-read* file-write* "
@@ -704,7 +811,7 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
                 + " ".join(f"(subpath {_seatbelt_quote(s)})" for s in inside)
                 + ")"
             )
-    gits = git_dirs(project)
+    gits = named + scan.git_dirs
     for real in [project / ".git", *gits]:
         lines.append(f"(deny file-write* (subpath {_seatbelt_quote(real)}))")
     inner = [s.resolve() for s in secrets if s.resolve().is_relative_to(project)]
