@@ -50,6 +50,7 @@ RAW = {
     "resume.json": "sizes",
     "routing.json": "predictions",
     "sandbox.json": "raw_runs",
+    "sandbox-folders.json": "raw_runs",
     "websocket.json": "backends",
     "projects.json": "backends",
     "agent.json": "raw_runs",
@@ -103,8 +104,9 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def test_sandbox_summary_recomputes() -> None:
-    result = load("sandbox.json")
+@pytest.mark.parametrize("name", ["sandbox.json", "sandbox-folders.json"])
+def test_sandbox_summary_recomputes(name: str) -> None:
+    result = load(name)
     for command, rows in result["raw_runs"].items():
         assert len(rows) == result["runs_per_command"]
         s = result["summary"][command]
