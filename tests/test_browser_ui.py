@@ -215,3 +215,31 @@ def test_browser_special_regenerate_says_why_when_there_is_nothing_to_regenerate
     box = page.locator("#alerts .alert-box", has_text="Regenerate rewrites the last chat reply")
     box.wait_for(timeout=5_000)
     assert not page.errors, page.errors
+
+
+def test_browser_edit_opens_a_copy_with_the_message_in_the_box(fake_server, page) -> None:
+    """Edit… on a sent message: a new conversation opens with what came before it and the message's text in
+    the box; sent changed, it gets its own reply; the first conversation keeps both of its turns."""
+    url, fake = fake_server
+    fake.enqueue("first answer")
+    fake.enqueue("second answer")
+    fake.enqueue("answer to the edit")
+    page.goto(url)
+    send_and_wait(page, "first question")
+    send_and_wait(page, "second question")
+    original = page.url
+    page.locator(".msg-user .msg-edit").nth(1).click()
+    page.wait_for_url(lambda u: u != original and "/c/" in u)
+    page.locator("#prompt").wait_for()
+    assert page.input_value("#prompt") == "second question"
+    assert page.locator(".msg-user .body").all_inner_texts() == ["first question"]
+    assert "original conversation is unchanged" in page.inner_text("#transcript")
+    assert page.inner_text("#chat-title") == "first question (edited)"
+    page.fill("#prompt", "second question, changed")
+    page.press("#prompt", "Enter")
+    page.locator(".msg-assistant:not(.status-streaming) .body", has_text="answer to the edit").wait_for()
+    assert page.locator(".msg-user .body").all_inner_texts() == ["first question", "second question, changed"]
+    page.goto(original)
+    page.locator(".msg-assistant .body", has_text="second answer").wait_for()
+    assert page.locator(".msg-user .body").all_inner_texts() == ["first question", "second question"]
+    assert not page.errors, page.errors

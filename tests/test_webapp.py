@@ -532,3 +532,80 @@ def test_an_agent_turn_that_ran_no_generation_leaves_the_live_cache_to_its_conve
     finally:
         db.close()
         worker.close()
+
+
+def test_webapp_edit_opens_a_copy_up_to_the_message_with_its_text_in_the_box(app_parts) -> None:
+    """Edit… on a user message: a NEW conversation with what came before it (messages, their replies' numbers,
+    the events among them, a /clear mark), the same mode and settings, the message's text in the box once; the
+    conversation it came from is not changed (a walkthrough: editing a sent message was missing)."""
+    client, _ = app_parts
+    db = client.app.state.flashcode.db
+    conv = db.create_conversation("Plans")
+    db.set_mode(conv.id, "agent")
+    db.set_generation(conv.id, {"temperature": 0.2})
+    db.add_message(conv.id, "user", "first question")
+    db.add_event(conv.id, "notice", {"type": "notice", "text": "after the first", "level": "info"})
+    db.add_message(conv.id, "assistant", "first answer", stats={"completion_tokens": 3, "decode_tps": 9.5})
+    db.add_event(conv.id, "clear", {"type": "clear"})
+    gone = db.add_message(conv.id, "assistant", "a reply regenerated since")
+    db.add_event(conv.id, "notice", {"type": "notice", "text": "after a deleted reply", "level": "info"})
+    db.delete_message(gone.id)
+    edited = db.add_message(conv.id, "user", "second <b>question</b>\nwith two lines")
+    db.add_event(conv.id, "notice", {"type": "notice", "text": "after the edited one", "level": "info"})
+    db.add_message(conv.id, "assistant", "second answer")
+    before = (db.messages(conv.id), db.events(conv.id))
+
+    h = {"X-CSRF-Token": csrf(client)}
+    r = client.post(f"/m/{edited.id}/edit", headers=h)
+    assert r.status_code == 201, r.text
+    new = r.json()["id"]
+    assert r.json()["draft"] == "second <b>question</b>\nwith two lines"
+    assert (db.messages(conv.id), db.events(conv.id)) == before  # the original as it was
+    copy = db.get_conversation(new)
+    assert (copy.title, copy.mode, copy.generation_settings, copy.project_id) == (
+        "Plans (edited)", "agent", {"temperature": 0.2}, conv.project_id
+    )  # fmt: skip
+    kept = db.messages(new)
+    assert [(m.role, m.content) for m in kept] == [("user", "first question"), ("assistant", "first answer")]
+    assert kept[1].stats == {"completion_tokens": 3, "decode_tps": 9.5}
+    events = [(e.type, e.data.get("text"), e.after_message) for e in db.events(new)]
+    assert events[0][0] == "notice" and "original conversation is unchanged" in events[0][1]
+    assert events[1:] == [
+        ("notice", "after the first", kept[0].id),
+        ("clear", None, kept[1].id),
+        ("notice", "after a deleted reply", kept[1].id),
+    ]
+    assert db.context_start(new) == kept[1].id  # /clear still marks where the model's context starts
+
+    page = client.get(f"/c/{new}").text
+    box = re.search(r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', page, re.S)
+    assert box and html.unescape(box.group(1)) == "\nsecond <b>question</b>\nwith two lines", box
+    assert "<b>question" not in page  # escaped
+    again = re.search(
+        r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', client.get(f"/c/{new}").text, re.S
+    )
+    assert again and again.group(1).strip() == ""  # put in the box once, not at every reload
+    second = client.post(f"/m/{edited.id}/edit", headers=h).json()["id"]
+    assert db.get_conversation(second).title == "Plans (edited 2)"
+
+
+def test_webapp_edit_refuses_in_words(app_parts) -> None:
+    client, _ = app_parts
+    db = client.app.state.flashcode.db
+    conv = db.create_conversation("t")
+    asked = db.add_message(conv.id, "user", "hi")
+    reply = db.add_message(conv.id, "assistant", "hello")
+    h = {"X-CSRF-Token": csrf(client)}
+    assert client.post(f"/m/{asked.id}/edit").status_code == 403  # no token
+    r = client.post(f"/m/{reply.id}/edit", headers=h)
+    assert r.status_code == 400 and "regenerated" in r.text
+    assert client.post("/m/999999/edit", headers=h).status_code == 404
+    edit = next(r for r in client.app.routes if getattr(r, "path", "") == "/m/{message_id:int}/edit")
+    views = edit.endpoint.__self__.views  # as if a window were writing a reply in it
+    views.writing = lambda cid: cid == conv.id
+    r = client.post(f"/m/{asked.id}/edit", headers=h)
+    assert r.status_code == 409 and "press Stop" in r.text
+    views.writing = lambda _cid: False
+    db.trash_conversation(conv.id)
+    assert client.post(f"/m/{asked.id}/edit", headers=h).status_code == 404
+    assert len(db.list_conversations()) == 0  # nothing made by a refusal

@@ -690,6 +690,75 @@ class Database:
         ).fetchall()
         return [_message(r) for r in rows]
 
+    def get_message(self, message_id: int) -> StoredMessage | None:
+        row = self.conn.execute("SELECT * FROM messages WHERE id=?", (message_id,)).fetchone()
+        return _message(row) if row else None
+
+    def branch_conversation(self, message: StoredMessage, notice: str = "") -> Conversation:
+        """A NEW conversation holding what came before `message` in its conversation (its messages, and the
+        events the transcript drew among them, /clear marks included), with the same project, mode, model and
+        generation settings, titled "TITLE (edited)": where an edited `message` is sent instead (Edit… on a
+        user message). The conversation it comes from is not touched. `notice`: said at the top of the new one.
+        The replies' numbers stay in their footers; the Stats window counts each generation once (the
+        original's)."""
+        conv = self.get_conversation(message.conversation_id)
+        if conv is None:
+            raise StorageError("the conversation is gone (deleted, or in the Trash)")
+        now = time.time()
+        new = Conversation(
+            uuid.uuid4().hex[:12],
+            _free_title(self, conv.project_id, conv.title[:120], "edited"),
+            conv.model,
+            conv.backend,
+            now,
+            now,
+            conv.project_id,
+            conv.mode,
+            conv.generation,
+        )
+        ids: dict[int, int] = {0: 0}  # the original's message ids -> the copies'
+        with transaction(self.conn):
+            self.conn.execute(
+                "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode, "
+                "generation) VALUES (?,?,?,?,?,?,?,?,?)",
+                (new.id, new.title, new.model, new.backend, now, now, new.project_id, new.mode, new.generation),
+            )  # fmt: skip
+            if notice:
+                self.conn.execute(
+                    "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                    "VALUES (?,0,'notice',?,?)",
+                    (new.id, json.dumps({"type": "notice", "text": notice, "level": "info"}), now),
+                )
+            for m in self.messages(conv.id):
+                if m.id >= message.id:
+                    break
+                status = "incomplete" if m.status == "streaming" else m.status
+                cur = self.conn.execute(
+                    "INSERT INTO messages (conversation_id, role, content, status, stats, created_at) "
+                    "VALUES (?,?,?,?,?,?)",
+                    (
+                        new.id,
+                        m.role,
+                        m.content,
+                        status,
+                        json.dumps(m.stats) if m.stats else None,
+                        m.created_at,
+                    ),
+                )
+                ids[m.id] = int(cur.lastrowid or 0)
+            kept = sorted(ids)
+            for e in self.events(conv.id):
+                if e.after_message >= message.id:
+                    continue
+                # after a message since deleted (a regenerated reply): after the copy of the one before it
+                after = ids[kept[bisect.bisect_right(kept, e.after_message) - 1]]
+                self.conn.execute(
+                    "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                    "VALUES (?,?,?,?,?)",
+                    (new.id, after, e.type, json.dumps(e.data, default=str), e.created_at),
+                )
+        return new
+
 
 def _message(row: sqlite3.Row) -> StoredMessage:
     d = dict(row)
@@ -1067,17 +1136,23 @@ def _is_quoting(hidden: str, files: int) -> bool:
 def _imported_title(db: Database, project_id: str, title: str) -> str:
     """`title`, or "TITLE (imported)" (then "(imported 2)", ...) when the project has a conversation of that
     title (its own export brought back): two identical rows in the list could not be told apart."""
+    return _free_title(db, project_id, title, "imported", bare=True)
+
+
+def _free_title(db: Database, project_id: str, title: str, word: str, bare: bool = False) -> str:
+    """ "TITLE (WORD)", then "(WORD 2)", ...: the first the project has no conversation of (`bare`: TITLE itself
+    first)."""
     taken = {
         row[0]
         for row in db.conn.execute(
             "SELECT title FROM conversations WHERE project_id = ? AND title LIKE ?", (project_id, f"{title}%")
         )
     }
-    if title not in taken:
+    if bare and title not in taken:
         return title
-    n, candidate = 2, f"{title} (imported)"
+    n, candidate = 2, f"{title} ({word})"
     while candidate in taken:
-        candidate, n = f"{title} (imported {n})", n + 1
+        candidate, n = f"{title} ({word} {n})", n + 1
     return candidate
 
 

@@ -75,6 +75,7 @@ class ChatPages:
             Route("/trash", self.trash),
             Route("/trash/empty", self.empty_trash, methods=["POST"]),
             Route("/conversations/import", self.import_conversation, methods=["POST"]),
+            Route("/m/{message_id:int}/edit", self.edit_message, methods=["POST"]),
             Route("/c/{conversation_id:str}/export.md", self.export_md),
             Route("/c/{conversation_id:str}/export.json", self.export_json),
             Route("/static/pygments.css", self.pygments_stylesheet),
@@ -234,6 +235,41 @@ class ChatPages:
                 status_code=201,
             )  # fmt: skip
         return Response(status_code=200, headers={"HX-Redirect": f"/c/{done.conversation.id}"})
+
+    async def edit_message(self, request: Request) -> Response:
+        """POST /m/ID/edit (Edit… on one of the user's messages): a NEW conversation with what came before the
+        message, its text in the box to change and send. Nothing stored is changed or lost: the conversation it
+        comes from stays as it is (a reply is never thrown away to make room for another)."""
+        message = self.db.get_message(int(request.path_params["message_id"]))
+        conv = self.db.get_conversation(message.conversation_id) if message is not None else None
+        if message is None or conv is None:
+            raise HTTPException(404, "that message is gone (its conversation was deleted or is in the Trash)")
+        if message.role != "user":
+            raise HTTPException(400, "only your own messages can be edited; a reply can be regenerated")
+        if self.views.writing(conv.id):
+            raise HTTPException(
+                409,
+                "a reply is being written in this conversation: wait for it to end, or press Stop, then Edit",
+            )
+        sent = message.stats.get("attachments") or []
+        typed_from = message.stats.get("typed_from") if sent else None
+        text = message.content[typed_from:] if isinstance(typed_from, int) else message.content
+        notice = (
+            f"A copy of “{conv.title}” up to the message you edited, which is in the box to change and send. The "
+            "original conversation is unchanged."
+        )
+        if sent:
+            names = ", ".join(str(f.get("name")) for f in sent[:5]) + (" …" if len(sent) > 5 else "")
+            notice += f" The files attached to it ({names}) are not attached again: attach them if the model should read them."
+        try:
+            new = self.db.branch_conversation(message, notice)
+        except StorageError as exc:
+            raise HTTPException(503, f"the copy could not be stored: {exc}") from None
+        self.views.drafts[new.id] = text
+        log.info("conversation %s: message %s edited in a new conversation %s", conv.id, message.id, new.id)
+        if not request.headers.get("hx-request"):
+            return JSONResponse({"id": new.id, "title": new.title, "draft": text}, status_code=201)
+        return Response(status_code=200, headers={"HX-Redirect": f"/c/{new.id}"})
 
     def _import_project(self, project_id: str) -> str:
         projects = self.views.projects

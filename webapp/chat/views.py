@@ -51,6 +51,8 @@ class ChatViews(TranscriptViews):
         # whether a window is writing a reply in a conversation (set by the socket's `ChatContext`): a page or a
         # sync drawn meanwhile says so, rather than Ready, in a window that did not start it
         self.writing: Callable[[str], bool] = lambda _conversation_id: False
+        # a branch's edited message (Edit… on a user message), put in its box when its page is first drawn
+        self.drafts: dict[str, str] = {}
 
     # ------------------------------------------------------------------ page
     def page(self, conversation_id: str | None = None, undo: Conversation | None = None) -> str:
@@ -102,6 +104,7 @@ class ChatViews(TranscriptViews):
             "written_elsewhere": False,  # `page` and `sync` say so; the chat window alone may be the writer's
             "trash_items": self.trash_items(),
             "trash_days": TRASH_DAYS,
+            "draft": self.drafts.pop(conv.id, "") if conv else "",
         }
 
     def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
