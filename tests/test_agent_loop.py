@@ -299,8 +299,9 @@ def test_agent_write_outside_the_project_is_refused(worker, fake, project, store
 def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) -> None:
     seen: list[str] = []
 
-    async def on_model(name: str) -> None:
+    async def on_model(name: str) -> tuple[None, str]:
         seen.append(name)
+        return None, f"{name}-instruct-q4"  # the start of a name is enough: the full one is said
 
     session = make_session(worker, project, store, on_model=on_model)
     help_ev = of(asyncio.run(collect(session, "/help")), ev.HelpShown)[0]
@@ -326,11 +327,11 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
     assert seen == ["other-model"]
     # the switch is said when it is done (the transcript said only "Switching to …": walkthrough)
     assert [(n.text, n.level) for n in of(switched, ev.Notice)] == [
-        ("Loaded other-model: the next replies are its.", "info")
+        ("Loaded other-model-instruct-q4: the next replies are its.", "info")
     ]
 
-    async def fails(name: str) -> str:
-        return f"Could not load {name}: model {name!r} not found"
+    async def fails(name: str) -> tuple[str, str]:
+        return f"Could not load {name}: model {name!r} not found", "other-model-instruct-q4"
 
     session.on_model = fails  # the transcript keeps why, under its "Switching to …"
     events = asyncio.run(collect(session, "/model nosuch"))

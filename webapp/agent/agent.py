@@ -173,7 +173,8 @@ class AgentSession:
         approval_timeout_s: float = 300.0,
         output_cap: int = DEFAULT_OUTPUT_CAP,
         history: list[Message] | None = None,
-        on_model: Callable[[str], Awaitable[str | None]] | None = None,  # /model: None, or why it failed
+        # /model NAME: None, and the model loaded (the full name: NAME may be the start of one); or why it failed
+        on_model: Callable[[str], Awaitable[tuple[str | None, str]]] | None = None,
         hidden: tuple[Path, ...] = (),
         commands: SlashCommands = DEFAULT,
         max_steps: int = DEFAULT_MAX_STEPS,
@@ -299,11 +300,11 @@ class AgentSession:
         elif name == "model":
             yield ModelRequested(arg)
             if self.on_model is not None:  # in the transcript, after its "Switching to …"
-                failed = await self.on_model(arg)
+                failed, loaded = await self.on_model(arg)
                 yield (
                     Notice(failed, "warning")
                     if failed
-                    else Notice(f"Loaded {arg}: the next replies are its.")
+                    else Notice(f"Loaded {loaded or arg}: the next replies are its.")
                 )
         elif name in ("search", "shell"):
             route = name

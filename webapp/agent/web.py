@@ -263,8 +263,9 @@ class AgentTurns:
         network = answer.network if proposal.tool == "shell" else None
         return ev.Decision.from_answer(answer.choice, answer.note, network)
 
-    async def _switch_model(self, name: str) -> str | None:
-        """/model NAME: None when loaded; else why not, which the transcript keeps under "Switching to …"."""
+    async def _switch_model(self, name: str) -> tuple[str | None, str]:
+        """/model NAME: (None, the model loaded: NAME may be the start of its name); else (why not, which the
+        transcript keeps under "Switching to …", the model still loaded)."""
         engine, turn = self.web.engine, self._turn
         assert turn is not None
         failed = None
@@ -275,7 +276,7 @@ class AgentTurns:
         else:
             self.web.db.remember_model(engine.backend, engine.model)
         turn.model_changed()
-        return failed
+        return failed, engine.model or ""
 
     async def run(self, turn: Turn, text: str) -> None:
         """One agent turn for a user message already stored and shown."""
