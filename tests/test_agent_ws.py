@@ -538,3 +538,44 @@ def test_agent_ws_a_command_with_work_names_the_conversation(ws, project: Path) 
     until(ws, r'data-state="idle"')
     frames, dialog = ask(ws, "/shell pwd", conv)
     assert "data-title=" not in frames  # named once
+
+
+def test_an_agents_first_turn_walks_the_project_off_the_event_loop(
+    tmp_path: Path, fake: FakeBackend, project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file tools walk the project for other data directories when a conversation's agent is made (its
+    first turn): 0.1-0.3 s on a big project, which ran on the event loop, so every window waited (review).
+    Held here until a page's request is answered: on the loop it could not be."""
+    import threading
+
+    from webapp.agent import files as files_module
+
+    started, answered, order = threading.Event(), threading.Event(), []
+    real = files_module.inner_data_dirs
+
+    def held(root: Path) -> list[Path]:
+        started.set()
+        order.append("walk" if answered.wait(10) else "walk, no answer meanwhile")
+        return real(root)
+
+    monkeypatch.setattr(files_module, "inner_data_dirs", held)
+    worker = Worker(lambda: fake)
+    app = create_app(
+        Settings(data_dir=tmp_path / "data", load_model=False, project_dir=project), worker=worker
+    )
+    with TestClient(app, base_url=BASE) as client:
+        with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as sock:
+
+            def ask() -> None:
+                started.wait(10)
+                client.get("/health")
+                order.append("health")
+                answered.set()
+
+            asker = threading.Thread(target=ask)
+            asker.start()
+            send(sock, type="send", text="/help", mode="agent")
+            until(sock, r'data-state="idle"')
+            asker.join(15)
+    worker.close()
+    assert order == ["health", "walk"], order

@@ -181,9 +181,10 @@ class AgentSession:
         constrained: bool = True,
         approve_edits: bool = False,
         project_files: FilesAt = "task",
+        files: ProjectFiles | None = None,  # made already (off the event loop: it walks the project)
     ) -> None:
         self.worker = worker
-        self.files = ProjectFiles(Path(project_dir), hidden)
+        self.files = files if files is not None else ProjectFiles(Path(project_dir), hidden)
         self.project_dir = self.files.root
         self.project = project or str(self.project_dir)
         self.request_approval = request_approval

@@ -15,6 +15,7 @@ lookup (a bare test app) the project is `settings.project_dir`, else the working
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shlex
 import uuid
@@ -35,6 +36,7 @@ from ..settings import Settings
 from ..turns import NEW_MODE_KEY, PROJECT_REMOVED, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
 from . import events as ev
 from .agent import AgentSession, tools_note
+from .files import FileToolError, ProjectFiles
 from .sandbox import ProjectMovedError, detect, pinned_project
 from .search import DDGSProvider
 from .slash import SlashCommands
@@ -207,7 +209,8 @@ class AgentTurns:
             return note
         return await self.agent_for(conversation_id).tools_note()
 
-    def agent_for(self, conversation_id: str) -> AgentSession:
+    def agent_for(self, conversation_id: str, files: ProjectFiles | None = None) -> AgentSession:
+        """The conversation's agent, made at its first turn (`files`: its project's, made off the event loop)."""
         web = self.web
         agent = self.agents.get(conversation_id)
         if (
@@ -230,6 +233,7 @@ class AgentTurns:
                 on_model=self._switch_model,
                 hidden=hidden_paths(web.settings.data_dir),
                 commands=web.commands,
+                files=files,
             )
             self.agents[conversation_id] = agent
             if self._said_next:  # shown when Agent was chosen for this (then new) conversation
@@ -305,7 +309,15 @@ class AgentTurns:
             db.add_event(conversation_id, moved.type, moved.to_dict())
             turn.send(self.web.views.event(moved))
             return
-        agent = self.agent_for(conversation_id)
+        files = None
+        if conversation_id not in self.agents:  # its file tools walk the project (data directories): not here
+            try:
+                files = await asyncio.to_thread(
+                    ProjectFiles, project.path, hidden_paths(self.web.settings.data_dir)
+                )
+            except FileToolError:
+                files = None  # made (and its error raised) where it always was
+        agent = self.agent_for(conversation_id, files)
         # under the turn's values (the chat gives them all): the agent's defaults
         settings = self.web.settings
         agent.sampling = SamplingParams(**(settings.sampling | settings.agent_sampling | dict(turn.sampling)))
