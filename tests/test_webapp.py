@@ -581,6 +581,7 @@ def test_webapp_edit_opens_a_copy_up_to_the_message_with_its_text_in_the_box(app
     box = re.search(r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', page, re.S)
     assert box and html.unescape(box.group(1)) == "\nsecond <b>question</b>\nwith two lines", box
     assert "<b>question" not in page  # escaped
+    assert 'title="Plans (edited)"' in page  # the list's row says it whole when its end is cut off
     again = re.search(
         r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', client.get(f"/c/{new}").text, re.S
     )
