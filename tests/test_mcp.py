@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import sys
@@ -545,3 +546,38 @@ def test_a_config_env_reaches_the_server_only_inside_the_sandbox(
         step = of(events, ev.ToolStepDone)[0]
         assert step.ok and step.result == "inside", step.result  # the server got its env
     assert sorted(p.name for p in outside.iterdir()) == []
+
+
+def test_the_sandbox_descriptors_close_once_the_server_answered_and_its_keys_touch_no_file(
+    worker: Worker, fake: FakeBackend, project: Path, store: AgentStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(review) A server held its sandbox's descriptors while it ran, one per folder mounted writable (one above
+    each repository in a workspace): a few servers used up the server's own. And the config's env (API keys)
+    was copied into /tmp files for the wrapper. Now the wrapper reopens each descriptor through /proc, and they
+    close once the server answered."""
+    import tempfile as tempfile_module
+
+    for i in range(30):  # 30 folders mounted writable: r0 ... r29, above their .git
+        for d in ("objects", "refs"):
+            (project / f"r{i}" / ".git" / d).mkdir(parents=True)
+        (project / f"r{i}" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    write_config(project, demo=server_entry() | {"env": {"MCP_T_MARK": "inside"}})
+    approve_file_servers(store, project)
+
+    def no_files(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a file was made for the wrapper")
+
+    monkeypatch.setattr(tempfile_module, "mkstemp", no_files)
+    servers = McpServers()
+    s = make_session(worker, project, store, servers, Approver(ev.Decision.once()))
+    before = len(os.listdir("/proc/self/fd"))
+
+    async def body():  # noqa: ANN202
+        fake.enqueue_call("demo__getenv", variable="MCP_T_MARK").enqueue("done")
+        events = await turn(s)
+        return events, len(os.listdir("/proc/self/fd"))  # the server still runs
+
+    events, running = run(body, servers)
+    step = of(events, ev.ToolStepDone)[0]
+    assert step.ok and "inside" in step.result, [n.text for n in of(events, ev.Notice)]
+    assert running - before < 20, (before, running)  # its pipes and the like, not 30+ folders

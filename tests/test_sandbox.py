@@ -196,3 +196,97 @@ def test_the_walks_for_git_dirs_run_off_the_event_loop(
     events, ticks = asyncio.run(go())
     assert of(events, ev.ActionExit)[0].exit_code == 0
     assert ticks >= 30, ticks  # 1.2 s of walks; on the loop they allowed a tick or two
+
+
+def test_the_probe_walks_an_empty_folder_of_its_own_not_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) The probe ran `true` with /tmp as the project: every git directory in /tmp became a mount, and a
+    /tmp holding a thousand clones failed the probe ("Exceeded maximum number of arguments"): no sandbox."""
+    walked: list[Path] = []
+    real = sandbox.scan_project
+
+    def scan(project, skip=()):  # type: ignore[no-untyped-def]
+        walked.append(Path(project))
+        return real(project, skip)
+
+    monkeypatch.setattr(sandbox, "scan_project", scan)
+    sandbox.detect.cache_clear()
+    try:
+        assert sandbox.detect().available
+    finally:
+        sandbox.detect.cache_clear()
+    assert walked and all(p.name.startswith("flashcode-probe-") and not p.exists() for p in walked), walked
+
+
+def test_asking_bubblewrap_for_bind_fd_is_asked_again_after_a_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(review) One slow `bwrap --help` on a busy machine turned the descriptors off for the process's life."""
+    import subprocess
+
+    calls: list[list[str]] = []
+    real = subprocess.run
+
+    def slow_once(argv, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(argv)
+        if len(calls) == 1:
+            raise subprocess.TimeoutExpired(argv, 1)
+        return real(argv, **kwargs)
+
+    monkeypatch.setattr(sandbox.subprocess, "run", slow_once)
+    monkeypatch.setattr(sandbox, "_BINDS_FROM_FDS", {})
+    bwrap = sandbox.system_program("bwrap") or "/usr/bin/bwrap"
+    assert sandbox._binds_from_fds(bwrap) is False  # no answer: by name this once
+    assert sandbox._binds_from_fds(bwrap) is True and sandbox._binds_from_fds(bwrap) is True
+    assert len(calls) == 2  # asked again once, then kept
+
+
+def test_a_folder_named_outside_the_checked_project_is_refused_as_moved(tmp_path: Path) -> None:
+    """(review) A project swapped for a link after its check was named again by its path: `relative_to` raised a
+    ValueError the runner did not catch (it failed closed, with a traceback for the model)."""
+    import os
+
+    root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    folders = sandbox._FolderFds(tmp_path, root)
+    try:
+        with pytest.raises(sandbox.ProjectMovedError, match="changed while the command was being set up"):
+            folders.open(tmp_path.parent / "elsewhere")
+    finally:
+        folders.close()
+
+
+def test_a_workspace_of_many_repositories_runs_and_a_low_file_limit_is_said(tmp_path: Path) -> None:
+    """(review) Each folder mounted writable (one above each nested repository) is held open until bubblewrap
+    mounted it: past the soft limit on open files every command failed, said as "changed while the command was
+    being set up". The soft limit is raised to the hard one; when the hard one is too low, it is said."""
+    import subprocess
+    import sys
+
+    for i in range(40):
+        for d in ("objects", "refs"):
+            (tmp_path / f"r{i}" / ".git" / d).mkdir(parents=True)
+        (tmp_path / f"r{i}" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    script = """
+import resource, subprocess, sys
+from pathlib import Path
+soft, hard = (int(x) for x in sys.argv[2:4])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from webapp.agent import sandbox
+try:
+    with sandbox.launch(["sh", "-c", "touch r7/made"], sandbox.SandboxPolicy(Path(sys.argv[1]))) as (argv, fds):
+        done = subprocess.run(argv, env=sandbox.command_env(), pass_fds=fds)
+    print("rc", done.returncode, "soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+except sandbox.SandboxUnavailableError as exc:
+    print("refused", exc)
+"""
+    root = Path(__file__).resolve().parent.parent
+
+    def run(soft: int, hard: int) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path), str(soft), str(hard)],
+            capture_output=True, text=True, timeout=120, cwd=root,
+        )  # fmt: skip
+        return done.stdout.strip() + done.stderr[-400:]
+
+    assert run(30, 4096) == "rc 0 soft 4096" and (tmp_path / "r7" / "made").exists()
+    said = run(30, 30)
+    assert said.startswith("refused") and "may open no more files" in said and "ulimit -n" in said, said

@@ -601,12 +601,28 @@ def test_webapp_edit_refuses_in_words(app_parts) -> None:
     r = client.post(f"/m/{reply.id}/edit", headers=h)
     assert r.status_code == 400 and "regenerated" in r.text
     assert client.post("/m/999999/edit", headers=h).status_code == 404
-    edit = next(r for r in client.app.routes if getattr(r, "path", "") == "/m/{message_id:int}/edit")
-    views = edit.endpoint.__self__.views  # as if a window were writing a reply in it
-    views.writing = lambda cid: cid == conv.id
-    r = client.post(f"/m/{asked.id}/edit", headers=h)
-    assert r.status_code == 409 and "press Stop" in r.text
-    views.writing = lambda _cid: False
     db.trash_conversation(conv.id)
     assert client.post(f"/m/{asked.id}/edit", headers=h).status_code == 404
     assert len(db.list_conversations()) == 0  # nothing made by a refusal
+
+
+def test_webapp_edit_names_a_copy_of_a_copy_once_and_works_while_a_reply_is_written(app_parts) -> None:
+    """(review) A copy's copy was "T (edited) (edited)"; an untitled conversation's copy stayed "Untitled
+    (edited)" for good (the message sent there now names it). A reply being written in the conversation comes
+    after the message: the copy ends before it, so Edit needs no waiting."""
+    client, _ = app_parts
+    db = client.app.state.flashcode.db
+    h = {"X-CSRF-Token": csrf(client)}
+    conv = db.create_conversation("Trip")
+    first = db.add_message(conv.id, "user", "plan a trip")
+    db.add_message(conv.id, "assistant", "where to?", status="streaming")  # being written
+    copy = client.post(f"/m/{first.id}/edit", headers=h).json()["id"]
+    assert db.get_conversation(copy).title == "Trip (edited)" and db.messages(copy) == []
+    again = db.add_message(copy, "user", "plan a trip to Rome")
+    assert (
+        db.get_conversation(client.post(f"/m/{again.id}/edit", headers=h).json()["id"]).title
+        == "Trip (edited 2)"
+    )
+    untitled = db.create_conversation()
+    asked = db.add_message(untitled.id, "user", "/help")
+    assert db.get_conversation(client.post(f"/m/{asked.id}/edit", headers=h).json()["id"]).title == "Untitled"

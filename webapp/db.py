@@ -705,9 +705,14 @@ class Database:
         if conv is None:
             raise StorageError("the conversation is gone (deleted, or in the Trash)")
         now = time.time()
+        base = re.sub(r" \(edited(?: \d+)?\)$", "", conv.title)[
+            :120
+        ]  # a copy's copy: not "(edited) (edited)"
+        # an untitled one stays untitled: the message sent there names it, as in a new conversation
+        title = UNTITLED if conv.title == UNTITLED else _free_title(self, conv.project_id, base, "edited")
         new = Conversation(
             uuid.uuid4().hex[:12],
-            _free_title(self, conv.project_id, conv.title[:120], "edited"),
+            title,
             conv.model,
             conv.backend,
             now,

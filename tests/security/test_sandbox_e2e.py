@@ -541,6 +541,23 @@ def test_a_data_directory_that_git_also_takes_for_a_repository_stays_hidden(scra
     assert scan.data_dirs == [both.resolve()] and scan.git_dirs == [] and scan.complete
 
 
+def test_a_data_directory_inside_a_git_directory_stays_hidden(scratch: Scratch) -> None:
+    """(review) The walk does not enter a git directory it found, so a data directory inside one went unseen: the
+    file tools listed its database, and the git directory's read-only mount, made after the hiding one, showed it
+    to commands. Git directories are looked into for data directories, and hiding comes after read-only."""
+    git_dir = scratch.project / "vendor" / "lib.git"
+    for name in ("objects", "refs"):
+        (git_dir / name).mkdir(parents=True)
+    (git_dir / "HEAD").write_text("ref: refs/heads/main\n")
+    inner = git_dir / "fc"
+    inner.mkdir()
+    (inner / "flashcode.db").write_text(SECRET + "\n")
+    ran = run_command("cat vendor/lib.git/fc/flashcode.db; ls vendor/lib.git", scratch.project)
+    assert SECRET not in ran.output and "HEAD" in ran.output, ran.output  # the git directory read-only, shown
+    listed = ReadTools(ProjectFiles(scratch.project)).list_files("vendor/lib.git")
+    assert "fc" not in listed.split() and "flashcode.db" not in listed, listed
+
+
 def test_a_project_folder_swapped_for_a_link_runs_and_writes_nothing(scratch: Scratch) -> None:
     """The home-folder rule was checked when a project was added only: a project's folder swapped for a
     symbolic link to the home folder while the server ran, the next command was mounted there read-write and

@@ -185,7 +185,8 @@ class ServerHandle:
         self.dead = False
         self.last_used = time.monotonic()
         self.errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-        self._fd_files: list[str] = []  # what the wrapper opens for bubblewrap (the seccomp program, the env)
+        # the sandbox's descriptors (the seccomp program, the env, the folders): open until the server answered
+        self._launch = contextlib.ExitStack()
         self._pending: set[asyncio.Future[Any]] = set()
 
     @property
@@ -259,35 +260,23 @@ class ServerHandle:
             # the config's env goes into the sandbox only: the wrapper, bubblewrap and usernet.py run with the
             # clean environment (a PATH or BASH_ENV of the config would run a project file outside the sandbox)
             env = sandbox.command_env(project_dir=project)
-            # held open while the server runs: the folders' descriptors are reopened by the wrapper
-            wrapped, fds = stack.enter_context(sandbox.launch(argv, self.launch.policy(), env=dict(cfg.env)))
+            # held open until the server answered: the wrapper reopens them (`_release_launch` closes them)
+            wrapped, fds = self._launch.enter_context(
+                sandbox.launch(argv, self.launch.policy(), env=dict(cfg.env))
+            )
             argv = list(wrapped)
-            if (
-                fds
-            ):  # the seccomp program, the env, the folders: bwrap reads fds 3, 4, ... that a wrapper opens
-                files, sources, named = (
-                    [],
-                    [],
-                    {fd: sandbox.argv_fds(argv, fd) for fd in fds},
-                )  # before renaming
+            if fds:
+                # the seccomp program, the env (the config's keys: never written to a file), the folders: bwrap
+                # reads fds 3, 4, ... that a wrapper opens from this process's /proc (each opened anew: a memfd
+                # from its start, a folder as the descriptor holds it)
+                named = {fd: sandbox.argv_fds(argv, fd) for fd in fds}  # before any is renumbered
                 for n, fd in enumerate(fds, start=3):
                     for i in named[fd]:
                         argv[i] = str(n)
-                    try:
-                        data = os.pread(fd, 1 << 20, 0)
-                    except (
-                        OSError
-                    ):  # a folder (O_PATH): the same folder, reopened through this process's /proc
-                        sources.append(f"/proc/{os.getpid()}/fd/{fd}")
-                        continue
-                    # mode 0600, and deleted once the server answered
-                    handle, path = tempfile.mkstemp(prefix="flashcode-mcp-fd-")
-                    with os.fdopen(handle, "wb") as f:
-                        f.write(data)
-                    files.append(path)
-                    sources.append(path)
-                self._fd_files = files
-                opens = " ".join(f'{n}<"${i}"' for i, n in enumerate(range(3, 3 + len(sources)), start=1))
+                sources = [f"/proc/{os.getpid()}/fd/{fd}" for fd in fds]
+                opens = " ".join(
+                    f'{n}<"${{{i}}}"' for i, n in enumerate(range(3, 3 + len(sources)), start=1)
+                )  # ${10}: $10 is $1, then 0
                 script = f'exec {opens}; shift {len(sources)}; exec "$@"'
                 argv = [
                     sandbox.system_program("bash", project) or "/bin/bash",
@@ -300,11 +289,10 @@ class ServerHandle:
         params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(project))
         return stdio_client(params, errlog=self.errlog)
 
-    def _drop_fd_files(self) -> None:
-        for path in self._fd_files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self._fd_files = []
+    def _release_launch(self) -> None:
+        """The server answered (or is gone): the wrapper has opened the sandbox's descriptors, which close
+        here (one a folder in the project: a workspace of many repositories holds many)."""
+        self._launch.close()
 
     async def _main(self) -> None:
         import anyio
@@ -322,7 +310,7 @@ class ServerHandle:
                     cursor = page.next_cursor
                     if not cursor:
                         break
-                self._drop_fd_files()
+                self._release_launch()
                 if not self.ready.done():
                     self.ready.set_result(tools)
                 async with anyio.create_task_group() as tg:
@@ -335,7 +323,7 @@ class ServerHandle:
                 raise
         finally:
             self.dead = True
-            self._drop_fd_files()
+            self._release_launch()
             reason = self.error or "stopped"
             if not self.ready.done():
                 self.ready.set_exception(ServerDown(reason))

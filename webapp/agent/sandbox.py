@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import os
 import platform
@@ -53,7 +54,8 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -253,8 +255,10 @@ def _detect() -> SandboxStatus:
         return SandboxStatus(
             False, "none", "bubblewrap is not installed (Debian/Ubuntu: `sudo apt-get install bubblewrap`)"
         )
-    with _seccomp_fd() as fd:
-        argv = _bwrap_argv(["true"], SandboxPolicy(Path("/tmp")), fd)
+    # an empty folder of its own as the project: /tmp itself would be walked, every git directory in it mounted
+    # (a /tmp holding a thousand clones made the probe fail: "Exceeded maximum number of arguments")
+    with _seccomp_fd() as fd, tempfile.TemporaryDirectory(prefix="flashcode-probe-") as empty:
+        argv = _bwrap_argv(["true"], SandboxPolicy(Path(empty)), fd)
         return _probe("bubblewrap", argv, () if fd is None else (fd,))
 
 
@@ -313,21 +317,45 @@ def launch(
         yield _seatbelt_argv(argv, policy, tmp_dir or Path("/private/tmp")), ()
         return
     with _seccomp_fd() as fd, _env_args_fd(env) as env_fd, _folder_fds(policy.project_dir) as folders:
-        args = _bwrap_argv(argv, policy, fd, env_fd, folders.open if folders else None)
+        args = _bwrap_argv(argv, policy, fd, env_fd, folders)
         fds = tuple(f for f in (fd, env_fd) if f is not None) + (folders.fds if folders else ())
         yield args, fds
 
 
-@functools.cache
+_BINDS_FROM_FDS: dict[str, bool] = {}
+
+
 def _binds_from_fds(bwrap: str) -> bool:
-    """Whether this bubblewrap mounts a folder from an open descriptor (`--bind-fd`, bubblewrap 0.7 on)."""
+    """Whether this bubblewrap mounts a folder from an open descriptor (`--bind-fd`, bubblewrap 0.7 on), asked
+    once per program. A run that did not finish in time is no answer (a busy machine): that command binds by
+    name, and the next one asks again, rather than the whole process going without the descriptors."""
+    if bwrap in _BINDS_FROM_FDS:
+        return _BINDS_FROM_FDS[bwrap]
     try:
         done = subprocess.run(
             [bwrap, "--help"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=command_env()
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         return False
-    return "--bind-fd" in done.stdout + done.stderr
+    except OSError:
+        done = None
+    _BINDS_FROM_FDS[bwrap] = done is not None and "--bind-fd" in done.stdout + done.stderr
+    return _BINDS_FROM_FDS[bwrap]
+
+
+@functools.cache
+def raise_open_file_limit() -> tuple[int, int]:
+    """The soft limit on open files raised to the hard one (once): each folder a command's sandbox mounts
+    writable is held open until bubblewrap has mounted it, and a workspace of a thousand repositories needs a
+    thousand (1,024 is a common soft limit; the hard one is usually far higher). Returns the limits now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
 class _FolderFds:
@@ -347,6 +375,10 @@ class _FolderFds:
     def open(self, folder: Path) -> int:
         if folder in self._opened:
             return self._opened[folder]
+        if not folder.is_relative_to(self.project):  # named from a path that now leads elsewhere
+            raise ProjectMovedError(
+                f"the project's folder {self.project} changed while the command was being set up: run it again"
+            )
         fd = self.root
         try:
             for part in folder.relative_to(self.project).parts:
@@ -357,6 +389,12 @@ class _FolderFds:
         except OSError as exc:
             if fd != self.root:
                 os.close(fd)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise SandboxUnavailableError(
+                    f"the sandbox mounts {len(self._opened) + 1}+ folders of this project (one above each git "
+                    f"directory in it) and flashcode may open no more files ({exc.strerror}): raise the limit "
+                    "(`ulimit -n` in the shell that starts flashcode) or open a smaller folder as the project"
+                ) from None
             raise SandboxUnavailableError(
                 f"{folder} changed while the command was being set up ({exc.strerror or exc}): run it again"
             ) from None
@@ -377,6 +415,7 @@ def _folder_fds(project_dir: Path) -> Iterator[_FolderFds | None]:
     if not _binds_from_fds(bwrap):
         yield None
         return
+    raise_open_file_limit()
     project = pinned_project(project_dir)
     try:
         root = os.open(project, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -621,19 +660,29 @@ _GIT_MARKS_FOLDED = frozenset(m.casefold() for m in GIT_MARKS)
 
 def scan_project(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> ProjectScan:
     """One breadth-first walk of the project (shallow folders first: a data or git directory is rarely deep,
-    a node_modules is) that follows no symbolic link, enters neither `skip` nor a found directory, and looks
-    at `SCAN_FOLDERS` folders at most. A folder that is both is a data directory (hidden, not only read-only).
+    a node_modules is) that follows no symbolic link, enters neither `skip` nor a found data directory, and
+    looks at `SCAN_FOLDERS` folders at most; then the git directories found, for data directories only (their
+    read-only mounts would not hide one), as many again at most. A folder that is both is a data directory
+    (hidden, not only read-only).
     One walk serves both lists: a command's mounts needed two, each 0.3-0.5 s on a 24,000-folder project."""
     project = Path(project).resolve()
     skipped = {str(p) for p in skip}
     data: list[Path] = []
     gits: list[Path] = []
-    todo, seen, top = collections.deque([str(project)]), 0, str(project)  # strings: a Path per folder costs
+    complete = _walk(str(project), skipped, data, gits)
+    # then inside the git directories found, for data directories only (their read-only mounts would not hide
+    # one), with a budget of its own: a workspace of many clones must not leave the last clones unwalked
+    _walk_inside(gits, skipped, data)
+    return ProjectScan(sorted(data), sorted(gits), complete)
+
+
+def _walk(top: str, skipped: set[str], data: list[Path], gits: list[Path]) -> bool:
+    todo, seen = collections.deque([top]), 0  # strings: a Path per folder costs
     while todo:
         folder = todo.popleft()
         seen += 1
         if seen > SCAN_FOLDERS:
-            return ProjectScan(sorted(data), sorted(gits), False)
+            return False
         try:
             with os.scandir(folder) as it:
                 entries = list(it)
@@ -651,7 +700,27 @@ def scan_project(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> Pro
                 gits.append(Path(folder))
                 continue
         todo.extend(e.path for e in entries if e.is_dir(follow_symlinks=False) and e.path not in skipped)
-    return ProjectScan(sorted(data), sorted(gits), True)
+    return True
+
+
+def _walk_inside(gits: list[Path], skipped: set[str], data: list[Path]) -> None:
+    todo, seen = collections.deque(str(g) for g in gits), 0
+    while todo and seen < SCAN_FOLDERS:
+        folder = todo.popleft()
+        seen += 1
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        if any(e.name in DATA_MARKS for e in entries) and Path(folder) not in gits:
+            data.append(Path(folder))
+            continue
+        todo.extend(  # not git's object store (256 folders of hashed files in every repository)
+            e.path
+            for e in entries
+            if e.is_dir(follow_symlinks=False) and e.name != "objects" and e.path not in skipped
+        )
 
 
 def planted_git_dirs(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> tuple[list[Path], bool]:
@@ -703,17 +772,17 @@ def _bwrap_argv(
     policy: SandboxPolicy,
     seccomp_fd: int | None = None,
     env_fd: int | None = None,
-    folder_fd: Callable[[Path], int] | None = None,
+    folders: _FolderFds | None = None,
 ) -> list[str]:
-    """bubblewrap's arguments. `folder_fd`: the descriptor each writable folder is bound from (`_FolderFds`);
-    without it, folders are bound by name."""
+    """bubblewrap's arguments. `folders`: the descriptors the writable folders are bound from, and the project's
+    path as it was checked (not looked up again); without it, folders are bound by name."""
 
     def writable(folder: Path) -> list[str]:
-        if folder_fd is None:
+        if folders is None:
             return ["--bind", str(folder), str(folder)]
-        return ["--bind-fd", str(folder_fd(folder)), str(folder)]
+        return ["--bind-fd", str(folders.open(folder)), str(folder)]
 
-    project = Path(policy.project_dir).resolve()
+    project = folders.project if folders is not None else Path(policy.project_dir).resolve()
     bwrap = system_program("bwrap", project) or "/usr/bin/bwrap"  # never one found in the project
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for path in _PROC_READ_ONLY:
@@ -722,9 +791,10 @@ def _bwrap_argv(
     args += ["--tmpfs", "/tmp"]
     # Mounts stack in order, and a later one covers what lies below its path. So: first hide the secrets
     # that hold the project (the scratch project in the data directory), then bind the project into the
-    # emptied tree, then pin the folders that lead to what is hidden or read-only inside it, then hide
-    # every other secret, the ones inside the project too (a project opened at ~/.config must not uncover
-    # its git credentials), and make the git directories read-only.
+    # emptied tree, then pin the folders that lead to what is hidden or read-only inside it, then make the
+    # git directories read-only, then hide every other secret, the ones inside the project too (a project
+    # opened at ~/.config must not uncover its git credentials; a data directory inside a git directory
+    # stays hidden under its read-only mount).
     named = named_git_dirs(project)
     scan = scan_project(project, named)  # one walk for the data and the git directories inside the project
     secrets = [s.resolve() for s in _secret_paths(policy, scan.data_dirs)]
@@ -737,11 +807,6 @@ def _bwrap_argv(
     own = [p for p in own_paths() if p.is_relative_to(project) and p != project and p.exists()]
     for folder in _pins(project, hidden + gits + own):
         args += writable(folder)
-    for real in hidden:
-        if real.is_dir():
-            args += ["--tmpfs", str(real)]
-        else:
-            args += ["--ro-bind", "/dev/null", str(real)]
     for real in gits + own:  # flashcode's own environment too, when it lies in the project
         args += ["--ro-bind", str(real), str(real)]
     git = project / ".git"
@@ -751,6 +816,11 @@ def _bwrap_argv(
             str(git),
             str(git),
         ]  # the link or `gitdir:` file itself cannot be replaced either
+    for real in hidden:
+        if real.is_dir():
+            args += ["--tmpfs", str(real)]
+        else:
+            args += ["--ro-bind", "/dev/null", str(real)]
     # a network namespace of its own in every case: with the network on, usernet.py connects it to the
     # outside without this machine's loopback (where flashcode itself listens)
     args += ["--unshare-user-try", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]

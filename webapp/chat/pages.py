@@ -246,17 +246,13 @@ class ChatPages:
             raise HTTPException(404, "that message is gone (its conversation was deleted or is in the Trash)")
         if message.role != "user":
             raise HTTPException(400, "only your own messages can be edited; a reply can be regenerated")
-        if self.views.writing(conv.id):
-            raise HTTPException(
-                409,
-                "a reply is being written in this conversation: wait for it to end, or press Stop, then Edit",
-            )
+        # a reply being written meanwhile is no obstacle: it comes after the message, and the copy ends before it
         sent = message.stats.get("attachments") or []
         typed_from = message.stats.get("typed_from") if sent else None
         text = message.content[typed_from:] if isinstance(typed_from, int) else message.content
         notice = (
-            f"A copy of “{conv.title}” up to the message you edited, which is in the box to change and send. The "
-            "original conversation is unchanged."
+            f"A copy of “{conv.title}” up to the message you edited, whose text was put in the box to change and "
+            "send when this copy opened. The original conversation is unchanged and keeps it."
         )
         if sent:
             names = ", ".join(str(f.get("name")) for f in sent[:5]) + (" …" if len(sent) > 5 else "")
