@@ -24,6 +24,7 @@ RAW = {
     "flash-dense.json": "flash",
     "flash-dense-gpu.json": "flash",
     "flash-dense-gpu-depth.json": "flash_runs",
+    "flash-dense-gpu-h100.json": "flash",
     "flash-moe.json": "runs",
     "flash-moe-gpu.json": "runs",
     "flash-moe-gpu-h100.json": "runs",
@@ -201,7 +202,9 @@ def test_residency_efficiency_recomputes_from_the_runs(name: str) -> None:
         assert eff == round(gain / cut, 3)
 
 
-@pytest.mark.parametrize("name", ["flash-dense-gpu.json", "flash-dense-gpu-depth.json"])
+@pytest.mark.parametrize(
+    "name", ["flash-dense-gpu.json", "flash-dense-gpu-depth.json", "flash-dense-gpu-h100.json"]
+)
 def test_dense_gpu_summary_recomputes(name: str) -> None:
     """The dense GPU headline: the ceiling is the best disk probe (or the in-memory run), the
     headline run is the median of the first depth's runs, and each depth's ratios recompute."""
