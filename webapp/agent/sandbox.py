@@ -7,9 +7,10 @@ to pass) that run `argv` inside the sandbox; `detect()` says whether one is avai
 What is covered (Linux, bubblewrap)
 - Writes only in the project directory and a private, empty `/tmp` that vanishes with the command;
   the rest of the filesystem is mounted read-only. The writable folders are mounted from descriptors
-  opened as they were checked (`--bind-fd`, bubblewrap 0.7 on), not looked up by name again. The project's `.git` is read-only as a whole (a
-  hook or `commondir` planted there would run later, outside the sandbox, on the user's `git commit`;
-  a read-only mount also cannot be renamed away), so git commands that write refuse inside the sandbox.
+  opened as they were checked (`--bind-fd`, bubblewrap 0.7 on), not looked up by name again. The
+  project's `.git` is read-only as a whole (a hook or `commondir` planted there would run later, outside
+  the sandbox, on the user's `git commit`; a read-only mount also cannot be renamed away), so git
+  commands that write refuse inside the sandbox.
 - Kernel knobs stay read-only even for root: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, ...
 - A seccomp filter refuses unix-domain sockets (a socket file outside the project — the session bus,
   docker.sock, a database — could act for the command outside the sandbox), io_uring (which makes

@@ -256,7 +256,10 @@ class ChatPages:
         )
         if sent:
             names = ", ".join(str(f.get("name")) for f in sent[:5]) + (" …" if len(sent) > 5 else "")
-            notice += f" The files attached to it ({names}) are not attached again: attach them if the model should read them."
+            notice += (
+                f" The files attached to it ({names}) are not attached again: attach them if the model should "
+                "read them."
+            )
         try:
             new = self.db.branch_conversation(message, notice)
         except StorageError as exc:
