@@ -626,3 +626,24 @@ def test_webapp_edit_names_a_copy_of_a_copy_once_and_works_while_a_reply_is_writ
     untitled = db.create_conversation()
     asked = db.add_message(untitled.id, "user", "/help")
     assert db.get_conversation(client.post(f"/m/{asked.id}/edit", headers=h).json()["id"]).title == "Untitled"
+
+
+def test_webapp_edit_of_a_message_with_files_puts_the_typed_words_in_the_box_and_says_the_files(
+    app_parts,
+) -> None:
+    """A message sent with files attached: the model read them quoted before the typed words. The box gets the
+    typed words (not the quoted files), and the copy says the files are not attached again."""
+    client, _ = app_parts
+    db = client.app.state.flashcode.db
+    conv = db.create_conversation("Review")
+    quoted = "<file path='a.py'>\nprint(1)\n</file>\n"
+    sent = db.add_message(
+        conv.id,
+        "user",
+        quoted + "review this",
+        stats={"attachments": [{"name": "a.py", "size": 9}], "typed_from": len(quoted)},
+    )
+    r = client.post(f"/m/{sent.id}/edit", headers={"X-CSRF-Token": csrf(client)})
+    assert r.json()["draft"] == "review this"
+    said = db.events(r.json()["id"])[0].data["text"]
+    assert "a.py" in said and "not attached again" in said
