@@ -283,6 +283,13 @@
     markSelected(conversationId());
     syncTitle();
     if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had
+    // the window drawn over HTTP cannot tell this page writes a reply: the socket sends its controls back
+    if (toChat && $("#showing")) htmx.trigger("#showing", "flashcode:showing");
+    // a conversation the list does not have yet (a copy made by Edit…): the list is drawn again
+    const id = conversationId();
+    if (toChat && id && !document.querySelector(`#conversation-list li[data-id="${CSS.escape(id)}"]`)) {
+      htmx.ajax("GET", `/conversations?current=${encodeURIComponent(id)}`, { target: "#conversation-list", swap: "outerHTML" });
+    }
   });
   window.addEventListener("popstate", () => location.reload());
   // a request the server refused (a title left empty, a project removed in another window) or could not

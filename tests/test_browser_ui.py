@@ -243,3 +243,57 @@ def test_browser_edit_opens_a_copy_with_the_message_in_the_box(fake_server, page
     page.locator(".msg-assistant .body", has_text="second answer").wait_for()
     assert page.locator(".msg-user .body").all_inner_texts() == ["first question", "second question"]
     assert not page.errors, page.errors
+
+
+def test_browser_stop_works_after_going_to_another_conversation_and_back(fake_server, page) -> None:
+    """(walkthrough) A window writing a reply that went to another conversation and came back showed "A reply is
+    being written in another window" with Stop greyed out: nothing stopped the reply. Its socket now gives the
+    window its controls back, in any conversation it shows."""
+    url, fake = fake_server
+    fake.enqueue("first answer")
+    page.goto(url)
+    send_and_wait(page, "an earlier conversation")
+    earlier = page.url
+    page.click("a.new-link")
+    page.locator("#chat-title", has_text="New Conversation").wait_for()
+    fake.enqueue(*[f"word{i} " for i in range(3000)])  # 30 s at 10 ms a token
+    page.fill("#prompt", "a long list")
+    page.press("#prompt", "Enter")
+    page.locator("#status[data-state=generating]").wait_for()
+    page.locator(".msg-assistant.status-streaming .body", has_text="word5").wait_for()
+    writing = page.url
+    page.locator(f'#conversation-list li[data-id="{earlier.rsplit("/", 1)[-1]}"] a').click()
+    page.wait_for_url(earlier)
+    page.locator("#status .status-text", has_text="another conversation of this window").wait_for()
+    assert page.locator("#stop-button").is_enabled()
+    page.locator(f'#conversation-list li[data-id="{writing.rsplit("/", 1)[-1]}"] a').click()
+    page.wait_for_url(writing)
+    page.locator("#status[data-state=generating] #stop-button:not([disabled])").wait_for()
+    page.click("#stop-button")
+    page.locator("#status[data-state=idle]").wait_for()
+    page.locator(".msg-assistant.status-stopped").wait_for()
+    assert not page.errors, page.errors
+
+
+def test_browser_edit_while_a_reply_is_written_leaves_that_reply_running(fake_server, page) -> None:
+    """(walkthrough) Edit… reloaded the page, which closed its socket and so stopped the reply being written. The
+    copy opens in the same page now: the reply goes on to its end."""
+    url, fake = fake_server
+    fake.enqueue("first answer")
+    page.goto(url)
+    send_and_wait(page, "first question")
+    original = page.url
+    fake.enqueue(*[f"w{i} " for i in range(300)])  # 3 s
+    page.fill("#prompt", "second question")
+    page.press("#prompt", "Enter")
+    page.locator(".msg-assistant.status-streaming .body", has_text="w5").wait_for()
+    page.locator(".msg-user .msg-edit").first.click()
+    page.wait_for_url(lambda u: u != original and "/c/" in u)
+    assert page.input_value("#prompt") == "first question"
+    new_id = page.url.rsplit("/", 1)[-1]
+    page.locator(f'#conversation-list li[data-id="{new_id}"]').wait_for()  # listed without a reload
+    page.locator(f'#conversation-list li[data-id="{original.rsplit("/", 1)[-1]}"] a').click()
+    page.wait_for_url(original)
+    page.locator(".msg-assistant.status-complete .body", has_text="w299").wait_for(timeout=30_000)
+    assert page.locator(".msg-assistant.status-stopped").count() == 0
+    assert not page.errors, page.errors

@@ -268,7 +268,10 @@ class ChatPages:
         log.info("conversation %s: message %s edited in a new conversation %s", conv.id, message.id, new.id)
         if not request.headers.get("hx-request"):
             return JSONResponse({"id": new.id, "title": new.title, "draft": text}, status_code=201)
-        return Response(status_code=200, headers={"HX-Redirect": f"/c/{new.id}"})
+        # the chat window alone, in the same page: a reload would close the page's socket, which stops a reply it
+        # is writing (in this conversation or another)
+        where = {"path": f"/c/{new.id}", "target": "#chat-window", "swap": "outerHTML"}
+        return Response(status_code=200, headers={"HX-Location": json.dumps(where)})
 
     def _import_project(self, project_id: str) -> str:
         projects = self.views.projects

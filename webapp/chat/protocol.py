@@ -87,7 +87,17 @@ class Answer:
     type: str = "answer"
 
 
-ClientMessage = Send | Stop | Regenerate | Continue | SwitchModel | Answer | SetMode
+@dataclass(frozen=True)
+class Showing:
+    """The window now shows this conversation (None: a new one): a window writing a reply gets its controls
+    back, Stop included, wherever it went meanwhile (the chat window drawn over HTTP cannot tell it is the
+    writer's and says "another window")."""
+
+    conversation_id: str | None = None
+    type: str = "showing"
+
+
+ClientMessage = Send | Stop | Regenerate | Continue | SwitchModel | Answer | SetMode | Showing
 MODES = ("chat", "agent")
 
 
@@ -173,6 +183,7 @@ def _model(d: dict[str, Any]) -> SwitchModel:
 _PARSERS = {
     "send": _send,
     "stop": lambda d: Stop(),
+    "showing": lambda d: Showing(conversation_id=_str(d, "conversation_id", required=False)),
     "regenerate": lambda d: Regenerate(
         conversation_id=_str(d, "conversation_id") or "", seen=_number(d, "seen", int, 0, 2**63 - 1)
     ),

@@ -154,6 +154,10 @@ class ChatContext:
         await Session(ws, self).run()
 
 
+# the status line of a window writing a reply in one conversation while it shows another
+ELSEWHERE_WRITING = "Writing a reply in another conversation of this window… Stop stops it."
+
+
 class Session:
     def __init__(self, ws: WebSocket, ctx: ChatContext) -> None:
         self.ws = ws
@@ -229,6 +233,8 @@ class Session:
                 self.cancel()
         elif isinstance(msg, p.Answer):
             self._answer(msg)
+        elif isinstance(msg, p.Showing):
+            self._showing(msg)
         elif self.generating:
             self.error("A reply is still being written: press Stop first.")
             if isinstance(msg, p.SwitchModel):  # the picker goes back to the model that is still answering
@@ -257,6 +263,16 @@ class Session:
             await self._switch_model(msg)
         elif isinstance(msg, p.SetMode):
             self._set_mode(msg)
+
+    def _showing(self, msg: p.Showing) -> None:
+        """This window shows another conversation now. While it writes a reply, its controls come back as the
+        writer's (Stop works), in that conversation or, said so, in any other it went to meanwhile."""
+        if not self.generating:
+            return
+        if msg.conversation_id and msg.conversation_id == self.writing_in:
+            self.send(self.views.controls(generating=True))
+        else:
+            self.send(self.views.controls(generating=True, text=ELSEWHERE_WRITING))
 
     def _busy_elsewhere(self, conversation_id: str | None, kept: bool = False) -> bool:
         """Another window is writing in this conversation: nothing changes it from here until it has ended
