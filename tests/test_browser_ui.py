@@ -123,6 +123,11 @@ def test_browser_shift_return_newline_and_regenerate(fake_server, page) -> None:
         "() => document.querySelector('.msg-assistant:last-child .body')?.textContent.includes('second answer')"
     )
     assert page.locator(".msg-assistant").count() == 1
+    # the replaced reply stays, folded above the new one (nothing the model wrote is thrown away)
+    folded = page.locator("details.reply-replaced")
+    assert folded.count() == 1 and "replaced by Regenerate" in folded.locator("summary").inner_text()
+    folded.locator("summary").click()
+    assert "first answer" in folded.inner_text()
     assert not page.errors, page.errors
 
 

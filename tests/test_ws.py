@@ -226,6 +226,57 @@ def test_a_crash_during_regenerate_leaves_one_reply(tmp_path: Path) -> None:
         ("user", "q", "complete"),
         ("assistant", "the old reply", "complete"),  # it had none: the old one stays
     ]
+    kept = [(e.type, e.data["text"], e.after_message) for e in db.events(conv.id)]
+    assert kept == [("reply_replaced", "the old reply", db.messages(conv.id)[0].id)]  # folded, not lost
+
+
+def test_ws_a_replaced_reply_stays_folded_in_the_transcript_and_out_of_the_context(
+    tmp_path: Path,
+) -> None:
+    """(walkthrough) Regenerate, then Stop after a few words: the whole first answer was gone for good, the stub
+    kept. A reply Regenerate replaces stays in the transcript, folded above the new one, live and after a
+    reload, and in the Markdown export; the model's context holds only the new one."""
+    slow = FakeBackend(delay=0.02)
+    slow.enqueue("the <b>whole</b> first answer")
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as ws:
+            send(ws, type="send", text="q")
+            cid = conversation_id(until(ws, r'data-state="idle"'))
+            old = db.messages(cid)[-1]
+            slow.enqueue(*[f" s{i}" for i in range(200)])
+            send(ws, type="regenerate", conversation_id=cid)
+            live = "".join(until(ws, r"s3"))
+            send(ws, type="stop")
+            until(ws, r'data-state="idle"')
+        assert f'id="replaced-{old.id}"' in live and "Earlier reply" in live  # shown as the new one starts
+        assert [m.content[:3] for m in db.messages(cid)] == ["q", " s0"]
+        fragments = json.loads(
+            re.search(r'class="transcript-replay">(.*?)</script>', c.get(f"/c/{cid}").text, re.S).group(1)
+        )
+        kinds = [
+            "user" if "msg-user" in f else "replaced" if f'id="replaced-{old.id}"' in f else "reply"
+            for f in fragments
+        ]
+        assert kinds == ["user", "replaced", "reply"], (
+            fragments
+        )  # folded between the question and the new reply
+        assert "<b>whole</b>" not in fragments[1] and "whole" in fragments[1]  # the model's text, escaped
+        slow.enqueue("next")
+        with connect(c) as ws:
+            send(ws, type="send", text="more", conversation_id=cid)
+            until(ws, r'data-state="idle"')
+        context = [m["content"] for m in slow.history[-1].messages if m["role"] != "system"]
+        assert not any("first answer" in t for t in context), context
+        md = c.get(f"/c/{cid}/export.md").text
+        assert "Earlier reply, replaced by Regenerate" in md and "first answer" in md
+        exported = c.get(f"/c/{cid}/export.json").text  # and back: an import draws it as it was
+        token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
+        r = c.post(
+            "/conversations/import", files={"file": ("c.json", exported)}, headers={"X-CSRF-Token": token}
+        )
+        again = c.get(f"/c/{r.json()['id']}").text
+        assert "Earlier reply" in again and r.json()["skipped"] == [], r.json()
 
 
 def test_ws_regenerate_without_reply_is_an_error(client: TestClient) -> None:

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 MessageStatus = str  # "complete" | "streaming" | "stopped" | "incomplete" | "error"
 UNTITLED = "Untitled"  # a conversation's title until its first message to the model names it
+REPLACED = "reply_replaced"  # the event a reply that Regenerate replaced leaves in the transcript, folded
 
 
 class Migration(NamedTuple):
@@ -496,7 +497,11 @@ class Database:
             old = json.loads(row["stats"] or "{}").get("replaces")
             if not isinstance(old, int) or isinstance(old, bool):
                 continue
-            self.conn.execute("DELETE FROM messages WHERE id=?", (old if row["content"] else row["id"],))
+            replaced = self.get_message(old)
+            if row["content"] and replaced is not None:
+                self.replace_reply(replaced)  # folded in the transcript, as the Regenerate would have
+            else:
+                self.conn.execute("DELETE FROM messages WHERE id=?", (old if row["content"] else row["id"],))
         return self.conn.execute("UPDATE messages SET status='incomplete' WHERE status='streaming'").rowcount
 
     # ------------------------------------------------------------------ conversations
@@ -625,6 +630,22 @@ class Database:
 
     def delete_message(self, message_id: int) -> None:
         self.conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    def replace_reply(self, old: StoredMessage) -> None:
+        """Regenerate's new reply is stored: the old one leaves the messages (the model's context; templates need
+        turns to alternate) and stays in the transcript, folded where it was (`REPLACED`, after the message
+        before it): nothing the model wrote is thrown away."""
+        if old.content:
+            row = self.conn.execute(
+                "SELECT COALESCE(MAX(id), 0) FROM messages WHERE conversation_id=? AND id<?",
+                (old.conversation_id, old.id),
+            ).fetchone()
+            self.conn.execute(
+                "INSERT INTO conversation_events (conversation_id, after_message, type, data, created_at) "
+                "VALUES (?,?,?,?,?)",
+                (old.conversation_id, int(row[0]), REPLACED, json.dumps(replaced_data(old)), time.time()),
+            )
+        self.delete_message(old.id)
 
     # ------------------------------------------------------------------ mode, generation settings
     def set_mode(self, conversation_id: str, mode: str) -> None:
@@ -765,6 +786,16 @@ class Database:
         return new
 
 
+def replaced_data(old: StoredMessage) -> dict[str, Any]:
+    """The `REPLACED` event's data for a reply Regenerate replaced."""
+    return {
+        "type": REPLACED,
+        "text": old.content,
+        "message_id": old.id,
+        "model": str(old.stats.get("model") or ""),
+    }
+
+
 def _message(row: sqlite3.Row) -> StoredMessage:
     d = dict(row)
     d["stats"] = json.loads(d["stats"]) if d.get("stats") else {}
@@ -851,6 +882,9 @@ def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
         return [f"_Switching to {d.get('name')}_", ""]
     if t == "slash_output":  # another feature's answer to a slash command (/stats), logged as its HTML
         return [*_fenced(_html_text(str(d.get("html") or ""))), ""]
+    if t == REPLACED:
+        quoted = [f"> {line}" if line else ">" for line in str(d.get("text") or "").splitlines()]
+        return ["_Earlier reply, replaced by Regenerate:_", "", *quoted, ""]
     if t == "step_limit":
         return [
             f"_Step limit reached ({d.get('steps')} of {d.get('max_steps')}): /continue gives it more_",

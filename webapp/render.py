@@ -117,9 +117,7 @@ def make_environment() -> Environment:
     env.filters["markdown"] = markdown_markup
     env.filters["human_size"] = human_size
     env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
-    env.filters["visible_line"] = (
-        visible_line  # the same, as plain text on one line (an attribute: a tooltip)
-    )
+    env.filters["visible_line"] = visible_line  # the same as plain text on one line (a tooltip)
     env.filters["when"] = when
     env.filters["web_url"] = web_url  # an untrusted link: http(s) only
     env.globals["flashcode_version"] = __version__  # About flashcode

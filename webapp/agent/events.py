@@ -39,6 +39,17 @@ class Notice(_Event):
 
 
 @dataclass(frozen=True)
+class ReplyReplaced(_Event):
+    """A reply that Regenerate replaced: kept in the transcript, folded, above the new one (never in the model's
+    context). Logged by the chat's reply pipeline, drawn here."""
+
+    text: str
+    message_id: int = 0  # the replaced reply's (the id of its folded block on the page)
+    model: str = ""
+    type: str = "reply_replaced"
+
+
+@dataclass(frozen=True)
 class ModeChanged(_Event):
     mode: Literal["agent", "raw"]
     no_tools: str = ""  # agent mode on a model without tools: why its turns are routed, and what would work

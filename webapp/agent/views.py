@@ -14,7 +14,7 @@ from typing import Any
 from jinja2 import Environment
 from markupsafe import Markup
 
-from ..render import invisible_parts, web_url
+from ..render import invisible_parts, markdown_markup, web_url
 from . import events as ev
 
 
@@ -22,6 +22,7 @@ class AgentViews:
     def __init__(self, env: Environment) -> None:
         env.filters.setdefault("invisible_parts", invisible_parts)  # an environment not from make_environment
         env.filters.setdefault("web_url", web_url)
+        env.filters.setdefault("markdown", markdown_markup)  # a replaced reply's text, drawn as a reply is
         self.ui: Any = env.get_template("agent/fragments.html").module
         self.toolbar: Any = env.get_template("transcript.html").module
 
@@ -89,6 +90,8 @@ class AgentViews:
                 return str(ui.help(e))
             case ev.Notice():
                 return str(ui.notice(e.text, e.level))
+            case ev.ReplyReplaced():
+                return str(ui.reply_replaced(e))
             case ev.ModeChanged():
                 if e.mode != "agent":
                     return str(

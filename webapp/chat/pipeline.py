@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..db import Database, StoredMessage
+from ..db import Database, StoredMessage, replaced_data
 from ..engine_host import EngineState
 from ..turns import ReplyHook
 from .views import ChatViews
@@ -123,7 +123,11 @@ class ReplyStream:
         """The fragments that show this reply starting: a new empty reply, or the cut one reopened
         (its finished blocks in the body, its unfinished tail where new text will join it)."""
         if self.continuing is None:
-            gone = [self.views.delete_message(self.replacing.id)] if self.replacing is not None else []
+            gone = []
+            if self.replacing is not None:  # shown folded above the new one (stored so once the new one is)
+                gone = [self.views.delete_message(self.replacing.id)]
+                if self.replacing.content:
+                    gone.append(self.views.replaced_reply(replaced_data(self.replacing)))
             return [*gone, self.views.append_message(self.message)]
         body = replace(self.message, content=self.prefix[: self.done_upto])
         return [
@@ -271,13 +275,16 @@ class ReplyStream:
             return False
         self.db.delete_message(self.message.id)
         self.send(
-            self.views.delete_message(self.message.id), self.views.append_message(self.replacing), *then
+            self.views.delete_message(self.message.id),
+            self.views.delete_replaced(self.replacing.id),
+            self.views.append_message(self.replacing),
+            *then,
         )
         return True
 
     def _drop_replaced(self) -> None:
-        if self.replacing is not None:  # this reply is stored: the one it replaces goes
-            self.db.delete_message(self.replacing.id)
+        if self.replacing is not None:  # this reply is stored: the one it replaces goes, kept folded
+            self.db.replace_reply(self.replacing)
             self.replacing = None
 
     def run_hooks(self, stats: Mapping[str, Any], completed: bool = False) -> None:

@@ -16,7 +16,7 @@ from jinja2_fragments import render_block
 
 from engine.models import list_models
 
-from ..db import TRASH_DAYS, Conversation, Database, StoredMessage
+from ..db import REPLACED, TRASH_DAYS, Conversation, Database, StoredMessage
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
@@ -173,6 +173,13 @@ class ChatViews(TranscriptViews):
 
     def delete_message(self, message_id: int) -> str:
         return str(self.ui.deleted_message(int(message_id)))
+
+    def replaced_reply(self, data: dict[str, Any]) -> str:
+        """The folded block of a reply Regenerate replaced (`REPLACED` data), drawn as the transcript does."""
+        return self.render_event(REPLACED, data) if self.render_event is not None else ""
+
+    def delete_replaced(self, message_id: int) -> str:
+        return str(self.ui.deleted_replaced(int(message_id)))
 
     def tokens(self, message_id: int, done: str, tail: str) -> str:
         """A token frame: `done` markdown blocks to add for good, `tail` the unfinished rest."""
