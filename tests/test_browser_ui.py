@@ -302,3 +302,22 @@ def test_browser_edit_while_a_reply_is_written_leaves_that_reply_running(fake_se
     page.locator(".msg-assistant.status-complete .body", has_text="w299").wait_for(timeout=30_000)
     assert page.locator(".msg-assistant.status-stopped").count() == 0
     assert not page.errors, page.errors
+
+
+def test_browser_continue_is_offered_under_the_last_reply_only(fake_server, page) -> None:
+    """(walkthrough) A stopped reply kept its Continue after the talk went on, and pressing it said "only the
+    last reply can be continued"."""
+    url, fake = fake_server
+    fake.enqueue(*[f"w{i} " for i in range(2000)])
+    page.goto(url)
+    page.fill("#prompt", "a long one")
+    page.press("#prompt", "Enter")
+    page.locator(".msg-assistant.status-streaming .body", has_text="w3").wait_for()
+    page.keyboard.press("Escape")
+    page.locator(".msg-assistant.status-stopped .continue-button").wait_for()
+    assert page.locator(".continue-button").is_visible()
+    fake.enqueue("you are welcome")
+    send_and_wait(page, "thanks")
+    assert page.locator(".continue-button").count() == 1 and not page.locator(".continue-button").is_visible()
+    assert page.locator(".msg-edit").first.evaluate("e => getComputedStyle(e).opacity") == "1"  # not greyed
+    assert not page.errors, page.errors

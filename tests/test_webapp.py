@@ -538,7 +538,7 @@ def test_webapp_edit_opens_a_copy_up_to_the_message_with_its_text_in_the_box(app
     """Edit… on a user message: a NEW conversation with what came before it (messages, their replies' numbers,
     the events among them, a /clear mark), the same mode and settings, the message's text in the box once; the
     conversation it came from is not changed (a walkthrough: editing a sent message was missing)."""
-    client, _ = app_parts
+    client, fake = app_parts
     db = client.app.state.flashcode.db
     conv = db.create_conversation("Plans")
     db.set_mode(conv.id, "agent")
@@ -582,10 +582,19 @@ def test_webapp_edit_opens_a_copy_up_to_the_message_with_its_text_in_the_box(app
     assert box and html.unescape(box.group(1)) == "\nsecond <b>question</b>\nwith two lines", box
     assert "<b>question" not in page  # escaped
     assert 'title="Plans (edited)"' in page  # the list's row says it whole when its end is cut off
-    again = re.search(
-        r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', client.get(f"/c/{new}").text, re.S
-    )
-    assert again and again.group(1).strip() == ""  # put in the box once, not at every reload
+
+    def box_now() -> str:
+        found = re.search(
+            r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', client.get(f"/c/{new}").text, re.S
+        )
+        return html.unescape(found.group(1)).strip() if found else "?"
+
+    assert box_now() == "second <b>question</b>\nwith two lines"  # a reload keeps it (walkthrough)
+    fake.enqueue("an answer")
+    with connect(client) as ws:
+        send(ws, type="send", text="second question, changed", conversation_id=new)
+        until(ws, r'data-state="idle"')
+    assert box_now() == ""  # sent: not put back again
     second = client.post(f"/m/{edited.id}/edit", headers=h).json()["id"]
     assert db.get_conversation(second).title == "Plans (edited 2)"
 

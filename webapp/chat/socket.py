@@ -330,6 +330,8 @@ class Session:
         db, views = self.ctx.db, self.views
         if msg.conversation_id and self._gone(msg.conversation_id):
             return
+        if msg.conversation_id:  # an Edit… copy's text, put in its box at each drawing until now
+            views.drafts.pop(msg.conversation_id, None)
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
