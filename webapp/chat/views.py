@@ -104,7 +104,8 @@ class ChatViews(TranscriptViews):
             "written_elsewhere": False,  # `page` and `sync` say so; the chat window alone may be the writer's
             "trash_items": self.trash_items(),
             "trash_days": TRASH_DAYS,
-            "draft": self.drafts.get(conv.id, "") if conv else "",  # until a message is sent there (a reload too)
+            # an Edit… copy's text: until a message is sent there (a reload shows it again)
+            "draft": self.drafts.get(conv.id, "") if conv else "",
         }
 
     def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
