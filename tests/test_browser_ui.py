@@ -292,14 +292,18 @@ def test_browser_edit_while_a_reply_is_written_leaves_that_reply_running(fake_se
     page.fill("#prompt", "second question")
     page.press("#prompt", "Enter")
     page.locator(".msg-assistant.status-streaming .body", has_text="w5").wait_for()
-    page.locator(".msg-user .msg-edit").first.click()
+    page.locator(".msg-user .msg-edit").nth(1).click()
     page.wait_for_url(lambda u: u != original and "/c/" in u)
-    assert page.input_value("#prompt") == "first question"
+    assert page.input_value("#prompt") == "second question"
     new_id = page.url.rsplit("/", 1)[-1]
     page.locator(f'#conversation-list li[data-id="{new_id}"]').wait_for()  # listed without a reload
     page.locator(f'#conversation-list li[data-id="{original.rsplit("/", 1)[-1]}"] a').click()
     page.wait_for_url(original)
     page.locator(".msg-assistant.status-complete .body", has_text="w299").wait_for(timeout=30_000)
+    # a first message's Edit…: a new conversation with its text, no empty copy
+    page.locator(".msg-user .msg-edit").first.click()
+    page.locator("#chat-title", has_text="New Conversation").wait_for()
+    assert page.input_value("#prompt") == "first question"
     assert page.locator(".msg-assistant.status-stopped").count() == 0
     assert not page.errors, page.errors
 

@@ -623,18 +623,39 @@ def test_webapp_edit_names_a_copy_of_a_copy_once_and_works_while_a_reply_is_writ
     db = client.app.state.flashcode.db
     h = {"X-CSRF-Token": csrf(client)}
     conv = db.create_conversation("Trip")
-    first = db.add_message(conv.id, "user", "plan a trip")
+    db.add_message(conv.id, "user", "hello")
+    db.add_message(conv.id, "assistant", "hi")
+    second = db.add_message(conv.id, "user", "plan a trip")
     db.add_message(conv.id, "assistant", "where to?", status="streaming")  # being written
-    copy = client.post(f"/m/{first.id}/edit", headers=h).json()["id"]
-    assert db.get_conversation(copy).title == "Trip (edited)" and db.messages(copy) == []
+    copy = client.post(f"/m/{second.id}/edit", headers=h).json()["id"]
+    assert db.get_conversation(copy).title == "Trip (edited)" and len(db.messages(copy)) == 2
     again = db.add_message(copy, "user", "plan a trip to Rome")
-    assert (
-        db.get_conversation(client.post(f"/m/{again.id}/edit", headers=h).json()["id"]).title
-        == "Trip (edited 2)"
-    )
+    title = db.get_conversation(client.post(f"/m/{again.id}/edit", headers=h).json()["id"]).title
+    assert title == "Trip (edited 2)"
     untitled = db.create_conversation()
-    asked = db.add_message(untitled.id, "user", "/help")
+    db.add_message(untitled.id, "user", "/help")
+    asked = db.add_message(untitled.id, "user", "/stats")
     assert db.get_conversation(client.post(f"/m/{asked.id}/edit", headers=h).json()["id"]).title == "Untitled"
+
+
+def test_webapp_edit_of_a_first_message_starts_a_new_conversation_with_it(app_parts) -> None:
+    """(walkthrough) Edit… on a conversation's first message made an empty copy, which stayed in the list when
+    left unsent (every stray click made one more). Nothing comes before it: the next new conversation of its
+    project, in its mode, gets the text in its box; nothing is stored until it is sent."""
+    client, _ = app_parts
+    db = client.app.state.flashcode.db
+    conv = db.create_conversation("Trip")
+    db.set_mode(conv.id, "agent")
+    first = db.add_message(conv.id, "user", "plan a trip")
+    r = client.post(f"/m/{first.id}/edit", headers={"X-CSRF-Token": csrf(client)})
+    assert r.json() == {"id": None, "title": None, "draft": "plan a trip"}
+    assert [c.id for c in db.list_conversations()] == [conv.id]  # no copy
+    page = client.get("/").text
+    box = re.search(r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', page, re.S)
+    assert box and box.group(1).strip() == "plan a trip"
+    assert '<option value="agent" selected>' in page  # its mode
+    again = re.search(r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', client.get("/").text, re.S)
+    assert again and again.group(1).strip() == ""  # once
 
 
 def test_webapp_edit_of_a_message_with_files_puts_the_typed_words_in_the_box_and_says_the_files(
@@ -645,6 +666,7 @@ def test_webapp_edit_of_a_message_with_files_puts_the_typed_words_in_the_box_and
     client, _ = app_parts
     db = client.app.state.flashcode.db
     conv = db.create_conversation("Review")
+    db.add_message(conv.id, "user", "hello")
     quoted = "<file path='a.py'>\nprint(1)\n</file>\n"
     sent = db.add_message(
         conv.id,

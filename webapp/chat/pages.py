@@ -34,6 +34,7 @@ from ..db import (
 )
 from ..engine_host import EngineState
 from ..render import pygments_css
+from ..turns import NEW_MODE_KEY
 from ..units import parse_budget
 from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
@@ -250,6 +251,15 @@ class ChatPages:
         sent = message.stats.get("attachments") or []
         typed_from = message.stats.get("typed_from") if sent else None
         text = message.content[typed_from:] if isinstance(typed_from, int) else message.content
+        if not any(m.id < message.id for m in self.db.messages(conv.id)):
+            # the first message: nothing to copy, so a new conversation of its project and mode gets the text (an
+            # empty copy left unsent would stay in the list for good)
+            self.db.set_setting(NEW_MODE_KEY, conv.mode)
+            self.views.drafts[f"new:{conv.project_id}"] = text
+            if not request.headers.get("hx-request"):
+                return JSONResponse({"id": None, "title": None, "draft": text}, status_code=200)
+            where = {"path": f"/?project={conv.project_id}", "target": "#chat-window", "swap": "outerHTML"}
+            return Response(status_code=200, headers={"HX-Location": json.dumps(where)})
         notice = (
             f"A copy of “{conv.title}” up to the message you edited, whose text was put in the box to change and "
             "send when this copy opened. The original conversation is unchanged and keeps it."

@@ -104,8 +104,11 @@ class ChatViews(TranscriptViews):
             "written_elsewhere": False,  # `page` and `sync` say so; the chat window alone may be the writer's
             "trash_items": self.trash_items(),
             "trash_days": TRASH_DAYS,
-            # an Edit… copy's text: until a message is sent there (a reload shows it again)
-            "draft": self.drafts.get(conv.id, "") if conv else "",
+            # an Edit… copy's text: until a message is sent there (a reload shows it again); an edited first
+            # message's, once, in the next new conversation of its project
+            "draft": self.drafts.get(conv.id, "")
+            if conv
+            else self.drafts.pop(f"new:{project.id if project else 'default'}", ""),
         }
 
     def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
