@@ -157,7 +157,9 @@
     regenerate: () => {  // the menu item is always there: when the button is off, say why (it did nothing)
       const b = $("#regenerate-button");
       if (b && !b.disabled) return b.click();
-      if (!generating()) alertBox(b?.title || "There is no reply to regenerate yet.");
+      // no reply at all: nothing to regenerate yet (the button's title explains a turn that is not a reply)
+      const none = !document.querySelector("#messages .msg-assistant");
+      if (!generating()) alertBox(none || !b?.title ? "There is no reply to regenerate yet." : b.title);
     },
     "copy-last": () => {
       const all = document.querySelectorAll(".msg-assistant .body");

@@ -213,9 +213,18 @@ def test_browser_undo_stays_in_the_window_after_a_long_title(fake_server, page, 
 def test_browser_special_regenerate_says_why_when_there_is_nothing_to_regenerate(fake_server, page) -> None:
     """Special › Regenerate did nothing at all where the Regenerate button was off (after a command turn, in a
     new conversation): it says why, as the button's tooltip does."""
-    url, _fake = fake_server
+    url, fake = fake_server
     page.goto(url)
     page.wait_for_selector("#regenerate-button[disabled]", state="attached")
+    page.dispatch_event("nav [data-action=regenerate]", "click")
+    # no reply at all yet: said so (the button's words about command turns read as nonsense there: walkthrough)
+    page.locator("#alerts .alert-box", has_text="There is no reply to regenerate yet").wait_for(timeout=5_000)
+    page.click("#alerts .alert-ok")
+    fake.enqueue("a reply")
+    send_and_wait(page, "hi")
+    page.fill("#prompt", "/help")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector("#status[data-state=idle] #regenerate-button[disabled]", state="attached")
     page.dispatch_event("nav [data-action=regenerate]", "click")
     box = page.locator("#alerts .alert-box", has_text="Regenerate rewrites the last chat reply")
     box.wait_for(timeout=5_000)

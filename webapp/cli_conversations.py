@@ -165,8 +165,9 @@ def _import(db: Database, store: ProjectStore, args: argparse.Namespace) -> int:
     left_out = f"; left out: {'; '.join(done.skipped)}" if done.skipped else ""
     print(done.conversation.id)
     print(
-        f"imported {done.conversation.title!r} as a new conversation ({done.messages} messages, "
-        f"{done.events} steps{left_out}); the web app shows it at /c/{done.conversation.id}",
+        f"imported {done.conversation.title!r} as a new conversation ({done.messages} "
+        f"message{'' if done.messages == 1 else 's'}, {done.events} transcript event{'' if done.events == 1 else 's'}"
+        f"{left_out}); the web app shows it at /c/{done.conversation.id}",
         file=sys.stderr,
     )
     return 0
