@@ -75,7 +75,9 @@
     const id = conversationId();
     if (!id) return alertBox("Send a message first: there is no conversation to rename.");
     const title = await ask("Rename this conversation to:", { value: chatTitle(), ok: "Rename" });
-    if (title && title.trim()) post(`/c/${id}/rename`, { title: title.trim() });
+    if (title === null) return;  // Cancel
+    if (!title.trim()) return alertBox("Not renamed: a title cannot be empty.");  // it did nothing (walkthrough)
+    post(`/c/${id}/rename`, { title: title.trim() });
   }
   async function remove() {
     const id = conversationId();

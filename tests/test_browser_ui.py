@@ -334,3 +334,17 @@ def test_browser_continue_is_offered_under_the_last_reply_only(fake_server, page
     assert page.locator(".continue-button").count() == 1 and not page.locator(".continue-button").is_visible()
     assert page.locator(".msg-edit").first.evaluate("e => getComputedStyle(e).opacity") == "1"  # not greyed
     assert not page.errors, page.errors
+
+
+def test_browser_a_blank_rename_says_why_nothing_changed(fake_server, page) -> None:
+    """(walkthrough) Rename with the title cleared did nothing, and said nothing."""
+    url, fake = fake_server
+    fake.enqueue("a reply")
+    page.goto(url)
+    send_and_wait(page, "name me")
+    page.click("#conversations-window .list-actions [data-action=rename]")
+    page.fill(".alert-box .dialog-input", "   ")
+    page.click(".alert-box .dialog-ok")
+    page.locator("#alerts .alert-box", has_text="a title cannot be empty").wait_for(timeout=5_000)
+    assert page.inner_text("#chat-title") == "name me"
+    assert not page.errors, page.errors

@@ -236,6 +236,12 @@ def test_webapp_export_markdown_and_json(app_parts) -> None:
     data = client.get(f"/c/{cid}/export.json").json()
     assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert data["messages"][1]["stats"]["completion_tokens"] == 3
+    db = (
+        client.app.state.flashcode.db
+    )  # a reply cut at the token limit says so, as its footer does (walkthrough)
+    db.add_message(cid, "user", "more")
+    db.add_message(cid, "assistant", "cut", stats={"finish_reason": "length"})
+    assert "## Assistant _(stopped at the token limit)_" in client.get(f"/c/{cid}/export.md").text
 
 
 def test_webapp_conversations_survive_restart(tmp_path: Path) -> None:

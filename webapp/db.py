@@ -975,6 +975,8 @@ def export_markdown(
         lines += _safe_event_markdown(e, output)
     for m in messages:
         note = "" if m.status == "complete" else f" _({m.status})_"
+        if m.status == "complete" and m.role == "assistant" and m.stats.get("finish_reason") == "length":
+            note = " _(stopped at the token limit)_"  # as its footer says (walkthrough)
         lines += [f"## {m.role.capitalize()}{note}", ""]
         files = _user_attachments(m)
         if files is not None:  # as the bubble showed it: the files' names, then the typed words
