@@ -1009,3 +1009,23 @@ def test_projects_removing_a_project_waits_for_the_saves_being_written_first(cli
     )
     assert r.status_code == 200 and parts.projects.get(pid) is None
     assert seen == [True]
+
+
+def test_open_recent_lists_a_project_added_from_the_command_line(tmp_path: Path) -> None:
+    """(walkthrough) A project added with `flashcode projects add` and not opened yet was missing from Open
+    Recent (only opened ones were listed). It counts from when it was added; adding does not open it."""
+    import time as time_module
+
+    d = Database(tmp_path / "db.sqlite")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    opened = store.add(tmp_path / "a")
+    store.open(opened.id)
+    time_module.sleep(0.01)
+    added = store.add(tmp_path / "b")
+    assert [p.name for p in store.recent()] == [added.name, opened.name, "Default"]
+    assert store.current().id == opened.id  # added, not opened
+    time_module.sleep(0.01)
+    store.open(opened.id)
+    assert [p.name for p in store.recent()] == [opened.name, added.name, "Default"]

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..db import (
@@ -117,7 +117,12 @@ class ChatPages:
             return HTMLResponse(self.views.page(None, undo=trashed))  # after Move to Trash: Undo offered
         return await self._page(request, None)
 
-    async def conversation_page(self, request: Request) -> HTMLResponse:
+    async def conversation_page(self, request: Request) -> Response:
+        cid = str(request.path_params["conversation_id"])
+        trashed = self.db.get_conversation(cid, trashed=True)
+        if trashed is not None and trashed.trashed_at is not None and not request.headers.get("hx-request"):
+            # a link to a conversation in the Trash: the page says so and offers it back (a bare 404 did not)
+            return RedirectResponse(f"/?trashed={cid}", status_code=303)
         return await self._page(request, self._conversation(request).id)
 
     async def sync(self, request: Request) -> HTMLResponse:

@@ -235,12 +235,13 @@ class ProjectStore:
         return [self._ref(r) for r in rows.fetchall()]
 
     def recent(self, limit: int = 8) -> list[ProjectRef]:
-        """The projects opened last, newest first, and Default always (where a first start works, opened
-        or not: its conversations must stay in reach), last when it was never opened."""
+        """The projects opened or added last, newest first (one added with `flashcode projects add` and never
+        opened counts from when it was added: it was missing from Open Recent), and Default always (where a
+        first start works, opened or not: its conversations must stay in reach), last when it was never opened."""
         default = self._default()
         rows = self.conn.execute(
-            "SELECT id, name, path FROM projects WHERE opened_at IS NOT NULL OR id = ? "
-            "ORDER BY COALESCE(opened_at, -1) DESC LIMIT ?",
+            "SELECT id, name, path FROM projects "
+            "ORDER BY COALESCE(opened_at, CASE WHEN id = ? THEN -1 ELSE created_at END) DESC LIMIT ?",
             (DEFAULT_ID, limit),
         ).fetchall()
         found = [self._ref(r) for r in rows]
