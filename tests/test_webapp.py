@@ -184,7 +184,10 @@ def test_webapp_trash_undo_put_back_delete_now_and_empty(app_parts) -> None:
     # a link to it (a bookmark, another tab): the page that says it is in the Trash and offers it back
     opened = client.get(f"/c/{first}", follow_redirects=False)
     assert opened.status_code == 303 and opened.headers["location"] == f"/?trashed={first}"
-    assert client.get(f"/c/{first}", headers={"HX-Request": "true"}).status_code == 404  # the window alone: said
+    alone = client.get(
+        f"/c/{first}", headers={"HX-Request": "true"}
+    )  # the chat window alone: said, as before
+    assert alone.status_code == 404
     # a conversation not in the Trash cannot be deleted for good in one step
     assert client.post(f"/c/{second}/delete-now", headers=h).status_code == 404
     assert client.get(f"/c/{second}").status_code == 200
