@@ -105,8 +105,8 @@ def test_webapp_rename_and_delete_need_csrf_token(app_parts) -> None:
     assert r.status_code == 200 and "My &lt;b&gt;talk&lt;/b&gt;" in r.text
     r = client.post(f"/c/{cid}/delete", headers={"X-CSRF-Token": token, "HX-Current-URL": f"{BASE}/c/{cid}"})
     assert r.headers.get("hx-redirect") == f"/?trashed={cid}"
-    gone = client.get(f"/c/{cid}")
-    assert gone.status_code == 404 and "in the Trash" in gone.text
+    gone = client.get(f"/c/{cid}")  # the page that says it went to the Trash, with Undo
+    assert gone.status_code == 200 and 'class="trash-note"' in gone.text and f"/c/{cid}/restore" in gone.text
     for path in (f"/c/{cid}/restore", f"/c/{cid}/delete-now", "/trash/empty"):
         assert client.post(path).status_code == 403, path  # no token: nothing restored or deleted
 
@@ -666,7 +666,8 @@ def test_webapp_edit_of_a_first_message_starts_a_new_conversation_with_it(app_pa
     page = client.get("/").text
     box = re.search(r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', page, re.S)
     assert box and box.group(1).strip() == "plan a trip"
-    assert '<option value="agent" selected>' in page  # its mode
+    assert '<option value="agent" selected>' in page  # its mode, for that one only (review)
+    assert '<option value="chat" selected>' in client.get("/").text
     again = re.search(r'<textarea name="text" id="prompt"[^>]*>(.*?)</textarea>', client.get("/").text, re.S)
     assert again and again.group(1).strip() == ""  # once
 

@@ -270,6 +270,7 @@ def test_ws_a_replaced_reply_stays_folded_in_the_transcript_and_out_of_the_conte
         assert not any("first answer" in t for t in context), context
         md = c.get(f"/c/{cid}/export.md").text
         assert "Earlier reply, replaced by Regenerate" in md and "first answer" in md
+        assert "### Agent" not in md  # a chat conversation: no agent heading over it (review)
         exported = c.get(f"/c/{cid}/export.json").text  # and back: an import draws it as it was
         token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
         r = c.post(
@@ -818,3 +819,45 @@ def test_about_says_the_version(client: TestClient) -> None:
     from engine import __version__
 
     assert f'<p class="about-version" data-field="version">Version {__version__}</p>' in client.get("/").text
+
+
+def test_ws_a_reply_written_while_the_page_shows_another_conversation_stays_out_of_it(tmp_path: Path) -> None:
+    """(review) A window writing a reply in A that shows B got A's fragments, its message and tokens landing in
+    B's transcript, and at the end A's controls: Regenerate on, acting on B (an agent's answer rewritten as a
+    chat reply). Now B gets the page-wide frames only and its own controls; Regenerate of an agent's answer is
+    refused by the server too; and back in A the reply is drawn as written so far."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue("an answer in B")
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as ws:
+            send(ws, type="send", text="in B")
+            b = conversation_id(until(ws, r'data-state="idle"'))
+            last = db.messages(b)[-1]
+            db.finish_message(last.id, last.content, "complete", dict(last.stats) | {"turn": "agent"})
+            slow.enqueue(*[f" a{i}" for i in range(300)])
+            send(ws, type="send", text="in A", conversation_id="")
+            frames = until(ws, r" a5")
+            a = conversation_id(frames)
+            reply = db.messages(a)[-1].id
+            send(ws, type="showing", conversation_id=b)
+            elsewhere = "".join(until(ws, r"another conversation of this window"))
+            send(ws, type="showing", conversation_id=a)
+            back = "".join(until(ws, rf'id="msg-{reply}"|data-state="idle"'))  # redrawn as written so far
+            assert f'id="msg-{reply}"' in back and " a5" in back
+            send(ws, type="showing", conversation_id=b)
+            rest = (
+                "".join(until(ws, r'data-state="idle"', limit=2000))
+                if 'data-state="idle"' not in back
+                else ""
+            )
+            send(ws, type="regenerate", conversation_id=b)
+            refused = "".join(until(ws, r'role="alert"|data-state="idle"'))
+        assert f"msg-{reply}" not in elsewhere.split("another conversation")[-1]
+        assert f"msg-{reply}" not in rest and " a299" not in rest  # nothing of A's reply landed in B
+        assert (
+            'id="regenerate-button" ws-send' in rest
+            and "disabled" in rest.split('id="regenerate-button"')[1][:400]
+        )
+        assert "is not redone" in refused
+        assert db.messages(a)[-1].content.endswith(" a299") and db.messages(b)[-1].content == "an answer in B"

@@ -985,10 +985,12 @@ def export_markdown(
             lines += [f"_attached: {named}_", "", m.content[start:], ""]
         else:
             lines += [m.content, ""]
-        steps = [line for e in after.pop(m.id, []) for line in _safe_event_markdown(e, output)]
+        logged = after.pop(m.id, [])
+        replaced = [line for e in logged if e.type == REPLACED for line in _safe_event_markdown(e, output)]
+        steps = [line for e in logged if e.type != REPLACED for line in _safe_event_markdown(e, output)]
         if steps and m.role == "user":  # what the agent did for this message: not under the user's heading
             lines += ["### Agent", ""]
-        lines += steps
+        lines += steps + replaced  # a replaced reply after the steps, just above the reply that replaced it
     for rest in after.values():  # after a message since deleted
         for e in rest:
             lines += _safe_event_markdown(e, output)

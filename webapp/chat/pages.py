@@ -34,7 +34,6 @@ from ..db import (
 )
 from ..engine_host import EngineState
 from ..render import pygments_css
-from ..turns import NEW_MODE_KEY
 from ..units import parse_budget
 from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
@@ -259,8 +258,7 @@ class ChatPages:
         if not any(m.id < message.id for m in self.db.messages(conv.id)):
             # the first message: nothing to copy, so a new conversation of its project and mode gets the text (an
             # empty copy left unsent would stay in the list for good)
-            self.db.set_setting(NEW_MODE_KEY, conv.mode)
-            self.views.drafts[f"new:{conv.project_id}"] = text
+            self.views.new_drafts[conv.project_id] = (text, conv.mode)  # its mode for that one, not for good
             if not request.headers.get("hx-request"):
                 return JSONResponse({"id": None, "title": None, "draft": text}, status_code=200)
             where = {"path": f"/?project={conv.project_id}", "target": "#chat-window", "swap": "outerHTML"}

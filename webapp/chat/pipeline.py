@@ -115,6 +115,17 @@ class ReplyStream:
     def message_id(self) -> int:
         return self.message.id
 
+    def redraw(self) -> list[str]:
+        """The reply as written so far, for a page that shows its conversation again (drawn meanwhile from
+        the part last saved): its finished blocks in the body, the rest as its tail (as Continue reopens one)."""
+        if self.finished:
+            return []
+        body = replace(self.message, content=self.text[: self.done_upto], status="streaming")
+        return [
+            self.views.replace_message(body),
+            self.views.tokens(self.message.id, "", self.text[self.done_upto :]),
+        ]
+
     @property
     def text(self) -> str:
         return self.prefix + "".join(self.parts)

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,7 +49,7 @@ from ..turns import (
 from . import protocol as p
 from .pipeline import ReplyStream
 from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title, names_conversation
-from .views import ChatViews
+from .views import PAGE_WIDE_IDS, ChatViews, can_regenerate
 
 log = logging.getLogger(__name__)
 METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
@@ -154,6 +155,7 @@ class ChatContext:
         await Session(ws, self).run()
 
 
+_TOP_ID = re.compile(r'\s*<\w+[^>]*?\bid="([^"]+)"')  # a fragment's top element's id
 # the status line of a window writing a reply in one conversation while it shows another
 ELSEWHERE_WRITING = "Writing a reply in another conversation of this window… Stop stops it."
 
@@ -171,6 +173,12 @@ class Session:
         self.received = 0.0  # arrival of the message being handled (for server-side TTFT)
         self.closing = False  # the page went away (closed, reloaded)
         self.writing_in: str | None = None  # the conversation of the turn task (other windows wait for it)
+        # the conversation the page shows ("showing", and what it sent in); None until it says: every frame goes
+        self.shown: str | None = None
+        self.reply: ReplyStream | None = (
+            None  # the reply being written (redrawn when its conversation is shown again)
+        )
+        self.wrote: tuple[str, float] | None = None  # the conversation last written in, and when it ended
         self._saying: set[asyncio.Task[None]] = set()  # mode changes being said (`_say_mode`)
 
     # ------------------------------------------------------------------ plumbing
@@ -219,6 +227,29 @@ class Session:
     def send(self, *fragments: str) -> None:
         self.outbox.put_nowait("".join(fragments))
 
+    def send_for(self, conversation_id: str) -> Callable[..., None]:
+        """`send` for one conversation's turn: while the page shows another one, that conversation's fragments
+        (its messages, tokens, gauge, title) are left out, or they landed in the one shown; the page-wide ones
+        go, and the idle controls at the turn's end are those of the conversation shown (its Regenerate)."""
+
+        def send(*fragments: str) -> None:
+            shown = self.shown
+            if shown is None or shown == conversation_id:
+                self.send(*fragments)
+                return
+            kept = []
+            for fragment in fragments:
+                found = _TOP_ID.match(fragment)
+                if found is None or found.group(1) not in PAGE_WIDE_IDS:
+                    continue
+                if found.group(1) == "status" and 'data-state="idle"' in fragment:
+                    fragment = self.views.controls(False, can_regenerate(self.ctx.db.messages(shown)))
+                kept.append(fragment)
+            if kept:
+                self.send(*kept)
+
+        return send
+
     def error(self, text: str) -> None:
         self.send(self.views.alert(text))
 
@@ -266,11 +297,24 @@ class Session:
 
     def _showing(self, msg: p.Showing) -> None:
         """This window shows another conversation now. While it writes a reply, its controls come back as the
-        writer's (Stop works), in that conversation or, said so, in any other it went to meanwhile."""
+        writer's (Stop works), in that conversation (with the reply as written so far: the window was drawn
+        from the part last saved) or, said so, in any other it went to meanwhile. A window drawn just before its
+        reply ended gets the conversation as it is now."""
+        cid = msg.conversation_id
+        self.shown = cid
         if not self.generating:
+            if (
+                cid
+                and self.wrote is not None
+                and self.wrote[0] == cid
+                and time.monotonic() - self.wrote[1] < 10
+            ):
+                self.send(self.views.sync(cid))
             return
-        if msg.conversation_id and msg.conversation_id == self.writing_in:
-            self.send(self.views.controls(generating=True))
+        if cid and cid == self.writing_in:
+            reply = self.reply
+            again = reply.redraw() if reply is not None and reply.conversation_id == cid else []
+            self.send(*again, self.views.controls(generating=True))
         else:
             self.send(self.views.controls(generating=True, text=ELSEWHERE_WRITING))
 
@@ -290,7 +334,12 @@ class Session:
         """The turn task runs: other windows are told now (they show the message sent) and when it ends."""
         self.task, self.writing_in = task, conversation_id
         self.ctx.conversation_changed(conversation_id, self)
-        task.add_done_callback(lambda _t: self.ctx.conversation_changed(conversation_id, self))
+
+        def ended(_task: asyncio.Task[None]) -> None:
+            self.wrote = (conversation_id, time.monotonic())
+            self.ctx.conversation_changed(conversation_id, self)
+
+        task.add_done_callback(ended)
 
     def _new_in(self, shown: str | None) -> str | None:
         """The project a new conversation goes in: the one the page shows (another window, or a command
@@ -332,6 +381,7 @@ class Session:
             return
         if msg.conversation_id:  # an Edit… copy's text, put in its box at each drawing until now
             views.drafts.pop(msg.conversation_id, None)
+        # the page shows what it sends in (a new conversation: once it exists, below)
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
@@ -346,6 +396,7 @@ class Session:
                 return
             title = make_title(msg.text, TITLE_CHARS) if naming else UNTITLED
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
+        self.shown = conv.id
         retitled = not created and naming and self._still_untitled(conv)
         if retitled:
             conv.title = make_title(msg.text, TITLE_CHARS)
@@ -411,6 +462,7 @@ class Session:
 
     def _regenerate(self, msg: p.Regenerate) -> None:
         db = self.ctx.db
+        self.shown = msg.conversation_id
         if self._gone(msg.conversation_id):
             return
         if msg.seen is not None and self._missed(msg.conversation_id, msg.seen):
@@ -422,11 +474,18 @@ class Session:
         if not messages or messages[-1].role != "assistant":
             self.error("nothing to regenerate: the last message is not a reply")
             return
+        if not can_regenerate(messages):  # the button is off then; a page showing another's controls sent it
+            self.error(
+                "Regenerate rewrites the last chat reply; a command, search or slash-command turn (an agent's "
+                "answer) is not redone: send it again"
+            )
+            return
         # stays until the new reply is stored (the page swaps them when it starts): a failure keeps it
         self._start(msg.conversation_id, replacing=messages[-1])
 
     def _continue(self, msg: p.Continue) -> None:
         """The reply cut at the token limit goes on: same message, the prompt ends with its text."""
+        self.shown = msg.conversation_id
         if self._gone(msg.conversation_id):  # a red-team pass wrote into a trashed conversation this way
             return
         messages = self.ctx.db.messages(msg.conversation_id)
@@ -588,12 +647,12 @@ class Session:
     ) -> ReplyStream:
         """A reply through the one pipeline (the chat's, or one a `TurnHandler` writes)."""
         ctx = self.ctx
-        return ReplyStream(
+        self.reply = ReplyStream(
             db=ctx.db,
             views=self.views,
             engine=ctx.engine,
             hooks=ctx.hooks,
-            send=self.send,
+            send=self.send_for(conversation_id),
             conversation_id=conversation_id,
             route=route,
             received=received or None,
@@ -602,6 +661,7 @@ class Session:
             turn=turn,
             replacing=replacing,
         )
+        return self.reply
 
     async def _generate(
         self,
@@ -756,7 +816,7 @@ class Session:
         frames = [self.views.replace_message(dataclasses.replace(reply, stats=stats))]
         if stats.get("prompt_tokens"):
             frames.append(self.views.gauge(stats["prompt_tokens"] + int(stats.get("completion_tokens") or 0)))
-        self.send(*frames)
+        self.send_for(reply.conversation_id)(*frames)  # not into another conversation the page shows now
 
 
 class SocketTurn:
@@ -788,7 +848,9 @@ class SocketTurn:
         return self._attached
 
     def send(self, *fragments: str) -> None:
-        self.session.send(*fragments)
+        self.session.send_for(self.conversation_id)(
+            *fragments
+        )  # not into another conversation the page shows
 
     def error(self, text: str) -> None:
         self.session.error(text)

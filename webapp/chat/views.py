@@ -22,6 +22,12 @@ from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
 from .transcript import TranscriptViews
 
+# fragments that belong to no one conversation (the status line, the list, alerts, the engine's meter): a window
+# writing a reply in one conversation while it shows another gets these, not the reply's (`Session.send_for`)
+PAGE_WIDE_IDS = frozenset(
+    {"status", "conversation-list", "alerts", "engine-meter", "conversation-changed", "model-picker-box"}
+)
+
 
 def can_regenerate(messages: list[StoredMessage]) -> bool:
     """Whether Regenerate can rewrite the last reply: a chat reply, not an agent turn's answer (a
@@ -53,6 +59,8 @@ class ChatViews(TranscriptViews):
         self.writing: Callable[[str], bool] = lambda _conversation_id: False
         # a branch's edited message (Edit… on a user message), put in its box when its page is first drawn
         self.drafts: dict[str, str] = {}
+        # an edited first message, by project: (text, mode) for the next new conversation drawn there
+        self.new_drafts: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------------ page
     def page(self, conversation_id: str | None = None, undo: Conversation | None = None) -> str:
@@ -85,7 +93,7 @@ class ChatViews(TranscriptViews):
         if conv is None and project_id and self.projects is not None:
             project = self.projects.get(project_id) or project
         choices = self.model_choices()
-        return {
+        context: dict[str, Any] = {
             "conversation": conv,
             "messages": messages,
             "conversations": db.list_conversations(project.id if project else None),
@@ -104,12 +112,12 @@ class ChatViews(TranscriptViews):
             "written_elsewhere": False,  # `page` and `sync` say so; the chat window alone may be the writer's
             "trash_items": self.trash_items(),
             "trash_days": TRASH_DAYS,
-            # an Edit… copy's text: until a message is sent there (a reload shows it again); an edited first
-            # message's, once, in the next new conversation of its project
-            "draft": self.drafts.get(conv.id, "")
-            if conv
-            else self.drafts.pop(f"new:{project.id if project else 'default'}", ""),
+            # an Edit… copy's text: until a message is sent there (a reload shows it again)
+            "draft": self.drafts.get(conv.id, "") if conv else "",
         }
+        if conv is None and (edited := self.new_drafts.pop(project.id if project else "default", None)):
+            context["draft"], context["mode"] = edited  # an edited first message, once, in its mode
+        return context
 
     def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The model a conversation was written with, when another one is loaded now (the window says so, and
