@@ -246,6 +246,7 @@ def test_browser_edit_opens_a_copy_with_the_message_in_the_box(fake_server, page
     page.wait_for_url(lambda u: u != original and "/c/" in u)
     page.locator("#prompt").wait_for()
     assert page.input_value("#prompt") == "second question"
+    page.locator(".msg-assistant .body", has_text="first answer").wait_for()  # the transcript replayed
     assert page.locator(".msg-user .body").all_inner_texts() == ["first question"]
     assert "original conversation is unchanged" in page.inner_text("#transcript")
     assert page.inner_text("#chat-title") == "first question (edited)"
