@@ -175,9 +175,8 @@ class Session:
         self.writing_in: str | None = None  # the conversation of the turn task (other windows wait for it)
         # the conversation the page shows ("showing", and what it sent in); None until it says: every frame goes
         self.shown: str | None = None
-        self.reply: ReplyStream | None = (
-            None  # the reply being written (redrawn when its conversation is shown again)
-        )
+        # the reply being written (redrawn when its conversation is shown again)
+        self.reply: ReplyStream | None = None
         self.wrote: tuple[str, float] | None = None  # the conversation last written in, and when it ended
         self._saying: set[asyncio.Task[None]] = set()  # mode changes being said (`_say_mode`)
 
@@ -381,7 +380,6 @@ class Session:
             return
         if msg.conversation_id:  # an Edit… copy's text, put in its box at each drawing until now
             views.drafts.pop(msg.conversation_id, None)
-        # the page shows what it sends in (a new conversation: once it exists, below)
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
@@ -396,7 +394,7 @@ class Session:
                 return
             title = make_title(msg.text, TITLE_CHARS) if naming else UNTITLED
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
-        self.shown = conv.id
+        self.shown = conv.id  # the page shows what it sends in (a new conversation once it exists)
         retitled = not created and naming and self._still_untitled(conv)
         if retitled:
             conv.title = make_title(msg.text, TITLE_CHARS)
@@ -848,9 +846,8 @@ class SocketTurn:
         return self._attached
 
     def send(self, *fragments: str) -> None:
-        self.session.send_for(self.conversation_id)(
-            *fragments
-        )  # not into another conversation the page shows
+        # not into another conversation the page shows
+        self.session.send_for(self.conversation_id)(*fragments)
 
     def error(self, text: str) -> None:
         self.session.error(text)
