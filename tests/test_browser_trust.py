@@ -190,12 +190,13 @@ def test_browser_transcript_mode_gauge_and_connection_survive(served, browser, a
         page.locator("#connection[hidden]").wait_for(state="attached")
         page.locator(".agent-action.tool-shell").wait_for()
         # the block may be the page's own until the server's transcript replaces it (a loaded machine saw one
-        # without its route in between): wait for the redrawn turn whole
+        # without its route in between, and CI the page's own route, then none while the new window replayed):
+        # the redrawn window first (its status says Ready; the page's own said "Disconnected"), then the turn
+        page.locator("#status .status-text", has_text="Ready").wait_for()
         until(
             lambda: page.locator(".agent-route[data-route=shell]").count() == 1, 30, "the route after resync"
         )
         check_command_block(page, "resync")
-        page.locator("#status .status-text", has_text="Ready").wait_for()
         assert page.input_value("#prompt") == "are you there?"
         assert page.inner_text("#menubar-model") == "smollm2-135m-instruct-q4_1"
         page.screenshot(path=str(artifacts / "trust_reconnected.png"))
