@@ -83,7 +83,7 @@
     const id = conversationId();
     if (!id) return alertBox("There is no conversation to move to the Trash yet.");
     const yes = await ask(`Move “${chatTitle()}” to the Trash? View › Trash puts it back.`, { ok: "Move to Trash" });
-    if (yes !== null) post(`/c/${id}/delete`, {});
+    if (yes !== null) post(`/c/${id}/delete`, { draft: ($("#prompt") || {}).value || "" });  // kept for Undo
   }
   // the Trash window: one conversation, or all of them, deleted for good (asked first: no undo)
   const trashPost = (path, values = {}) => htmx.ajax("POST", path, { values, headers: { "X-CSRF-Token": csrf() }, target: "#trash-pane", swap: "outerHTML" });
@@ -188,7 +188,8 @@
     document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => li.classList.toggle("selected", li.dataset.id === id));
   }
   // Undo after Move to Trash of the conversation the chat window showed (the page went to "/"): the window
-  // shows it again, with what was typed meanwhile, unless another conversation was started since
+  // shows it again, with what was typed in it (kept by the server) and meanwhile, unless another conversation
+  // was started since
   // (the button is gone with the list it was in: htmx tells its pane, naming the button in requestConfig)
   document.body.addEventListener("htmx:afterRequest", (e) => {
     const id = e.detail.requestConfig?.elt?.dataset?.reopen;
@@ -198,7 +199,7 @@
       if (conversationId() !== id) return;
       history.pushState({}, "", `/c/${id}`);
       const p = $("#prompt");
-      if (p && typed && !p.value) p.value = typed;
+      if (p && typed) p.value = p.value && p.value !== typed ? `${p.value}\n\n${typed}` : typed;  // its draft, then this
       markSelected(id);
     });
   });
@@ -291,9 +292,24 @@
     if (toChat && $("#showing")) htmx.trigger("#showing", "flashcode:showing");
     // a conversation the list does not have yet (a copy made by Edit…): the list is drawn again
     const id = conversationId();
-    if (toChat && id && !document.querySelector(`#conversation-list li[data-id="${CSS.escape(id)}"]`)) {
-      htmx.ajax("GET", `/conversations?current=${encodeURIComponent(id)}`, { target: "#conversation-list", swap: "outerHTML" });
+    if (toChat && id && !findText() && !document.querySelector(`#conversation-list li[data-id="${CSS.escape(id)}"]`)) {
+      fetchList();
     }
+    if (e.detail.target && e.detail.target.id === "conversation-list") refind();
+  });
+  // Find in the Conversations window: a list drawn again by the server (a reply, a rename, an Undo) lists
+  // every conversation; while something is typed in Find, it is asked for the matching ones again
+  const findText = () => ($("#conversation-find") || { value: "" }).value.split(/\s+/).filter(Boolean).join(" ").slice(0, 200);
+  function fetchList() {
+    const q = findText();
+    htmx.ajax("GET", `/conversations?current=${encodeURIComponent(conversationId())}&q=${encodeURIComponent(q)}`, { target: "#conversation-list", swap: "outerHTML" });
+  }
+  function refind() {
+    const list = $("#conversation-list");
+    if (list && (list.dataset.query || "") !== findText()) fetchList();
+  }
+  document.body.addEventListener("htmx:oobAfterSwap", (e) => {
+    if (e.detail.target && e.detail.target.id === "conversation-list") refind();
   });
   window.addEventListener("popstate", () => location.reload());
   // a request the server refused (a title left empty, a project removed in another window) or could not

@@ -4,6 +4,7 @@ user scrolls up and resumes at the bottom, Shift+Return makes a newline, Regener
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -348,4 +349,53 @@ def test_browser_a_blank_rename_says_why_nothing_changed(fake_server, page) -> N
     page.click(".alert-box .dialog-ok")
     page.locator("#alerts .alert-box", has_text="a title cannot be empty").wait_for(timeout=5_000)
     assert page.inner_text("#chat-title") == "name me"
+    assert not page.errors, page.errors
+
+
+def test_browser_find_filters_the_list_and_keeps_it_filtered_and_trash_keeps_typed_text(
+    fake_server, page
+) -> None:
+    """Find in the Conversations window lists the conversations holding the words (a message's, not only a
+    title's), and the list stays filtered when a reply draws it again; Move to Trash of the open conversation
+    then Undo gives back what was typed in its box."""
+    import re
+
+    url, fake = fake_server
+    fake.enqueue("the sky is blue today")
+    fake.enqueue("apples are red")
+    page.goto(url)
+    send_and_wait(page, "What colour is it up there?")
+    sky = page.url.rsplit("/", 1)[1]
+    page.dispatch_event("nav [data-open=conversations-window]", "click")
+    page.click("#conversations-window [data-action=new]")
+    page.wait_for_selector("#messages .msg-assistant", state="detached")
+    send_and_wait(page, "And fruit?")
+    page.wait_for_url(re.compile(rf".*/c/(?!{sky})[0-9a-f]+$"))
+    rows = page.locator("#conversation-list li[data-id]")
+    assert rows.count() == 2
+    page.fill("#conversation-find", "SKY is")
+    page.wait_for_selector('#conversation-list[data-query="SKY is"]')
+    assert rows.count() == 1 and rows.first.get_attribute("data-id") == sky
+    assert page.inner_text("#conversation-count") == "1 found"
+    assert page.inner_text("#conversation-list mark") == "sky is"
+    fake.enqueue("pears too")
+    send_and_wait(page, "More fruit?")  # the reply draws the list again (every conversation), out of band
+    deadline = time.monotonic() + 10
+    while not (page.get_attribute("#conversation-list", "data-query") == "SKY is" and rows.count() == 1):
+        assert time.monotonic() < deadline, "the list was not filtered again"
+        time.sleep(0.05)
+    page.fill("#conversation-find", "")
+    page.wait_for_selector('#conversation-list[data-query=""]')
+    assert rows.count() == 2
+    page.fill("#prompt", "half a thought")
+    page.click("#conversations-window [data-action=delete]")
+    page.press(".alert-box.modal .dialog-ok", "Enter")
+    undo = page.locator("#conversation-list .trash-note .undo-trash")
+    undo.wait_for()
+    assert page.input_value("#prompt") == ""  # the page went to a new conversation
+    undo.click()
+    deadline = time.monotonic() + 10
+    while page.input_value("#prompt") != "half a thought":
+        assert time.monotonic() < deadline, page.input_value("#prompt")
+        time.sleep(0.05)
     assert not page.errors, page.errors

@@ -256,3 +256,22 @@ def test_a_title_with_escape_sequences_reaches_no_terminal(tmp_path: Path) -> No
     listed = flashcode("conversations", home=home)
     assert listed.returncode == 0 and "\x1b" not in listed.stdout and "\u202e" not in listed.stdout
     assert f"{older.id}\t" in listed.stdout and "<U+001B>]52;c;" in listed.stdout
+
+
+def test_conversations_find_lists_those_holding_the_text(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    db = Database(home / "flashcode.db")
+    a = db.create_conversation("Parser", "qwen", "mlx")
+    b = db.create_conversation("Disk", "qwen", "mlx")
+    db.add_message(b.id, "assistant", "the disk is 100% FULL")
+    db.close()
+    got = flashcode("conversations", "--find", "100% full", home=home)
+    assert got.returncode == 0, got.stderr
+    assert [row[0] for row in lines(got.stdout)] == [b.id]
+    assert [
+        row[0] for row in lines(flashcode("conversations", "list", "--find", "pars", home=home).stdout)
+    ] == [a.id]
+    assert flashcode("conversations", "--find", "zebra", home=home).stdout == ""
+    both = flashcode("conversations", "--trash", "--find", "x", home=home)
+    assert both.returncode != 0 and "drop --trash" in both.stderr

@@ -412,3 +412,33 @@ def test_an_import_of_an_agent_conversation_says_it_continues_in_chat_mode(tmp_p
     assert conv.mode == "chat" and any("continues in chat mode" in n for n in notices)
     plain = import_json(d, {"messages": [{"role": "user", "content": "hi"}]}, "default")
     assert not d.events(plain.conversation.id)
+
+
+def test_db_find_conversations_by_title_or_message_literally(tmp_path: Path) -> None:
+    """Find: a plain substring of a title or any message (`%`, `_` and `\\` are themselves), ASCII case
+    ignored, newest first, one project's or all, none from the Trash, each with its first matching message."""
+    d = Database(tmp_path / "f.db")
+    parser = d.create_conversation("Fix the Parser", "m", "mlx")
+    d.add_message(parser.id, "user", "why does it fail?")
+    disk = d.create_conversation("Disk", "m", "mlx", project_id="other")
+    d.add_message(disk.id, "user", "it is 100% full")
+    d.add_message(disk.id, "assistant", "The PARSER log says 100% full_stop")
+    other = d.create_conversation("Odd", "m", "mlx")
+    d.add_message(other.id, "user", r"a back\slash and 1000 full")
+
+    def found(text: str, project: str | None = None) -> list[tuple[str, str | None]]:
+        return [(f.conversation.id, f.message) for f in d.find_conversations(text, project)]
+
+    assert found("parser") == [(disk.id, "The PARSER log says 100% full_stop"), (parser.id, None)]
+    assert found("parser", "default") == [(parser.id, None)]
+    assert found("100% full") == [(disk.id, "it is 100% full")]  # % is a percent sign, not "anything"
+    assert found("0% f") == [(disk.id, "it is 100% full")]
+    assert found("full_s") == [(disk.id, "The PARSER log says 100% full_stop")]  # _ is itself
+    assert found("full_") == [(disk.id, "The PARSER log says 100% full_stop")]
+    assert found("k\\s") == [(other.id, r"a back\slash and 1000 full")]
+    assert found("nowhere") == []
+    d.trash_conversation(disk.id)
+    assert found("parser") == [(parser.id, None)]
+    for _ in range(4):
+        d.create_conversation("many")
+    assert len(d.find_conversations("many", limit=3)) == 3

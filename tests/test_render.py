@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from webapp.render import escape_text, pygments_css, render_markdown
+import time
+
+from webapp.render import escape_text, list_when, pygments_css, render_markdown
 
 
 def test_render_escapes_html_in_model_output() -> None:
@@ -38,3 +40,19 @@ def test_render_keeps_a_models_single_newlines_as_line_breaks() -> None:
     out = render_markdown("The files:\nsrc/a.py\n2. src/b.py\n\nNext paragraph")
     assert out.count("<br />") == 2 and out.count("<p>") == 2
     assert "src/a.py<br />" in out
+
+
+def test_list_when_reads_as_a_finder_date_column() -> None:
+    now = time.mktime((2026, 12, 6, 15, 30, 0, 0, 0, -1))  # a Sunday afternoon, local time
+
+    def at(*ymdhm: int) -> float:
+        return time.mktime((*ymdhm, 0, 0, 0, -1))
+
+    assert list_when(at(2026, 12, 6, 9, 5), now) == "09:05"
+    assert list_when(at(2026, 12, 5, 23, 59), now) == "Yesterday"
+    assert list_when(at(2026, 12, 1, 8, 0), now) == "Tue"
+    assert list_when(at(2026, 11, 30, 8, 0), now) == "Mon"  # six days back
+    assert list_when(at(2026, 11, 29, 8, 0), now) == "29 Nov"
+    assert list_when(at(2025, 12, 30, 8, 0), now) == "30 Dec 2025"
+    assert list_when(at(2026, 12, 9, 8, 0), now) == "9 Dec 2026"  # a clock set back: a date, not "Wed"
+    assert list_when(None, now) == ""

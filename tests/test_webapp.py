@@ -692,3 +692,53 @@ def test_webapp_edit_of_a_message_with_files_puts_the_typed_words_in_the_box_and
     assert r.json()["draft"] == "review this"
     said = db.events(r.json()["id"])[0].data["text"]
     assert "a.py" in said and "not attached again" in said
+
+
+def test_webapp_find_lists_the_conversations_holding_the_text_with_its_words(app_parts) -> None:
+    """Find in the Conversations window: GET /conversations?q= lists the open project's conversations whose
+    title or a message holds the text, the words around it marked (escaped), the count as "N found"; each
+    row has its date; a blank search lists them all."""
+    client, _ = app_parts
+    first = make_conversation(client, "the <b>parser</b> fails on 100% of inputs")
+    second = make_conversation(client, "hello there")
+    r = client.get(f"/conversations?current={second}&q=100%25%20of")
+    assert r.status_code == 200 and "1 found" in r.text
+    assert f'data-id="{first}"' in r.text and f'data-id="{second}"' not in r.text
+    assert 'data-query="100% of"' in r.text
+    assert "…b&gt; fails on <mark>100% of</mark> inputs" in r.text  # the message's words, escaped
+    assert "<b>parser" not in r.text
+    assert re.search(r'class="conv-date">\d\d:\d\d<', r.text)  # today: the time
+    none = client.get("/conversations", params={"q": "  <i>zebra</i>  "})
+    assert "0 found" in none.text and "No conversation here holds “&lt;i&gt;zebra&lt;/i&gt;”." in none.text
+    everything = client.get("/conversations", params={"q": "   "})
+    assert "2 items" in everything.text and 'data-query=""' in everything.text
+    page = client.get(f"/c/{second}").text
+    assert 'id="conversation-find"' in page and 'hx-get="/conversations"' in page
+
+
+def test_webapp_move_to_trash_keeps_the_typed_text_for_undo(app_parts) -> None:
+    """Move to Trash of the open conversation reloads the page: what was typed in its box comes back with
+    it (Undo, Put Back), and goes once it is deleted for good."""
+    client, _ = app_parts
+    cid = make_conversation(client, "one")
+    h = {"X-CSRF-Token": csrf(client)}
+    r = client.post(f"/c/{cid}/delete", headers=h | {"HX-Current-URL": f"{BASE}/c/{cid}"},
+                    data={"draft": "half a <question>"})  # fmt: skip
+    assert r.headers["HX-Redirect"] == f"/?trashed={cid}"
+    client.post(f"/c/{cid}/restore", headers=h)
+    assert "half a &lt;question&gt;</textarea>" in client.get(f"/c/{cid}").text
+    client.post(f"/c/{cid}/delete", headers=h, data={"draft": "   "})  # a blank box keeps the text it had
+    client.post(f"/c/{cid}/restore", headers=h)
+    assert "half a &lt;question&gt;</textarea>" in client.get(f"/c/{cid}").text
+
+
+def test_excerpt_cuts_around_the_first_match_on_one_line() -> None:
+    from webapp.chat.views import excerpt
+
+    text = "an introduction\nthat goes on, then the Parser fails on the sky token " + "x" * 100
+    line = text.replace("\n", " ")
+    at = line.index("Parser")
+    assert excerpt(text, "parser") == ("…" + line[at - 12 : at], "Parser", line[at + 6 : at + 66] + "…")
+    assert excerpt("the parser", "parser") == ("the ", "parser", "")
+    assert excerpt("short", "zzz") == ("", "", "short")  # SQLite matched what Python does not: the start
+    assert excerpt("İstanbul parser", "parser")[1] == "parser"

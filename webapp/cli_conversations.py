@@ -1,4 +1,4 @@
-"""`flashcode conversations [--project NAME | --all | --trash]`, `... export ID [--format md|json] [-o FILE]`,
+"""`flashcode conversations [--project NAME | --all | --trash] [--find TEXT]`, `... export ID [--format md|json] [-o FILE]`,
 `... import FILE [--project NAME]`: the web app's conversations from a terminal (a backup, a script, another
 machine's export), on the same database — `flashcode serve` may be running.
 
@@ -82,8 +82,18 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             raise preflight.StartupError(
                 f"{' and '.join(chosen)} cannot go together: give one of --project, --all, --trash"
             )
+        find = " ".join((getattr(args, "find", None) or "").split())
+        if find and args.trash:
+            raise preflight.StartupError(
+                "--find looks in the listed conversations, not the Trash: drop --trash"
+            )
         if args.trash:
             shown = db.trashed_conversations()
+        elif find:
+            shown = [
+                f.conversation
+                for f in db.find_conversations(find, None if args.all else _project_id(store, args.project))
+            ]
         else:
             shown = db.list_conversations(None if args.all else _project_id(store, args.project))
         names = {p.id: p.name for p in store.all()}
@@ -99,7 +109,15 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             project = visible_line(names.get(c.project_id, c.project_id))
             print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{project}\t{title}")
         if not shown and sys.stderr.isatty():
-            print("no conversations here (--all lists every project's, --trash the Trash's)", file=sys.stderr)
+            if find:
+                print(
+                    f"no conversation here holds {find!r} (--all looks in every project's)", file=sys.stderr
+                )
+            else:
+                print(
+                    "no conversations here (--all lists every project's, --trash the Trash's)",
+                    file=sys.stderr,
+                )
     finally:
         db.close()
     return 0
@@ -173,6 +191,9 @@ def _import(db: Database, store: ProjectStore, args: argparse.Namespace) -> int:
     return 0
 
 
+FIND_HELP = "only those whose title or a message holds TEXT (case-insensitive for ASCII letters)"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "conversations",
@@ -185,6 +206,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--project", default=None, metavar="NAME", help="that project's (name, folder or id)")
     which.add_argument("--all", action="store_true", help="every project's")
     which.add_argument("--trash", action="store_true", help="those in the Trash")
+    p.add_argument("--find", default=None, metavar="TEXT", help=FIND_HELP)
     p.set_defaults(func=cmd_conversations, action=None)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     listing = actions.add_parser("list", help="list them (as with no ACTION)")
@@ -192,6 +214,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     shown.add_argument("--project", default=argparse.SUPPRESS, metavar="NAME", help="that project's")
     shown.add_argument("--all", action="store_true", default=argparse.SUPPRESS, help="every project's")
     shown.add_argument("--trash", action="store_true", default=argparse.SUPPRESS, help="those in the Trash")
+    listing.add_argument("--find", default=argparse.SUPPRESS, metavar="TEXT", help=FIND_HELP)
     listing.set_defaults(func=cmd_conversations)
     e = actions.add_parser("export", help="write one conversation as JSON (import reads it back) or Markdown")
     e.add_argument("id", metavar="ID", help="its id (or a unique start of it), as listed")

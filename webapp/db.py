@@ -438,6 +438,16 @@ class Conversation:
         return json.loads(self.generation) if self.generation else {}
 
 
+FIND_LIMIT = 200  # the most conversations a search lists
+
+
+class Found(NamedTuple):
+    """A conversation a search found, and its first message that holds the text (None: the title did)."""
+
+    conversation: Conversation
+    message: str | None
+
+
 @dataclass
 class StoredEvent:
     """One entry of a conversation's event log: what the transcript showed besides a message."""
@@ -536,6 +546,31 @@ class Database:
             f"SELECT * FROM conversations WHERE trashed_at IS NULL {where}ORDER BY updated_at DESC, id", args
         ).fetchall()
         return [Conversation(**dict(r)) for r in rows]
+
+    def find_conversations(
+        self, text: str, project_id: str | None = None, limit: int = FIND_LIMIT
+    ) -> list[Found]:
+        """The conversations (one project's, or all: None; none from the Trash) whose title or a message holds
+        `text`, newest first, at most `limit`. Matching is SQLite's LIKE: a plain substring (`%` and `_` are
+        themselves), case-insensitive for ASCII letters only. Each comes with its first matching message's text
+        (None when only the title matched)."""
+        pattern = "%" + re.sub(r"([\\%_])", r"\\\1", text) + "%"
+        where, args = (
+            ("AND project_id=:project ", {"project": project_id}) if project_id is not None else ("", {})
+        )
+        rows = self.conn.execute(
+            "SELECT * FROM (SELECT c.*, (SELECT m.content FROM messages m WHERE m.conversation_id=c.id "
+            "AND m.content LIKE :pattern ESCAPE '\\' ORDER BY m.id LIMIT 1) AS found_in "
+            f"FROM conversations c WHERE trashed_at IS NULL {where}) "
+            "WHERE title LIKE :pattern ESCAPE '\\' OR found_in IS NOT NULL ORDER BY updated_at DESC, id LIMIT :limit",
+            {"pattern": pattern, "limit": limit, **args},
+        ).fetchall()
+        found = []
+        for r in rows:
+            d = dict(r)
+            message = d.pop("found_in")
+            found.append(Found(Conversation(**d), message))
+        return found
 
     def rename_conversation(self, conversation_id: str, title: str) -> bool:
         cur = self.conn.execute(

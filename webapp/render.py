@@ -12,6 +12,7 @@ What it does not know: which template draws what (each feature's views), websock
 
 from __future__ import annotations
 
+import datetime
 import html
 import re
 import time
@@ -119,6 +120,7 @@ def make_environment() -> Environment:
     env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
     env.filters["visible_line"] = visible_line  # the same as plain text on one line (a tooltip)
     env.filters["when"] = when
+    env.filters["list_when"] = list_when  # a list's date column: "09:14", "Yesterday", "Mon", "3 Dec"
     env.filters["web_url"] = web_url  # an untrusted link: http(s) only
     env.globals["flashcode_version"] = __version__  # About flashcode
     return env
@@ -129,6 +131,26 @@ def when(epoch: float | None) -> str:
     if epoch is None:
         return ""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch))
+
+
+def list_when(epoch: float | None, now: float | None = None) -> str:
+    """A moment for a list's date column, as the Finder's: the time if today, "Yesterday", the weekday
+    within the week, the day and month this year, else with the year (this computer's local time)."""
+    if epoch is None:
+        return ""
+    t, n = time.localtime(epoch), time.localtime(time.time() if now is None else now)
+    days = (
+        datetime.date(n.tm_year, n.tm_mon, n.tm_mday) - datetime.date(t.tm_year, t.tm_mon, t.tm_mday)
+    ).days
+    if days == 0:
+        return time.strftime("%H:%M", t)
+    if days == 1:
+        return "Yesterday"
+    if 1 < days < 7:
+        return time.strftime("%a", t)
+    if days > 0 and t.tm_year == n.tm_year:
+        return f"{t.tm_mday} {time.strftime('%b', t)}"
+    return f"{t.tm_mday} {time.strftime('%b', t)} {t.tm_year}"
 
 
 def escape_text(text: str) -> str:

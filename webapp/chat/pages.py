@@ -39,6 +39,7 @@ from .transcript import DEFAULTS_KEY, parse_generation
 from .views import ChatViews
 
 MAX_TITLE_CHARS = 120
+MAX_DRAFT_CHARS = 64 * 1024  # what Move to Trash keeps of a conversation's typed text (a message's most)
 log = logging.getLogger(__name__)
 
 
@@ -131,8 +132,10 @@ class ChatPages:
         return HTMLResponse(await run_in_threadpool(self.views.sync, cid))
 
     async def conversation_list(self, request: Request) -> HTMLResponse:
-        current = request.query_params.get("current")
-        return HTMLResponse(self.views.conversation_list(current, oob=False))
+        """GET /conversations?current=ID&q=TEXT: the list (`q`: only the conversations holding TEXT)."""
+        params = request.query_params
+        current = params.get("current") or params.get("conversation_id") or None
+        return HTMLResponse(self.views.conversation_list(current, oob=False, query=params.get("q", "")))
 
     # ------------------------------------------------------------------ changes
     async def rename(self, request: Request) -> HTMLResponse:
@@ -148,6 +151,9 @@ class ChatPages:
     async def delete(self, request: Request) -> Response:
         """POST /c/ID/delete: Move to Trash (Undo in the list, Put Back in the Trash window)."""
         conv = self._conversation(request)
+        draft = str((await request.form()).get("draft") or "")
+        if draft.strip():  # what was typed in its box: there again after Undo or Put Back
+            self.views.drafts[conv.id] = draft[:MAX_DRAFT_CHARS]
         self.db.trash_conversation(conv.id)
         current_url = request.headers.get("hx-current-url", "")
         if re.search(rf"/c/{re.escape(conv.id)}(?:[?#]|$)", current_url):
@@ -191,6 +197,9 @@ class ChatPages:
         )
 
     async def _deleted(self) -> None:
+        """Conversations were deleted for good: their kept drafts go, and their saved caches (`on_deleted`)."""
+        for cid in [c for c in self.views.drafts if self.db.get_conversation(c, trashed=True) is None]:
+            del self.views.drafts[cid]
         if self.on_deleted is None:
             return
         try:

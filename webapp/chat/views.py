@@ -8,6 +8,7 @@ and user text never reach the page as markup. What it does not know: sockets, HT
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from jinja2_fragments import render_block
 
 from engine.models import list_models
 
-from ..db import REPLACED, TRASH_DAYS, Conversation, Database, StoredMessage
+from ..db import FIND_LIMIT, REPLACED, TRASH_DAYS, Conversation, Database, StoredMessage
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
@@ -36,6 +37,27 @@ def can_regenerate(messages: list[StoredMessage]) -> bool:
         return False
     asked = next((m for m in reversed(messages) if m.role == "user"), None)
     return asked is None or not asked.content.lstrip().startswith("/")
+
+
+MAX_QUERY_CHARS = 200  # the most of a search the list takes
+
+
+def excerpt(text: str, query: str, before: int = 12, after: int = 60) -> tuple[str, str, str]:
+    """The words of `text` around its first `query` (case-insensitive), on one line: (before, match, after),
+    with an ellipsis where it was cut; little before it, as a narrow list shows only a line's start. No match
+    as typed (SQLite matched it another way): its start."""
+    line = " ".join(text.split())
+    folded = line.lower()  # a letter whose lower case is longer (İ) would shift the positions: as typed then
+    at = folded.find(query.lower()) if len(folded) == len(line) else line.find(query)
+    if at < 0:
+        return "", "", line[:after] + ("…" if len(line) > after else "")
+    end = at + len(query)
+    start, stop = max(0, at - before), min(len(line), end + after)
+    return (
+        ("…" if start else "") + line[start:at],
+        line[at:end],
+        line[end:stop] + ("…" if stop < len(line) else ""),
+    )
 
 
 ENGINE_LABELS = {"mlx": "in RAM (MLX)", "flash": "from SSD (flash)", "llama": "llama-server"}
@@ -218,14 +240,24 @@ class ChatViews(TranscriptViews):
         return self.projects.of_conversation(conversation_id) if self.projects else None
 
     def conversation_list(
-        self, current_id: str | None, oob: bool = True, undo: Conversation | None = None
+        self, current_id: str | None, oob: bool = True, undo: Conversation | None = None, query: str = ""
     ) -> str:
-        """The open project's conversations (`undo`: one just moved to the Trash, offered back at the top),
-        with the item count and the Trash window, both out-of-band."""
+        """The open project's conversations (`undo`: one just moved to the Trash, offered back at the top;
+        `query`: only those whose title or a message holds it, each with the words around it), with the item
+        count and the Trash window, both out-of-band."""
         project = self.project_of(current_id)
-        conversations = self.db.list_conversations(project.id if project else None)
-        count = str(self.ui.conversation_count(len(conversations), oob=True))
-        listed = self.ui.conversation_list(conversations, current_id, oob=oob, undo=undo)
+        project_id = project.id if project else None
+        query = " ".join(query.split())[:MAX_QUERY_CHARS]
+        if query:
+            found = self.db.find_conversations(query, project_id)
+            conversations = [f.conversation for f in found]
+            excerpts = {f.conversation.id: excerpt(f.message, query) for f in found if f.message is not None}
+        else:
+            conversations, excerpts = self.db.list_conversations(project_id), {}
+        count = str(self.ui.conversation_count(len(conversations), oob=True, query=query, limit=FIND_LIMIT))
+        listed = self.ui.conversation_list(
+            conversations, current_id, oob=oob, undo=undo, query=query, excerpts=excerpts, now=time.time()
+        )
         return str(listed) + count + self.trash(oob=True)
 
     def trash_items(self) -> list[dict[str, Any]]:
