@@ -13,7 +13,10 @@ the page cache dropped before each capped run:
 - the same model in RAM, uncapped (compute ceiling; --skip ram where it does not fit);
 - llama-server (mmap, -t 2) on the GGUF under the same cap (`vs_llama`).
 I/O ceiling = bandwidth / ((1 - hit rate) x expert bytes a token routes to); ceiling = min(I/O,
-compute); `ceiling_ratio` = flash decode tok/s / ceiling. Runs as root (cgroups).
+compute); `ceiling_ratio` = flash decode tok/s / ceiling. `serial_bound_ratio`: the most `ceiling_ratio`
+an exact engine that starts a layer's reads only once its router has chosen can reach — its reads and
+the rest of the token then take turns, 1 / (1/I/O + 1/compute) tok/s at best; above it only reads
+started on a guess can go. Runs as root (cgroups).
 
 `--warmup N` runs flash N times first, kept apart (`warmup_runs`, their tokens checked too) and out of
 the summary: on a fresh GPU machine the first run also compiles MLX's CUDA kernels. `--repeats N` runs
@@ -432,6 +435,7 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
     io = bw / need
     compute = ram.get("decode_tps") or None
     ceiling = min(io, compute) if compute else io
+    serial = 1 / (1 / io + 1 / compute) if compute else None  # reads, then the rest: no overlap
     runs = res.get("flash_runs") or [flash]
     every = [flash, *runs, *res.get("warmup_runs", []), *([res["profile"]] if "profile" in res else []),
              *res.get("compare", {}).values()]  # fmt: skip
@@ -445,6 +449,7 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
         "measured_bandwidth_Bps": bw, "engine_read_bandwidth_Bps": (flash.get("extra") or {}).get("read_bandwidth_Bps"),
         "io_ceiling_tps": io, "compute_ceiling_tps": compute, "ceiling_tps": ceiling,
         "ceiling_bound": "compute" if compute and compute < io else "io",
+        "serial_bound_tps": serial, "serial_bound_ratio": _ratio(serial, ceiling),
         "ceiling_ratio": _ratio(tps, ceiling), "vs_llama": _ratio(tps, res.get("llama", {}).get("decode_tps")),
         "ttft_ratio_vs_llama": _ratio(flash.get("ttft_s"), res.get("llama", {}).get("ttft_s")),  # ours / llama's
         "same_tokens_as_ram": same,
@@ -585,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     for routing, run in results["runs"].items():  # the keys the checks read
         results[f"ceiling_ratio_{routing}"] = run.get("ceiling_ratio")
         results[f"decode_tps_{routing}"] = run.get("decode_tps")
+        results[f"serial_bound_ratio_{routing}"] = run.get("serial_bound_ratio")
     results["same_tokens_as_ram"] = (
         all(r.get("same_tokens_as_ram") for r in results["runs"].values())
         if all(r.get("same_tokens_as_ram") is not None for r in results["runs"].values())
