@@ -311,6 +311,9 @@
   document.body.addEventListener("htmx:oobAfterSwap", (e) => {
     if (e.detail.target && e.detail.target.id === "conversation-list") refind();
   });
+  // a socket opened (the page loaded, or came back after the server restarted): it says which conversation the
+  // page shows, so a reply begun there by a window since closed (a reload) is shown live, with Stop
+  document.body.addEventListener("htmx:wsOpen", () => { if ($("#showing")) htmx.trigger("#showing", "flashcode:showing"); });
   window.addEventListener("popstate", () => location.reload());
   // a request the server refused (a title left empty, a project removed in another window) or could not
   // answer says why in an alert, rather than nothing happening; the server's errors are one plain sentence

@@ -399,3 +399,39 @@ def test_browser_find_filters_the_list_and_keeps_it_filtered_and_trash_keeps_typ
         assert time.monotonic() < deadline, page.input_value("#prompt")
         time.sleep(0.05)
     assert not page.errors, page.errors
+
+
+def test_browser_a_reload_while_a_reply_is_written_shows_it_going_on_with_stop(
+    fake_server, page, tmp_path: Path
+) -> None:
+    """A reload (or a closed tab) stopped the reply being written. Now the reloaded page shows the reply as
+    written so far, then its tokens as they come, with Stop enabled; Stop stops it there."""
+    import re
+
+    from engine.paths import database_path
+    from webapp.db import Database
+
+    url, fake = fake_server
+    fake.enqueue(*[f" word{i}" for i in range(600)])
+    page.goto(url)
+    page.fill("#prompt", "a long one")
+    page.press("#prompt", "Enter")
+    page.wait_for_url(re.compile(r".*/c/[0-9a-f]+$"))
+    page.locator(".msg-assistant .body", has_text="word20").wait_for()
+    cid = page.url.rsplit("/", 1)[1]
+    page.reload()
+    page.wait_for_selector("#status[data-state=generating]")
+    page.wait_for_selector("#stop-button:not([disabled])")
+    body = page.locator(".msg-assistant .body").last
+    body.filter(has_text="word30").wait_for()
+    seen = len(body.inner_text())
+    deadline = time.monotonic() + 10
+    while len(body.inner_text()) <= seen:  # tokens still arrive, in the reloaded page
+        assert time.monotonic() < deadline, "no token arrived after the reload"
+        time.sleep(0.05)
+    page.click("#stop-button")
+    page.wait_for_selector("#status[data-state=idle]")
+    db = Database(database_path(tmp_path))
+    assert db.messages(cid)[-1].status == "stopped"
+    db.close()
+    assert not page.errors, page.errors

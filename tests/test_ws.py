@@ -861,3 +861,54 @@ def test_ws_a_reply_written_while_the_page_shows_another_conversation_stays_out_
         )
         assert "is not redone" in refused
         assert db.messages(a)[-1].content.endswith(" a299") and db.messages(b)[-1].content == "an answer in B"
+
+
+def test_ws_a_reply_goes_on_when_its_window_closes_and_the_next_window_shows_it_live(tmp_path: Path) -> None:
+    """A reload or a closed tab stopped the reply being written (the socket was its owner). Now a chat reply
+    goes on to its end and is saved; a page drawn meanwhile says a reply is being written; the next window
+    that shows the conversation gets it as written so far, then live, with Stop; a second message there is
+    refused until it ends; and Stop there stops it."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" t{i}" for i in range(150)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as ws:
+            send(ws, type="send", text="a long one")
+            frames = until(ws, r" t5")
+            cid = conversation_id(frames)
+        reply = db.messages(cid)[-1].id
+        assert "being written in another window" in c.get(f"/c/{cid}").text  # the reload's page
+        with connect(c) as ws:
+            send(ws, type="showing", conversation_id=cid)
+            shown = "".join(until(ws, r'id="status"'))
+            assert f'id="msg-{reply}"' in shown and " t5" in shown  # as written so far
+            assert re.search(r'id="stop-button"[^>]*>', shown) and "disabled" not in re.search(
+                r'id="stop-button"[^>]*>', shown
+            ).group(0)
+            live = "".join(until(ws, r" t40"))
+            send(ws, type="send", text="another", conversation_id=cid)
+            refused = "".join(until(ws, r'role="alert"'))
+            assert "press Stop first" in refused and "still in the box" in refused
+            rest = "".join(until(ws, r'data-state="idle"', limit=2000))
+        assert " t41" in live + refused + rest
+        assert db.messages(cid)[-1].status == "complete" and db.messages(cid)[-1].content.endswith(" t149")
+        assert [m.role for m in db.messages(cid)] == ["user", "assistant"]  # "another" was not sent
+
+        slow.enqueue(*[f" u{i}" for i in range(300)])
+        with connect(c) as ws:
+            send(ws, type="send", text="and another", conversation_id=cid)
+            until(ws, r" u5")
+        with connect(c) as first, connect(c) as ws:  # nobody shows it for a while: it goes on all the same
+            time.sleep(0.3)
+            send(first, type="showing", conversation_id=cid)
+            until(first, r'id="status"')
+            send(ws, type="showing", conversation_id=cid)  # a second window shows it: the first now waits
+            until(ws, r'id="status"')
+            assert "being written in another window" in "".join(until(first, r"another window"))
+            send(first, type="stop")  # not its reply now: nothing happens
+            time.sleep(0.1)
+            assert not db.messages(cid)[-1].status == "stopped"
+            send(ws, type="stop")
+            until(ws, r'data-state="idle"', limit=2000)
+        last = db.messages(cid)[-1]
+        assert last.status == "stopped" and " u20" in last.content and not last.content.endswith(" u299")

@@ -126,16 +126,20 @@ class ChatContext:
         """Whether a window is writing a reply (or running an agent turn) in `conversation_id`."""
         return any(s.generating and s.writing_in == conversation_id for s in self.sessions)
 
+    def windows(self) -> list[Session]:
+        """The sockets open now (not the replies left writing by a window that closed)."""
+        return [s for s in self.sessions if not s.left]
+
     def engine_changed(self) -> None:
         """Every window names the engine that now answers."""
-        for session in list(self.sessions):
+        for session in self.windows():
             session.send(session.views.engine_state())
 
     def conversation_changed(self, conversation_id: str, source: Session | None = None) -> None:
         """A message was sent or a reply ended in `conversation_id`: every other window is told (one showing
         that conversation draws it again, keeping what is typed; the others their conversation list)."""
         frame = self.views.conversation_changed(conversation_id)
-        for session in list(self.sessions):
+        for session in self.windows():
             if session is not source:
                 session.send(frame)
 
@@ -148,6 +152,13 @@ class ChatContext:
                 if s is not source and s.generating and s.writing_in == conversation_id
             ),
             None,
+        )
+
+    def left_writing(self, conversation_id: str) -> Session | None:
+        """The session of a window that closed (a reload, a closed tab) while it wrote a reply in
+        `conversation_id`, if that reply is still being written."""
+        return next(
+            (s for s in self.sessions if s.left and s.generating and s.writing_in == conversation_id), None
         )
 
     async def endpoint(self, ws: WebSocket) -> None:
@@ -178,6 +189,14 @@ class Session:
         # the reply being written (redrawn when its conversation is shown again)
         self.reply: ReplyStream | None = None
         self.wrote: tuple[str, float] | None = None  # the conversation last written in, and when it ended
+        # a chat reply outlives its window (a reload, a closed tab): `left` once the socket closed with one
+        # being written; `shown_by` the window now showing it (its frames go there, its Stop stops it), and
+        # in that window `adopted` the reply's session
+        self.chat_reply = False  # the turn is a plain chat reply (an agent's turn stops with its window)
+        self.left = False
+        self.left_in: str | None = None  # the conversation of the reply it left writing
+        self.shown_by: Session | None = None
+        self.adopted: Session | None = None
         self._saying: set[asyncio.Task[None]] = set()  # mode changes being said (`_say_mode`)
 
     # ------------------------------------------------------------------ plumbing
@@ -187,10 +206,15 @@ class Session:
         try:
             await self._read()
         finally:
-            await (
-                self._stop_turn()
-            )  # still listed meanwhile: no other window starts a turn here before it ends
-            self.ctx.sessions.discard(self)
+            if self.adopted is not None and self.adopted.shown_by is self:
+                self.adopted.shown_by = None
+            if self.task is not None and not self.task.done() and self.chat_reply:
+                self._leave()  # the reply goes on; the window that opens its conversation next shows it
+            else:
+                await (
+                    self._stop_turn()
+                )  # still listed meanwhile: no other window starts a turn here before it ends
+                self.ctx.sessions.discard(self)
             for fut in self.dialogs.values():
                 fut.cancel()
             self.outbox.put_nowait(None)
@@ -224,7 +248,20 @@ class Session:
                 self.error(explain(exc, self.ctx.db.path) or f"internal error: {type(exc).__name__}: {exc}")
 
     def send(self, *fragments: str) -> None:
+        if self.left:  # the reply's frames go to the window showing its conversation now, if one does
+            if self.shown_by is not None and self.left_in is not None:
+                self.shown_by.send_for(self.left_in)(*fragments)
+            return
         self.outbox.put_nowait("".join(fragments))
+
+    def _leave(self) -> None:
+        """The socket closed while this session wrote a chat reply: the reply goes on to its end and is saved
+        (a reload or a closed tab stopped it before); still listed, so no window writes in its conversation
+        meanwhile, and the next window to show that conversation shows it live, with Stop (`_showing`)."""
+        assert self.task is not None
+        self.left, self.left_in, self.shown = True, self.writing_in, None
+        task = self.task
+        task.add_done_callback(lambda _task: self.ctx.sessions.discard(self))
 
     def send_for(self, conversation_id: str) -> Callable[..., None]:
         """`send` for one conversation's turn: while the page shows another one, that conversation's fragments
@@ -261,6 +298,10 @@ class Session:
         if isinstance(msg, p.Stop):
             if self.cancel is not None:
                 self.cancel()
+            elif (
+                self.adopted is not None and self.adopted.cancel is not None and self.adopted.shown_by is self
+            ):
+                self.adopted.cancel()  # the reply this window shows, begun in a window that closed
         elif isinstance(msg, p.Answer):
             self._answer(msg)
         elif isinstance(msg, p.Showing):
@@ -301,6 +342,21 @@ class Session:
         reply ended gets the conversation as it is now."""
         cid = msg.conversation_id
         self.shown = cid
+        if (
+            self.adopted is not None and self.adopted.shown_by is self
+        ):  # its frames are for its conversation only
+            self.adopted.shown_by = None
+        self.adopted = None
+        left = self.ctx.left_writing(cid) if cid and not self.generating else None
+        if left is not None:  # a reply begun in a window since closed (a reload): shown here as it is written
+            if (before := left.shown_by) is not None and before is not self:  # it was shown in another window
+                before.adopted = None
+                before.send(self.views.controls(False, elsewhere=True))  # which now waits, as for any writer
+            self.adopted, left.shown_by = left, self
+            reply = left.reply
+            again = reply.redraw() if reply is not None and reply.conversation_id == cid else []
+            self.send(*again, self.views.controls(generating=True))
+            return
         if not self.generating:
             if (
                 cid
@@ -320,8 +376,15 @@ class Session:
     def _busy_elsewhere(self, conversation_id: str | None, kept: bool = False) -> bool:
         """Another window is writing in this conversation: nothing changes it from here until it has ended
         (`kept`: a message, which stays in the box)."""
-        if not conversation_id or self.ctx.writer_of(conversation_id, self) is None:
+        writer = self.ctx.writer_of(conversation_id, self) if conversation_id else None
+        if writer is None:
             return False
+        if writer is self.adopted and writer.shown_by is self:
+            self.error(
+                "A reply is still being written: press Stop first."
+                + (" Your message is still in the box." if kept else "")
+            )
+            return True
         self.error(
             "A reply is being written in this conversation in another window: wait for it to end (this "
             "window shows it then), or press Stop there."
@@ -680,7 +743,7 @@ class Session:
         request = self._request(history, sampling, continuing is not None)
         submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
-        self.cancel = gen.cancel
+        self.cancel, self.chat_reply = gen.cancel, True
         stream = self.reply_stream(
             conversation_id,
             received=self.received,
@@ -706,8 +769,8 @@ class Session:
                     done = event
         finally:
             meter.cancel()
-            self.cancel = None
-            if done is None:  # the task was cancelled (socket closed): keep what streamed
+            self.cancel, self.chat_reply = None, False
+            if done is None:  # the task was cancelled (the server stopping): keep what streamed
                 gen.cancel()
                 stream.abandon()
         # the meter is of the reply being written: hidden once it is done (its footer keeps the numbers)
