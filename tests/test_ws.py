@@ -912,3 +912,33 @@ def test_ws_a_reply_goes_on_when_its_window_closes_and_the_next_window_shows_it_
             until(ws, r'data-state="idle"', limit=2000)
         last = db.messages(cid)[-1]
         assert last.status == "stopped" and " u20" in last.content and not last.content.endswith(" u299")
+
+
+def test_ws_a_reply_shown_again_while_its_prompt_is_read_says_so(tmp_path: Path) -> None:
+    """A window that comes back to a reply (its own, or one left writing by a closed window) while the engine
+    still reads the prompt: the status line said "Writing…"; it says "Reading your prompt…" with the progress."""
+    from engine.base import PrefillProgress
+
+    slow = FakeBackend(delay=0.05)
+    slow.replies.append(
+        [PrefillProgress(100, 1000), *[PrefillProgress(100 * i, 1000) for i in range(2, 40)], "done"]
+    )
+    slow.replies.append(list(slow.replies[0]))
+    with served(slow, tmp_path) as c:
+        with connect(c) as ws:  # its own reply: to another conversation and back
+            send(ws, type="send", text="a long prompt")
+            cid = conversation_id(until(ws, r"Reading your prompt"))
+            send(ws, type="showing", conversation_id="")
+            until(ws, r"another conversation of this window")
+            send(ws, type="showing", conversation_id=cid)
+            back = "".join(until(ws, r'id="status"'))
+            assert "Reading your prompt…" in back and re.search(r"\d+ / 1,?000", back), back[-600:]
+            until(ws, r'data-state="idle"', limit=2000)
+        with connect(c) as ws:
+            send(ws, type="send", text="another long prompt", conversation_id=cid)
+            until(ws, r"Reading your prompt")
+        with connect(c) as ws:
+            send(ws, type="showing", conversation_id=cid)
+            shown = "".join(until(ws, r'id="status"'))
+            assert "Reading your prompt…" in shown and re.search(r"\d+ / 1,?000", shown), shown[-600:]
+            until(ws, r'data-state="idle"', limit=2000)

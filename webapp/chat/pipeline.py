@@ -107,6 +107,7 @@ class ReplyStream:
         self.last_save = time.monotonic()
         self.partial_failed = False  # a save so far failed: no more tries for this reply
         self.last_progress: float | None = None
+        self.prompt_read = 0  # of which the engine has read this much (its last report shown)
         self.prompt_total = 0  # the prompt's size, once the engine reports its progress
         self.timer: asyncio.TimerHandle | None = None
         self.finished = False
@@ -117,14 +118,20 @@ class ReplyStream:
 
     def redraw(self) -> list[str]:
         """The reply as written so far, for a page that shows its conversation again (drawn meanwhile from
-        the part last saved): its finished blocks in the body, the rest as its tail (as Continue reopens one)."""
+        the part last saved): its finished blocks in the body, the rest as its tail (as Continue reopens one),
+        and the status line as it was ("Reading your prompt…" and its progress while no token has come)."""
         if self.finished:
             return []
         body = replace(self.message, content=self.text[: self.done_upto], status="streaming")
-        return [
+        frames = [
             self.views.replace_message(body),
             self.views.tokens(self.message.id, "", self.text[self.done_upto :]),
         ]
+        reading = self.first_sent is None and self.last_progress is not None
+        if reading:
+            frames.append(self.views.prefill(self.message.id, self.prompt_read, self.prompt_total))
+        frames.append(self.views.controls(generating=True, text="Reading your prompt…" if reading else None))
+        return frames
 
     @property
     def text(self) -> str:
@@ -159,7 +166,7 @@ class ReplyStream:
         ):
             return
         first = self.last_progress is None
-        self.last_progress = now
+        self.last_progress, self.prompt_read = now, processed
         self.send(self.views.prefill(self.message.id, processed, total))
         if first:  # the status bar says what the reply says: the prompt is being read, nothing written yet
             self.send(self.views.controls(generating=True, text="Reading your prompt…"))

@@ -353,9 +353,7 @@ class Session:
                 before.adopted = None
                 before.send(self.views.controls(False, elsewhere=True))  # which now waits, as for any writer
             self.adopted, left.shown_by = left, self
-            reply = left.reply
-            again = reply.redraw() if reply is not None and reply.conversation_id == cid else []
-            self.send(*again, self.views.controls(generating=True))
+            self.send(*left.drawn_again(cid))
             return
         if not self.generating:
             if (
@@ -367,11 +365,16 @@ class Session:
                 self.send(self.views.sync(cid))
             return
         if cid and cid == self.writing_in:
-            reply = self.reply
-            again = reply.redraw() if reply is not None and reply.conversation_id == cid else []
-            self.send(*again, self.views.controls(generating=True))
+            self.send(*self.drawn_again(cid))
         else:
             self.send(self.views.controls(generating=True, text=ELSEWHERE_WRITING))
+
+    def drawn_again(self, conversation_id: str) -> list[str]:
+        """This session's reply in `conversation_id` as written so far, with the writer's controls."""
+        reply = self.reply
+        if reply is not None and reply.conversation_id == conversation_id and (frames := reply.redraw()):
+            return frames
+        return [self.views.controls(generating=True)]
 
     def _busy_elsewhere(self, conversation_id: str | None, kept: bool = False) -> bool:
         """Another window is writing in this conversation: nothing changes it from here until it has ended
