@@ -435,7 +435,7 @@ def summarize(res: dict[str, Any], routed_bytes: int) -> dict[str, Any]:
     io = bw / need
     compute = ram.get("decode_tps") or None
     ceiling = min(io, compute) if compute else io
-    serial = 1 / (1 / io + 1 / compute) if compute else None  # reads, then the rest: no overlap
+    serial = io * compute / (io + compute) if compute and io else None  # reads, then the rest: no overlap
     runs = res.get("flash_runs") or [flash]
     every = [flash, *runs, *res.get("warmup_runs", []), *([res["profile"]] if "profile" in res else []),
              *res.get("compare", {}).values()]  # fmt: skip

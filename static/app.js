@@ -195,13 +195,18 @@
     const id = e.detail.requestConfig?.elt?.dataset?.reopen;
     if (!id || !e.detail.successful || conversationId()) return;
     const typed = ($("#prompt") || {}).value || "";
-    htmx.ajax("GET", `/c/${id}`, { target: "#chat-window", swap: "outerHTML" }).then(() => {
+    // once the window is swapped in (htmx.ajax's promise can settle before the swap: it went unseen)
+    const shown = () => {
       if (conversationId() !== id) return;
+      document.body.removeEventListener("htmx:afterSettle", shown);
       history.pushState({}, "", `/c/${id}`);
       const p = $("#prompt");
       if (p && typed) p.value = p.value && p.value !== typed ? `${p.value}\n\n${typed}` : typed;  // its draft, then this
       markSelected(id);
-    });
+    };
+    document.body.addEventListener("htmx:afterSettle", shown);
+    setTimeout(() => document.body.removeEventListener("htmx:afterSettle", shown), 30000);
+    htmx.ajax("GET", `/c/${id}`, { target: "#chat-window", swap: "outerHTML" });
   });
   // a conversation deleted for good (Delete Now, Empty Trash, here or in another window's Trash shown here):
   // its "Moved to the Trash. Undo" note goes, the Undo having nothing left to put back
@@ -298,7 +303,9 @@
     if (e.detail.target && e.detail.target.id === "conversation-list") refind();
   });
   // Find in the Conversations window: a list drawn again by the server (a reply, a rename, an Undo) lists
-  // every conversation; while something is typed in Find, it is asked for the matching ones again
+  // every conversation (data-query=""); while something is typed in Find, it is asked for the matching ones
+  // again — and for all of them when a search's answer comes after Find was emptied. Only emptiness is
+  // compared: the server may tidy a query (whitespace), which must not ask again and again
   const findText = () => ($("#conversation-find") || { value: "" }).value.split(/\s+/).filter(Boolean).join(" ").slice(0, 200);
   function fetchList() {
     const q = findText();
@@ -306,7 +313,7 @@
   }
   function refind() {
     const list = $("#conversation-list");
-    if (list && (list.dataset.query || "") !== findText()) fetchList();
+    if (list && !(list.dataset.query || "") !== !findText()) fetchList();
   }
   document.body.addEventListener("htmx:oobAfterSwap", (e) => {
     if (e.detail.target && e.detail.target.id === "conversation-list") refind();

@@ -388,6 +388,7 @@ def test_browser_find_filters_the_list_and_keeps_it_filtered_and_trash_keeps_typ
     page.wait_for_selector('#conversation-list[data-query=""]')
     assert rows.count() == 2
     page.fill("#prompt", "half a thought")
+    trashed = page.url.rsplit("/", 1)[1]
     page.click("#conversations-window [data-action=delete]")
     page.press(".alert-box.modal .dialog-ok", "Enter")
     undo = page.locator("#conversation-list .trash-note .undo-trash")
@@ -398,6 +399,8 @@ def test_browser_find_filters_the_list_and_keeps_it_filtered_and_trash_keeps_typ
     while page.input_value("#prompt") != "half a thought":
         assert time.monotonic() < deadline, page.input_value("#prompt")
         time.sleep(0.05)
+    page.wait_for_url(re.compile(rf".*/c/{trashed}$"))  # the address names it again (a reload finds it)
+    assert page.locator("#conversation-list li.selected").count() == 1
     assert not page.errors, page.errors
 
 

@@ -24,6 +24,7 @@ from engine.worker import Worker
 from tests.conftest import FakeBackend
 from webapp.app import create_app
 from webapp.chat.protocol import MAX_MESSAGE_BYTES
+from webapp.db import Database
 from webapp.settings import Settings
 
 ORIGIN = "http://127.0.0.1:8000"
@@ -902,12 +903,12 @@ def test_ws_a_reply_goes_on_when_its_window_closes_and_the_next_window_shows_it_
             time.sleep(0.3)
             send(first, type="showing", conversation_id=cid)
             until(first, r'id="status"')
-            send(ws, type="showing", conversation_id=cid)  # a second window shows it: the first now waits
-            until(ws, r'id="status"')
-            assert "being written in another window" in "".join(until(first, r"another window"))
-            send(first, type="stop")  # not its reply now: nothing happens
+            send(ws, type="showing", conversation_id=cid)  # a second window showing it waits (another window)
+            send(ws, type="stop")  # not its reply: nothing happens
             time.sleep(0.1)
-            assert not db.messages(cid)[-1].status == "stopped"
+            assert db.messages(cid)[-1].status == "streaming"
+            first.close()  # the window showing it closed: the waiting one shows it now
+            until(ws, r'id="stop-button"(?![^>]*disabled)')
             send(ws, type="stop")
             until(ws, r'data-state="idle"', limit=2000)
         last = db.messages(cid)[-1]
@@ -942,3 +943,119 @@ def test_ws_a_reply_shown_again_while_its_prompt_is_read_says_so(tmp_path: Path)
             shown = "".join(until(ws, r'id="status"'))
             assert "Reading your prompt…" in shown and re.search(r"\d+ / 1,?000", shown), shown[-600:]
             until(ws, r'data-state="idle"', limit=2000)
+
+
+def test_ws_a_reply_left_writing_stops_when_its_conversation_goes_to_the_trash(tmp_path: Path) -> None:
+    """(review) Move to Trash of the conversation a window writes in reloads that window: the reply went on in
+    the Trash, where no window could show it or stop it. It stops (and is kept, as any stopped reply); so does
+    one a closed window left writing when its conversation is moved to the Trash from another."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" t{i}" for i in range(400)])
+    slow.enqueue(*[f" u{i}" for i in range(400)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
+        with connect(c) as ws:
+            send(ws, type="send", text="a long one")
+            cid = conversation_id(until(ws, r" t5"))
+            c.post(f"/c/{cid}/delete", headers={"X-CSRF-Token": token, "HX-Current-URL": f"{BASE}/c/{cid}"})
+        deadline = time.monotonic() + 5
+        while db.messages(cid)[-1].status == "streaming":
+            assert time.monotonic() < deadline, "the reply in the Trash went on"
+            time.sleep(0.02)
+        assert db.messages(cid)[-1].status == "stopped" and not db.messages(cid)[-1].content.endswith(" t399")
+        c.post(f"/c/{cid}/restore", headers={"X-CSRF-Token": token})
+        with connect(c) as ws:
+            send(ws, type="send", text="again", conversation_id=cid)
+            until(ws, r" u5")
+        c.post(f"/c/{cid}/delete", headers={"X-CSRF-Token": token})  # from another window, after it closed
+        deadline = time.monotonic() + 5
+        while db.messages(cid)[-1].status == "streaming":
+            assert time.monotonic() < deadline, "the reply left writing went on in the Trash"
+            time.sleep(0.02)
+        assert not db.messages(cid)[-1].content.endswith(" u399")
+
+
+def test_ws_a_left_reply_is_handed_on_to_a_window_that_shows_it(tmp_path: Path) -> None:
+    """(review, walkthrough) Tab A writes, tab B shows the conversation ("another window"); A closes: B stayed
+    frozen, Stop greyed, though no other window was left. B shows the reply now, with Stop. The same when the
+    window that showed a left reply goes to another conversation."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" a{i}" for i in range(400)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as b:
+            with connect(c) as a:
+                send(a, type="send", text="in A")
+                cid = conversation_id(until(a, r" a5"))
+                send(b, type="showing", conversation_id=cid)
+                time.sleep(0.1)
+            until(b, r'id="stop-button"(?![^>]*disabled)')  # A closed: B shows it
+            with connect(c) as other:
+                send(other, type="showing", conversation_id=cid)  # waits while B shows it
+                send(b, type="showing", conversation_id="")  # B goes elsewhere: the other one shows it
+                until(other, r'id="stop-button"(?![^>]*disabled)')
+                send(other, type="stop")
+                until(other, r'data-state="idle"', limit=3000)
+        assert db.messages(cid)[-1].status == "stopped"
+
+
+def test_ws_a_window_writing_its_own_reply_takes_a_left_one_when_its_own_ends(tmp_path: Path) -> None:
+    """(review) A window writing in B shows A, where a closed window's reply waits for the engine: it took
+    nothing, and once its own reply ended it showed A idle, the left reply running with no Stop anywhere."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" b{i}" for i in range(100)])
+    slow.enqueue(*[f" a{i}" for i in range(400)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as ws:
+            send(ws, type="send", text="in B")
+            b = conversation_id(until(ws, r" b5"))
+            with connect(c) as other:  # a reply in A, queued behind B's, left by its window
+                send(other, type="send", text="in A")
+                a = conversation_id(until(other, r'id="conversation-id" value="[0-9a-f]+"'))
+            send(ws, type="showing", conversation_id=a)
+            until(ws, r"another conversation of this window")
+            until(ws, r" a5", limit=3000)  # B's reply ended: A's is shown here
+            send(ws, type="stop")
+            until(ws, r'data-state="idle"', limit=3000)
+        assert b != a and db.messages(b)[-1].content.endswith(" b99")
+        assert db.messages(a)[-1].status == "stopped" and not db.messages(a)[-1].content.endswith(" a399")
+
+
+def test_ws_a_reply_left_writing_is_saved_when_the_server_stops(tmp_path: Path) -> None:
+    """(review) The server stopping while a closed window's reply is written: it closed the database first, so
+    the reply stayed `streaming` with nothing saved. It is stopped and saved with its text first."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" t{i}" for i in range(400)])
+    with served(slow, tmp_path) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="a long one")
+            cid = conversation_id(until(ws, r" t20"))
+    db = Database(tmp_path / "flashcode.db")
+    last = db.messages(cid)[-1]
+    assert last.status == "stopped" and " t20" in last.content
+    db.close()
+
+
+def test_ws_a_reply_waiting_for_the_engine_says_so_and_stop_holds(tmp_path: Path) -> None:
+    """(walkthrough) A message sent in Y while another window's reply in X holds the engine: the page said
+    Ready, Stop greyed, and no sign of a reply until X's ended. It says it waits for the engine, and a Stop
+    pressed then stops the reply as soon as it is submitted."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" x{i}" for i in range(150)])
+    slow.enqueue(*[f" y{i}" for i in range(150)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        with connect(c) as wx, connect(c) as wy:
+            send(wx, type="send", text="in X")
+            until(wx, r" x5")
+            send(wy, type="send", text="in Y")
+            waiting = "".join(until(wy, r"Waiting for the engine"))
+            y = conversation_id([waiting])
+            assert re.search(r'id="stop-button"(?![^>]*disabled)', waiting)
+            send(wy, type="stop")
+            until(wy, r'data-state="idle"', limit=3000)
+            until(wx, r'data-state="idle"', limit=3000)
+        assert db.messages(y)[-1].role == "assistant" and db.messages(y)[-1].status == "stopped"
+        assert " y100" not in db.messages(y)[-1].content

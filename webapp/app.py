@@ -177,6 +177,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         db=db, engine=engine, views=views, sampling=settings.sampling, hooks=on_reply, turns=agent.turns
     )
     chat.projects, chat.before_reply = projects, resume.before_reply
+    pages.on_trashed = chat.stop_left  # a reply a closed window left writing there stops with it
     # an agent turn takes the engine (its router scores first): the live conversation is saved before it
     chat.before_turn = resume.generating
     chat.take_attachments = projects_web.take_attachments
@@ -191,6 +192,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         try:
             yield
         finally:
+            await chat.close_left()  # replies closed windows left writing: stopped and saved before the rest
             await resume.save_now()  # the live conversation's KV cache, for the next start
             await mcp_servers().close_all()  # every MCP server the agent started
             await resume.flush()  # a save a reply that ended meanwhile left behind it

@@ -82,7 +82,7 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             raise preflight.StartupError(
                 f"{' and '.join(chosen)} cannot go together: give one of --project, --all, --trash"
             )
-        find = " ".join((getattr(args, "find", None) or "").split())
+        find = " ".join((getattr(args, "find", None) or "").split())[:MAX_FIND_CHARS]
         if find and args.trash:
             raise preflight.StartupError(
                 "--find looks in the listed conversations, not the Trash: drop --trash"
@@ -191,6 +191,7 @@ def _import(db: Database, store: ProjectStore, args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_FIND_CHARS = 200  # as the web app's Find (a much longer LIKE pattern is "too complex" for SQLite)
 FIND_HELP = "only those whose title or a message holds TEXT (case-insensitive for ASCII letters)"
 
 

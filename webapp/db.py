@@ -548,22 +548,31 @@ class Database:
         return [Conversation(**dict(r)) for r in rows]
 
     def find_conversations(
-        self, text: str, project_id: str | None = None, limit: int = FIND_LIMIT
+        self, text: str, project_id: str | None = None, limit: int = FIND_LIMIT, around: int = 400
     ) -> list[Found]:
         """The conversations (one project's, or all: None; none from the Trash) whose title or a message holds
         `text`, newest first, at most `limit`. Matching is SQLite's LIKE: a plain substring (`%` and `_` are
         themselves), case-insensitive for ASCII letters only. Each comes with its first matching message's text
-        (None when only the title matched)."""
+        (None when only the title matched): `around` characters of it from a little before the text (a message
+        can be megabytes long)."""
         pattern = "%" + re.sub(r"([\\%_])", r"\\\1", text) + "%"
         where, args = (
             ("AND project_id=:project ", {"project": project_id}) if project_id is not None else ("", {})
         )
         rows = self.conn.execute(
-            "SELECT * FROM (SELECT c.*, (SELECT m.content FROM messages m WHERE m.conversation_id=c.id "
+            "SELECT * FROM (SELECT c.*, (SELECT substr(m.content, "
+            "max(1, instr(lower(m.content), lower(:text)) - :before), :around) FROM messages m WHERE m.conversation_id=c.id "
             "AND m.content LIKE :pattern ESCAPE '\\' ORDER BY m.id LIMIT 1) AS found_in "
             f"FROM conversations c WHERE trashed_at IS NULL {where}) "
             "WHERE title LIKE :pattern ESCAPE '\\' OR found_in IS NOT NULL ORDER BY updated_at DESC, id LIMIT :limit",
-            {"pattern": pattern, "limit": limit, **args},
+            {
+                "pattern": pattern,
+                "text": text,
+                "before": around // 4,
+                "around": around,
+                "limit": limit,
+                **args,
+            },
         ).fetchall()
         found = []
         for r in rows:

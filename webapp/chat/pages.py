@@ -60,6 +60,7 @@ class ChatPages:
         )
         # set by create_app: after a delete for good, what belonged to the deleted conversations (saved caches)
         self.on_deleted: Callable[[], Awaitable[object]] | None = None
+        self.on_trashed: Callable[[str], None] | None = None  # a conversation went to the Trash
 
     @property
     def routes(self) -> list[Route]:
@@ -135,7 +136,11 @@ class ChatPages:
         """GET /conversations?current=ID&q=TEXT: the list (`q`: only the conversations holding TEXT)."""
         params = request.query_params
         current = params.get("current") or params.get("conversation_id") or None
-        return HTMLResponse(self.views.conversation_list(current, oob=False, query=params.get("q", "")))
+        # off the event loop: a search reads every message of the project (replies stream on meanwhile)
+        listed = await run_in_threadpool(
+            self.views.conversation_list, current, False, None, params.get("q", "")
+        )
+        return HTMLResponse(listed)
 
     # ------------------------------------------------------------------ changes
     async def rename(self, request: Request) -> HTMLResponse:
@@ -153,8 +158,12 @@ class ChatPages:
         conv = self._conversation(request)
         draft = str((await request.form()).get("draft") or "")
         if draft.strip():  # what was typed in its box: there again after Undo or Put Back
-            self.views.drafts[conv.id] = draft[:MAX_DRAFT_CHARS]
+            self.views.kept[conv.id] = draft[:MAX_DRAFT_CHARS]
         self.db.trash_conversation(conv.id)
+        if (
+            self.on_trashed is not None
+        ):  # a reply left writing there by a closed window: nothing could stop it
+            self.on_trashed(conv.id)
         current_url = request.headers.get("hx-current-url", "")
         if re.search(rf"/c/{re.escape(conv.id)}(?:[?#]|$)", current_url):
             return Response(status_code=200, headers={"HX-Redirect": f"/?trashed={conv.id}"})
@@ -198,8 +207,9 @@ class ChatPages:
 
     async def _deleted(self) -> None:
         """Conversations were deleted for good: their kept drafts go, and their saved caches (`on_deleted`)."""
-        for cid in [c for c in self.views.drafts if self.db.get_conversation(c, trashed=True) is None]:
-            del self.views.drafts[cid]
+        for kept in (self.views.drafts, self.views.kept):
+            for cid in [c for c in kept if self.db.get_conversation(c, trashed=True) is None]:
+                del kept[cid]
         if self.on_deleted is None:
             return
         try:

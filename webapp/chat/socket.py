@@ -154,6 +154,23 @@ class ChatContext:
             None,
         )
 
+    def stop_left(self, conversation_id: str) -> None:
+        """`conversation_id` went to the Trash (or was deleted): a reply left writing there by a window that
+        closed is stopped — no window can show it now, so none could stop it."""
+        for s in list(self.sessions):
+            if s.left and s.left_in == conversation_id:
+                s.stop()
+
+    async def close_left(self) -> None:
+        """The server stops: the replies left writing by closed windows are stopped and saved as they are."""
+        await asyncio.gather(*(s._stop_turn() for s in list(self.sessions) if s.left), return_exceptions=True)
+
+    def hand_on(self, left: Session, but: Session) -> None:
+        """The window showing `left`'s reply (`but`) closed: another one showing that conversation takes it."""
+        for w in self.windows():
+            if w is not but and w.shown == left.left_in and not w.generating and w.adopt(left):
+                return
+
     def left_writing(self, conversation_id: str) -> Session | None:
         """The session of a window that closed (a reload, a closed tab) while it wrote a reply in
         `conversation_id`, if that reply is still being written."""
@@ -169,6 +186,7 @@ class ChatContext:
 _TOP_ID = re.compile(r'\s*<\w+[^>]*?\bid="([^"]+)"')  # a fragment's top element's id
 # the status line of a window writing a reply in one conversation while it shows another
 ELSEWHERE_WRITING = "Writing a reply in another conversation of this window… Stop stops it."
+WAITING = "Waiting for the engine…"
 
 
 class Session:
@@ -193,6 +211,7 @@ class Session:
         # being written; `shown_by` the window now showing it (its frames go there, its Stop stops it), and
         # in that window `adopted` the reply's session
         self.chat_reply = False  # the turn is a plain chat reply (an agent's turn stops with its window)
+        self.stop_asked = False  # Stop was pressed before the reply was submitted (it waited for the engine)
         self.left = False
         self.left_in: str | None = None  # the conversation of the reply it left writing
         self.shown_by: Session | None = None
@@ -206,9 +225,19 @@ class Session:
         try:
             await self._read()
         finally:
-            if self.adopted is not None and self.adopted.shown_by is self:
+            if (
+                self.adopted is not None and self.adopted.shown_by is self
+            ):  # another window showing it takes it
                 self.adopted.shown_by = None
-            if self.task is not None and not self.task.done() and self.chat_reply:
+                self.ctx.hand_on(self.adopted, but=self)
+            if (
+                self.task is not None
+                and not self.task.done()
+                and self.chat_reply
+                and self.writing_in is not None
+                and self.ctx.db.get_conversation(self.writing_in)
+                is not None  # not one just moved to the Trash
+            ):
                 self._leave()  # the reply goes on; the window that opens its conversation next shows it
             else:
                 await (
@@ -254,6 +283,14 @@ class Session:
             return
         self.outbox.put_nowait("".join(fragments))
 
+    def stop(self) -> None:
+        """Stop the turn being written (none: nothing happens); a chat reply still waiting for the engine
+        stops as soon as it is submitted."""
+        if self.cancel is not None:
+            self.cancel()
+        elif self.generating and self.chat_reply:
+            self.stop_asked = True
+
     def _leave(self) -> None:
         """The socket closed while this session wrote a chat reply: the reply goes on to its end and is saved
         (a reload or a closed tab stopped it before); still listed, so no window writes in its conversation
@@ -262,6 +299,9 @@ class Session:
         self.left, self.left_in, self.shown = True, self.writing_in, None
         task = self.task
         task.add_done_callback(lambda _task: self.ctx.sessions.discard(self))
+        self.ctx.hand_on(
+            self, but=self
+        )  # a window waiting in its conversation ("another window") shows it now
 
     def send_for(self, conversation_id: str) -> Callable[..., None]:
         """`send` for one conversation's turn: while the page shows another one, that conversation's fragments
@@ -296,12 +336,10 @@ class Session:
     # ------------------------------------------------------------------ dispatch
     async def handle(self, msg: p.ClientMessage) -> None:
         if isinstance(msg, p.Stop):
-            if self.cancel is not None:
-                self.cancel()
-            elif (
-                self.adopted is not None and self.adopted.cancel is not None and self.adopted.shown_by is self
-            ):
-                self.adopted.cancel()  # the reply this window shows, begun in a window that closed
+            if self.adopted is not None and self.adopted.shown_by is self and not self.generating:
+                self.adopted.stop()  # the reply this window shows, begun in a window that closed
+            else:
+                self.stop()
         elif isinstance(msg, p.Answer):
             self._answer(msg)
         elif isinstance(msg, p.Showing):
@@ -342,18 +380,13 @@ class Session:
         reply ended gets the conversation as it is now."""
         cid = msg.conversation_id
         self.shown = cid
-        if (
-            self.adopted is not None and self.adopted.shown_by is self
-        ):  # its frames are for its conversation only
-            self.adopted.shown_by = None
-        self.adopted = None
+        adopted, self.adopted = self.adopted, None
+        if adopted is not None and adopted.shown_by is self:  # its frames are for its conversation only
+            adopted.shown_by = None
+            if cid != adopted.left_in:  # another window waiting there shows it now
+                self.ctx.hand_on(adopted, but=self)
         left = self.ctx.left_writing(cid) if cid and not self.generating else None
-        if left is not None:  # a reply begun in a window since closed (a reload): shown here as it is written
-            if (before := left.shown_by) is not None and before is not self:  # it was shown in another window
-                before.adopted = None
-                before.send(self.views.controls(False, elsewhere=True))  # which now waits, as for any writer
-            self.adopted, left.shown_by = left, self
-            self.send(*left.drawn_again(cid))
+        if left is not None and self.adopt(left):  # a reply begun in a window since closed (a reload)
             return
         if not self.generating:
             if (
@@ -368,6 +401,18 @@ class Session:
             self.send(*self.drawn_again(cid))
         else:
             self.send(self.views.controls(generating=True, text=ELSEWHERE_WRITING))
+
+    def adopt(self, left: Session) -> bool:
+        """Show `left`'s reply here as it is written, with Stop. False: it has just ended, or another window
+        shows it (this one waits, as for any window writing there, until that one closes or goes elsewhere)."""
+        cid = left.left_in
+        if cid is None or not left.generating or left.writing_in != cid:
+            return False
+        if left.shown_by is not None and left.shown_by is not self:
+            return False
+        self.adopted, left.shown_by = left, self
+        self.send(*left.drawn_again(cid))
+        return True
 
     def drawn_again(self, conversation_id: str) -> list[str]:
         """This session's reply in `conversation_id` as written so far, with the writer's controls."""
@@ -403,6 +448,9 @@ class Session:
         def ended(_task: asyncio.Task[None]) -> None:
             self.wrote = (conversation_id, time.monotonic())
             self.ctx.conversation_changed(conversation_id, self)
+            # the conversation this window shows has a reply left writing by a closed window: shown here now
+            if not self.left and self.shown and (left := self.ctx.left_writing(self.shown)) is not None:
+                self.adopt(left)
 
         task.add_done_callback(ended)
 
@@ -446,6 +494,7 @@ class Session:
             return
         if msg.conversation_id:  # an Edit… copy's text, put in its box at each drawing until now
             views.drafts.pop(msg.conversation_id, None)
+            views.kept.pop(msg.conversation_id, None)
         conv = db.get_conversation(msg.conversation_id) if msg.conversation_id else None
         if conv is not None and msg.seen is not None and self._missed(conv.id, msg.seen):
             return
@@ -675,9 +724,14 @@ class Session:
             )
         )
         task.add_done_callback(functools.partial(self._generation_ended, continuing=continuing is not None))
+        self.chat_reply, self.stop_asked = (
+            True,
+            False,
+        )  # from now on (its cache resumed too) it outlives the window
         self._turn_began(conversation_id, task)
 
     def _generation_ended(self, task: asyncio.Task[None], continuing: bool = False) -> None:
+        self.chat_reply = False
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
@@ -737,7 +791,9 @@ class Session:
     ) -> None:
         views, engine = self.views, self.ctx.engine
         if self.ctx.before_reply is not None:  # e.g. resume the conversation's saved KV cache
-            self.send(*first)
+            # it waits for the engine (a reply in another conversation may hold it): the page says so, and a
+            # Stop meanwhile is kept for when the reply is submitted (a resume is not cut midway)
+            self.send(*first, views.controls(generating=True, text=WAITING))
             first = []
             if note := await self.ctx.before_reply(conversation_id):
                 self.send(views.alert(note, "note"))
@@ -746,7 +802,9 @@ class Session:
         request = self._request(history, sampling, continuing is not None)
         submitted = time.monotonic()
         gen = engine.worker.submit(request, loop=asyncio.get_running_loop())
-        self.cancel, self.chat_reply = gen.cancel, True
+        self.cancel = gen.cancel
+        if self.stop_asked:  # Stop was pressed while it waited
+            gen.cancel()
         stream = self.reply_stream(
             conversation_id,
             received=self.received,
@@ -772,7 +830,7 @@ class Session:
                     done = event
         finally:
             meter.cancel()
-            self.cancel, self.chat_reply = None, False
+            self.cancel = None
             if done is None:  # the task was cancelled (the server stopping): keep what streamed
                 gen.cancel()
                 stream.abandon()

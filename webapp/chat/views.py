@@ -53,6 +53,11 @@ def excerpt(text: str, query: str, before: int = 12, after: int = 60) -> tuple[s
         return "", "", line[:after] + ("…" if len(line) > after else "")
     end = at + len(query)
     start, stop = max(0, at - before), min(len(line), end + after)
+    if start and line[start - 1] != " ":  # cut in a word: from its start (back a little, else the next one)
+        back, ahead = line.rfind(" ", max(0, start - 12), start), line.find(" ", start, at)
+        start = back + 1 if back >= 0 else ahead + 1 if ahead >= 0 else start
+    if stop < len(line) and line[stop] != " " and (space := line.find(" ", stop, stop + 12)) >= 0:
+        stop = space  # to the end of the word it cut
     return (
         ("…" if start else "") + line[start:at],
         line[at:end],
@@ -83,6 +88,8 @@ class ChatViews(TranscriptViews):
         self.drafts: dict[str, str] = {}
         # an edited first message, by project: (text, mode) for the next new conversation drawn there
         self.new_drafts: dict[str, tuple[str, str]] = {}
+        # what was typed in a conversation's box when it went to the Trash: in its box when it is next drawn
+        self.kept: dict[str, str] = {}
 
     # ------------------------------------------------------------------ page
     def page(self, conversation_id: str | None = None, undo: Conversation | None = None) -> str:
@@ -135,7 +142,7 @@ class ChatViews(TranscriptViews):
             "trash_items": self.trash_items(),
             "trash_days": TRASH_DAYS,
             # an Edit… copy's text: until a message is sent there (a reload shows it again)
-            "draft": self.drafts.get(conv.id, "") if conv else "",
+            "draft": (self.drafts.get(conv.id) or self.kept.pop(conv.id, "")) if conv else "",
         }
         if conv is None and (edited := self.new_drafts.pop(project.id if project else "default", None)):
             context["draft"], context["mode"] = edited  # an edited first message, once, in its mode
@@ -247,16 +254,27 @@ class ChatViews(TranscriptViews):
         count and the Trash window, both out-of-band."""
         project = self.project_of(current_id)
         project_id = project.id if project else None
-        query = " ".join(query.split())[:MAX_QUERY_CHARS]
+        asked, query = query[:MAX_QUERY_CHARS], " ".join(query.split())[:MAX_QUERY_CHARS]
         if query:
             found = self.db.find_conversations(query, project_id)
             conversations = [f.conversation for f in found]
-            excerpts = {f.conversation.id: excerpt(f.message, query) for f in found if f.message is not None}
+            excerpts = {  # the words around it in a message; none when the title shows it already
+                f.conversation.id: excerpt(f.message, query)
+                for f in found
+                if f.message is not None and query.lower() not in f.conversation.title.lower()
+            }
         else:
             conversations, excerpts = self.db.list_conversations(project_id), {}
         count = str(self.ui.conversation_count(len(conversations), oob=True, query=query, limit=FIND_LIMIT))
         listed = self.ui.conversation_list(
-            conversations, current_id, oob=oob, undo=undo, query=query, excerpts=excerpts, now=time.time()
+            conversations,
+            current_id,
+            oob=oob,
+            undo=undo,
+            query=query,
+            asked=asked,
+            excerpts=excerpts,
+            now=time.time(),
         )
         return str(listed) + count + self.trash(oob=True)
 
