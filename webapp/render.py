@@ -128,7 +128,7 @@ def make_environment() -> Environment:
 
 def when(epoch: float | None) -> str:
     """A moment as this computer's local date and time to the minute ("" for none)."""
-    if epoch is None:
+    if not isinstance(epoch, int | float):  # None, or a value a template did not have
         return ""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch))
 
@@ -136,7 +136,7 @@ def when(epoch: float | None) -> str:
 def list_when(epoch: float | None, now: float | None = None) -> str:
     """A moment for a list's date column, as the Finder's: the time if today, "Yesterday", the weekday
     within the week, the day and month this year, else with the year (this computer's local time)."""
-    if epoch is None:
+    if not isinstance(epoch, int | float):
         return ""
     t, n = time.localtime(epoch), time.localtime(time.time() if now is None else now)
     days = (
