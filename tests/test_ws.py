@@ -1059,3 +1059,65 @@ def test_ws_a_reply_waiting_for_the_engine_says_so_and_stop_holds(tmp_path: Path
             until(wx, r'data-state="idle"', limit=3000)
         assert db.messages(y)[-1].role == "assistant" and db.messages(y)[-1].status == "stopped"
         assert " y100" not in db.messages(y)[-1].content
+
+
+def test_ws_a_reply_that_waited_goes_to_its_own_conversation_not_the_one_shown(tmp_path: Path) -> None:
+    """(review) A reply waiting for the engine while its window went to another conversation: its opening (the
+    empty reply, "Writing…", the list selecting it) landed in the conversation shown. It stays out of it."""
+    import asyncio
+    import gc
+
+    from webapp.chat.socket import ChatContext
+
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue("z")
+    slow.enqueue(*[f" y{i}" for i in range(20)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        ctx = next(o for o in gc.get_objects() if isinstance(o, ChatContext) and o.db is db)
+
+        async def slow_before(_cid: str) -> None:  # a resume that takes a while
+            await asyncio.sleep(1.0)
+
+        ctx.before_reply = slow_before
+        with connect(c) as ws:
+            send(ws, type="send", text="in Z")
+            z = conversation_id(until(ws, r'data-state="idle"'))
+            send(ws, type="send", text="in Y")
+            y = conversation_id(until(ws, r"Waiting for the engine"))
+            send(ws, type="showing", conversation_id=z)
+            until(ws, r"another conversation of this window")
+            rest = "".join(until(ws, r'data-state="idle"', limit=3000))
+        reply = db.messages(y)[-1]
+        assert reply.role == "assistant" and f'id="msg-{reply.id}"' not in rest
+        assert "Writing…</" not in rest  # the status line said it writes in another conversation
+
+
+def test_ws_a_window_closing_as_its_own_reply_ends_takes_no_left_reply(tmp_path: Path) -> None:
+    """(review) A window closing while its own reply ended took a reply a closed window had left in the
+    conversation it showed: that reply then belonged to a dead window, and no later one could show or stop it."""
+    slow = FakeBackend(delay=0.01)
+    slow.enqueue(*[f" y{i}" for i in range(300)])
+    slow.enqueue(*[f" x{i}" for i in range(300)])
+    with served(slow, tmp_path) as c:
+        db = c.app.state.flashcode.db
+        token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
+        with connect(c) as b:
+            send(b, type="send", text="in Y")
+            y = conversation_id(until(b, r" y5"))
+            with connect(c) as a:
+                send(a, type="send", text="in X")
+                x = conversation_id(until(a, r"Waiting for the engine"))
+                send(b, type="showing", conversation_id=x)  # b writes its own: takes nothing
+                until(b, r"another conversation of this window")
+            time.sleep(0.1)
+            c.post(
+                f"/c/{y}/delete", headers={"X-CSRF-Token": token}
+            )  # y to the Trash: b's reply stops as b closes
+        time.sleep(0.5)
+        with connect(c) as w:
+            send(w, type="showing", conversation_id=x)
+            until(w, r'id="stop-button"(?![^>]*disabled)', limit=3000)
+            send(w, type="stop")
+            until(w, r'data-state="idle"', limit=3000)
+        assert db.messages(x)[-1].status == "stopped"

@@ -168,7 +168,13 @@ class ChatContext:
     def hand_on(self, left: Session, but: Session) -> None:
         """The window showing `left`'s reply (`but`) closed: another one showing that conversation takes it."""
         for w in self.windows():
-            if w is not but and w.shown == left.left_in and not w.generating and w.adopt(left):
+            if (
+                w is not but
+                and not w.closing
+                and w.shown == left.left_in
+                and not w.generating
+                and w.adopt(left)
+            ):
                 return
 
     def left_writing(self, conversation_id: str) -> Session | None:
@@ -225,6 +231,7 @@ class Session:
         try:
             await self._read()
         finally:
+            self.closing = True  # no reply is handed to this window from now on (`hand_on`, `ended`)
             if (
                 self.adopted is not None and self.adopted.shown_by is self
             ):  # another window showing it takes it
@@ -320,6 +327,8 @@ class Session:
                     continue
                 if found.group(1) == "status" and 'data-state="idle"' in fragment:
                     fragment = self.views.controls(False, can_regenerate(self.ctx.db.messages(shown)))
+                elif found.group(1) == "status":  # still writing, in another conversation: said so
+                    fragment = self.views.controls(generating=True, text=ELSEWHERE_WRITING)
                 kept.append(fragment)
             if kept:
                 self.send(*kept)
@@ -449,7 +458,12 @@ class Session:
             self.wrote = (conversation_id, time.monotonic())
             self.ctx.conversation_changed(conversation_id, self)
             # the conversation this window shows has a reply left writing by a closed window: shown here now
-            if not self.left and self.shown and (left := self.ctx.left_writing(self.shown)) is not None:
+            if (
+                not self.left
+                and not self.closing
+                and self.shown
+                and (left := self.ctx.left_writing(self.shown)) is not None
+            ):
                 self.adopt(left)
 
         task.add_done_callback(ended)
@@ -723,20 +737,25 @@ class Session:
                 replacing,
             )
         )
-        task.add_done_callback(functools.partial(self._generation_ended, continuing=continuing is not None))
+        task.add_done_callback(
+            functools.partial(self._generation_ended, conversation_id, continuing=continuing is not None)
+        )
         self.chat_reply, self.stop_asked = (
             True,
             False,
         )  # from now on (its cache resumed too) it outlives the window
         self._turn_began(conversation_id, task)
 
-    def _generation_ended(self, task: asyncio.Task[None], continuing: bool = False) -> None:
-        self.chat_reply = False
+    def _generation_ended(
+        self, conversation_id: str, task: asyncio.Task[None], continuing: bool = False
+    ) -> None:
+        if task is self.task:  # not a reply begun since (its callbacks can run after the next is started)
+            self.chat_reply = False
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
         log.error("generation failed", exc_info=exc)
-        self.send(self.views.controls(generating=False, can_regenerate=True))
+        self.send_for(conversation_id)(self.views.controls(generating=False, can_regenerate=True))
         said = (
             explain(exc, self.ctx.db.path, CONTINUE_FAILED if continuing else REGENERATE)
             if exc is not None
@@ -747,8 +766,7 @@ class Session:
     async def _stop_turn(self) -> None:
         self.closing = True  # the socket closed: what the turn was waiting for, nobody decided
         if self.task is not None and not self.task.done():
-            if self.cancel is not None:
-                self.cancel()
+            self.stop()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(self.task), 5)
             self.task.cancel()
@@ -812,7 +830,7 @@ class Session:
             continuing=continuing,
             replacing=replacing,
         )
-        self.send(
+        self.send_for(conversation_id)(  # the window may show another conversation by now (it waited)
             *first,
             *stream.opening(),
             views.controls(generating=True),
