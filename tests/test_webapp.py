@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from engine.worker import Worker
 from tests.conftest import FakeBackend
 from tests.test_transcript import replayed
-from tests.test_ws import BASE, connect, conversation_id, send, until
+from tests.test_ws import BASE, connect, conversation_id, csrf, send, until
 from webapp.app import create_app
 from webapp.db import Database
 from webapp.settings import Settings
@@ -36,10 +36,6 @@ def make_conversation(client: TestClient, text: str = "hello there") -> str:
     with connect(client) as ws:
         send(ws, type="send", text=text)
         return conversation_id(until(ws, r'data-state="idle"'))
-
-
-def csrf(client: TestClient) -> str:
-    return re.search(r'"X-CSRF-Token": "([^"]+)"', client.get("/").text).group(1)
 
 
 def test_webapp_page_is_a_desktop_with_menus_and_windows(app_parts) -> None:

@@ -71,6 +71,20 @@ def send(ws, **fields) -> None:
     ws.send_text(json.dumps(fields | {"HEADERS": {"HX-Request": "true"}}))
 
 
+def csrf(client: TestClient) -> str:
+    """The page's CSRF token (what htmx sends with every POST)."""
+    return re.search(r'"X-CSRF-Token": "([^"]+)"', client.get("/").text).group(1)
+
+
+def settled(db, conversation_id: str, what: str, timeout: float = 5.0):
+    """The conversation's last message once it is no longer `streaming` (`what`: said if it never stops)."""
+    deadline = time.monotonic() + timeout
+    while (last := db.messages(conversation_id)[-1]).status == "streaming":
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return last
+
+
 def conversation_id(frames: list[str]) -> str:
     m = re.search(r'id="conversation-id" value="([0-9a-f]+)"', "".join(frames))
     assert m, "the first reply names its conversation"
@@ -273,7 +287,7 @@ def test_ws_a_replaced_reply_stays_folded_in_the_transcript_and_out_of_the_conte
         assert "Earlier reply, replaced by Regenerate" in md and "first answer" in md
         assert "### Agent" not in md  # a chat conversation: no agent heading over it (review)
         exported = c.get(f"/c/{cid}/export.json").text  # and back: an import draws it as it was
-        token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
+        token = csrf(c)
         r = c.post(
             "/conversations/import", files={"file": ("c.json", exported)}, headers={"X-CSRF-Token": token}
         )
@@ -954,26 +968,19 @@ def test_ws_a_reply_left_writing_stops_when_its_conversation_goes_to_the_trash(t
     slow.enqueue(*[f" u{i}" for i in range(400)])
     with served(slow, tmp_path) as c:
         db = c.app.state.flashcode.db
-        token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
+        token = csrf(c)
         with connect(c) as ws:
             send(ws, type="send", text="a long one")
             cid = conversation_id(until(ws, r" t5"))
             c.post(f"/c/{cid}/delete", headers={"X-CSRF-Token": token, "HX-Current-URL": f"{BASE}/c/{cid}"})
-        deadline = time.monotonic() + 5
-        while db.messages(cid)[-1].status == "streaming":
-            assert time.monotonic() < deadline, "the reply in the Trash went on"
-            time.sleep(0.02)
-        assert db.messages(cid)[-1].status == "stopped" and not db.messages(cid)[-1].content.endswith(" t399")
+        last = settled(db, cid, "the reply in the Trash went on")
+        assert last.status == "stopped" and not last.content.endswith(" t399")
         c.post(f"/c/{cid}/restore", headers={"X-CSRF-Token": token})
         with connect(c) as ws:
             send(ws, type="send", text="again", conversation_id=cid)
             until(ws, r" u5")
         c.post(f"/c/{cid}/delete", headers={"X-CSRF-Token": token})  # from another window, after it closed
-        deadline = time.monotonic() + 5
-        while db.messages(cid)[-1].status == "streaming":
-            assert time.monotonic() < deadline, "the reply left writing went on in the Trash"
-            time.sleep(0.02)
-        assert not db.messages(cid)[-1].content.endswith(" u399")
+        assert not settled(db, cid, "the reply left writing went on in the Trash").content.endswith(" u399")
 
 
 def test_ws_a_left_reply_is_handed_on_to_a_window_that_shows_it(tmp_path: Path) -> None:
@@ -1101,7 +1108,7 @@ def test_ws_a_window_closing_as_its_own_reply_ends_takes_no_left_reply(tmp_path:
     slow.enqueue(*[f" x{i}" for i in range(300)])
     with served(slow, tmp_path) as c:
         db = c.app.state.flashcode.db
-        token = re.search(r'"X-CSRF-Token": "([^"]+)"', c.get("/").text).group(1)
+        token = csrf(c)
         with connect(c) as b:
             send(b, type="send", text="in Y")
             y = conversation_id(until(b, r" y5"))
