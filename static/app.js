@@ -263,6 +263,17 @@
     const title = name && conversationId() ? `${name} — flashcode` : "flashcode";
     if (document.title !== title) document.title = title;
   }
+  // a frame of one conversation's reply (the server starts it with <!--for:ID-->) that comes after this page went
+  // to another conversation (drawn over HTTP; the server learns it from "showing", still on its way) is not
+  // drawn here: its gauge, title or messages would land in the conversation shown. A page with none yet takes
+  // the frame that gives it its conversation (a reply's first, in a new one)
+  document.body.addEventListener("htmx:wsBeforeMessage", (e) => {
+    const frame = String((e.detail && e.detail.message) || "");
+    const mark = /^<!--for:([\w-]*)-->/.exec(frame);
+    if (!mark) return;
+    const id = conversationId();
+    if (id ? mark[1] !== id : !frame.includes('id="conversation-id"')) e.preventDefault();
+  });
   document.body.addEventListener("htmx:wsAfterMessage", (e) => {
     const frame = String((e.detail && e.detail.message) || "");
     // an approval dialog answered: the rule it saved or the network switch it set shows in an open Settings

@@ -438,3 +438,43 @@ def test_browser_a_reload_while_a_reply_is_written_shows_it_going_on_with_stop(
     assert db.messages(cid)[-1].status == "stopped"
     db.close()
     assert not page.errors, page.errors
+
+
+def test_browser_a_reply_frame_sent_after_the_page_left_its_conversation_is_not_drawn_there(
+    fake_server, page
+) -> None:
+    """(walkthrough) The context gauge of a conversation left mid-reply showed in the one opened next: the page
+    is drawn over HTTP and says "showing" on its socket after, so frames of the reply sent meanwhile landed in
+    the conversation shown. Here "showing" never reaches the server (the widest such gap): every frame of the
+    reply is still sent to the page, and none of them changes the conversation it shows now."""
+    url, fake = fake_server
+    fake.enqueue("first answer")
+
+    def hold_showing(ws) -> None:  # the page's messages go on to the server, but for "showing"
+        server = ws.connect_to_server()
+        ws.on_message(lambda m: None if '"showing"' in str(m) else server.send(m))
+
+    page.route_web_socket("**/ws", hold_showing)
+    page.goto(url)
+    send_and_wait(page, "an earlier conversation")
+    earlier = page.url
+    gauge, title = page.inner_text("#context-gauge"), page.inner_text("#chat-title")
+    page.click("a.new-link")
+    page.locator("#chat-title", has_text="New Conversation").wait_for()
+    fake.enqueue(*[f"word{i} " for i in range(300)])  # 3 s at 10 ms a token
+    page.fill("#prompt", "a long list to write meanwhile")
+    page.press("#prompt", "Enter")
+    page.locator(".msg-assistant.status-streaming .body", has_text="word5").wait_for()
+    writing = page.url
+    page.locator(f'#conversation-list li[data-id="{earlier.rsplit("/", 1)[-1]}"] a').click()
+    page.wait_for_url(earlier)
+    page.locator("#messages", has_text="first answer").wait_for()
+    messages = page.inner_text("#messages")
+    deadline = time.monotonic() + 20
+    while "word299" not in page.request.get(writing).text() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the reply is written to its end (a page drawn now shows all of it)
+    time.sleep(0.5)  # its last frames (its end, its stats, its gauge) were sent to this page too
+    assert page.inner_text("#context-gauge") == gauge
+    assert page.inner_text("#chat-title") == title
+    assert page.inner_text("#messages") == messages and "word" not in messages
+    assert not page.errors, page.errors

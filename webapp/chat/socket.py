@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import re
 import time
@@ -190,6 +191,20 @@ class ChatContext:
 
 
 _TOP_ID = re.compile(r'\s*<\w+[^>]*?\bid="([^"]+)"')  # a fragment's top element's id
+
+
+def page_wide(fragment: str) -> bool:
+    """Whether a fragment belongs to the page (the status line, the list, alerts), not to one conversation."""
+    found = _TOP_ID.match(fragment)
+    return found is not None and found.group(1) in PAGE_WIDE_IDS
+
+
+def for_conversation(conversation_id: str) -> str:
+    """The mark that starts a frame of one conversation's fragments (static/app.js drops such a frame where the
+    page shows another conversation). Ids are server-made hex; anything else is left out of the comment."""
+    return f"<!--for:{re.sub(r'[^0-9A-Za-z_-]', '', conversation_id)}-->"
+
+
 # the status line of a window writing a reply in one conversation while it shows another
 ELSEWHERE_WRITING = "Writing a reply in another conversation of this window… Stop stops it."
 WAITING = "Waiting for the engine…"
@@ -318,12 +333,16 @@ class Session:
         def send(*fragments: str) -> None:
             shown = self.shown
             if shown is None or shown == conversation_id:
-                self.send(*fragments)
+                # the page may have gone to another conversation already (drawn over HTTP; its "showing" is
+                # still on its way): the conversation's own fragments are marked, and such a page drops them
+                for own, run in itertools.groupby(fragments, key=lambda f: not page_wide(f)):
+                    mark = (for_conversation(conversation_id),) if own else ()
+                    self.send(*mark, *run)
                 return
             kept = []
             for fragment in fragments:
                 found = _TOP_ID.match(fragment)
-                if found is None or found.group(1) not in PAGE_WIDE_IDS:
+                if not page_wide(fragment) or found is None:
                     continue
                 if found.group(1) == "status" and 'data-state="idle"' in fragment:
                     fragment = self.views.controls(False, can_regenerate(self.ctx.db.messages(shown)))
