@@ -442,3 +442,27 @@ def test_db_find_conversations_by_title_or_message_literally(tmp_path: Path) -> 
     for _ in range(4):
         d.create_conversation("many")
     assert len(d.find_conversations("many", limit=3)) == 3
+
+
+def test_db_find_conversations_holds_every_word_anywhere_in_it(tmp_path: Path) -> None:
+    """Find looks for words, not a phrase: a conversation is found when it holds every word, in its title or
+    any of its messages, in any order; its excerpt is of the first message with the whole text, else of a word
+    the title lacks; none when the title shows every word."""
+    d = Database(tmp_path / "f.db")
+    parser = d.create_conversation("Fix the Parser", "m", "mlx")
+    d.add_message(parser.id, "user", "why does the tokenizer fail?")
+    d.add_message(parser.id, "assistant", "The lexer fails on tabs; the tokenizer is fine.")
+    other = d.create_conversation("Lexer notes", "m", "mlx")
+    d.add_message(other.id, "user", "tabs are fine here")
+
+    def found(text: str) -> list[tuple[str, str | None, str | None]]:
+        return [(f.conversation.id, f.message, f.match) for f in d.find_conversations(text)]
+
+    lexer_msg = "The lexer fails on tabs; the tokenizer is fine."
+    assert found("tabs parser") == [(parser.id, lexer_msg, "tabs")]  # title + a message, in any order
+    assert found("parser TABS") == [(parser.id, lexer_msg, "TABS")]
+    assert found("fails on tabs") == [(parser.id, lexer_msg, "fails on tabs")]  # the whole text, where it is
+    assert found("tabs fine") == [(other.id, "tabs are fine here", "tabs"), (parser.id, lexer_msg, "tabs")]
+    assert found("fix parser") == [(parser.id, None, None)]  # the title shows both
+    assert found("parser zebra") == []  # every word, not any
+    assert found("lexer") == [(other.id, None, None), (parser.id, lexer_msg, "lexer")]

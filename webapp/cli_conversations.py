@@ -111,7 +111,9 @@ def cmd_conversations(args: argparse.Namespace) -> int:
         if not shown and sys.stderr.isatty():
             if find:
                 print(
-                    f"no conversation here holds {find!r} (--all looks in every project's)", file=sys.stderr
+                    f"no conversation here holds {'every word of ' if ' ' in find else ''}{find!r} "
+                    "(--all looks in every project's)",
+                    file=sys.stderr,
                 )
             else:
                 print(
@@ -192,7 +194,7 @@ def _import(db: Database, store: ProjectStore, args: argparse.Namespace) -> int:
 
 
 MAX_FIND_CHARS = 200  # as the web app's Find (a much longer LIKE pattern is "too complex" for SQLite)
-FIND_HELP = "only those whose title or a message holds TEXT (case-insensitive for ASCII letters)"
+FIND_HELP = "only those holding every word of TEXT, each in the title or any message (case-insensitive for ASCII letters)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

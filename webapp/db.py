@@ -439,13 +439,21 @@ class Conversation:
 
 
 FIND_LIMIT = 200  # the most conversations a search lists
+FIND_WORDS = 16  # the most words a search looks for (each one is a condition)
+
+
+def _like(text: str) -> str:
+    """A LIKE pattern (ESCAPE '\\') for `text` anywhere: its `%`, `_` and `\\` taken literally."""
+    return "%" + re.sub(r"([\\%_])", r"\\\1", text) + "%"
 
 
 class Found(NamedTuple):
-    """A conversation a search found, and its first message that holds the text (None: the title did)."""
+    """A conversation a search found, and the start of a message that holds what it looked for (None: the title
+    shows every word)."""
 
     conversation: Conversation
     message: str | None
+    match: str | None = None  # what `message` is cut around: the whole text, or one of its words
 
 
 @dataclass
@@ -550,35 +558,53 @@ class Database:
     def find_conversations(
         self, text: str, project_id: str | None = None, limit: int = FIND_LIMIT, around: int = 400
     ) -> list[Found]:
-        """The conversations (one project's, or all: None; none from the Trash) whose title or a message holds
-        `text`, newest first, at most `limit`. Matching is SQLite's LIKE: a plain substring (`%` and `_` are
-        themselves), case-insensitive for ASCII letters only. Each comes with its first matching message's text
-        (None when only the title matched): `around` characters of it from a little before the text (a message
-        can be megabytes long)."""
-        pattern = "%" + re.sub(r"([\\%_])", r"\\\1", text) + "%"
-        where, args = (
-            ("AND project_id=:project ", {"project": project_id}) if project_id is not None else ("", {})
+        """The conversations (one project's, or all: None; none from the Trash) that hold every word of `text`,
+        each in its title or in any of its messages, newest first, at most `limit`. A word matches as SQLite's
+        LIKE does: a plain substring (`%` and `_` are themselves), case-insensitive for ASCII letters only.
+
+        Each comes with the words of a message around what it found (None when the title shows every word):
+        `around` characters of the first message holding the whole text, else a word the title lacks, from a
+        little before it (a message can be megabytes long), and that text (`Found.match`)."""
+        words = list(dict.fromkeys(text.split()))[:FIND_WORDS]
+        if not words:
+            return []
+        args: dict[str, Any] = {f"w{i}": _like(w) for i, w in enumerate(words)}
+        held = " AND ".join(
+            f"(c.title LIKE :w{i} ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id=c.id "
+            f"AND m.content LIKE :w{i} ESCAPE '\\'))"
+            for i in range(len(words))
         )
+        mine = "AND c.project_id=:project " if project_id is not None else ""
         rows = self.conn.execute(
-            "SELECT * FROM (SELECT c.*, (SELECT substr(m.content, "
-            "max(1, instr(lower(m.content), lower(:text)) - :before), :around) FROM messages m WHERE m.conversation_id=c.id "
-            "AND m.content LIKE :pattern ESCAPE '\\' ORDER BY m.id LIMIT 1) AS found_in "
-            f"FROM conversations c WHERE trashed_at IS NULL {where}) "
-            "WHERE title LIKE :pattern ESCAPE '\\' OR found_in IS NOT NULL ORDER BY updated_at DESC, id LIMIT :limit",
-            {
-                "pattern": pattern,
-                "text": text,
-                "before": around // 4,
-                "around": around,
-                "limit": limit,
-                **args,
-            },
+            f"SELECT c.* FROM conversations c WHERE c.trashed_at IS NULL {mine}AND {held} "
+            "ORDER BY c.updated_at DESC, c.id LIMIT :limit",
+            {**args, "project": project_id, "limit": limit},
         ).fetchall()
         found = []
         for r in rows:
-            d = dict(r)
-            message = d.pop("found_in")
-            found.append(Found(Conversation(**d), message))
+            conv = Conversation(**dict(r))
+            title = conv.title.lower()
+            looks = ([" ".join(words)] if len(words) > 1 else []) + [
+                w for w in words if w.lower() not in title
+            ]
+            message = match = None
+            for wanted in looks if any(w.lower() not in title for w in words) else ():
+                message = self.conn.execute(
+                    "SELECT substr(content, max(1, instr(lower(content), lower(:text)) - :before), :around) "
+                    "FROM messages WHERE conversation_id=:id AND content LIKE :pattern ESCAPE '\\' "
+                    "ORDER BY id LIMIT 1",
+                    {
+                        "text": wanted,
+                        "pattern": _like(wanted),
+                        "before": around // 4,
+                        "around": around,
+                        "id": conv.id,
+                    },
+                ).fetchone()
+                if message is not None:
+                    message, match = message[0], wanted
+                    break
+            found.append(Found(conv, message, match))
         return found
 
     def rename_conversation(self, conversation_id: str, title: str) -> bool:

@@ -258,10 +258,10 @@ class ChatViews(TranscriptViews):
         if query:
             found = self.db.find_conversations(query, project_id)
             conversations = [f.conversation for f in found]
-            excerpts = {  # the words around it in a message; none when the title shows it already
-                f.conversation.id: excerpt(f.message, query)
+            excerpts = {  # the words around it in a message; none when the title shows every word
+                f.conversation.id: excerpt(f.message, f.match or query)
                 for f in found
-                if f.message is not None and query.lower() not in f.conversation.title.lower()
+                if f.message is not None
             }
         else:
             conversations, excerpts = self.db.list_conversations(project_id), {}
