@@ -215,8 +215,10 @@ def greedy(backend, prompt: str, tokens: int = TOKENS) -> list[int]:
 
 @pytest.mark.slow
 def test_fast_path_gives_the_reference_greedy_tokens(mlx_backend) -> None:
-    """4 prompts x 32 greedy tokens: the fast path (OpenBLAS + dequantize-then-matmul) against the same
-    backend with the layer swap off, and against a process on the reference path (FLASHCODE_CPU_FAST=0)."""
+    """4 prompts x 32 greedy tokens: the fast path (OpenBLAS + dequantize-then-matmul) against a process on the
+    reference path (FLASHCODE_CPU_FAST=0: neither); one whole-prompt forward's logits against the same backend
+    with the layer swap off. (Greedy runs with only the swap off are not repeated here: the fast path giving the
+    reference process's tokens covers both of its changes at once.)"""
     import mlx.core as mx
 
     n_patched = sum(
@@ -225,9 +227,6 @@ def test_fast_path_gives_the_reference_greedy_tokens(mlx_backend) -> None:
     if cpu_fast.blas_status().active:
         assert n_patched > 0
     fast = [greedy(mlx_backend, p) for p in PROMPTS]
-    with cpu_fast.plain_path():
-        plain = [greedy(mlx_backend, p) for p in PROMPTS]
-    assert fast == plain
     assert all(len(t) == TOKENS for t in fast)
     # logits of one whole-prompt forward: within float32 summation noise
     ids = mx.array(mlx_backend.apply_chat_template(({"role": "user", "content": PROMPTS[3]},)))[None]
