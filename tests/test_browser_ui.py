@@ -455,6 +455,8 @@ def test_browser_a_reply_frame_sent_after_the_page_left_its_conversation_is_not_
         ws.on_message(lambda m: None if '"showing"' in str(m) else server.send(m))
 
     page.route_web_socket("**/ws", hold_showing)
+    console: list[str] = []
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
     page.goto(url)
     send_and_wait(page, "an earlier conversation")
     earlier = page.url
@@ -478,3 +480,4 @@ def test_browser_a_reply_frame_sent_after_the_page_left_its_conversation_is_not_
     assert page.inner_text("#chat-title") == title
     assert page.inner_text("#messages") == messages and "word" not in messages
     assert not page.errors, page.errors
+    assert not [m for m in console if "oobErrorNoTarget" in m], console  # its tokens had no target here
