@@ -579,3 +579,25 @@ def test_an_agents_first_turn_walks_the_project_off_the_event_loop(
             asker.join(15)
     worker.close()
     assert order == ["health", "walk"], order
+
+
+def test_an_agent_turn_answered_from_another_conversation_ends_there_without_its_own_fragments(
+    ws, fake: FakeBackend, project: Path
+) -> None:
+    """(review) An agent turn in A waits for approval; the window goes to B and answers there. The dialog closes
+    (it is the page's, in #alerts: it stayed open before), and the turn's end sends B nothing of A's (its gauge
+    and mode landed in B); the status line is B's."""
+    fake.enqueue("hello")
+    send(ws, type="send", text="a chat first")
+    b = re.search(r'id="conversation-id" value="([0-9a-f]+)"', until(ws, 'data-state="idle"')).group(1)  # type: ignore[union-attr]
+    conv: list[str] = []
+    _, dialog = ask(ws, "/shell echo hi > a.txt", conv)
+    send(ws, type="showing", conversation_id=b)
+    until(ws, "another conversation")
+    send(ws, type="answer", dialog_id=dialog, choice="once")
+    frames = until(ws, r'id="status" class="controls" data-state="idle"')
+    assert f'id="dialog-{dialog}" hx-swap-oob="delete"' in frames
+    assert 'id="context-gauge"' not in frames and 'id="mode-picker"' not in frames
+    button = re.search(r'id="regenerate-button"[^>]*>', frames.rsplit('id="status"', 1)[1])
+    assert button and "disabled" not in button.group(0)  # B's controls: its chat reply can be redone
+    assert (project / "a.txt").read_text() == "hi\n"

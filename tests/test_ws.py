@@ -1128,3 +1128,27 @@ def test_ws_a_window_closing_as_its_own_reply_ends_takes_no_left_reply(tmp_path:
             send(w, type="stop")
             until(w, r'data-state="idle"', limit=3000)
         assert db.messages(x)[-1].status == "stopped"
+
+
+def test_a_window_going_elsewhere_just_after_its_reply_ended_gets_that_conversation_as_it_is(
+    tmp_path: Path,
+) -> None:
+    """(review) A reply's last page-wide frames (its idle status: Regenerate on) can reach the page after it went
+    to another conversation over HTTP, before its "showing": that conversation's controls were then A's. A window
+    whose reply ended in the last seconds is now sent the conversation it shows as it is, its frames marked."""
+    fake = FakeBackend()
+    fake.enqueue("first reply")
+    with served(fake, tmp_path) as c:
+        with connect(c) as ws:
+            send(ws, type="send", text="in B")
+            b = conversation_id(until(ws, r'data-state="idle"'))
+            fake.enqueue("second reply")
+            send(ws, type="send", text="in A", conversation_id="")
+            until(ws, r'data-state="idle"')
+            send(ws, type="showing", conversation_id=b)
+            send(ws, type="nonsense")  # answered with an alert: what came before it is what "showing" sent
+            frames = until(ws, r'role="alert"')
+    at = next(i for i, f in enumerate(frames) if f.startswith(f"<!--for:{b}-->"))  # (A's last frames first)
+    synced = "".join(frames[at:])
+    assert 'id="transcript"' in synced and "first reply" in synced and "second reply" not in synced
+    assert 'data-state="idle"' in synced

@@ -92,7 +92,9 @@ def cmd_conversations(args: argparse.Namespace) -> int:
         elif find:
             shown = [
                 f.conversation
-                for f in db.find_conversations(find, None if args.all else _project_id(store, args.project))
+                for f in db.find_conversations(
+                    find, None if args.all else _project_id(store, args.project), excerpts=False
+                )
             ]
         else:
             shown = db.list_conversations(None if args.all else _project_id(store, args.project))

@@ -556,7 +556,12 @@ class Database:
         return [Conversation(**dict(r)) for r in rows]
 
     def find_conversations(
-        self, text: str, project_id: str | None = None, limit: int = FIND_LIMIT, around: int = 400
+        self,
+        text: str,
+        project_id: str | None = None,
+        limit: int = FIND_LIMIT,
+        around: int = 400,
+        excerpts: bool = True,
     ) -> list[Found]:
         """The conversations (one project's, or all: None; none from the Trash) that hold every word of `text`,
         each in its title or in any of its messages, newest first, at most `limit`. A word matches as SQLite's
@@ -564,7 +569,8 @@ class Database:
 
         Each comes with the words of a message around what it found (None when the title shows every word):
         `around` characters of the first message holding the whole text, else a word the title lacks, from a
-        little before it (a message can be megabytes long), and that text (`Found.match`)."""
+        little before it (a message can be megabytes long), and that text (`Found.match`). `excerpts=False`: none
+        (the command line lists conversations only)."""
         words = list(dict.fromkeys(text.split()))[:FIND_WORDS]
         if not words:
             return []
@@ -588,7 +594,7 @@ class Database:
                 w for w in words if w.lower() not in title
             ]
             message = match = None
-            for wanted in looks if any(w.lower() not in title for w in words) else ():
+            for wanted in looks if excerpts and any(w.lower() not in title for w in words) else ():
                 message = self.conn.execute(
                     "SELECT substr(content, max(1, instr(lower(content), lower(:text)) - :before), :around) "
                     "FROM messages WHERE conversation_id=:id AND content LIKE :pattern ESCAPE '\\' "

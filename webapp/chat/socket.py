@@ -50,7 +50,7 @@ from ..turns import (
 from . import protocol as p
 from .pipeline import ReplyStream
 from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title, names_conversation
-from .views import PAGE_WIDE_IDS, ChatViews, can_regenerate
+from .views import PAGE_WIDE_IDS, PAGE_WIDE_PREFIXES, ChatViews, can_regenerate
 
 log = logging.getLogger(__name__)
 METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
@@ -196,7 +196,9 @@ _TOP_ID = re.compile(r'\s*<\w+[^>]*?\bid="([^"]+)"')  # a fragment's top element
 def page_wide(fragment: str) -> bool:
     """Whether a fragment belongs to the page (the status line, the list, alerts), not to one conversation."""
     found = _TOP_ID.match(fragment)
-    return found is not None and found.group(1) in PAGE_WIDE_IDS
+    return found is not None and (
+        found.group(1) in PAGE_WIDE_IDS or found.group(1).startswith(PAGE_WIDE_PREFIXES)
+    )
 
 
 def for_conversation(conversation_id: str) -> str:
@@ -417,16 +419,13 @@ class Session:
         if left is not None and self.adopt(left):  # a reply begun in a window since closed (a reload)
             return
         if not self.generating:
-            if (
-                cid
-                and self.wrote is not None
-                and self.wrote[0] == cid
-                and time.monotonic() - self.wrote[1] < 10
-            ):
-                self.send(self.views.sync(cid))
+            # a reply of this window ended just now: the page may have been drawn before its end, or have taken
+            # its last page-wide frames (its Regenerate) while going to another conversation: drawn as it is now
+            if cid and self.wrote is not None and time.monotonic() - self.wrote[1] < 10:
+                self.send_for(cid)(self.views.sync(cid))
             return
         if cid and cid == self.writing_in:
-            self.send(*self.drawn_again(cid))
+            self.send_for(cid)(*self.drawn_again(cid))
         else:
             self.send(self.views.controls(generating=True, text=ELSEWHERE_WRITING))
 
@@ -439,7 +438,7 @@ class Session:
         if left.shown_by is not None and left.shown_by is not self:
             return False
         self.adopted, left.shown_by = left, self
-        self.send(*left.drawn_again(cid))
+        self.send_for(cid)(*left.drawn_again(cid))
         return True
 
     def drawn_again(self, conversation_id: str) -> list[str]:
@@ -659,7 +658,8 @@ class Session:
             self.ctx.db.remember_model(self.ctx.engine.backend, self.ctx.engine.model)
         # every window was redrawn by ChatContext.engine_changed
         conv = self.ctx.db.get_conversation(msg.conversation_id) if msg.conversation_id else None
-        self.send(
+        # the page may show another conversation by now (loading takes seconds): this one's gauge and mode not there
+        (self.send_for(conv.id) if conv else self.send)(
             views.controls(generating=False),
             views.gauge_for(msg.conversation_id),
             views.mode_picker(conv.mode if conv else views.new_mode()),
@@ -685,8 +685,9 @@ class Session:
         """The transcript says when the mode changed (logged in the conversation; a new one's: shown only)."""
         if conversation_id is not None:
             self.ctx.db.add_event(conversation_id, "mode", data)
-        if self.views.render_event is not None:
-            self.send(self.views.render_event("mode", data))
+        if self.views.render_event is not None:  # in its conversation only (the note may wait for the engine)
+            send = self.send_for(conversation_id) if conversation_id is not None else self.send
+            send(self.views.render_event("mode", data))
 
     async def _say_agent_mode(self, conversation_id: str | None) -> None:
         """Agent with a model that takes no tools says so now (and which model would work), not after the first
@@ -732,7 +733,9 @@ class Session:
             conv = self.ctx.db.get_conversation(conversation_id)
             # an agent turn's prompt (its last reply's, or its last tool step's when that came later), 0 after /clear
             used = self.views.context_used(conversation_id)
-            self.send(
+            self.send_for(
+                conversation_id
+            )(  # the page may show another conversation now (it answered from there)
                 self.views.controls(generating=False, can_regenerate=False),
                 self.views.gauge(max(used, turn.context) if used else turn.context),
                 self.views.mode_picker(conv.mode if conv else self.views.new_mode()),

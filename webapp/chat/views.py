@@ -28,6 +28,7 @@ from .transcript import TranscriptViews
 PAGE_WIDE_IDS = frozenset(
     {"status", "conversation-list", "alerts", "engine-meter", "conversation-changed", "model-picker-box"}
 )
+PAGE_WIDE_PREFIXES = ("dialog-",)  # an approval dialog lives in #alerts: closing it is the page's too
 
 
 def can_regenerate(messages: list[StoredMessage]) -> bool:
