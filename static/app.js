@@ -304,14 +304,18 @@
     markSelected(conversationId());
     syncTitle();
     if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had
-    // the window drawn over HTTP cannot tell this page writes a reply: the socket sends its controls back
-    if (toChat && $("#showing")) htmx.trigger("#showing", "flashcode:showing");
     // a conversation the list does not have yet (a copy made by Edit…): the list is drawn again
     const id = conversationId();
     if (toChat && id && !findText() && !document.querySelector(`#conversation-list li[data-id="${CSS.escape(id)}"]`)) {
       fetchList();
     }
     if (e.detail.target && e.detail.target.id === "conversation-list") refind();
+  });
+  // the window drawn over HTTP cannot tell this page writes a reply: the socket sends its controls back, and the
+  // reply as written so far. Said once the window has settled: its transcript is replayed then (trust.js, on
+  // htmx:load), and a redraw that came before it found no message to draw into
+  document.body.addEventListener("htmx:afterSettle", (e) => {
+    if (e.detail.target && e.detail.target.id === "chat-window" && $("#showing")) htmx.trigger("#showing", "flashcode:showing");
   });
   // Find in the Conversations window: a list drawn again by the server (a reply, a rename, an Undo) lists
   // every conversation (data-query=""); while something is typed in Find, it is asked for the matching ones

@@ -267,6 +267,8 @@ def test_browser_stop_works_after_going_to_another_conversation_and_back(fake_se
     window its controls back, in any conversation it shows."""
     url, fake = fake_server
     fake.enqueue("first answer")
+    console: list[str] = []
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
     page.goto(url)
     send_and_wait(page, "an earlier conversation")
     earlier = page.url
@@ -289,6 +291,9 @@ def test_browser_stop_works_after_going_to_another_conversation_and_back(fake_se
     page.locator("#status[data-state=idle]").wait_for()
     page.locator(".msg-assistant.status-stopped").wait_for()
     assert not page.errors, page.errors
+    # the reply drawn again on the way back found its message: the page says "showing" once its transcript is
+    # replayed (it said it at the swap, and the redraw could come before the transcript was there)
+    assert not [m for m in console if "oobErrorNoTarget" in m], console
 
 
 def test_browser_edit_while_a_reply_is_written_leaves_that_reply_running(fake_server, page) -> None:
