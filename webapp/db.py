@@ -589,12 +589,10 @@ class Database:
         found = []
         for r in rows:
             conv = Conversation(**dict(r))
-            title = conv.title.lower()
-            looks = ([" ".join(words)] if len(words) > 1 else []) + [
-                w for w in words if w.lower() not in title
-            ]
+            missing = [w for w in words if w.lower() not in conv.title.lower()]  # the title shows the rest
+            looks = ([" ".join(words)] if len(words) > 1 else []) + missing if excerpts and missing else []
             message = match = None
-            for wanted in looks if excerpts and any(w.lower() not in title for w in words) else ():
+            for wanted in looks:
                 message = self.conn.execute(
                     "SELECT substr(content, max(1, instr(lower(content), lower(:text)) - :before), :around) "
                     "FROM messages WHERE conversation_id=:id AND content LIKE :pattern ESCAPE '\\' "

@@ -733,9 +733,10 @@ class Session:
             conv = self.ctx.db.get_conversation(conversation_id)
             # an agent turn's prompt (its last reply's, or its last tool step's when that came later), 0 after /clear
             used = self.views.context_used(conversation_id)
-            self.send_for(
+            send = self.send_for(
                 conversation_id
-            )(  # the page may show another conversation now (it answered from there)
+            )  # the page may show another one now (it answered from there)
+            send(
                 self.views.controls(generating=False, can_regenerate=False),
                 self.views.gauge(max(used, turn.context) if used else turn.context),
                 self.views.mode_picker(conv.mode if conv else self.views.new_mode()),
