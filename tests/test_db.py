@@ -464,5 +464,7 @@ def test_db_find_conversations_holds_every_word_anywhere_in_it(tmp_path: Path) -
     assert found("fails on tabs") == [(parser.id, lexer_msg, "fails on tabs")]  # the whole text, where it is
     assert found("tabs fine") == [(other.id, "tabs are fine here", "tabs"), (parser.id, lexer_msg, "tabs")]
     assert found("fix parser") == [(parser.id, None, None)]  # the title shows both
+    d.add_message(other.id, "user", "tabs and tabs")
+    assert found("tabs and tabs")[0] == (other.id, "tabs and tabs", "tabs and tabs")  # the phrase as typed
     assert found("parser zebra") == []  # every word, not any
     assert found("lexer") == [(other.id, None, None), (parser.id, lexer_msg, "lexer")]

@@ -572,6 +572,9 @@ class Database:
         little before it (a message can be megabytes long), and that text (`Found.match`). `excerpts=False`: none
         (the command line lists conversations only)."""
         words = list(dict.fromkeys(text.split()))[:FIND_WORDS]
+        phrase = " ".join(
+            text.split()
+        )  # as typed, a word said twice too (an excerpt is best around all of it)
         if not words:
             return []
         args: dict[str, Any] = {f"w{i}": _like(w) for i, w in enumerate(words)}
@@ -590,7 +593,7 @@ class Database:
         for r in rows:
             conv = Conversation(**dict(r))
             missing = [w for w in words if w.lower() not in conv.title.lower()]  # the title shows the rest
-            looks = ([" ".join(words)] if len(words) > 1 else []) + missing if excerpts and missing else []
+            looks = ([phrase] if phrase != words[0] else []) + missing if excerpts and missing else []
             message = match = None
             for wanted in looks:
                 message = self.conn.execute(
