@@ -175,14 +175,18 @@ def test_ctrl_c_while_the_command_line_loads_says_one_line(tmp_path: Path) -> No
     import signal
     import time
 
+    # an empty bytecode cache: the imports compile from source, seconds long, so the Ctrl-C lands inside them on
+    # a quiet machine too (with warm .pyc files they could end first, and the command said "no model is
+    # installed": CI saw it once). The interpreter's own start is frozen, not compiled: past it by then
     proc = subprocess.Popen(
         [FLASHCODE, "serve", "--port", "0"],
-        env={**os.environ, "FLASHCODE_HOME": str(tmp_path)},
+        env={**os.environ, "FLASHCODE_HOME": str(tmp_path), "PYTHONPYCACHEPREFIX": str(tmp_path / "pyc")},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     time.sleep(0.25)  # past the interpreter's start, inside the imports
+    assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err and err.strip() == "flashcode: stopped (Ctrl-C)", err

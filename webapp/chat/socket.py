@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import re
 import time
@@ -336,10 +335,14 @@ class Session:
             shown = self.shown
             if shown is None or shown == conversation_id:
                 # the page may have gone to another conversation already (drawn over HTTP; its "showing" is
-                # still on its way): the conversation's own fragments are marked, and such a page drops them
-                for own, run in itertools.groupby(fragments, key=lambda f: not page_wide(f)):
-                    mark = (for_conversation(conversation_id),) if own else ()
-                    self.send(*mark, *run)
+                # still on its way): the conversation's own fragments are marked, and such a page drops them. The
+                # page-wide ones follow in a frame of their own, so a turn's last frame is still its status line
+                own = [f for f in fragments if not page_wide(f)]
+                wide = [f for f in fragments if page_wide(f)]
+                if own:
+                    self.send(for_conversation(conversation_id), *own)
+                if wide:
+                    self.send(*wide)
                 return
             kept = []
             for fragment in fragments:
