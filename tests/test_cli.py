@@ -178,12 +178,15 @@ def test_ctrl_c_while_the_command_line_loads_says_one_line(tmp_path: Path) -> No
     # an empty bytecode cache: the imports compile from source, seconds long, so the Ctrl-C lands inside them on
     # a quiet machine too (with warm .pyc files they could end first, and the command said "no model is
     # installed": CI saw it once). The interpreter's own start is frozen, not compiled: past it by then
+    # and Ctrl-C as a terminal delivers it: a test run started in the background of a shell inherits SIGINT
+    # ignored, and so would the command (two fresh-clone runs started that way failed here)
     proc = subprocess.Popen(
         [FLASHCODE, "serve", "--port", "0"],
         env={**os.environ, "FLASHCODE_HOME": str(tmp_path), "PYTHONPYCACHEPREFIX": str(tmp_path / "pyc")},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(0.25)  # past the interpreter's start, inside the imports
     assert proc.poll() is None, proc.communicate()
