@@ -266,13 +266,15 @@
   // a frame of one conversation's reply (the server starts it with <!--for:ID-->) that comes after this page went
   // to another conversation (drawn over HTTP; the server learns it from "showing", still on its way) is not
   // drawn here: its gauge, title or messages would land in the conversation shown. A page with none yet takes
-  // the frame that gives it its conversation (a reply's first, in a new one)
+  // the frame that gives it its conversation, of the one its own message made (marked "new:" with this window's
+  // mark, new at each drawing: after New, the blank window drawn again does not take the one the last message made)
   document.body.addEventListener("htmx:wsBeforeMessage", (e) => {
     const frame = String((e.detail && e.detail.message) || "");
-    const mark = /^<!--for:([\w-]*)-->/.exec(frame);
+    const mark = /^<!--for:([\w-]*)(?: new:([\w-]*))?-->/.exec(frame);
     if (!mark) return;
     const id = conversationId();
-    if (id ? mark[1] !== id : !frame.includes('id="conversation-id"')) e.preventDefault();
+    const made = mark[2] && mark[2] === ($("#draft-mark") || {}).value && frame.includes('id="conversation-id"');
+    if (id ? mark[1] !== id : !made) e.preventDefault();
   });
   document.body.addEventListener("htmx:wsAfterMessage", (e) => {
     const frame = String((e.detail && e.detail.message) || "");

@@ -486,3 +486,58 @@ def test_browser_a_reply_frame_sent_after_the_page_left_its_conversation_is_not_
     assert page.inner_text("#messages") == messages and "word" not in messages
     assert not page.errors, page.errors
     assert not [m for m in console if "oobErrorNoTarget" in m], console  # its tokens had no target here
+
+
+def test_browser_new_pressed_before_a_new_conversations_first_frame_stays_blank(fake_server, page) -> None:
+    """(the last note's race) A message sent from a blank window makes a conversation; New pressed before that
+    conversation's first frame reached the page drew a blank window again, and the frame then gave it the
+    conversation just made (its id, title and messages). The frames are held here until New has drawn the
+    window: the blank window stays blank, and the list shows the conversation made."""
+    url, fake = fake_server
+    held: list[object] = []
+    holding = [False]
+
+    def hold_frames(ws) -> None:  # the server's frames wait while `holding`, then go on in order
+        server = ws.connect_to_server()
+        ws.on_message(lambda m: server.send(m))
+        server.on_message(lambda m: held.append(m) if holding[0] else ws.send(m))
+        page.release = lambda: [ws.send(m) for m in held]
+
+    page.route_web_socket("**/ws", hold_frames)
+    console: list[str] = []
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+    page.goto(url)
+    page.wait_for_selector("#status[data-state=idle]")
+    fake.enqueue(*[f"word{i} " for i in range(100)])
+    holding[0] = True
+    page.fill("#prompt", "a message sent just before New")
+    page.press("#prompt", "Enter")
+    deadline = time.monotonic() + 10
+    while not any('id="conversation-id"' in str(m) for m in held):
+        assert time.monotonic() < deadline, "the new conversation's first frame was not sent"
+        page.wait_for_timeout(50)
+    assert page.input_value("#prompt")  # the message stays in the box until its frame comes
+    page.click("a.new-link")
+    deadline = time.monotonic() + 10
+    while page.input_value("#prompt"):  # the window drawn again
+        assert time.monotonic() < deadline, "New did not draw the window again"
+        page.wait_for_timeout(50)
+    holding[0] = False
+    page.release()
+    deadline = time.monotonic() + 10
+    while page.locator("#conversation-list li[data-id]").count() < 1:  # the list (page-wide) still comes
+        assert time.monotonic() < deadline, "the list did not show the conversation made"
+        page.wait_for_timeout(50)
+    page.wait_for_timeout(1500)  # the reply goes on meanwhile (1 s at 10 ms a token)
+    assert page.input_value("#conversation-id") == ""
+    assert page.inner_text("#chat-title") == "New Conversation"
+    assert page.locator("#messages .msg").count() == 0
+    assert page.url.rstrip("/") == url.rstrip("/")
+    assert not page.errors, page.errors
+    assert not [m for m in console if "oobErrorNoTarget" in m], console
+    fake.enqueue("its own answer")  # the blank window still makes a conversation of its own
+    page.wait_for_selector("#status[data-state=idle]")
+    send_and_wait(page, "and now one here")
+    assert page.input_value("#conversation-id") != ""
+    page.locator("#messages", has_text="its own answer").wait_for()
+    assert "word" not in page.inner_text("#messages")

@@ -468,3 +468,31 @@ def test_db_find_conversations_holds_every_word_anywhere_in_it(tmp_path: Path) -
     assert found("tabs and tabs")[0] == (other.id, "tabs and tabs", "tabs and tabs")  # the phrase as typed
     assert found("parser zebra") == []  # every word, not any
     assert found("lexer") == [(other.id, None, None), (parser.id, lexer_msg, "lexer")]
+
+
+def test_db_find_conversations_ignores_case_beyond_ascii_and_says_when_words_are_left_out(
+    tmp_path: Path,
+) -> None:
+    """SQLite's LIKE folds ASCII letters only: "école" did not find "École", and "ÉCOLE" lost its excerpt. Every
+    letter's case is folded now. Words past FIND_WORDS are not looked for, and `find_words` says so."""
+    from webapp.db import FIND_WORDS, find_words
+
+    d = Database(tmp_path / "f.db")
+    school = d.create_conversation("Notes", "m", "mlx")
+    d.add_message(school.id, "user", "À l'École du Louvre, la Straße est longue.")
+    grec = d.create_conversation("ΑΘΗΝΑ trip", "m", "mlx")
+
+    def found(text: str) -> list[tuple[str, str | None, str | None]]:
+        return [(f.conversation.id, f.message, f.match) for f in d.find_conversations(text)]
+
+    said = "À l'École du Louvre, la Straße est longue."
+    assert found("école") == [(school.id, said, "école")]
+    assert found("ÉCOLE louvre") == [(school.id, said, "ÉCOLE")]
+    assert found("ÉCOLE DU") == [(school.id, said, "ÉCOLE DU")]
+    assert found("STRASSE") == []  # a substring in lower case, not a full Unicode fold (ß is not ss)
+    assert found("longue STRAßE") == [(school.id, said, "longue")]
+    assert found("αθηνα") == [(grec.id, None, None)]  # the title shows it
+    assert found("100%_") == []  # still literal
+    words = " ".join(f"w{i}" for i in range(FIND_WORDS + 3))
+    assert find_words(words) == ([f"w{i}" for i in range(FIND_WORDS)], True)
+    assert find_words("a b a") == (["a", "b"], False)

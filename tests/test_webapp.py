@@ -711,6 +711,9 @@ def test_webapp_find_lists_the_conversations_holding_the_text_with_its_words(app
     assert "0 found" in none.text and "No conversation here holds “&lt;i&gt;zebra&lt;/i&gt;”." in none.text
     everything = client.get("/conversations", params={"q": "   "})
     assert "2 items" in everything.text and "<mark>" not in everything.text
+    many = client.get("/conversations", params={"q": "hello " + " ".join(f"w{i}" for i in range(20))})
+    assert "0 found by the first 16 words" in many.text  # words past the 16th are not looked for: said
+    assert "by the first" not in client.get("/conversations", params={"q": "hello there"}).text
     page = client.get(f"/c/{second}").text
     assert 'id="conversation-find"' in page and 'hx-get="/conversations"' in page
 

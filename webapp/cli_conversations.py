@@ -21,12 +21,14 @@ from engine import paths
 from . import preflight
 from .agent.views import importable
 from .db import (
+    FIND_WORDS,
     MAX_IMPORT_BYTES,
     Conversation,
     ConversationImportError,
     Database,
     export_json,
     export_markdown,
+    find_words,
     import_json,
     parse_import,
 )
@@ -87,6 +89,8 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             raise preflight.StartupError(
                 "--find looks in the listed conversations, not the Trash: drop --trash"
             )
+        if find and find_words(find)[1]:  # said, not dropped silently
+            print(f"--find looks for the first {FIND_WORDS} words only", file=sys.stderr)
         if args.trash:
             shown = db.trashed_conversations()
         elif find:

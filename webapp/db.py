@@ -447,6 +447,27 @@ def _like(text: str) -> str:
     return "%" + re.sub(r"([\\%_])", r"\\\1", text) + "%"
 
 
+def find_words(text: str) -> tuple[list[str], bool]:
+    """The words a search looks for (each once, in order, at most FIND_WORDS), and whether words were left out."""
+    words = list(dict.fromkeys(text.split()))
+    return words[:FIND_WORDS], len(words) > FIND_WORDS
+
+
+def _lower(text: Any) -> Any:
+    """SQL `ulower`: lower case for every script (SQLite's LIKE and lower() fold ASCII letters only)."""
+    return text.lower() if isinstance(text, str) else text
+
+
+def _holds(column: str, word: str, param: str) -> str:
+    """The SQL condition that `column` holds `word` in any case, its pattern (`_pattern`) given as `param`. An
+    ASCII word is matched by LIKE itself (fast); another through `ulower` (É finds é)."""
+    return f"{column if word.isascii() else f'ulower({column})'} LIKE :{param} ESCAPE '\\'"
+
+
+def _pattern(word: str) -> str:
+    return _like(word if word.isascii() else word.lower())
+
+
 class Found(NamedTuple):
     """A conversation a search found, and the start of a message that holds what it looked for (None: the title
     shows every word)."""
@@ -494,6 +515,7 @@ class Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
+        self.conn.create_function("ulower", 1, _lower, deterministic=True)  # Find, for words beyond ASCII
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA synchronous=NORMAL")
@@ -564,28 +586,28 @@ class Database:
         excerpts: bool = True,
     ) -> list[Found]:
         """The conversations (one project's, or all: None; none from the Trash) that hold every word of `text`,
-        each in its title or in any of its messages, newest first, at most `limit`. A word matches as SQLite's
-        LIKE does: a plain substring (`%` and `_` are themselves), case-insensitive for ASCII letters only.
+        each in its title or in any of its messages, newest first, at most `limit`. A word matches as a plain
+        substring (`%` and `_` are themselves), in any case (`_holds`). Words after the first FIND_WORDS are
+        not looked for (`find_words` says so).
 
         Each comes with the words of a message around what it found (None when the title shows every word):
         `around` characters of the first message holding the whole text, else a word the title lacks, from a
         little before it (a message can be megabytes long), and that text (`Found.match`). `excerpts=False`: none
         (the command line lists conversations only)."""
-        words = list(dict.fromkeys(text.split()))[:FIND_WORDS]
-        phrase = " ".join(
-            text.split()
-        )  # as typed, a word said twice too (an excerpt is best around all of it)
+        words = find_words(text)[0]
+        # as typed, a word said twice too (an excerpt is best around all of it)
+        phrase = " ".join(text.split())
         if not words:
             return []
-        args: dict[str, Any] = {f"w{i}": _like(w) for i, w in enumerate(words)}
-        held = " AND ".join(
-            f"(c.title LIKE :w{i} ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id=c.id "
-            f"AND m.content LIKE :w{i} ESCAPE '\\'))"
-            for i in range(len(words))
-        )
+        args: dict[str, Any] = {f"w{i}": _pattern(w) for i, w in enumerate(words)}
+        held = [
+            f"({_holds('c.title', w, f'w{i}')} OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id=c.id "
+            f"AND {_holds('m.content', w, f'w{i}')}))"
+            for i, w in enumerate(words)
+        ]
         mine = "AND c.project_id=:project " if project_id is not None else ""
         rows = self.conn.execute(
-            f"SELECT c.* FROM conversations c WHERE c.trashed_at IS NULL {mine}AND {held} "
+            f"SELECT c.* FROM conversations c WHERE c.trashed_at IS NULL {mine}AND {' AND '.join(held)} "
             "ORDER BY c.updated_at DESC, c.id LIMIT :limit",
             {**args, "project": project_id, "limit": limit},
         ).fetchall()
@@ -596,13 +618,14 @@ class Database:
             looks = ([phrase] if phrase != words[0] else []) + missing if excerpts and missing else []
             message = match = None
             for wanted in looks:
+                lower = "lower" if wanted.isascii() else "ulower"
                 message = self.conn.execute(
-                    "SELECT substr(content, max(1, instr(lower(content), lower(:text)) - :before), :around) "
-                    "FROM messages WHERE conversation_id=:id AND content LIKE :pattern ESCAPE '\\' "
+                    f"SELECT substr(content, max(1, instr({lower}(content), :text) - :before), :around) "
+                    f"FROM messages WHERE conversation_id=:id AND {_holds('content', wanted, 'pattern')} "
                     "ORDER BY id LIMIT 1",
                     {
-                        "text": wanted,
-                        "pattern": _like(wanted),
+                        "text": wanted.lower(),
+                        "pattern": _pattern(wanted),
                         "before": around // 4,
                         "around": around,
                         "id": conv.id,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import html
 import re
+import secrets
 import time
 import unicodedata
 from functools import lru_cache
@@ -123,6 +124,7 @@ def make_environment() -> Environment:
     env.filters["list_when"] = list_when  # a list's date column: "09:14", "Yesterday", "Mon", "3 Dec"
     env.filters["web_url"] = web_url  # an untrusted link: http(s) only
     env.globals["flashcode_version"] = __version__  # About flashcode
+    env.globals["page_mark"] = lambda: secrets.token_hex(8)  # a chat window's own mark (`draft_field`)
     return env
 
 

@@ -35,6 +35,9 @@ class Send:
     top_p: float | None = None
     seen: int | None = None  # the newest message id the page shows (another tab may have added since)
     project_id: str | None = None  # the project the page shows: a conversation this message starts goes there
+    # the page's own mark while it shows no conversation: the frames of one this message starts carry it, so a
+    # page that went on to another new one (New, before the first frame came) does not take them
+    draft: str | None = None
     type: str = "send"
 
 
@@ -155,6 +158,7 @@ def _send(d: dict[str, Any]) -> Send:
         top_p=_number(d, "top_p", float, 0.01, 1.0),
         seen=_number(d, "seen", int, 0, 2**63 - 1),
         project_id=_str(d, "project_id", required=False, limit=200),
+        draft=_str(d, "draft", required=False, limit=64),
     )
 
 

@@ -200,10 +200,15 @@ def page_wide(fragment: str) -> bool:
     )
 
 
-def for_conversation(conversation_id: str) -> str:
+def for_conversation(conversation_id: str, draft: str | None = None) -> str:
     """The mark that starts a frame of one conversation's fragments (static/app.js drops such a frame where the
-    page shows another conversation). Ids are server-made hex; anything else is left out of the comment."""
-    return f"<!--for:{re.sub(r'[^0-9A-Za-z_-]', '', conversation_id)}-->"
+    page shows another conversation). `draft`: the mark of the page whose message made it (a page that shows no
+    conversation takes only the frames of the one it made). Ids and marks are hex; anything else is left out."""
+    made = f" new:{_MARK_SAFE.sub('', draft)}" if draft else ""
+    return f"<!--for:{_MARK_SAFE.sub('', conversation_id)}{made}-->"
+
+
+_MARK_SAFE = re.compile(r"[^0-9A-Za-z_-]")
 
 
 # the status line of a window writing a reply in one conversation while it shows another
@@ -229,6 +234,7 @@ class Session:
         # the reply being written (redrawn when its conversation is shown again)
         self.reply: ReplyStream | None = None
         self.wrote: tuple[str, float] | None = None  # the conversation last written in, and when it ended
+        self.made_from: dict[str, str] = {}  # a conversation a message of this window made -> the page's mark
         # a chat reply outlives its window (a reload, a closed tab): `left` once the socket closed with one
         # being written; `shown_by` the window now showing it (its frames go there, its Stop stops it), and
         # in that window `adopted` the reply's session
@@ -340,7 +346,7 @@ class Session:
                 own = [f for f in fragments if not page_wide(f)]
                 wide = [f for f in fragments if page_wide(f)]
                 if own:
-                    self.send(for_conversation(conversation_id), *own)
+                    self.send(for_conversation(conversation_id, self.made_from.get(conversation_id)), *own)
                 if wide:
                     self.send(*wide)
                 return
@@ -412,7 +418,7 @@ class Session:
         from the part last saved) or, said so, in any other it went to meanwhile. A window drawn just before its
         reply ended gets the conversation as it is now."""
         cid = msg.conversation_id
-        self.shown = cid
+        self.shown = cid or ""  # "": a window that shows no conversation (New) takes none of a reply's own
         adopted, self.adopted = self.adopted, None
         if adopted is not None and adopted.shown_by is self:  # its frames are for its conversation only
             adopted.shown_by = None
@@ -545,6 +551,8 @@ class Session:
             title = make_title(msg.text, TITLE_CHARS) if naming else UNTITLED
             conv = db.create_conversation(title, *self.ctx.engine.model_and_backend(), project_id=project_id)
         self.shown = conv.id  # the page shows what it sends in (a new conversation once it exists)
+        if created and msg.draft:
+            self.made_from[conv.id] = msg.draft
         retitled = not created and naming and self._still_untitled(conv)
         if retitled:
             conv.title = make_title(msg.text, TITLE_CHARS)
@@ -572,7 +580,7 @@ class Session:
         first.append(views.append_message(user))
         completion = self.ctx.engine.is_base_model and not msg.text.lstrip().startswith("/")
         if self.turns is not None and not completion and self.turns.wants(conv.id, msg.text):
-            self.send(*first)
+            self.send_for(conv.id)(*first)
             sampling = views.sampling(conv.id) | overrides
             # the files attached to it go with it as context (the typed words alone are routed and searched)
             attached = text[: len(text) - len(msg.text)]
@@ -837,7 +845,7 @@ class Session:
         if self.ctx.before_reply is not None:  # e.g. resume the conversation's saved KV cache
             # it waits for the engine (a reply in another conversation may hold it): the page says so, and a
             # Stop meanwhile is kept for when the reply is submitted (a resume is not cut midway)
-            self.send(*first, views.controls(generating=True, text=WAITING))
+            self.send_for(conversation_id)(*first, views.controls(generating=True, text=WAITING))
             first = []
             if note := await self.ctx.before_reply(conversation_id):
                 self.send(views.alert(note, "note"))

@@ -17,7 +17,16 @@ from jinja2_fragments import render_block
 
 from engine.models import list_models
 
-from ..db import FIND_LIMIT, REPLACED, TRASH_DAYS, Conversation, Database, StoredMessage
+from ..db import (
+    FIND_LIMIT,
+    FIND_WORDS,
+    REPLACED,
+    TRASH_DAYS,
+    Conversation,
+    Database,
+    StoredMessage,
+    find_words,
+)
 from ..engine_host import EngineState
 from ..settings import Settings
 from ..turns import ProjectLookup, ProjectRef
@@ -266,7 +275,15 @@ class ChatViews(TranscriptViews):
             }
         else:
             conversations, excerpts = self.db.list_conversations(project_id), {}
-        count = str(self.ui.conversation_count(len(conversations), oob=True, query=query, limit=FIND_LIMIT))
+        count = str(
+            self.ui.conversation_count(
+                len(conversations),
+                oob=True,
+                query=query,
+                limit=FIND_LIMIT,
+                words=FIND_WORDS if query and find_words(query)[1] else 0,
+            )
+        )
         listed = self.ui.conversation_list(
             conversations,
             current_id,
