@@ -101,6 +101,7 @@ def child_main(args: argparse.Namespace) -> None:
         es.pipeline = args.pipeline
     if args.read_chunk >= 0:
         es.read_chunk = args.read_chunk or None  # 0: the reader's own chunk (one preadv per expert)
+        es.split_by_misses = False  # every read in parts of that size, whatever the layer's misses
     es.pf_min_misses = args.prefetch_min_misses
     req = GenerationRequest(
         prompt=args.prompt, sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens)
@@ -151,6 +152,9 @@ def child_main(args: argparse.Namespace) -> None:
         "prefetch_min_misses": es.pf_min_misses,
         "miss_avg_per_layer": [round(float(m), 3) for m in es.miss_avg],
         "pipeline": es.pipeline if not es.host_writes else "host_writes",
+        # bytes per preadv of an expert read; "by_misses": at least 512 KB, as far as a layer's misses leave
+        # reader threads idle (the engine's default since this key)
+        "read_chunk": "by_misses" if es.split_by_misses and es.read_chunk else es.read_chunk,
         "profiled": args.profile,
         "profile": decode_profile(first["profile"], es.prof.snapshot(), decode_tokens, s.decode_tps),
         "extra": s.extra,
@@ -525,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="... and these reads in flight (0: top-k); e.g. 2,3,0 adds what a decode layer's few "
                          "misses get: in_flight is in each probe")  # fmt: skip
     ap.add_argument("--read-chunk", type=int, default=-1,
-                    help="bytes per preadv of an expert read (0: one per expert; -1: the engine's default)")  # fmt: skip
+                    help="bytes per preadv of every expert read (0: one per expert; -1: the engine's default, "
+                         "parts of at least 512 KB only as far as a layer's misses leave reader threads idle)")  # fmt: skip
     ap.add_argument(
         "--top-k", type=int, default=0, help="opt-in, lossy: fewer active experts (0 = the model's)"
     )

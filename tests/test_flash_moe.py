@@ -145,6 +145,46 @@ def test_moe_grouped_prefill_is_bit_exact_and_computes_each_pair_once(tiny_moe: 
     assert sum(calls) == 3 * pairs  # every (token, k) pair of each of the 3 MoE layers computed once
 
 
+def test_moe_a_layers_one_miss_is_read_in_parts_and_many_misses_whole(tiny_moe: Path, reference: Any) -> None:
+    """A decode layer's misses are cut into preadv parts only as far as they leave reader threads idle: one miss
+    on 4 threads in parts (the disk queue stays deep), 4 or more whole (fewer calls queued on the compute
+    thread's critical path). `split_by_misses=False` cuts every read the same. The tokens stay mlx-lm's."""
+    import mlx.core as mx
+
+    def parts_by_misses(split: bool) -> dict[int, set[int]]:
+        streamed, stream = streamed_model(tiny_moe, 4)
+        stream.read_chunk, stream.split_by_misses = (
+            16 << 10,
+            split,
+        )  # the 512 KB floor would bind on tiny experts
+        assert stream.unit_bytes >= 4 * (16 << 10) and stream.reader.threads == 4
+        seen: dict[int, set[int]] = {}
+        load, read = stream._load, stream.reader.read
+        layer_misses = [0]
+
+        def counted_load(i: int, misses: list, *rest: Any) -> None:
+            layer_misses[0] = len(misses)
+            load(i, misses, *rest)
+
+        def counted_read(*args: Any, **kw: Any) -> Any:
+            fut = read(*args, **kw)
+            seen.setdefault(layer_misses[0], set()).add(len(fut.parts))
+            return fut
+
+        stream._load, stream.reader.read = counted_load, counted_read
+        toks, _ = greedy(streamed)
+        assert toks == reference[1]
+        mx.eval(streamed(mx.array(PROMPT)))  # a prefill too: many misses a layer
+        return seen
+
+    split = parts_by_misses(True)
+    assert 1 in split and max(split) >= 4, split
+    assert min(split[1]) > 1  # one miss: several parts
+    assert all(p == {1} for n, p in split.items() if n >= 4)  # a thread each: whole
+    fixed = parts_by_misses(False)
+    assert len(set().union(*fixed.values())) == 1 and min(fixed[1]) > 1  # the same cut whatever the misses
+
+
 def test_moe_prefill_reads_each_distinct_expert_once(tiny_moe: Path) -> None:
     import mlx.core as mx
 

@@ -35,7 +35,7 @@ from .devcopy import BankCopier, address_of, open_device_copier
 from .experts import ExpertCache
 from .reader import AlignedBuffer, UnitReader, buffer_address
 from .safetensors_io import DTYPE_SIZES
-from .split import Manifest, Unit, UnitTensor, check_unit, first_layer
+from .split import ALIGN, Manifest, Unit, UnitTensor, check_unit, first_layer
 
 _NP = {
     "U32": np.uint32,
@@ -183,8 +183,11 @@ class ExpertStream:
         self.record = record
         self.pipeline = "threaded"  # device path: direct, threaded, overlap or legacy (class docstring)
         self._h2d_pool: ThreadPoolExecutor | None = None  # the copy thread (made on first use)
-        # one expert read spread over several preadv calls: a single miss still keeps the disk queue deep
+        # one expert read spread over several preadv calls: a single miss still keeps the disk queue deep.
+        # `split_by_misses`: only as far as the layer's misses leave threads idle (`_chunk`); False: every read
+        # in `read_chunk` parts (None: the reader's own)
         self.read_chunk: int | None = 512 << 10
+        self.split_by_misses = True
         self.prof = MoEProfile()
         self.profile = False  # True: evaluate each part on the spot (MoEProfile)
         self.pf_k = 0  # opt-in next-layer prefetch: guesses per layer (0 = off), `pf_depth` layers ahead
@@ -338,6 +341,7 @@ class ExpertStream:
         layer = self.layers[i]
         ub, ready = self.unit_bytes, ready or {}
         t0 = time.perf_counter()
+        chunk = self._chunk(sum(k not in ready for k, _ in misses))
         futs: dict[Any, tuple[int, int, memoryview]] = {}  # read -> (expert, slot, staging view)
         landed: list[tuple[int, int, memoryview]] = []  # guessed right: read ahead already
         for j, (k, s) in enumerate(misses):  # all reads in flight at once: the pool spreads them
@@ -348,7 +352,7 @@ class ExpertStream:
             u = self.units[layer][k]
             view = self.staging.view[j * ub : (j + 1) * ub]
             part = SimpleNamespace(size=ub, view=view)
-            futs[self.reader.read(part, u.offset, u.length, self.read_chunk)] = (k, s, view)  # type: ignore[arg-type]
+            futs[self.reader.read(part, u.offset, u.length, chunk)] = (k, s, view)  # type: ignore[arg-type]
         self.stats.experts_read += len(futs)
         self.prof.add("issue", time.perf_counter() - t0)
         try:
@@ -359,6 +363,16 @@ class ExpertStream:
             if self._h2d_pool is not None:  # one thread: every copy queued before this no-op has run
                 self._h2d_pool.submit(int).result()
             raise
+
+    def _chunk(self, reads: int) -> int | None:
+        """The most bytes one preadv of a layer's `reads` misses takes: each miss cut into as many parts as leave
+        none of the reader's threads idle (one miss on 4 threads: 4 parts, the disk queue stays deep; 4 or more:
+        whole), never below `read_chunk`. Fewer parts are fewer calls to queue and fewer thread handoffs on the
+        compute thread's critical path (`issue`)."""
+        if not self.split_by_misses or self.read_chunk is None:
+            return self.read_chunk
+        parts = max(1, getattr(self.reader, "threads", 1) // max(1, reads))
+        return max(self.read_chunk, -(-self.unit_bytes // parts // ALIGN) * ALIGN)
 
     def _land(
         self,
