@@ -53,6 +53,22 @@ def served(backend: FakeBackend, tmp_path: Path) -> Iterator[TestClient]:
         worker.close()
 
 
+@contextlib.contextmanager
+def writing(tmp_path: Path, *replies: list[str]) -> Iterator[tuple[TestClient, Database, FakeBackend]]:
+    """The app, its database and its engine, which writes `replies` one after the other a token every 10 ms
+    (long enough to go elsewhere, close a window or press Stop mid-reply)."""
+    slow = FakeBackend(delay=0.01)
+    for reply in replies:
+        slow.enqueue(*reply)
+    with served(slow, tmp_path) as c:
+        yield c, c.app.state.flashcode.db, slow
+
+
+def words(prefix: str, n: int) -> list[str]:
+    """A reply's tokens " p0", " p1", ...: a test waits for one of them by name."""
+    return [f" {prefix}{i}" for i in range(n)]
+
+
 def connect(client: TestClient, origin: str = ORIGIN):
     return client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": origin})
 
@@ -123,7 +139,7 @@ def test_ws_second_message_sends_history(client: TestClient, fake: FakeBackend) 
 
 def test_ws_stop_cancels_quickly(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.05)
-    slow.enqueue(*[f" t{i}" for i in range(400)])
+    slow.enqueue(*words("t", 400))
     with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="long please")
@@ -188,7 +204,7 @@ def test_ws_regenerate_keeps_the_old_reply_until_the_new_one_is_stored(
             assert [m["content"] for m in slow.history[-1].messages if m["role"] != "system"] == ["q"]
             # Stop before the first token: the old reply stays too
             monkeypatch.setattr(slow, "stream", real)
-            slow.enqueue(*[f" t{i}" for i in range(100)])
+            slow.enqueue(*words("t", 100))
             slow.delay = 0.3
             send(ws, type="regenerate", conversation_id=cid)
             until(ws, r'data-status="streaming"')
@@ -197,7 +213,7 @@ def test_ws_regenerate_keeps_the_old_reply_until_the_new_one_is_stored(
             assert [m.content for m in db.messages(cid)] == ["q", old.content]
             # a new reply streaming: the old one is still stored; once the new one is, it replaces the old
             slow.delay = 0.05
-            slow.enqueue(*[f" n{i}" for i in range(40)])
+            slow.enqueue(*words("n", 40))
             send(ws, type="regenerate", conversation_id=cid)
             until(ws, r"n3")
             assert old.id in [m.id for m in db.messages(cid)]
@@ -259,7 +275,7 @@ def test_ws_a_replaced_reply_stays_folded_in_the_transcript_and_out_of_the_conte
             send(ws, type="send", text="q")
             cid = conversation_id(until(ws, r'data-state="idle"'))
             old = db.messages(cid)[-1]
-            slow.enqueue(*[f" s{i}" for i in range(200)])
+            slow.enqueue(*words("s", 200))
             send(ws, type="regenerate", conversation_id=cid)
             live = "".join(until(ws, r"s3"))
             send(ws, type="stop")
@@ -344,7 +360,7 @@ def test_ws_a_refused_switch_while_writing_puts_the_controls_back(tmp_path: Path
     """Picking another model (or mode) while a reply is written is refused; the picker and the mode switch
     are redrawn with what still answers, so they never show a model that is not the one loaded."""
     slow = FakeBackend(delay=0.05)
-    slow.enqueue(*[f" t{i}" for i in range(100)])
+    slow.enqueue(*words("t", 100))
     with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="one two three")
@@ -491,7 +507,7 @@ def test_ws_reply_hooks_get_the_stats(client: TestClient) -> None:
 
 def test_ws_stopped_reply_still_fills_the_context_gauge(tmp_path: Path) -> None:
     slow = FakeBackend(delay=0.05)
-    slow.enqueue(*[f" t{i}" for i in range(100)])
+    slow.enqueue(*words("t", 100))
     with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="one two three")
@@ -516,7 +532,7 @@ def test_ws_stopped_reply_gets_the_engine_numbers_when_it_stops(tmp_path: Path) 
             )  # fmt: skip
 
     slow = Measuring(delay=0.05)
-    slow.enqueue(*[f" t{i}" for i in range(100)])
+    slow.enqueue(*words("t", 100))
     with served(slow, tmp_path) as c:
         with connect(c) as ws:
             send(ws, type="send", text="one two three")
@@ -580,7 +596,7 @@ def test_ws_conversation_deleted_while_its_reply_streams(tmp_path: Path, caplog)
     """Deleted in another window mid-reply: the reply ends quietly (it had raised IndexError when storing
     its end: a traceback in the log, no idle state), and the socket goes on to the next message."""
     slow = FakeBackend(delay=0.02)
-    slow.enqueue(*[f" t{i}" for i in range(60)])
+    slow.enqueue(*words("t", 60))
     slow.enqueue("next")
     with served(slow, tmp_path) as c:
         csrf = c.app.state.flashcode.csrf_token
@@ -602,7 +618,7 @@ def test_ws_conversation_deleted_while_its_reply_streams(tmp_path: Path, caplog)
 def test_ws_conversation_moved_to_the_trash_while_its_reply_streams_keeps_the_reply(tmp_path: Path) -> None:
     """Moved to the Trash mid-reply: the reply is stored all the same, and Put Back shows it."""
     slow = FakeBackend(delay=0.02)
-    slow.enqueue(*[f" t{i}" for i in range(30)])
+    slow.enqueue(*words("t", 30))
     with served(slow, tmp_path) as c:
         h = {"x-csrf-token": c.app.state.flashcode.csrf_token, "origin": ORIGIN}
         with connect(c) as ws:
@@ -841,16 +857,13 @@ def test_ws_a_reply_written_while_the_page_shows_another_conversation_stays_out_
     B's transcript, and at the end A's controls: Regenerate on, acting on B (an agent's answer rewritten as a
     chat reply). Now B gets the page-wide frames only and its own controls; Regenerate of an agent's answer is
     refused by the server too; and back in A the reply is drawn as written so far."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue("an answer in B")
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, ["an answer in B"]) as (c, db, slow):
         with connect(c) as ws:
             send(ws, type="send", text="in B")
             b = conversation_id(until(ws, r'data-state="idle"'))
             last = db.messages(b)[-1]
             db.finish_message(last.id, last.content, "complete", dict(last.stats) | {"turn": "agent"})
-            slow.enqueue(*[f" a{i}" for i in range(300)])
+            slow.enqueue(*words("a", 300))
             send(ws, type="send", text="in A", conversation_id="")
             frames = until(ws, r" a5")
             a = conversation_id(frames)
@@ -883,10 +896,7 @@ def test_ws_a_reply_goes_on_when_its_window_closes_and_the_next_window_shows_it_
     goes on to its end and is saved; a page drawn meanwhile says a reply is being written; the next window
     that shows the conversation gets it as written so far, then live, with Stop; a second message there is
     refused until it ends; and Stop there stops it."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" t{i}" for i in range(150)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, words("t", 150)) as (c, db, slow):
         with connect(c) as ws:
             send(ws, type="send", text="a long one")
             frames = until(ws, r" t5")
@@ -909,7 +919,7 @@ def test_ws_a_reply_goes_on_when_its_window_closes_and_the_next_window_shows_it_
         assert db.messages(cid)[-1].status == "complete" and db.messages(cid)[-1].content.endswith(" t149")
         assert [m.role for m in db.messages(cid)] == ["user", "assistant"]  # "another" was not sent
 
-        slow.enqueue(*[f" u{i}" for i in range(300)])
+        slow.enqueue(*words("u", 300))
         with connect(c) as ws:
             send(ws, type="send", text="and another", conversation_id=cid)
             until(ws, r" u5")
@@ -963,11 +973,7 @@ def test_ws_a_reply_left_writing_stops_when_its_conversation_goes_to_the_trash(t
     """(review) Move to Trash of the conversation a window writes in reloads that window: the reply went on in
     the Trash, where no window could show it or stop it. It stops (and is kept, as any stopped reply); so does
     one a closed window left writing when its conversation is moved to the Trash from another."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" t{i}" for i in range(400)])
-    slow.enqueue(*[f" u{i}" for i in range(400)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, words("t", 400), words("u", 400)) as (c, db, slow):
         token = csrf(c)
         with connect(c) as ws:
             send(ws, type="send", text="a long one")
@@ -987,10 +993,7 @@ def test_ws_a_left_reply_is_handed_on_to_a_window_that_shows_it(tmp_path: Path) 
     """(review, walkthrough) Tab A writes, tab B shows the conversation ("another window"); A closes: B stayed
     frozen, Stop greyed, though no other window was left. B shows the reply now, with Stop. The same when the
     window that showed a left reply goes to another conversation."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" a{i}" for i in range(400)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, words("a", 400)) as (c, db, slow):
         with connect(c) as b:
             with connect(c) as a:
                 send(a, type="send", text="in A")
@@ -1010,11 +1013,7 @@ def test_ws_a_left_reply_is_handed_on_to_a_window_that_shows_it(tmp_path: Path) 
 def test_ws_a_window_writing_its_own_reply_takes_a_left_one_when_its_own_ends(tmp_path: Path) -> None:
     """(review) A window writing in B shows A, where a closed window's reply waits for the engine: it took
     nothing, and once its own reply ended it showed A idle, the left reply running with no Stop anywhere."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" b{i}" for i in range(100)])
-    slow.enqueue(*[f" a{i}" for i in range(400)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, words("b", 100), words("a", 400)) as (c, db, slow):
         with connect(c) as ws:
             send(ws, type="send", text="in B")
             b = conversation_id(until(ws, r" b5"))
@@ -1033,9 +1032,7 @@ def test_ws_a_window_writing_its_own_reply_takes_a_left_one_when_its_own_ends(tm
 def test_ws_a_reply_left_writing_is_saved_when_the_server_stops(tmp_path: Path) -> None:
     """(review) The server stopping while a closed window's reply is written: it closed the database first, so
     the reply stayed `streaming` with nothing saved. It is stopped and saved with its text first."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" t{i}" for i in range(400)])
-    with served(slow, tmp_path) as c:
+    with writing(tmp_path, words("t", 400)) as (c, db, slow):
         with connect(c) as ws:
             send(ws, type="send", text="a long one")
             cid = conversation_id(until(ws, r" t20"))
@@ -1049,11 +1046,7 @@ def test_ws_a_reply_waiting_for_the_engine_says_so_and_stop_holds(tmp_path: Path
     """(walkthrough) A message sent in Y while another window's reply in X holds the engine: the page said
     Ready, Stop greyed, and no sign of a reply until X's ended. It says it waits for the engine, and a Stop
     pressed then stops the reply as soon as it is submitted."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" x{i}" for i in range(150)])
-    slow.enqueue(*[f" y{i}" for i in range(150)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, words("x", 150), words("y", 150)) as (c, db, slow):
         with connect(c) as wx, connect(c) as wy:
             send(wx, type="send", text="in X")
             until(wx, r" x5")
@@ -1076,11 +1069,7 @@ def test_ws_a_reply_that_waited_goes_to_its_own_conversation_not_the_one_shown(t
 
     from webapp.chat.socket import ChatContext
 
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue("z")
-    slow.enqueue(*[f" y{i}" for i in range(20)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, ["z"], words("y", 20)) as (c, db, slow):
         ctx = next(o for o in gc.get_objects() if isinstance(o, ChatContext) and o.db is db)
 
         async def slow_before(_cid: str) -> None:  # a resume that takes a while
@@ -1103,11 +1092,7 @@ def test_ws_a_reply_that_waited_goes_to_its_own_conversation_not_the_one_shown(t
 def test_ws_a_window_closing_as_its_own_reply_ends_takes_no_left_reply(tmp_path: Path) -> None:
     """(review) A window closing while its own reply ended took a reply a closed window had left in the
     conversation it showed: that reply then belonged to a dead window, and no later one could show or stop it."""
-    slow = FakeBackend(delay=0.01)
-    slow.enqueue(*[f" y{i}" for i in range(300)])
-    slow.enqueue(*[f" x{i}" for i in range(300)])
-    with served(slow, tmp_path) as c:
-        db = c.app.state.flashcode.db
+    with writing(tmp_path, words("y", 300), words("x", 300)) as (c, db, slow):
         token = csrf(c)
         with connect(c) as b:
             send(b, type="send", text="in Y")
