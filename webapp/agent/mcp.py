@@ -226,6 +226,11 @@ class ServerHandle:
         if task is None or task.done():
             self._fail_all(self.error or "stopped")
             return
+        if not self.ready.done():  # it never answered (a hung start): nothing reads `calls`, so no goodbye is
+            task.cancel()  # waited for 10 s; the SDK closes its stdin and ends the process as it unwinds
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 10)
+            return
         self.calls.put_nowait(None)
         try:
             await asyncio.wait_for(asyncio.shield(task), 10)
