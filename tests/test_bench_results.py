@@ -42,6 +42,7 @@ RAW = {
     "flash-moe-gpu-queue-uniform.json": "runs",
     "flash-moe-gpu-adaptive-skewed.json": "runs",
     "flash-moe-gpu-adaptive-uniform.json": "runs",
+    "flash-moe-cpu-chunks.json": "runs",
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",
     "flash-residency.json": "residency",
