@@ -366,6 +366,44 @@ def test_server_that_hangs_at_start(
     assert any("did not answer within 3 s" in n and "not started again" not in n for n in notes), notes
 
 
+def test_a_server_stopped_twice_while_its_hung_start_is_ended_stops_once(tmp_path: Path) -> None:
+    """(review) A hung server's start timed out and its stop began; a sweep (each agent turn's start, each
+    drawing of Settings) stopped it again meanwhile. The second cancel cut the SDK's shutdown short: the sweep
+    waited forever and the server process stayed. Both callers now wait for the one stop, and the process ends."""
+    from webapp.agent.mcp import Launch, ServerDown
+
+    mark = f"--mark={uuid.uuid4().hex}"
+    servers = McpServers(start_timeout_s=1)
+
+    async def main() -> None:
+        h = await servers.handle(
+            Launch("p", tmp_path, parse_entry("stuck", server_entry("--hang-at-start", mark)))
+        )
+        first = asyncio.create_task(h.tools())
+        while not h.dead:  # the start timed out: its stop is under way (the SDK ending the process)
+            await asyncio.sleep(0.01)
+        assert await asyncio.wait_for(servers.sweep(), 20) == 1
+        with pytest.raises(ServerDown, match="did not answer within 1 s"):
+            await asyncio.wait_for(first, 20)
+
+    run(main, servers)
+    deadline = time.monotonic() + 5
+    while running(mark):
+        assert time.monotonic() < deadline, "the hung server is still running"
+        time.sleep(0.1)
+
+
+def running(mark: str) -> bool:
+    """Whether a process whose command line holds `mark` runs."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if mark.encode() in cmdline.read_bytes():
+                return True
+        except OSError:  # it ended meanwhile
+            pass
+    return False
+
+
 def test_crash_and_hang_mid_call_then_restart(
     worker: Worker, fake: FakeBackend, project: Path, store: AgentStore
 ) -> None:

@@ -183,6 +183,7 @@ class ServerHandle:
         self.task: asyncio.Task[None] | None = None
         self.error: str | None = None
         self.dead = False
+        self._stopping: asyncio.Future[None] | None = None  # the one stop (`stop`)
         self.last_used = time.monotonic()
         self.errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
         # the sandbox's descriptors (the seccomp program, the env, the folders): open until the server answered
@@ -220,8 +221,15 @@ class ServerHandle:
         return await fut
 
     async def stop(self) -> None:
-        """Stop the server (the SDK closes stdin, then terminates the process group) and wait."""
+        """Stop the server (the SDK closes stdin, then terminates the process group) and wait. Stopped once: a
+        second caller (a sweep, `handle`) waits for the same stop, as a second cancel could cut the SDK's
+        shutdown of the process short. A caller cancelled meanwhile is cancelled; the stop goes on."""
         self.dead = True
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         task = self.task
         if task is None or task.done():
             self._fail_all(self.error or "stopped")
