@@ -493,6 +493,17 @@ def test_db_find_conversations_ignores_case_beyond_ascii_and_says_when_words_are
     assert found("longue STRAßE") == [(school.id, said, "longue")]
     assert found("αθηνα") == [(grec.id, None, None)]  # the title shows it
     assert found("100%_") == []  # still literal
+    road = d.create_conversation("Notes 2", "m", "mlx")
+    d.add_message(road.id, "user", "ΤΟ ΟΔΟΣΤΡΩΜΑ είναι βρεγμένο")
+    assert [f.conversation.id for f in d.find_conversations("ΟΔΟΣ")] == [
+        road.id
+    ]  # ς and σ: one letter (review)
+    turkish = d.create_conversation("Notes 3", "m", "mlx")
+    d.add_message(turkish.id, "user", "İ" * 150 + " then the word Ünïcode here")
+    [hit] = d.find_conversations("ünïcode")
+    assert (
+        "Ünïcode" in hit.message
+    )  # İ lowers to two characters: the excerpt is still around the word (review)
     words = " ".join(f"w{i}" for i in range(FIND_WORDS + 3))
     assert find_words(words) == ([f"w{i}" for i in range(FIND_WORDS)], True)
     assert find_words("a b a") == (["a", "b"], False)

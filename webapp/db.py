@@ -453,9 +453,32 @@ def find_words(text: str) -> tuple[list[str], bool]:
     return words[:FIND_WORDS], len(words) > FIND_WORDS
 
 
+def fold_case(text: str) -> str:
+    """Lower case for every script, with one form of sigma (ς ends a word that σ starts: "ΟΔΟΣ" is "οδος" alone
+    and "οδοσ…" inside a longer word). Find compares words so (`_holds`)."""
+    return text.lower().replace("ς", "σ")
+
+
 def _lower(text: Any) -> Any:
-    """SQL `ulower`: lower case for every script (SQLite's LIKE and lower() fold ASCII letters only)."""
-    return text.lower() if isinstance(text, str) else text
+    """SQL `ulower`: `fold_case` (SQLite's LIKE and lower() fold ASCII letters only)."""
+    return fold_case(text) if isinstance(text, str) else text
+
+
+def _find(text: Any, needle: Any) -> int:
+    """SQL `ufind`: 1 + where `needle` (folded) starts in `text` as `fold_case` reads it, counted in `text`'s own
+    characters (a letter whose lower case is longer, İ, shifts the folded text); 0: nowhere."""
+    if not isinstance(text, str) or not isinstance(needle, str):
+        return 0
+    folded = fold_case(text)
+    at = folded.find(needle)
+    if at < 0 or len(folded) == len(text):
+        return at + 1
+    seen = 0
+    for i, ch in enumerate(text):
+        if seen >= at:
+            return i + 1
+        seen += len(fold_case(ch))
+    return 0
 
 
 def _holds(column: str, word: str, param: str) -> str:
@@ -465,7 +488,7 @@ def _holds(column: str, word: str, param: str) -> str:
 
 
 def _pattern(word: str) -> str:
-    return _like(word if word.isascii() else word.lower())
+    return _like(word if word.isascii() else fold_case(word))
 
 
 class Found(NamedTuple):
@@ -516,6 +539,7 @@ class Database:
         self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
         self.conn.create_function("ulower", 1, _lower, deterministic=True)  # Find, for words beyond ASCII
+        self.conn.create_function("ufind", 2, _find, deterministic=True)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA synchronous=NORMAL")
@@ -614,17 +638,19 @@ class Database:
         found = []
         for r in rows:
             conv = Conversation(**dict(r))
-            missing = [w for w in words if w.lower() not in conv.title.lower()]  # the title shows the rest
+            title = fold_case(conv.title)
+            missing = [w for w in words if fold_case(w) not in title]  # the title shows the rest
             looks = ([phrase] if phrase != words[0] else []) + missing if excerpts and missing else []
             message = match = None
             for wanted in looks:
-                lower = "lower" if wanted.isascii() else "ulower"
+                # where it starts: SQLite's lower() keeps an ASCII word's positions; beyond ASCII, `ufind`
+                at = "instr(lower(content), :text)" if wanted.isascii() else "ufind(content, :text)"
                 message = self.conn.execute(
-                    f"SELECT substr(content, max(1, instr({lower}(content), :text) - :before), :around) "
+                    f"SELECT substr(content, max(1, {at} - :before), :around) "
                     f"FROM messages WHERE conversation_id=:id AND {_holds('content', wanted, 'pattern')} "
                     "ORDER BY id LIMIT 1",
                     {
-                        "text": wanted.lower(),
+                        "text": fold_case(wanted),
                         "pattern": _pattern(wanted),
                         "before": around // 4,
                         "around": around,

@@ -26,6 +26,7 @@ from ..db import (
     Database,
     StoredMessage,
     find_words,
+    fold_case,
 )
 from ..engine_host import EngineState
 from ..settings import Settings
@@ -57,8 +58,9 @@ def excerpt(text: str, query: str, before: int = 12, after: int = 60) -> tuple[s
     with an ellipsis where it was cut; little before it, as a narrow list shows only a line's start. No match
     as typed (SQLite matched it another way): its start."""
     line = " ".join(text.split())
-    folded = line.lower()  # a letter whose lower case is longer (İ) would shift the positions: as typed then
-    at = folded.find(query.lower()) if len(folded) == len(line) else line.find(query)
+    # a letter whose lower case is longer (İ) would shift the positions: as typed then
+    folded = fold_case(line)
+    at = folded.find(fold_case(query)) if len(folded) == len(line) else line.find(query)
     if at < 0:
         return "", "", line[:after] + ("…" if len(line) > after else "")
     end = at + len(query)
