@@ -185,7 +185,10 @@
     actions[t.dataset.action]?.();
   });
   function markSelected(id) {
-    document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => li.classList.toggle("selected", li.dataset.id === id));
+    document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => {
+      li.classList.toggle("selected", li.dataset.id === id);
+      li.setAttribute("aria-selected", String(li.dataset.id === id));
+    });
   }
   // Undo after Move to Trash of the conversation the chat window showed (the page went to "/"): the window
   // shows it again, with what was typed in it (kept by the server) and meanwhile, unless another conversation
@@ -290,6 +293,8 @@
     }
     syncTitle();
     const id = conversationId();
+    // the list comes drawn for the conversation its reply is in (page-wide): selected is the one this window shows
+    if (frame.includes('id="conversation-list"')) markSelected(id);
     const win = $("#chat-window");
     if (id && win && win.dataset.conversation !== id) {
       win.dataset.conversation = id;

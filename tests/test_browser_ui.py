@@ -533,6 +533,7 @@ def test_browser_new_pressed_before_a_new_conversations_first_frame_stays_blank(
     assert page.inner_text("#chat-title") == "New Conversation"
     assert page.locator("#messages .msg").count() == 0
     assert page.url.rstrip("/") == url.rstrip("/")
+    assert page.locator("#conversation-list li.selected").count() == 0  # the list marks none: none is shown
     assert not page.errors, page.errors
     assert not [m for m in console if "oobErrorNoTarget" in m], console
     fake.enqueue("its own answer")  # the blank window still makes a conversation of its own

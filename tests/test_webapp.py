@@ -751,3 +751,22 @@ def test_excerpt_cuts_around_the_first_match_on_one_line() -> None:
     assert excerpt("the parser", "parser") == ("the ", "parser", "")
     assert excerpt("short", "zzz") == ("", "", "short")  # SQLite matched what Python does not: the start
     assert excerpt("İstanbul parser", "parser")[1] == "parser"
+
+
+def test_webapp_our_scripts_and_styles_are_addressed_by_their_content(app_parts) -> None:
+    """(review) A browser could run a cached app.js of an older flashcode against a newer server (whose frames
+    it misreads): /static had the same addresses from one version to the next. Ours carry their content's digest
+    now; a changed file is a new address, and the address serves the file."""
+    import hashlib
+    import re
+
+    from webapp.render import find_dir
+
+    client, _ = app_parts
+    page = client.get("/").text
+    for name in ("app.js", "trust.js", "projects.js", "app.css", "projects.css", "trust.css"):
+        digest = hashlib.sha256((find_dir("static") / name).read_bytes()).hexdigest()[:12]
+        address = f"/static/{name}?v={digest}"
+        assert f'"{address}"' in page, name
+        assert client.get(address).status_code == 200
+    assert not re.search(r'src="/static/app\.js"', page)

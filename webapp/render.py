@@ -13,6 +13,7 @@ What it does not know: which template draws what (each feature's views), websock
 from __future__ import annotations
 
 import datetime
+import hashlib
 import html
 import re
 import secrets
@@ -46,6 +47,19 @@ def find_dir(name: str) -> Path:
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"flashcode's {name}/ directory is missing (looked next to {here})")
+
+
+@lru_cache(maxsize=64)
+def _digest(path: Path, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def static_url(name: str) -> str:
+    """`/static/NAME?v=DIGEST`: the address changes with the file, so a browser never runs a cached app.js of
+    an older flashcode against this server (the websocket frames' marks, the fields it sends)."""
+    path = find_dir("static") / name
+    st = path.stat()
+    return f"/static/{name}?v={_digest(path, st.st_mtime_ns, st.st_size)}"
 
 
 # --------------------------------------------------------------------------- characters that do not show
@@ -124,6 +138,7 @@ def make_environment() -> Environment:
     env.filters["list_when"] = list_when  # a list's date column: "09:14", "Yesterday", "Mon", "3 Dec"
     env.filters["web_url"] = web_url  # an untrusted link: http(s) only
     env.globals["flashcode_version"] = __version__  # About flashcode
+    env.globals["static_url"] = static_url  # our own scripts and styles, by content (vendored: by name)
     env.globals["page_mark"] = lambda: secrets.token_hex(8)  # a chat window's own mark (`draft_field`)
     return env
 
