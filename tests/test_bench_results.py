@@ -43,6 +43,8 @@ RAW = {
     "flash-moe-gpu-adaptive-skewed.json": "runs",
     "flash-moe-gpu-adaptive-uniform.json": "runs",
     "flash-moe-cpu-chunks.json": "runs",
+    "flash-moe-gpu-chunks-uniform.json": "runs",
+    "flash-moe-gpu-chunks-skewed.json": "runs",
     "flash-reader.json": "runs",
     "flash-reader-gpu.json": "runs",
     "flash-residency.json": "residency",
