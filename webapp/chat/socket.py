@@ -200,15 +200,15 @@ def page_wide(fragment: str) -> bool:
     )
 
 
+_MARK_SAFE = re.compile(r"[^0-9A-Za-z_-]")  # what a frame's mark may hold (ids and page marks are hex)
+
+
 def for_conversation(conversation_id: str, draft: str | None = None) -> str:
     """The mark that starts a frame of one conversation's fragments (static/app.js drops such a frame where the
     page shows another conversation). `draft`: the mark of the page whose message made it (a page that shows no
     conversation takes only the frames of the one it made). Ids and marks are hex; anything else is left out."""
     made = f" new:{_MARK_SAFE.sub('', draft)}" if draft else ""
     return f"<!--for:{_MARK_SAFE.sub('', conversation_id)}{made}-->"
-
-
-_MARK_SAFE = re.compile(r"[^0-9A-Za-z_-]")
 
 
 # the status line of a window writing a reply in one conversation while it shows another
