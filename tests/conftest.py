@@ -144,6 +144,30 @@ class FakeBackend:
         self.closed = True
 
 
+FRAME_WAIT = 300.0  # seconds a websocket test waits for one frame (a real model's slowest step is far less)
+
+
+def next_frame(ws, seconds: float = FRAME_WAIT) -> str:
+    """The test client websocket's next text frame; an AssertionError when none comes within `seconds`, not a
+    hang until pytest-timeout's dump (Starlette's `receive_text()` waits forever)."""
+    import anyio
+
+    stream = getattr(ws, "_send_rx", None)  # Starlette's test session: an anyio stream since 0.41
+    if stream is None:  # pragma: no cover - another Starlette: no time limit, the same frames
+        return ws.receive_text()
+
+    async def receive() -> dict:
+        with anyio.fail_after(seconds):
+            return await stream.receive()
+
+    try:
+        message = ws.portal.call(receive)
+    except TimeoutError:
+        raise AssertionError(f"no websocket frame came within {seconds:g} s") from None
+    ws._raise_on_close(message)
+    return message["text"]
+
+
 @pytest.fixture
 def fake() -> FakeBackend:
     return FakeBackend()

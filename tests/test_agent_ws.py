@@ -16,7 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.worker import Worker
-from tests.conftest import FakeBackend
+from tests.conftest import FakeBackend, next_frame
 from webapp.agent import web
 from webapp.agent.store import AgentStore
 from webapp.app import create_app
@@ -46,9 +46,12 @@ def ws(tmp_path: Path, fake: FakeBackend, project: Path) -> Iterator:
 
 
 def until(sock, pattern: str, limit: int = 300) -> str:
-    frames = []
+    frames: list[str] = []
     for _ in range(limit):
-        frames.append(sock.receive_text())
+        try:
+            frames.append(next_frame(sock))
+        except AssertionError as e:
+            raise AssertionError(f"{e}, waiting for {pattern!r}; the last frames: {frames[-3:]}") from None
         if re.search(pattern, frames[-1]):
             return "".join(frames)
     raise AssertionError(f"no frame matched {pattern!r}; got {frames[-3:]}")

@@ -21,7 +21,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from engine.base import Done, GenerationStats, TextDelta
 from engine.worker import Worker
-from tests.conftest import FakeBackend
+from tests.conftest import FRAME_WAIT, FakeBackend, next_frame
 from webapp.app import create_app
 from webapp.chat.protocol import MAX_MESSAGE_BYTES
 from webapp.db import Database
@@ -73,11 +73,14 @@ def connect(client: TestClient, origin: str = ORIGIN):
     return client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": origin})
 
 
-def until(ws, pattern: str, limit: int = 200) -> list[str]:
-    """Frames received until one matches `pattern` (inclusive)."""
-    frames = []
+def until(ws, pattern: str, limit: int = 200, seconds: float = FRAME_WAIT) -> list[str]:
+    """Frames received until one matches `pattern` (inclusive), each within `seconds`."""
+    frames: list[str] = []
     for _ in range(limit):
-        frames.append(ws.receive_text())
+        try:
+            frames.append(next_frame(ws, seconds))
+        except AssertionError as e:
+            raise AssertionError(f"{e}, waiting for {pattern!r}; the last frames: {frames[-3:]}") from None
         if re.search(pattern, frames[-1]):
             return frames
     raise AssertionError(f"no frame matched {pattern!r}; got {frames[-3:]}")
@@ -85,6 +88,30 @@ def until(ws, pattern: str, limit: int = 200) -> list[str]:
 
 def send(ws, **fields) -> None:
     ws.send_text(json.dumps(fields | {"HEADERS": {"HX-Request": "true"}}))
+
+
+def test_a_frame_that_never_comes_fails_the_wait_instead_of_hanging_it() -> None:
+    """`until` waits for each frame at most `FRAME_WAIT` seconds: a missing frame is a failure that says what
+    was awaited, not a test that hangs until pytest-timeout ends the whole file."""
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+
+    async def quiet(websocket) -> None:  # answers one message, then never again
+        await websocket.accept()
+        await websocket.send_text(await websocket.receive_text())
+        await websocket.receive_text()
+
+    with TestClient(Starlette(routes=[WebSocketRoute("/ws", quiet)])) as client:
+        with client.websocket_connect("/ws") as ws:
+            ws.send_text("hello")
+            assert next_frame(ws, 5) == "hello"
+            started = time.monotonic()
+            with pytest.raises(
+                AssertionError, match="no websocket frame came within 0.5 s, waiting for 'never'"
+            ):
+                until(ws, "never", seconds=0.5)
+            assert time.monotonic() - started < 5
+            ws.send_text("bye")
 
 
 def csrf(client: TestClient) -> str:
