@@ -670,6 +670,38 @@ def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, pro
     )
 
 
+def test_toolloop_refuses_a_call_that_failed_earlier_while_nothing_changed_since(project: Path) -> None:
+    """The walkthrough's loop (qwen2.5-coder-0.5b): `python hello.py` and `python /abs/hello.py` each failed (no
+    such file), then came back in turn, each asking the user again. A failed call is refused at any distance while
+    nothing has changed since; once a write works, the same command may run again (and now works)."""
+    fake = FakeBackend(tools=True, context_length=32768)  # room for every step: no summary call in between
+    first, second = "python3 hello.py", f"python3 {project}/hello.py"
+    for command in (first, second, first, second):
+        fake.enqueue_call("run_command", command=command)
+    fake.enqueue_call("read_file", path="hello.py")  # a read changes nothing: still refused below
+    fake.enqueue_call("list_files")
+    fake.enqueue_call("read_file", path="hello.py")
+    fake.enqueue_call("write_file", path="hello.py", content="print('hi')\n")
+    fake.enqueue_call("run_command", command=first)  # after the write: asked, and it works
+    fake.enqueue("Done.")
+    approver = Approver(*[ev.Decision.once()] * 4)
+    worker = Worker(lambda: fake)
+    try:
+        events = asyncio.run(
+            collect(session(worker, project, approver), "create hello.py that prints hi and run it")
+        )
+    finally:
+        worker.close()
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert "exit code 2" in results[0] and "exit code 2" in results[1], results[:2]
+    assert "step 1 made exactly this call and it failed" in results[2]
+    assert "step 2 made exactly this call and it failed" in results[3]
+    assert "step 5 made exactly this call and it failed" in results[6]
+    assert "hi" in results[8] and "exit code 0" in results[8], results[8]
+    asked = [p.tool for p in approver.asked]
+    assert asked == ["shell", "shell", "write", "shell"], asked
+
+
 def test_toolloop_a_write_whose_file_changed_under_the_dialog_may_be_proposed_again(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:

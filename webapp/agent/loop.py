@@ -142,6 +142,13 @@ def assistant_message(text: str, calls: list[ToolCall]) -> Message:
     return msg
 
 
+def _changes(tool: str) -> bool:
+    """Whether a call of `tool` that worked may have changed what a later call finds: a write, an edit, a
+    command, or an MCP server's tool (whose effects are unknown); not a read or a web search."""
+    spec = BY_NAME.get(tool)
+    return spec is None or spec.effect not in ("none", "network")
+
+
 class ToolLoop:
     def __init__(
         self,
@@ -574,7 +581,9 @@ class ToolLoop:
 
     def _repeats(self, call: ToolCall) -> tuple[int, bool] | None:
         """A small model's loop: the step among the last three that made this same call, and whether
-        it worked; None when there is none. A command may be rerun unless it was the step just before."""
+        it worked; None when there is none. A command may be rerun unless it was the step just before.
+        A call that failed at any earlier step is refused too while nothing has changed since (no write, edit,
+        command or MCP call worked after it): it would fail the same way, and each try would ask the user."""
         window = 1 if call.name == "run_command" else 3
         # refused repeats did nothing; a failure that asked to be tried again (a stale diff) is no loop
         done = [
@@ -584,6 +593,12 @@ class ToolLoop:
             r = self.records[i]
             if r["tool"] == call.name and r["arguments"] == call.arguments:
                 return i + 1, bool(r["ok"])
+        for i in reversed(done):
+            r = self.records[i]
+            if r["ok"] and _changes(r["tool"]):  # the calls that failed before it may work now
+                break
+            if not r["ok"] and r["tool"] == call.name and r["arguments"] == call.arguments:
+                return i + 1, False
         return None
 
     # ------------------------------------------------------------------ side effects
