@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 .PHONY: run test check setup install llama chromium sandbox bench lint clean
 
 run: setup sandbox
-	$(BIN)/flashcode serve --host $(HOST) --port $(PORT)
+	FLASHCODE_VIA="make run" $(BIN)/flashcode serve --host $(HOST) --port $(PORT)
 
 test: setup llama chromium sandbox lint
 	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)

@@ -79,7 +79,10 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
                 assert meter and "(auto: " in html.unescape(meter[-1])  # how auto was derived
 
                 # the budget from Settings: flash loads again under it, no restart; every window follows
-                assert 'name="memory_budget" value="auto"' in c.get("/engine/budget").text
+                form = c.get("/engine/budget").text
+                assert 'name="memory_budget" value="auto"' in form
+                # the Settings rows say the budget; the form below them is not a second "Memory budget (flash)"
+                assert ">New memory budget (flash)</label>" in form and ">Memory budget (flash)<" not in form
                 assert c.post("/engine/budget", data={"memory_budget": "400MB"}).status_code == 403  # no CSRF
                 token = app.state.flashcode.csrf_token
                 # the budget is the whole process's, and this one is a test run's (it grows to ~2 GB over

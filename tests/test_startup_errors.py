@@ -393,6 +393,28 @@ def test_serve_taken_port_suggests_a_free_one(data_dir: Path) -> None:
     assert m and int(m.group(1)) != port
 
 
+def test_make_run_on_a_taken_port_suggests_make_runs_own_setting(data_dir: Path) -> None:
+    """`make run PORT=N` passes `--port N`: the hint names what its user types (the walkthrough was told to try
+    `--port`). The Makefile's `run` says how it was started in FLASHCODE_VIA."""
+    assert (
+        'FLASHCODE_VIA="make run" $(BIN)/flashcode serve'
+        in (Path(__file__).parent.parent / "Makefile").read_text()
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = flashcode(
+            "serve", "--data-dir", str(data_dir), "--port", str(port), env={"FLASHCODE_VIA": "make run"}
+        )
+    m = re.fullmatch(
+        rf"port {port} on 127\.0\.0\.1 is already in use \(another flashcode\?\): try `make run PORT=(\d+)`, "
+        r"or `make run PORT=0` to pick a free one",
+        one_sentence(proc),
+    )
+    assert m and int(m.group(1)) != port
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [

@@ -399,9 +399,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def bind_error(host: str, port: int, exc: OSError) -> str:
     if exc.errno == errno.EADDRINUSE:
+        # `make run` sets FLASHCODE_VIA: its users pick the port with PORT=, not with the flag make passes
+        flag = "make run PORT=" if os.environ.get("FLASHCODE_VIA") == "make run" else "--port "
         return (
             f"port {port} on {host} is already in use (another flashcode?): try "
-            f"`--port {free_port_near(host, port)}`, or `--port 0` to pick a free one"
+            f"`{flag}{free_port_near(host, port)}`, or `{flag}0` to pick a free one"
         )
     if exc.errno == errno.EACCES:
         return f"no permission to listen on port {port}: use a port above 1023, e.g. --port 8000"
