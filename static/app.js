@@ -155,7 +155,11 @@
     new: newConversation, rename, delete: remove, import: importConversation,
     "empty-trash": emptyTrash,
     "export-md": () => download("md"), "export-json": () => download("json"),
-    stop: () => click("#stop-button"),
+    stop: () => {  // with nothing being written the item is greyed; chosen all the same, it says so
+      const b = $("#stop-button");
+      if (b && !b.disabled) return b.click();
+      if (!generating()) note("Nothing to stop: no reply is being written.");
+    },
     regenerate: () => {  // the menu item is always there: when the button is off, say why (it did nothing)
       const b = $("#regenerate-button");
       if (b && !b.disabled) return b.click();
@@ -172,6 +176,24 @@
     },
     "clear-input": () => { const p = $("#prompt"); if (p) p.value = ""; },
   };
+  // as System 7 does, a menu greys what it cannot do now, set each time a menu opens (chosen all the same, an
+  // item says why it did nothing)
+  const available = {
+    rename: () => !!conversationId(), delete: () => !!conversationId(),
+    "export-md": () => !!conversationId(), "export-json": () => !!conversationId(),
+    stop: () => generating(),
+    regenerate: () => { const b = $("#regenerate-button"); return !!b && !b.disabled; },
+    "copy-last": () => !!document.querySelector(".msg-assistant .body"),
+  };
+  function greyMenus() {
+    document.querySelectorAll("nav.menubar [role=menu] [data-action]").forEach((item) => {
+      const can = available[item.dataset.action];
+      if (can) item.setAttribute("aria-disabled", String(!can()));
+    });
+  }
+  const menubar = $("nav.menubar");
+  menubar?.addEventListener("focusin", greyMenus);
+  menubar?.addEventListener("pointerover", greyMenus);
   document.addEventListener("click", (e) => {
     const t = e.target.closest("[data-action],[data-open],[data-close],[data-zoom],.alert-ok");
     if (!t) return;

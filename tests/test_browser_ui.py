@@ -542,3 +542,46 @@ def test_browser_new_pressed_before_a_new_conversations_first_frame_stays_blank(
     assert page.input_value("#conversation-id") != ""
     page.locator("#messages", has_text="its own answer").wait_for()
     assert "word" not in page.inner_text("#messages")
+
+
+def test_browser_menus_grey_what_they_cannot_do_now_and_stop_says_why(fake_server, page) -> None:
+    """(walkthrough) Stop, Regenerate, Rename… were never greyed, and Special › Stop with nothing being written
+    did nothing at all. As System 7's menus do, an item that cannot act now is grey as its menu opens; chosen all
+    the same, it says why."""
+    url, fake = fake_server
+    page.goto(url)
+
+    def greyed() -> dict[str, bool]:
+        page.mouse.move(600, 400)  # off the menus, then onto one: it opens, and its state is set
+        page.hover("nav.menubar [role=menu-bar] > li:has-text('Special')")
+        items = page.locator("nav.menubar [role=menu] [data-action]")
+        return {
+            items.nth(i).get_attribute("data-action"): items.nth(i).get_attribute("aria-disabled") == "true"
+            for i in range(items.count())
+            if items.nth(i).get_attribute("aria-disabled") is not None
+        }
+
+    blank = greyed()
+    assert all(
+        blank[a] for a in ("rename", "export-md", "export-json", "delete", "stop", "regenerate", "copy-last")
+    )
+    assert "new" not in blank and "import" not in blank  # always available: never greyed
+    stop = page.locator("nav [data-action=stop]")
+    assert stop.evaluate("e => getComputedStyle(e).color") == "rgb(153, 153, 153)"
+    page.dispatch_event("nav [data-action=stop]", "click")
+    page.locator("#status .status-text", has_text="Nothing to stop: no reply is being written.").wait_for()
+
+    fake.enqueue(*[f"word{i} " for i in range(3000)])  # 30 s at 10 ms a token
+    page.fill("#prompt", "a long list")
+    page.press("#prompt", "Enter")
+    page.locator(".msg-assistant.status-streaming .body", has_text="word5").wait_for()
+    writing = greyed()
+    assert not writing["stop"] and not writing["rename"], writing
+    page.dispatch_event("nav [data-action=stop]", "click")  # the menu item stops the reply
+    page.locator(".msg-assistant.status-stopped").wait_for()
+    page.locator("#status[data-state=idle]").wait_for()
+    fake.enqueue("a whole reply")
+    send_and_wait(page, "again")
+    after = greyed()
+    assert after["stop"] and not any(after[a] for a in ("rename", "delete", "regenerate", "copy-last")), after
+    assert not page.errors, page.errors
