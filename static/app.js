@@ -275,7 +275,11 @@
   document.body.addEventListener("htmx:wsAfterSend", (e) => {
     let msg = {};
     try { msg = JSON.parse(e.detail.message); } catch (_) { /* not ours */ }
-    if (msg.type === "send") { sent = msg.text; stick = true; }
+    if (msg.type === "send") {
+      sent = msg.text; stick = true;
+      // an alert answered an earlier send ("Type a message first"): this one moves on, so they do not pile up
+      document.querySelectorAll("#alerts [role=alert]").forEach((a) => a.remove());
+    }
   });
   // the tab's title follows the window's (a conversation opened from the list, one a first message made)
   // the title as typed (the window shows its invisible characters as <U+…> marks: data-title keeps it)

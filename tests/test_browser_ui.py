@@ -585,3 +585,21 @@ def test_browser_menus_grey_what_they_cannot_do_now_and_stop_says_why(fake_serve
     after = greyed()
     assert after["stop"] and not any(after[a] for a in ("rename", "delete", "regenerate", "copy-last")), after
     assert not page.errors, page.errors
+
+
+def test_browser_a_new_send_closes_the_alerts_earlier_sends_left(fake_server, page) -> None:
+    """(walkthrough) "Type a message first" stayed on screen while the next message was typed, and the next
+    send's alert ("too long") came under it: two alerts at once. A send closes the alerts earlier sends left."""
+    url, fake = fake_server
+    page.goto(url)
+    page.wait_for_selector("#status[data-state=idle]")
+    for _ in range(2):
+        page.fill("#prompt", "   ")
+        page.click("#composer button[type=submit]")
+        page.locator("#alerts [role=alert]", has_text="ype a message first").first.wait_for()
+    time.sleep(0.5)  # a second alert would have come by now
+    assert page.locator("#alerts [role=alert]").count() == 1
+    fake.enqueue("an answer")
+    send_and_wait(page, "hello")
+    assert page.locator("#alerts [role=alert]").count() == 0  # the send that worked closed it too
+    assert not page.errors, page.errors
