@@ -464,21 +464,26 @@ def _lower(text: Any) -> Any:
     return fold_case(text) if isinstance(text, str) else text
 
 
-def _find(text: Any, needle: Any) -> int:
-    """SQL `ufind`: 1 + where `needle` (folded) starts in `text` as `fold_case` reads it, counted in `text`'s own
-    characters (a letter whose lower case is longer, İ, shifts the folded text); 0: nowhere."""
-    if not isinstance(text, str) or not isinstance(needle, str):
-        return 0
+def find_folded(text: str, needle: str) -> int:
+    """Where `needle` (folded) starts in `text` as `fold_case` reads it, counted in `text`'s own characters (a
+    letter whose lower case is longer, İ, shifts the folded text); -1: nowhere."""
     folded = fold_case(text)
     at = folded.find(needle)
     if at < 0 or len(folded) == len(text):
-        return at + 1
+        return at
     seen = 0
     for i, ch in enumerate(text):
         if seen >= at:
-            return i + 1
+            return i
         seen += len(fold_case(ch))
-    return 0
+    return -1
+
+
+def _find(text: Any, needle: Any) -> int:
+    """SQL `ufind`: 1 + `find_folded` (SQLite counts from 1); 0: nowhere."""
+    if not isinstance(text, str) or not isinstance(needle, str):
+        return 0
+    return find_folded(text, needle) + 1
 
 
 def _holds(column: str, word: str, param: str) -> str:

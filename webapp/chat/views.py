@@ -25,6 +25,7 @@ from ..db import (
     Conversation,
     Database,
     StoredMessage,
+    find_folded,
     find_words,
     fold_case,
 )
@@ -58,9 +59,7 @@ def excerpt(text: str, query: str, before: int = 12, after: int = 60) -> tuple[s
     with an ellipsis where it was cut; little before it, as a narrow list shows only a line's start. No match
     as typed (SQLite matched it another way): its start."""
     line = " ".join(text.split())
-    # a letter whose lower case is longer (İ) would shift the positions: as typed then
-    folded = fold_case(line)
-    at = folded.find(fold_case(query)) if len(folded) == len(line) else line.find(query)
+    at = find_folded(line, fold_case(query))  # in the line's own characters, as the SQL's excerpt is
     if at < 0:
         return "", "", line[:after] + ("…" if len(line) > after else "")
     end = at + len(query)
