@@ -18,6 +18,11 @@ LLAMA_WHEELS := $(HOME)/.cache/flashcode/llama-wheels/$(shell printf '%s' '$(LLA
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# the tests run in this many processes (pytest-xdist), each taking a whole test file at a time (a file's
+# fixtures, such as its llama-server, are started once); most of a test's time is waiting on a server, a
+# browser or a model in another process, so 2 halves CI on 2 cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST  := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: run test check setup install llama chromium sandbox bench lint clean
 
@@ -25,11 +30,11 @@ run: setup sandbox
 	FLASHCODE_VIA="make run" $(BIN)/flashcode serve --host $(HOST) --port $(PORT)
 
 test: setup llama chromium sandbox lint
-	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
+	FLASHCODE_NO_SKIP=$${FLASHCODE_NO_SKIP:-1} $(BIN)/python -m pytest --durations=30 $(XDIST) $(PYTEST_ARGS)
 
 # the quick inner loop: no browser, no llama-server, no slow model tests
 check: setup
-	$(BIN)/python -m pytest -m "not slow and not browser and not llama" -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not browser and not llama" -q $(XDIST) $(PYTEST_ARGS)
 
 install: $(STAMP)
 

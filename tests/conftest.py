@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,6 +190,19 @@ def default_model(model_home: Path):
     from engine.models import find_model
 
     return find_model(None, model_home)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """Each phase's report on the item (`item.rep_call`), for fixtures that leave evidence when a test failed."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    rep = getattr(request.node, "rep_call", None)
+    return rep is not None and rep.failed
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
