@@ -18,10 +18,11 @@ LLAMA_WHEELS := $(HOME)/.cache/flashcode/llama-wheels/$(shell printf '%s' '$(LLA
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
-# the tests run in this many processes (pytest-xdist), each taking a whole test file at a time (a file's
-# fixtures, such as its llama-server, are started once); most of a test's time is waiting on a server, a
-# browser or a model in another process, so 2 halves CI on 2 cores. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs the tests in 2 processes (pytest-xdist), each taking a whole test file at a time (a
+# file's fixtures, such as its llama-server, are started once). On 2 cores the whole suite took 27:53 against
+# 34:42 in one process, but one such run had a reply that never came in a browser test (not seen in one
+# process, not reproduced since): one process (0) stays the default until that is understood.
+TEST_WORKERS ?= 0
 XDIST  := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: run test check setup install llama chromium sandbox bench lint clean
