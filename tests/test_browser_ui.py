@@ -5,16 +5,15 @@ user scrolls up and resumes at the bottom, Shift+Return makes a newline, Regener
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.worker import Worker
-from tests.conftest import ARTIFACTS, FakeBackend, failed
+from tests.conftest import FakeBackend, failed
 from tests.servers import free_port, serve_app
-from tests.test_browser_webapp import ARGS, CHROMIUM
+from tests.test_browser_webapp import ARGS, CHROMIUM, evidence, record_frames
 from webapp.app import create_app
 from webapp.settings import Settings
 
@@ -42,37 +41,6 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
         yield b
         b.close()
-
-
-def record_frames(pg, keep: int = 40) -> deque[str]:
-    """The page's latest websocket frames, both ways (`> ` sent, `< ` received), each cut to 400 characters."""
-    frames: deque[str] = deque(maxlen=keep)
-
-    def watch(ws) -> None:
-        ws.on("framesent", lambda f: frames.append("> " + str(f)[:400]))
-        ws.on("framereceived", lambda f: frames.append("< " + str(f)[:400]))
-        ws.on("close", lambda _ws: frames.append("(socket closed)"))
-
-    pg.on("websocket", watch)
-    return frames
-
-
-def evidence(pg, frames: deque[str], name: str) -> str:
-    """What a failed browser test leaves: the page's status line, alerts and latest frames, and a screenshot."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / f"failed-{name}.png"
-    try:
-        pg.screenshot(path=str(shot), full_page=True)
-        status = (
-            pg.locator("#status").first.get_attribute("data-state"),
-            pg.locator("#status").first.inner_text(),
-        )
-        alerts = pg.locator("#alerts").first.inner_text()
-    except Exception as exc:  # noqa: BLE001 - the page itself may be what broke
-        return f"(no evidence from the page: {exc})"
-    return "\n".join(
-        [f"url {pg.url}", f"status {status}", f"alerts {alerts!r}", f"screenshot {shot}", *frames]
-    )
 
 
 @pytest.fixture

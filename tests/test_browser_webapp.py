@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.models import AGENT_MODEL
+from tests.conftest import ARTIFACTS, failed
 from tests.servers import serve_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -36,8 +38,39 @@ def server(data_dir: Path) -> Iterator[str]:
         yield served.url
 
 
+def record_frames(pg, keep: int = 40) -> deque[str]:
+    """The page's latest websocket frames, both ways (`> ` sent, `< ` received), each cut to 400 characters."""
+    frames: deque[str] = deque(maxlen=keep)
+
+    def watch(ws) -> None:
+        ws.on("framesent", lambda f: frames.append("> " + str(f)[:400]))
+        ws.on("framereceived", lambda f: frames.append("< " + str(f)[:400]))
+        ws.on("close", lambda _ws: frames.append("(socket closed)"))
+
+    pg.on("websocket", watch)
+    return frames
+
+
+def evidence(pg, frames: deque[str], name: str) -> str:
+    """What a failed browser test leaves: the page's status line, alerts and latest frames, and a screenshot."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / f"failed-{name}.png"
+    try:
+        pg.screenshot(path=str(shot), full_page=True)
+        status = (
+            pg.locator("#status").first.get_attribute("data-state"),
+            pg.locator("#status").first.inner_text(),
+        )
+        alerts = pg.locator("#alerts").first.inner_text()
+    except Exception as exc:  # noqa: BLE001 - the page itself may be what broke
+        return f"(no evidence from the page: {exc})"
+    return "\n".join(
+        [f"url {pg.url}", f"status {status}", f"alerts {alerts!r}", f"screenshot {shot}", *frames]
+    )
+
+
 @pytest.fixture
-def page(artifacts: Path):
+def page(artifacts: Path, request: pytest.FixtureRequest):
     if not Path(CHROMIUM).exists():
         pytest.skip("Chromium is not installed (make test installs it)")
     from playwright.sync_api import sync_playwright
@@ -48,7 +81,12 @@ def page(artifacts: Path):
         pg.errors = []
         pg.on("pageerror", lambda e: pg.errors.append(str(e)))
         pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
+        frames = record_frames(pg)
         yield pg
+        if failed(request):
+            print(
+                f"--- the page when {request.node.name} failed ---\n{evidence(pg, frames, request.node.name)}"
+            )
         browser.close()
 
 
