@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine.worker import Worker
-from tests.conftest import FakeBackend, failed
+from tests.conftest import FakeBackend
 from tests.servers import free_port, serve_app
-from tests.test_browser_webapp import ARGS, CHROMIUM, evidence, record_frames
+from tests.test_browser_webapp import ARGS, CHROMIUM, watched
 from webapp.app import create_app
 from webapp.settings import Settings
 
@@ -50,10 +50,8 @@ def page(browser, request: pytest.FixtureRequest):
     pg.errors = []
     pg.on("pageerror", lambda e: pg.errors.append(str(e)))
     pg.on("dialog", lambda d: pg.errors.append(f"unexpected dialog: {d.message}"))
-    frames = record_frames(pg)
-    yield pg
-    if failed(request):
-        print(f"--- the page when {request.node.name} failed ---\n{evidence(pg, frames, request.node.name)}")
+    with watched(pg, request):
+        yield pg
     context.close()
 
 

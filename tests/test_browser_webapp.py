@@ -11,6 +11,7 @@ import sqlite3
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,15 @@ def record_frames(pg, keep: int = 40) -> deque[str]:
     return frames
 
 
+@contextmanager
+def watched(pg, request: pytest.FixtureRequest) -> Iterator[None]:
+    """Around a test's use of `pg`: its frames recorded, and the evidence printed if the test failed."""
+    frames = record_frames(pg)
+    yield
+    if failed(request):
+        print(f"--- the page when {request.node.name} failed ---\n{evidence(pg, frames, request.node.name)}")
+
+
 def evidence(pg, frames: deque[str], name: str) -> str:
     """What a failed browser test leaves: the page's status line, alerts and latest frames, and a screenshot."""
     ARTIFACTS.mkdir(exist_ok=True)
@@ -81,12 +91,8 @@ def page(artifacts: Path, request: pytest.FixtureRequest):
         pg.errors = []
         pg.on("pageerror", lambda e: pg.errors.append(str(e)))
         pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
-        frames = record_frames(pg)
-        yield pg
-        if failed(request):
-            print(
-                f"--- the page when {request.node.name} failed ---\n{evidence(pg, frames, request.node.name)}"
-            )
+        with watched(pg, request):
+            yield pg
         browser.close()
 
 
