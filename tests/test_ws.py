@@ -871,6 +871,31 @@ def test_ws_a_slash_command_first_leaves_the_title_to_the_first_real_message(
     assert db.get_conversation(third).title == "a real first message"  # as before
 
 
+def test_ws_the_frame_that_names_a_command_turns_conversation_also_says_it_is_busy(
+    client: TestClient, fake: FakeBackend
+) -> None:
+    """A slash command's first frame gave the page its new conversation's id with the status still Ready; the
+    Busy status came in a frame of its own. A page (or a fast user) acting between the two sent its next
+    message as if the command had been answered: Enter did nothing once Busy came (a browser test waited
+    10 minutes for a reply that way), or the send was refused as "changed in another window". The frame that
+    names the conversation also shows the command being worked on (a model reply's too)."""
+
+    def busy_before_named(frames: list[str]) -> bool:  # in one frame: the page applies it at once
+        named = next(f for f in frames if 'id="conversation-id"' in f)
+        return re.search(r'<div id="status"[^>]*data-state="generating"', named) is not None
+
+    with connect(client) as ws:
+        send(ws, type="send", text="/stats")
+        frames = until(ws, r'data-state="idle"')
+    assert busy_before_named(frames), frames[:3]
+    assert 'data-state="idle"' in frames[-1]  # and the turn's last frame is still its status line
+    fake.enqueue("sure")
+    with connect(client) as ws:
+        send(ws, type="send", text="hello")
+        frames = until(ws, r'data-state="idle"')
+    assert busy_before_named(frames), frames[:3]
+
+
 def test_about_says_the_version(client: TestClient) -> None:
     """About flashcode named no version (walkthrough): the one `engine.__version__` says (saved contexts
     record it too)."""

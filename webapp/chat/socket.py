@@ -192,6 +192,14 @@ class ChatContext:
 _TOP_ID = re.compile(r'\s*<\w+[^>]*?\bid="([^"]+)"')  # a fragment's top element's id
 
 
+def _status_of(fragment: str) -> str | None:
+    """A status line fragment's state ("idle" or "generating"); None for any other fragment."""
+    found = _TOP_ID.match(fragment)
+    if found is None or found.group(1) != "status":
+        return None
+    return "idle" if 'data-state="idle"' in fragment else "generating"
+
+
 def page_wide(fragment: str) -> bool:
     """Whether a fragment belongs to the page (the status line, the list, alerts), not to one conversation."""
     found = _TOP_ID.match(fragment)
@@ -342,22 +350,25 @@ class Session:
             if shown is None or shown == conversation_id:
                 # the page may have gone to another conversation already (drawn over HTTP; its "showing" is
                 # still on its way): the conversation's own fragments are marked, and such a page drops them. The
-                # page-wide ones follow in a frame of their own, so a turn's last frame is still its status line
+                # page-wide ones follow in a frame of their own, so a turn's last frame is still its status line.
+                # A Busy status goes in the conversation's frame too: a page never shows the turn's conversation (a
+                # new one's id, the message sent) with the status still Ready, to send its next message into
                 own = [f for f in fragments if not page_wide(f)]
                 wide = [f for f in fragments if page_wide(f)]
+                busy = [f for f in wide if _status_of(f) == "generating"]
                 if own:
-                    self.send(for_conversation(conversation_id, self.made_from.get(conversation_id)), *own)
+                    mark = for_conversation(conversation_id, self.made_from.get(conversation_id))
+                    self.send(mark, *busy[-1:], *own)
                 if wide:
                     self.send(*wide)
                 return
             kept = []
             for fragment in fragments:
-                found = _TOP_ID.match(fragment)
-                if not page_wide(fragment) or found is None:
+                if not page_wide(fragment) or _TOP_ID.match(fragment) is None:
                     continue
-                if found.group(1) == "status" and 'data-state="idle"' in fragment:
+                if _status_of(fragment) == "idle":
                     fragment = self.views.controls(False, can_regenerate(self.ctx.db.messages(shown)))
-                elif found.group(1) == "status":  # still writing, in another conversation: said so
+                elif _status_of(fragment) is not None:  # still writing, in another conversation: said so
                     fragment = self.views.controls(generating=True, text=ELSEWHERE_WRITING)
                 kept.append(fragment)
             if kept:
@@ -580,7 +591,9 @@ class Session:
         first.append(views.append_message(user))
         completion = self.ctx.engine.is_base_model and not msg.text.lstrip().startswith("/")
         if self.turns is not None and not completion and self.turns.wants(conv.id, msg.text):
-            self.send_for(conv.id)(*first)
+            # the frame that names the conversation also says it is busy (a model reply's does too): a page
+            # that saw the id with the status still Ready could send its next message before this one was done
+            self.send_for(conv.id)(*first, self.views.controls(generating=True))
             sampling = views.sampling(conv.id) | overrides
             # the files attached to it go with it as context (the typed words alone are routed and searched)
             attached = text[: len(text) - len(msg.text)]
@@ -734,7 +747,6 @@ class Session:
         self, conversation_id: str, text: str, sampling: dict[str, Any], attached: str = ""
     ) -> None:
         assert self.turns is not None
-        self.send(self.views.controls(generating=True))
         turn = SocketTurn(self, conversation_id, self.received, sampling, attached)
         try:
             await self.turns.run(turn, text)
