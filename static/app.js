@@ -113,22 +113,22 @@
     s.textContent = text;
     setTimeout(() => { if (s.textContent === text) s.textContent = old; }, 1800);
   }
-  function alertBox(text) {
-    const box = document.createElement("div");
-    box.className = "alert-box outer-border"; box.setAttribute("role", "alert");
-    box.innerHTML = '<div class="inner-border"><div class="alert-contents"><span class="alert-icon">!</span><p class="alert-text"></p><button type="button" class="btn btn-default alert-ok">OK</button></div></div>';
+  // the page's boxes are made from the templates page.html renders (templates/macros.html): no markup here
+  const fromTemplate = (id) => $(`#${id}`).content.firstElementChild.cloneNode(true);
+  // an alert with an OK button (Return on an empty message box presses it too); kind: "note" or "error"
+  function alertBox(text, kind = "note") {
+    const box = fromTemplate("alert-template");
+    box.classList.replace("alert-error", `alert-${kind}`); box.dataset.kind = kind;
     box.querySelector(".alert-text").textContent = text;
     $("#alerts").appendChild(box);
   }
+  window.flashcode = Object.assign(window.flashcode || {}, { alertBox });  // static/trust.js says things with it
   // A modal System 7 dialog: resolves to the text typed (or "" without a field), or null on Cancel/Esc.
   // `safe`: Cancel is the default button (Return), for a choice that cannot be undone.
   function ask(text, { value = null, ok = "OK", safe = false } = {}) {
     return new Promise((resolve) => {
-      const box = document.createElement("div");
-      box.className = "alert-box outer-border modal"; box.setAttribute("role", "dialog");
-      box.innerHTML = '<div class="inner-border"><form class="alert-contents"><span class="alert-icon">?</span><p class="alert-text"></p>' +
-        (value !== null ? '<input type="text" class="dialog-input" maxlength="120">' : "") +
-        '<span class="dialog-buttons"><button type="button" class="btn dialog-cancel">Cancel</button><button type="submit" class="btn btn-default dialog-ok"></button></span></form></div>';
+      const box = fromTemplate("dialog-template");
+      if (value === null) box.querySelector(".dialog-input").remove();
       box.querySelector(".alert-text").textContent = text;
       box.querySelector(".dialog-ok").textContent = ok;
       if (safe) {
@@ -250,7 +250,12 @@
   document.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.target.id === "prompt") {
       e.preventDefault();
+      const alert = document.querySelector("#alerts .alert-box:not(.modal):last-child");
       if (!generating() && e.target.value.trim()) $("#composer").requestSubmit();
+      else if (alert && !e.target.value.trim()) alert.remove();  // Return is the alert's OK, as on a Mac
+    } else if (e.key === "Enter" && e.target === document.body && !e.shiftKey) {  // nothing focused
+      const alert = document.querySelector("#alerts .alert-box:not(.modal):last-child");
+      if (alert) { e.preventDefault(); alert.remove(); }
     } else if (e.key === "Escape") {
       if (document.activeElement?.closest?.("nav.menubar")) { document.activeElement.blur(); return; }  // closes the menu
       const alert = document.querySelector("#alerts .alert-box");
@@ -391,9 +396,9 @@
     const xhr = e.detail.xhr;
     const plain = (xhr.getResponseHeader("content-type") || "").startsWith("text/plain");
     const said = plain ? xhr.responseText.replace(/^\d{3}: /, "").trim().slice(0, 400) : "";
-    alertBox(said ? `Not done: ${said}.`.replace(/\.\.$/, ".") : `Not done: the server answered ${xhr.status}. Its log (flashcode serve's output) says why.`);
+    alertBox(said ? `Not done: ${said}.`.replace(/\.\.$/, ".") : `Not done: the server answered ${xhr.status}. Its log (flashcode serve's output) says why.`, "error");
   });
-  document.body.addEventListener("htmx:sendError", () => alertBox("Could not reach flashcode: is `flashcode serve` still running?"));
+  document.body.addEventListener("htmx:sendError", () => alertBox("Could not reach flashcode: is `flashcode serve` still running?", "error"));
   // after Move to Trash of the open conversation the page is /?trashed=ID (the list offers Undo): the
   // address bar says "/" again, so a reload or a bookmark does not offer it once more
   if (location.pathname === "/" && location.search.includes("trashed=")) history.replaceState({}, "", "/");

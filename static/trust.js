@@ -128,13 +128,7 @@
     e.preventDefault();  // the ws extension would queue it and send it later, unseen
     say("Not sent: flashcode's server is not connected. Your message is still in the box; send it again when the status says Ready.");
   });
-  function say(text) {
-    const box = document.createElement("div");
-    box.className = "alert-box outer-border"; box.setAttribute("role", "alert"); box.dataset.kind = "error";
-    box.innerHTML = '<div class="inner-border"><div class="alert-contents"><span class="alert-icon">!</span><p class="alert-text"></p><button type="button" class="btn btn-default alert-ok">OK</button></div></div>';
-    box.querySelector(".alert-text").textContent = text;
-    $("#alerts").appendChild(box);
-  }
+  const say = (text) => window.flashcode.alertBox(text, "error");  // static/app.js, from page.html's template
 
   // ---------------------------------------------------------------- small actions
   function flash(button, text) {

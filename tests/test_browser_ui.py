@@ -220,8 +220,18 @@ def test_browser_special_regenerate_says_why_when_there_is_nothing_to_regenerate
     page.wait_for_selector("#regenerate-button[disabled]", state="attached")
     page.dispatch_event("nav [data-action=regenerate]", "click")
     # no reply at all yet: said so (the button's words about command turns read as nonsense there: walkthrough)
-    page.locator("#alerts .alert-box", has_text="There is no reply to regenerate yet").wait_for(timeout=5_000)
-    page.click("#alerts .alert-ok")
+    box = page.locator("#alerts .alert-box", has_text="There is no reply to regenerate yet")
+    box.wait_for(timeout=5_000)
+    assert box.get_attribute("data-kind") == "note" and box.locator(".alert-ok").inner_text() == "OK"
+    # Return presses the alert's OK, as on a Mac (with the message box empty: with words in it, Return sends)
+    page.press("#prompt", "Enter")
+    box.wait_for(state="detached", timeout=5_000)
+    assert page.locator(".msg-user").count() == 0  # nothing was sent
+    page.dispatch_event("nav [data-action=regenerate]", "click")
+    box.wait_for(timeout=5_000)
+    page.locator("#prompt").blur()  # nothing focused: Return is still the alert's OK
+    page.keyboard.press("Enter")
+    box.wait_for(state="detached", timeout=5_000)
     fake.enqueue("a reply")
     send_and_wait(page, "hi")
     page.fill("#prompt", "/help")
