@@ -18,11 +18,11 @@ LLAMA_WHEELS := $(HOME)/.cache/flashcode/llama-wheels/$(shell printf '%s' '$(LLA
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
-# TEST_WORKERS=2 runs the tests in 2 processes (pytest-xdist), each taking a whole test file at a time (a
-# file's fixtures, such as its llama-server, are started once). On 2 cores the whole suite took 27:53 against
-# 34:42 in one process, but one such run had a reply that never came in a browser test (not seen in one
-# process, not reproduced since): one process (0) stays the default until that is understood.
-TEST_WORKERS ?= 0
+# The tests run in TEST_WORKERS processes (pytest-xdist), each taking a whole test file at a time (a file's
+# fixtures, such as its llama-server, are started once); TEST_WORKERS=0 runs them in this one. On 2 cores the
+# whole suite took 27:53 in 2 against 34:42 in one. The one failure seen in 2 (a browser test's reply that
+# never came) was the page acting between a command's first frame and its Busy status, fixed in 2724950.
+TEST_WORKERS ?= 2
 XDIST  := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: run test check setup install llama chromium sandbox bench lint clean
