@@ -728,13 +728,14 @@ class ContextStore:
         return dest
 
     def _free_name(self, project_id: str, name: str) -> str:
-        """`name`, or `name (imported)`, `name (imported 2)`, … when a context of the project has it."""
+        """`name`, or `name (imported)`, `name (imported 2)`, … when a context of the project has it (a `name`
+        ending in "(imported)" or "(imported N)" already is numbered on, not given a second one)."""
         taken = {c.name for c in self.list(project_id)}
         if name not in taken:
             return name
-        n = 1
+        base, n = re.sub(r" \(imported(?: \d+)?\)$", "", name), 1
         while (
-            found := clean_name(f"{name[: _MAX_NAME - 16]} (imported{f' {n}' if n > 1 else ''})")
+            found := clean_name(f"{base[: _MAX_NAME - 16]} (imported{f' {n}' if n > 1 else ''})")
         ) in taken:
             n += 1
         return found

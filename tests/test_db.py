@@ -320,6 +320,33 @@ def test_an_imported_events_lone_surrogates_do_not_make_it_unexportable(tmp_path
     export_markdown(conv, d.messages(conv.id), events).encode("utf-8")
 
 
+def test_copies_and_imports_are_numbered_on_not_given_a_second_suffix(tmp_path: Path) -> None:
+    """An import of a conversation exported from "Plan (imported)" was titled "Plan (imported) (imported)", and
+    the titles grew with each round trip. A title that ends in the word already is numbered on; another word
+    is added once ("(imported) (edited)" says what happened)."""
+    d = Database(tmp_path / "f.db")
+    data = {"title": "Plan", "messages": [{"role": "user", "content": "hi"}]}
+    titles = [import_json(d, data, "default").conversation.title for _ in range(2)]
+    assert titles == ["Plan", "Plan (imported)"]
+    for _ in range(2):  # an export of the imported one, brought back
+        titles.append(import_json(d, data | {"title": "Plan (imported)"}, "default").conversation.title)
+    assert titles[2:] == ["Plan (imported 2)", "Plan (imported 3)"]
+    assert (
+        import_json(d, data | {"title": "Plan (imported 7)"}, "default").conversation.title
+        == "Plan (imported 7)"
+    )
+    assert import_json(d, data, "other").conversation.title == "Plan"  # another project's titles are its own
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "more"}]  # fmt: skip
+    notes = import_json(d, {"title": "Notes", "messages": turns}, "default").conversation
+    copy = d.branch_conversation(d.messages(notes.id)[-1])  # Edit… on "more"
+    assert copy.title == "Notes (edited)"
+    assert d.branch_conversation(d.messages(copy.id)[-1]).title == "Notes (edited 2)"  # a copy's copy
+    imported = import_json(d, {"title": "Plan (imported 2)", "messages": turns}, "default").conversation
+    assert imported.title == "Plan (imported 4)"
+    assert d.branch_conversation(d.messages(imported.id)[-1]).title == "Plan (imported 4) (edited)"
+
+
 def test_an_import_of_another_format_version_says_what_may_be_left_out(tmp_path: Path) -> None:
     d = Database(tmp_path / "f.db")
     data = {"format": "flashcode-conversation-9", "messages": [{"role": "user", "content": "hi"}]}

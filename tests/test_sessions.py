@@ -282,6 +282,12 @@ def test_sessions_export_import_round_trip(saved, restarted, data_dir, tmp_path)
     assert ctx.conversation_id == "conv-1"
     again = other_machine.import_file("imported", exported, name="copy")
     assert again.id != ctx.id and again.name == "copy"  # never overwrites
+    # the same export again: told apart; an export of that one brought back is numbered on, not given a
+    # second "(imported)"
+    second = other_machine.import_file("imported", exported)
+    assert second.name == f"{src.name} (imported)"
+    back = other_machine.import_file("imported", other_machine.export("imported", second.id, tmp_path / "2"))
+    assert back.name == f"{src.name} (imported 2)"
     res = other_machine.resume(restarted, "imported", ctx.id)
     assert res.tokens == src.token_count
 

@@ -857,11 +857,10 @@ class Database:
         if conv is None:
             raise StorageError("the conversation is gone (deleted, or in the Trash)")
         now = time.time()
-        base = re.sub(r" \(edited(?: \d+)?\)$", "", conv.title)[
-            :120
-        ]  # a copy's copy: not "(edited) (edited)"
         # an untitled one stays untitled: the message sent there names it, as in a new conversation
-        title = UNTITLED if conv.title == UNTITLED else _free_title(self, conv.project_id, base, "edited")
+        title = (
+            UNTITLED if conv.title == UNTITLED else _free_title(self, conv.project_id, conv.title, "edited")
+        )
         new = Conversation(
             uuid.uuid4().hex[:12],
             title,
@@ -1315,19 +1314,26 @@ def _imported_title(db: Database, project_id: str, title: str) -> str:
 
 def _free_title(db: Database, project_id: str, title: str, word: str, bare: bool = False) -> str:
     """ "TITLE (WORD)", then "(WORD 2)", ...: the first the project has no conversation of (`bare`: TITLE itself
-    first)."""
+    first). A TITLE that ends in "(WORD)" or "(WORD N)" already (a copy's copy, an import's export brought back)
+    is numbered on, not given a second "(WORD)"."""
+    base = without_suffix(title, word)[:120]
     taken = {
         row[0]
         for row in db.conn.execute(
-            "SELECT title FROM conversations WHERE project_id = ? AND title LIKE ?", (project_id, f"{title}%")
+            "SELECT title FROM conversations WHERE project_id = ? AND title LIKE ?", (project_id, f"{base}%")
         )
     }
     if bare and title not in taken:
         return title
-    n, candidate = 2, f"{title} ({word})"
+    n, candidate = 2, f"{base} ({word})"
     while candidate in taken:
-        candidate, n = f"{title} ({word} {n})", n + 1
+        candidate, n = f"{base} ({word} {n})", n + 1
     return candidate
+
+
+def without_suffix(name: str, word: str) -> str:
+    """`name` without a last " (WORD)" or " (WORD N)" (what `_free_title` and saved contexts' names add)."""
+    return re.sub(rf" \({re.escape(word)}(?: \d+)?\)$", "", name)
 
 
 def import_json(
