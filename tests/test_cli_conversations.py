@@ -272,6 +272,10 @@ def test_conversations_find_lists_those_holding_the_text(tmp_path: Path) -> None
     assert [
         row[0] for row in lines(flashcode("conversations", "list", "--find", "pars", home=home).stdout)
     ] == [a.id]
-    assert flashcode("conversations", "--find", "zebra", home=home).stdout == ""
+    none = flashcode("conversations", "--find", "zebra", home=home)  # piped, as a script would read it
+    assert none.returncode == 0 and none.stdout == ""  # nothing to parse
+    assert (
+        "no conversation here holds 'zebra' (--all looks in every project's)" in none.stderr
+    )  # said all the same
     both = flashcode("conversations", "--trash", "--find", "x", home=home)
     assert both.returncode != 0 and "drop --trash" in both.stderr

@@ -114,7 +114,8 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             title = visible_line(" ".join(c.title.split()))
             project = visible_line(names.get(c.project_id, c.project_id))
             print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{project}\t{title}")
-        if not shown and sys.stderr.isatty():
+        # said on stderr, for the person reading: stdout stays empty for a script that parses it
+        if not shown:
             if find:
                 print(
                     f"no conversation here holds {'every word of ' if ' ' in find else ''}{find!r} "
