@@ -68,7 +68,9 @@ def approve_all(asked: list[ev.Proposal]):
     return approve
 
 
-def run_task(worker: Worker, project: Path) -> tuple[list[ev._Event], list[ev.Proposal], AgentSession]:
+def run_task(
+    worker: Worker, project: Path, max_steps: int = 5
+) -> tuple[list[ev._Event], list[ev.Proposal], AgentSession]:
     asked: list[ev.Proposal] = []
     s = AgentSession(
         worker,
@@ -76,7 +78,7 @@ def run_task(worker: Worker, project: Path) -> tuple[list[ev._Event], list[ev.Pr
         request_approval=approve_all(asked),
         store=AgentStore(connect_memory()),
         search=LocalSearchProvider(),
-        max_steps=5,
+        max_steps=max_steps,
     )
     s.sampling = s.sampling.__class__(temperature=0.0, max_tokens=256)
 
@@ -120,10 +122,13 @@ def test_toolloop_real_mlx_creates_and_runs_a_file(agent_model, tmp_path: Path) 
 
     w = Worker(make)
     try:
-        events, asked, s = run_task(w, tmp_path)
+        # two steps: the write, and the step its result is fed back to (MLX on this CPU decodes at ~5 tok/s;
+        # the 0.5B model then repeats the write until the loop ends the turn: 3 more steps, ~55 s, nothing new)
+        events, asked, s = run_task(w, tmp_path, max_steps=2)
     finally:
         w.close()
     check_outcome(tmp_path, events, asked, ran=False)
+    assert len(s.loop.records) == 2  # the result went back to the model, and it took another step
     assert s.loop.records[0]["tool"] == "write_file" and s.loop.records[0]["ok"]
 
 

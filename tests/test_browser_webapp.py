@@ -7,6 +7,7 @@ tests/artifacts/. One generation is started and stopped, so this stays around ha
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections import deque
@@ -161,11 +162,15 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     assert page.input_value("#conversation-id") == cid
     assert page.title() == f"{page.inner_text('#chat-title')} — flashcode" != " — flashcode"
 
-    # export as markdown from the Conversations window
+    # File › Export as Markdown: a copy to read
     with page.expect_download() as dl:
-        page.click("#conversations-window [data-action=export-md]")
+        page.dispatch_event("nav [data-action=export-md]", "click")
     text = Path(dl.value.path()).read_text()
     assert prompt in text and "## Assistant" in text and "(stopped)" in text
+    # the Conversations window's Export, beside its Import…: the JSON that Import… reads back (it gave Markdown)
+    with page.expect_download() as dl:
+        page.click("#conversations-window .list-actions [data-action=export-json]")
+    assert json.loads(Path(dl.value.path()).read_text())["messages"][0]["content"] == prompt
 
     # rename through the System 7 dialog (a CSRF-protected POST)
     page.click("#conversations-window [data-action=rename]")
