@@ -1316,7 +1316,7 @@ def _free_title(db: Database, project_id: str, title: str, word: str, bare: bool
     """ "TITLE (WORD)", then "(WORD 2)", ...: the first the project has no conversation of (`bare`: TITLE itself
     first). A TITLE that ends in "(WORD)" or "(WORD N)" already (a copy's copy, an import's export brought back)
     is numbered on, not given a second "(WORD)"."""
-    base = without_suffix(title, word)[:120]
+    base = _without_suffix(title, word)[:120]
     taken = {
         row[0]
         for row in db.conn.execute(
@@ -1331,8 +1331,8 @@ def _free_title(db: Database, project_id: str, title: str, word: str, bare: bool
     return candidate
 
 
-def without_suffix(name: str, word: str) -> str:
-    """`name` without a last " (WORD)" or " (WORD N)" (what `_free_title` and saved contexts' names add)."""
+def _without_suffix(name: str, word: str) -> str:
+    """`name` without a last " (WORD)" or " (WORD N)", what `_free_title` adds."""
     return re.sub(rf" \({re.escape(word)}(?: \d+)?\)$", "", name)
 
 
