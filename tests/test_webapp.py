@@ -85,6 +85,31 @@ def test_webapp_conversation_page_fragment_and_list(app_parts) -> None:
     assert client.get("/c/doesnotexist").status_code == 404
 
 
+def test_webapp_list_rows_keep_a_titles_closing_note_in_sight(app_parts) -> None:
+    """Rows told apart only by "(imported)" / "(imported 2)" all read "Name a colour. (impo…" in the narrow
+    Conversations window: a title's closing note is its own part of the row, shortened last (the Finder's
+    middle truncation); other titles are one part, as before. The tooltip keeps the whole title."""
+    from webapp.render import title_tail
+
+    assert title_tail("Plan (imported 2)") == ("Plan", " (imported 2)")
+    assert title_tail("f(x) for x (in a list)") == ("f(x) for x", " (in a list)")
+    for plain in ("Plan", "(imported)", "ends with ()", "a note (that is far too long to keep whole)"):
+        assert title_tail(plain) == (plain, "")
+    client, _ = app_parts
+    db = client.app.state.flashcode.db
+    db.create_conversation("Name a colour. (imported 2)", "m", "mlx")
+    db.create_conversation("Name a colour.", "m", "mlx")
+    db.create_conversation("<b>x</b> (edited)", "m", "mlx")
+    listed = client.get("/conversations").text
+    assert (
+        '<span class="conv-title conv-title-split"><span class="conv-title-head">Name a colour.</span>'
+        '<span class="conv-title-tail"> (imported 2)</span></span>'
+    ) in listed
+    assert '<span class="conv-title">Name a colour.</span>' in listed
+    assert '<span class="conv-title-head">&lt;b&gt;x&lt;/b&gt;</span>' in listed  # escaped, as before
+    assert 'title="Name a colour. (imported 2) — changed' in listed
+
+
 def test_webapp_rename_and_delete_need_csrf_token(app_parts) -> None:
     client, _ = app_parts
     cid = make_conversation(client)

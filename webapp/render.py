@@ -127,6 +127,18 @@ def invisible_parts(text: str | None) -> list[tuple[bool, str]]:
     return out
 
 
+_TITLE_NOTE = re.compile(r"^(.*\S)( \([^()]{1,24}\))$")
+
+
+def title_tail(title: str) -> tuple[str, str]:
+    """A list row's title cut where a narrow window must keep its end: "Plan (imported 2)" is ("Plan",
+    " (imported 2)"), and the row shortens the first part only ("Pl… (imported 2)"), as the Finder shortens a
+    long name in its middle. Rows told apart by that note alone were all "Plan (impo…". ("title", "") for a
+    title that ends in no such note. The Jinja filter `title_tail`."""
+    found = _TITLE_NOTE.match(title)
+    return (found.group(1), found.group(2)) if found else (title, "")
+
+
 def make_environment() -> Environment:
     """The one template environment of an app: autoescaping on for every .html template."""
     env = Environment(loader=FileSystemLoader(find_dir("templates")), autoescape=select_autoescape(["html"]))
@@ -135,6 +147,7 @@ def make_environment() -> Environment:
     env.filters["invisible_parts"] = invisible_parts  # untrusted names: their hidden characters shown
     env.filters["visible_line"] = visible_line  # the same as plain text on one line (a tooltip)
     env.filters["when"] = when
+    env.filters["title_tail"] = title_tail  # a list row's title, its "(imported 2)" kept in sight
     env.filters["list_when"] = list_when  # a list's date column: "09:14", "Yesterday", "Mon", "3 Dec"
     env.filters["web_url"] = web_url  # an untrusted link: http(s) only
     env.globals["flashcode_version"] = __version__  # About flashcode
