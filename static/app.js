@@ -62,9 +62,11 @@
       focusPrompt();
     });
   }
+  // Rename…, Move to Trash and Export act on the conversation the chat window shows
+  const NONE_OPEN = "No conversation is open: click one in the Conversations window (or send a message to start this one), then try again.";
   function download(ext) {
     const id = conversationId();
-    if (!id) return alertBox("Nothing to export yet: send a message first.");
+    if (!id) return alertBox(NONE_OPEN);
     const a = document.createElement("a");
     a.href = `/c/${id}/export.${ext}`; a.download = ""; document.body.appendChild(a); a.click(); a.remove();
   }
@@ -73,7 +75,7 @@
   }
   async function rename() {
     const id = conversationId();
-    if (!id) return alertBox("Send a message first: there is no conversation to rename.");
+    if (!id) return alertBox(NONE_OPEN);
     const title = await ask("Rename this conversation to:", { value: chatTitle(), ok: "Rename" });
     if (title === null) return;  // Cancel
     if (!title.trim()) return alertBox("Not renamed: a title cannot be empty.");  // it did nothing (walkthrough)
@@ -81,7 +83,7 @@
   }
   async function remove() {
     const id = conversationId();
-    if (!id) return alertBox("There is no conversation to move to the Trash yet.");
+    if (!id) return alertBox(NONE_OPEN);
     const yes = await ask(`Move “${chatTitle()}” to the Trash? View › Trash puts it back.`, { ok: "Move to Trash" });
     if (yes !== null) post(`/c/${id}/delete`, { draft: ($("#prompt") || {}).value || "" });  // kept for Undo
   }

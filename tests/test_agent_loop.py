@@ -123,6 +123,16 @@ def test_agent_shell_deny_runs_nothing_and_keeps_the_reason(worker, fake, projec
     assert "not now" in of(events, ev.AnswerDone)[0].text and "not now" in session.history[-1]["content"]
     (row,) = store.actions()
     assert (row.decision, row.reason, row.exit_code) == ("deny", "not now", None)
+    assert "it was denied: not now" in of(events, ev.AnswerDone)[0].text
+
+
+def test_agent_shell_nobody_answering_is_not_called_a_denial(worker, fake, project, store) -> None:
+    """The page closed while /shell asked: the reply said "it was denied: not decided: …", though nobody had."""
+    closed = "not decided: the page was closed or reloaded while it asked"
+    session = make_session(worker, project, store, Approver(ev.Decision.deny(closed)))
+    events = asyncio.run(collect(session, "/shell touch made.txt"))
+    assert not (project / "made.txt").exists()
+    assert of(events, ev.AnswerDone)[0].text == f"I did not run `touch made.txt`: {closed}."
 
 
 def test_agent_shell_default_is_deny(worker, fake, project, store) -> None:

@@ -646,6 +646,11 @@ def test_toolloop_step_cards_render_escaped() -> None:
     assert 'data-exit-code="1"' in done and "<script>" not in done and "approved" in done and "Failed" in done
     denied = views.event(ev.ToolStepDone(3, "c", "edit_file", False, "deny", "Denied by the user: no", ""))
     assert "Denied" in denied and "Denied by the user: no" in denied
+    # nobody said no (the page closed while it asked): the card said "Denied" above "Not run: not decided: …"
+    undecided = views.event(
+        ev.ToolStepDone(4, "d", "edit_file", False, "deny", "Not run: not decided: the page was closed", "")
+    )
+    assert '<span class="step-outcome">Not run</span>' in undecided and "Denied" not in undecided
     limit = views.event(ev.StepLimitReached(25, 25))
     assert "/continue" in limit and "Continue" in limit
     assert "elided" in views.event(ev.ContextTrimmed(2, 0, "2 old tool output(s) elided."))

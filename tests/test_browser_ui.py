@@ -232,6 +232,13 @@ def test_browser_special_regenerate_says_why_when_there_is_nothing_to_regenerate
     page.locator("#prompt").blur()  # nothing focused: Return is still the alert's OK
     page.keyboard.press("Enter")
     box.wait_for(state="detached", timeout=5_000)
+    # the Conversations window's Rename… with none open: "send a message first" read wrong beside a list of them
+    page.click("#conversations-window .list-actions [data-action=rename]")
+    none = page.locator(
+        "#alerts .alert-box", has_text="No conversation is open: click one in the Conversations"
+    )
+    none.wait_for(timeout=5_000)
+    none.locator(".alert-ok").click()
     fake.enqueue("a reply")
     send_and_wait(page, "hi")
     page.fill("#prompt", "/help")

@@ -274,8 +274,8 @@ def test_conversations_find_lists_those_holding_the_text(tmp_path: Path) -> None
     ] == [a.id]
     none = flashcode("conversations", "--find", "zebra", home=home)  # piped, as a script would read it
     assert none.returncode == 0 and none.stdout == ""  # nothing to parse
-    assert (
-        "no conversation here holds 'zebra' (--all looks in every project's)" in none.stderr
-    )  # said all the same
+    # said all the same, with the project looked in (the one the web app has open, unless --project says)
+    assert "no conversation in project Default holds 'zebra' (--all looks in every project's)" in none.stderr
+    assert "the Trash is empty" in flashcode("conversations", "--trash", home=home).stderr
     both = flashcode("conversations", "--trash", "--find", "x", home=home)
     assert both.returncode != 0 and "drop --trash" in both.stderr

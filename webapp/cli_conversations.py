@@ -116,15 +116,21 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{project}\t{title}")
         # said on stderr, for the person reading: stdout stays empty for a script that parses it
         if not shown:
-            if find:
+            pid = None if args.all else _project_id(store, args.project)
+            here = "in any project" if pid is None else f"in project {visible_line(names.get(pid, pid))}"
+            if args.trash:
+                print("the Trash is empty", file=sys.stderr)
+            elif find:
                 print(
-                    f"no conversation here holds {'every word of ' if ' ' in find else ''}{find!r} "
-                    "(--all looks in every project's)",
+                    f"no conversation {here} holds {'every word of ' if ' ' in find else ''}{find!r}"
+                    + ("" if args.all else " (--all looks in every project's)"),
                     file=sys.stderr,
                 )
             else:
                 print(
-                    "no conversations here (--all lists every project's, --trash the Trash's)",
+                    f"no conversations {here}"
+                    + ("" if args.all else " (--all lists every project's, --project NAME another's)")
+                    + "; the Trash: --trash",
                     file=sys.stderr,
                 )
     finally:

@@ -70,6 +70,7 @@ from .search import DDGSProvider, SearchProvider, SearchResult, SearchUnavailabl
 from .shell import Verdict, check_command
 from .slash import DEFAULT, SlashCall, SlashCommands, SlashError
 from .store import AgentStore
+from .tools import UNDECIDED
 from .untrusted import attribute, neutralise
 
 log = logging.getLogger(__name__)
@@ -442,7 +443,12 @@ class AgentSession:
         yield decided
         if decided.decision in ("deny", "timeout"):
             reason = f": {decided.reason}" if decided.reason else ""
-            answer = f"I did not run `{verdict.command}` — it was denied{reason}."
+            if (decided.reason or "").startswith(
+                UNDECIDED
+            ):  # nobody said no (the page closed, no answer came)
+                answer = f"I did not run `{verdict.command}`{reason}."
+            else:
+                answer = f"I did not run `{verdict.command}` — it was denied{reason}."
             self._remember(text, answer)
             yield AnswerDelta(answer)
             yield AnswerDone(answer)

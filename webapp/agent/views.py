@@ -108,7 +108,7 @@ class AgentViews:
                     )
                 )
             case ev.Cleared():
-                return str(ui.notice("Context cleared: the agent starts over."))
+                return str(ui.notice("Context cleared: the model starts over from your next message."))
             case ev.ModelRequested():
                 return str(ui.notice(f"Switching to {e.name}…"))
             case ev.ToolStep():
