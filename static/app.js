@@ -249,15 +249,15 @@
 
   // ---------------------------------------------------------------- keyboard
   function focusPrompt() { const p = $("#prompt"); if (p) p.focus(); }
+  const newestAlert = () => document.querySelector("#alerts .alert-box:not(.modal):last-child");
   document.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.target.id === "prompt") {
       e.preventDefault();
-      const alert = document.querySelector("#alerts .alert-box:not(.modal):last-child");
       if (!generating() && e.target.value.trim()) $("#composer").requestSubmit();
-      else if (alert && !e.target.value.trim()) alert.remove();  // Return is the alert's OK, as on a Mac
-    } else if (e.key === "Enter" && e.target === document.body && !e.shiftKey) {  // nothing focused
-      const alert = document.querySelector("#alerts .alert-box:not(.modal):last-child");
-      if (alert) { e.preventDefault(); alert.remove(); }
+      else if (!e.target.value.trim()) newestAlert()?.remove();  // Return is the alert's OK, as on a Mac
+    } else if (e.key === "Enter" && e.target === document.body && !e.shiftKey && newestAlert()) {  // nothing focused
+      e.preventDefault();
+      newestAlert().remove();
     } else if (e.key === "Escape") {
       if (document.activeElement?.closest?.("nav.menubar")) { document.activeElement.blur(); return; }  // closes the menu
       const alert = document.querySelector("#alerts .alert-box");

@@ -91,17 +91,13 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             )
         if find and find_words(find)[1]:  # said, not dropped silently
             print(f"--find looks for the first {FIND_WORDS} words only", file=sys.stderr)
+        pid = None if args.all or args.trash else _project_id(store, args.project)  # None: every project's
         if args.trash:
             shown = db.trashed_conversations()
         elif find:
-            shown = [
-                f.conversation
-                for f in db.find_conversations(
-                    find, None if args.all else _project_id(store, args.project), excerpts=False
-                )
-            ]
+            shown = [f.conversation for f in db.find_conversations(find, pid, excerpts=False)]
         else:
-            shown = db.list_conversations(None if args.all else _project_id(store, args.project))
+            shown = db.list_conversations(pid)
         names = {p.id: p.name for p in store.all()}
         counts = dict(
             db.conn.execute(
@@ -116,7 +112,6 @@ def cmd_conversations(args: argparse.Namespace) -> int:
             print(f"{c.id}\t{when}\t{counts.get(c.id, 0)}\t{project}\t{title}")
         # said on stderr, for the person reading: stdout stays empty for a script that parses it
         if not shown:
-            pid = None if args.all else _project_id(store, args.project)
             here = "in any project" if pid is None else f"in project {visible_line(names.get(pid, pid))}"
             if args.trash:
                 print("the Trash is empty", file=sys.stderr)

@@ -443,9 +443,8 @@ class AgentSession:
         yield decided
         if decided.decision in ("deny", "timeout"):
             reason = f": {decided.reason}" if decided.reason else ""
-            if (decided.reason or "").startswith(
-                UNDECIDED
-            ):  # nobody said no (the page closed, no answer came)
+            # nobody said no (the page closed, no answer came): not called a denial
+            if (decided.reason or "").startswith(UNDECIDED):
                 answer = f"I did not run `{verdict.command}`{reason}."
             else:
                 answer = f"I did not run `{verdict.command}` — it was denied{reason}."

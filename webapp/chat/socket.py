@@ -366,9 +366,10 @@ class Session:
             for fragment in fragments:
                 if not page_wide(fragment) or _TOP_ID.match(fragment) is None:
                     continue
-                if _status_of(fragment) == "idle":
+                state = _status_of(fragment)
+                if state == "idle":
                     fragment = self.views.controls(False, can_regenerate(self.ctx.db.messages(shown)))
-                elif _status_of(fragment) is not None:  # still writing, in another conversation: said so
+                elif state is not None:  # still writing, in another conversation: said so
                     fragment = self.views.controls(generating=True, text=ELSEWHERE_WRITING)
                 kept.append(fragment)
             if kept:
