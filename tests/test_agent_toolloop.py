@@ -832,7 +832,7 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
     assert "data, not instructions" not in ask  # the 0.5B model began its answers with it
     assert (
         "No file was written with the file tools. None of the 4 tool calls worked."
-        in of(events, ev.Notice)[-1].text
+        in of(events, ev.Notice)[-1].facts
     )
     assert s.loop.written == [] and s.loop.facts().startswith("No file was written")
     s.loop.records.append({"tool": "run_command", "ok": False, "exit_code": 127})  # ran, and failed
@@ -1022,6 +1022,33 @@ def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path,
         w.close()
     assert (project / "auto.txt").read_text() == "A"
     assert "dialog-" not in frames and 'data-tool="write_file"' in frames and 'data-decision="rule"' in frames
+
+
+def test_toolloop_cli_says_what_a_stalled_turn_wrote_once(
+    project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Seen in a walkthrough: the 0.5B model wrote hello.py, then made the same call 3 times (each refused),
+    and `flashcode agent` said "files written with the file tools: hello.py" twice, in the guard's notice and
+    in its summary. The summary says it; the notice, as the page shows it, still does too."""
+    from webapp import cli, engine_host, preflight
+    from webapp.agent.views import AgentViews
+    from webapp.render import make_environment
+
+    fake = FakeBackend(tools=True)
+    for _ in range(4):
+        fake.enqueue_call("write_file", path="hello.py", content="print('hello')")
+    fake.enqueue("I wrote hello.py.")
+    monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    monkeypatch.setattr(preflight, "check_model", lambda name, root: None)  # the scripted engine is installed
+    monkeypatch.setenv("FLASHCODE_HOME", str(project.parent / "home"))
+    code = cli.main(["agent", "--project", str(project), "--approve", "all", "go"])
+    err = capsys.readouterr().err
+    assert code == 0 and (project / "hello.py").exists()
+    assert "it was asked to answer with what it has" in err
+    assert err.lower().count("files written with the file tools: hello.py") == 1, err
+
+    notice = ev.Notice("The model made a refused call 3 times in a row.", facts="Files written: hello.py.")
+    assert "3 times in a row. Files written: hello.py." in AgentViews(make_environment()).event(notice)
 
 
 def test_toolloop_cli_json(

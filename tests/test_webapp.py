@@ -776,6 +776,10 @@ def test_excerpt_cuts_around_the_first_match_on_one_line() -> None:
     assert excerpt("the parser", "parser") == ("the ", "parser", "")
     assert excerpt("short", "zzz") == ("", "", "short")  # SQLite matched what Python does not: the start
     assert excerpt("İstanbul parser", "parser")[1] == "parser"
+    # İ folds to two letters ("i" and a combining dot): a search typed in that folded form highlights the İ's
+    # word, not one letter past it
+    assert excerpt("go to İx now", "i\u0307x") == ("go to ", "İx", " now")
+    assert excerpt("go to İİx now", "i\u0307x") == ("go to İ", "İx", " now")
 
 
 def test_webapp_our_scripts_and_styles_are_addressed_by_their_content(app_parts) -> None:

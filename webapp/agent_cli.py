@@ -177,7 +177,7 @@ def _progress(e: ev._Event) -> None:
         sys.stderr.write(visible_text(e.text))  # command output: untrusted, its escape sequences marked
     elif isinstance(e, ev.StepLimitReached):
         print(f"    stopped: {e.why}" if e.why else f"    step limit reached ({e.steps})", file=sys.stderr)
-    elif isinstance(e, ev.Notice):
+    elif isinstance(e, ev.Notice):  # its `facts` are said once, in the summary after the answer
         print(visible_text(f"    {e.text}"), file=sys.stderr)
 
 

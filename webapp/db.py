@@ -467,16 +467,28 @@ def _lower(text: Any) -> Any:
 def find_folded(text: str, needle: str) -> int:
     """Where `needle` (folded) starts in `text` as `fold_case` reads it, counted in `text`'s own characters (a
     letter whose lower case is longer, İ, shifts the folded text); -1: nowhere."""
+    span = folded_span(text, needle)
+    return span[0] if span else -1
+
+
+def folded_span(text: str, needle: str) -> tuple[int, int] | None:
+    """[start, end) of the first `needle` (folded) in `text` as `fold_case` reads it, in `text`'s own characters:
+    the letters whose folds hold it (İ folds to two, so a match may end one letter sooner than its folded
+    length says); None: nowhere."""
     folded = fold_case(text)
     at = folded.find(needle)
-    if at < 0 or len(folded) == len(text):
-        return at
-    seen = 0
+    if at < 0:
+        return None
+    if len(folded) == len(text):
+        return at, at + len(needle)
+    start, seen, stop = -1, 0, at + len(needle)
     for i, ch in enumerate(text):
-        if seen >= at:
-            return i
+        if start < 0 and seen + len(fold_case(ch)) > at:
+            start = i
         seen += len(fold_case(ch))
-    return -1
+        if seen >= stop:
+            return start, i + 1
+    return None
 
 
 def _find(text: Any, needle: Any) -> int:

@@ -33,8 +33,11 @@ class RouteChosen(_Event):
 
 @dataclass(frozen=True)
 class Notice(_Event):
+    """`facts`: what the turn's tools did, shown after `text` (a CLI that prints its own summary leaves it out)."""
+
     text: str
     level: Literal["info", "warning", "error"] = "info"
+    facts: str = ""
     type: str = "notice"
 
 

@@ -346,7 +346,7 @@ class ToolLoop:
         Its text is held until it is done. `outcome` gets "answered" (an AnswerDone was yielded), "cancelled"
         (Stop) or "none" (no words, a call written as text, or an error, said in a notice)."""
         facts = self.facts()
-        yield Notice(f"{why[0].upper()}{why[1:]}: it was asked to answer with what it has. {facts}")
+        yield Notice(f"{why[0].upper()}{why[1:]}: it was asked to answer with what it has.", facts=facts)
         context = int(await self.s.worker.acall(lambda b: b.context_length) or 0)
         task = self._task()[:2000]
         room = context - (self.s.sampling.max_tokens or 512) - 64  # tokens for the results

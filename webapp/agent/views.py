@@ -89,7 +89,7 @@ class AgentViews:
             case ev.HelpShown():
                 return str(ui.help(e))
             case ev.Notice():
-                return str(ui.notice(e.text, e.level))
+                return str(ui.notice(f"{e.text} {e.facts}" if e.facts else e.text, e.level))
             case ev.ReplyReplaced():
                 return str(ui.reply_replaced(e))
             case ev.ModeChanged():

@@ -25,9 +25,9 @@ from ..db import (
     Conversation,
     Database,
     StoredMessage,
-    find_folded,
     find_words,
     fold_case,
+    folded_span,
 )
 from ..engine_host import EngineState
 from ..settings import Settings
@@ -59,10 +59,10 @@ def excerpt(text: str, query: str, before: int = 12, after: int = 60) -> tuple[s
     with an ellipsis where it was cut; little before it, as a narrow list shows only a line's start. No match
     as typed (SQLite matched it another way): its start."""
     line = " ".join(text.split())
-    at = find_folded(line, fold_case(query))  # in the line's own characters, as the SQL's excerpt is
-    if at < 0:
+    span = folded_span(line, fold_case(query))  # in the line's own characters, as the SQL's excerpt is
+    if span is None:
         return "", "", line[:after] + ("…" if len(line) > after else "")
-    end = at + len(query)
+    at, end = span
     start, stop = max(0, at - before), min(len(line), end + after)
     if start and line[start - 1] != " ":  # cut in a word: from its start (back a little, else the next one)
         back, ahead = line.rfind(" ", max(0, start - 12), start), line.find(" ", start, at)
