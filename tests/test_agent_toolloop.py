@@ -197,8 +197,8 @@ def test_toolloop_tool_exception_is_a_result(
 
 
 def test_toolloop_step_limit_then_continue(fake: FakeBackend, worker: Worker, project: Path) -> None:
-    for _ in range(5):
-        fake.enqueue_call("list_files")
+    for n in range(5):
+        fake.enqueue_call("search_text", pattern=f"word{n}")
     fake.enqueue("All listed.")
     s = session(worker, project, max_steps=3)
     events = asyncio.run(collect(s, "list forever"))
@@ -657,22 +657,46 @@ def test_toolloop_step_cards_render_escaped() -> None:
 
 
 def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, project: Path) -> None:
-    fake.enqueue_call("read_file", path="app.py")
-    fake.enqueue_call("read_file", path="app.py")  # worked a step ago: refused
+    """A call made again is refused with what happened then. One that had worked, with nothing changed since,
+    also ends the steps: the model is asked to answer (bench/agent.py: the 0.5B model never went on usefully
+    after one)."""
     fake.enqueue_call("read_file", path="gone.py")
-    fake.enqueue_call("read_file", path="gone.py")  # failed a step ago: refused
+    fake.enqueue_call("read_file", path="gone.py")  # failed a step ago: refused, and the steps go on
     fake.enqueue_call("run_command", command="true")
-    fake.enqueue_call("run_command", command="true")  # the command just before: refused
+    fake.enqueue_call("run_command", command="true")  # the command just before: refused, and the steps end
     fake.enqueue("ok")
     s = session(worker, project, Approver(ev.Decision.once()))
-    asyncio.run(collect(s, "read"))
-    results = tool_results(fake)
-    assert "step 1 already did exactly this and it worked" in results[1]
-    assert "step 3 made exactly this call and it failed" in results[3]
-    assert "step 5 already did exactly this" in results[5]
+    events = asyncio.run(collect(s, "read"))
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert len(results) == 4 and "step 1 made exactly this call and it failed" in results[1]
+    assert "step 3 already did exactly this and it worked" in results[3]
+    assert "The model made step 3's call again, which had worked: it was asked to answer" in (
+        of(events, ev.Notice)[-1].text
+    )
+    assert of(events, ev.AnswerDone)[-1].text == "ok" and not of(events, ev.StepLimitReached)
     assert all(
         set(r) == {"tool", "arguments", "decision", "ok", "exit_code", "retry"} for r in s.loop.records
     )
+    fake.enqueue_call("read_file", path="app.py").enqueue_call("read_file", path="app.py").enqueue("ok")
+    events = asyncio.run(collect(session(worker, project), "read"))
+    assert "step 1 already did exactly this and it worked" in of(events, ev.ToolStepDone)[1].result
+
+
+def test_toolloop_a_file_read_again_after_an_edit_is_read(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """A model that checks its edit reads the file again: that read finds what the edit made, so it is no
+    repeat (it was refused as "step 1 already did exactly this"); the same read right after it is."""
+    fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue_call("edit_file", path="app.py", old_text="a - b", new_text="a + b")
+    fake.enqueue_call("read_file", path="app.py")  # after the edit: read
+    fake.enqueue_call("read_file", path="app.py")  # nothing changed since: refused
+    fake.enqueue("Fixed.")
+    events = asyncio.run(collect(session(worker, project, Approver(ev.Decision.once())), "fix app.py"))
+    done = of(events, ev.ToolStepDone)
+    assert [d.ok for d in done] == [True, True, True, False], [d.result for d in done]
+    assert "a + b" in done[2].result and "step 3 already did exactly this" in done[3].result
+    assert of(events, ev.AnswerDone)[-1].text == "Fixed."
 
 
 def test_toolloop_refuses_a_call_that_failed_earlier_while_nothing_changed_since(project: Path) -> None:
@@ -735,11 +759,9 @@ def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_cha
 ) -> None:
     """A small model repeating a write: the refused repeats do not push the write it repeats out of the look-back
     (step 5 was asked again before), and a write that would leave the file as it is needs no approval."""
-    for _ in range(3):
-        fake.enqueue_call("write_file", path="hello.txt", content="hi")  # step 1 writes; 2-3 are refused
+    fake.enqueue_call("write_file", path="hello.txt", content="hi")  # step 1 writes
     fake.enqueue_call("list_files")
-    fake.enqueue_call("write_file", path="hello.txt", content="hi")  # still refused: 2-3 did not run
-    fake.enqueue_call("write_file", path="./hello.txt", content="hi")  # another call, the same bytes
+    fake.enqueue_call("write_file", path="hello.txt", content="hi")  # refused: a read since changed nothing
     fake.enqueue("Done.")
     approver = Approver(ev.Decision.once())
     s = session(worker, project, approver)
@@ -747,9 +769,13 @@ def test_toolloop_a_write_refused_as_a_repeat_stays_refused_and_a_write_that_cha
     results = [d.result for d in of(events, ev.ToolStepDone)]
     assert len(approver.asked) == 1 and len(of(events, ev.Proposal)) == 1
     assert (project / "hello.txt").read_text() == "hi"
-    assert all("step 1 already did exactly this" in results[i] for i in (1, 2, 4)), results
-    assert "already holds exactly this content" in results[5]
+    assert len(results) == 3 and "step 1 already did exactly this" in results[2], results
     assert not of(events, ev.StepLimitReached)
+    fake.enqueue_call("write_file", path="./hello.txt", content="hi")  # another call, the same bytes
+    fake.enqueue("Done.")
+    events = asyncio.run(collect(session(worker, project, approver), "write hi to hello.txt"))
+    assert "already holds exactly this content" in of(events, ev.ToolStepDone)[0].result
+    assert len(approver.asked) == 1 and not of(events, ev.Proposal)
 
 
 def test_toolloop_a_stalled_model_is_asked_to_answer_with_what_it_has(
@@ -758,7 +784,7 @@ def test_toolloop_a_stalled_model_is_asked_to_answer_with_what_it_has(
     """Seen with the 0.5B agent model: it reads the file, then reads it again three times (each refused) and
     the task ended with no answer. Now it is asked once more, without tools, and its words are the answer;
     the request that asked is not kept in the conversation."""
-    for _ in range(4):
+    for _ in range(2):
         fake.enqueue_call("read_file", path="app.py")
     fake.enqueue("It prints", " hello.")
     s = session(worker, project)
@@ -774,7 +800,7 @@ def test_toolloop_an_answer_loses_the_quoting_tags_it_copied(
 ) -> None:
     """Seen in a walkthrough: the 0.5B model ended its answer with the `</untrusted>` that closes a quoted tool
     result, and the UI and the CLI showed it. Answers lose the tags (held answers and streamed ones)."""
-    for _ in range(4):
+    for _ in range(2):
         fake.enqueue_call("read_file", path="app.py")
     fake.enqueue("7 return a * b", " </untrusted>")
     events = asyncio.run(collect(session(worker, project), "what does app.py do?"))
@@ -949,10 +975,10 @@ def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
     from webapp.agent.loop import ANSWER_SYSTEM
 
     for _ in range(4):
-        fake.enqueue_call("read_file", path="app.py")  # step 1 reads; 2-4 are refused
+        fake.enqueue_call("read_file", path="gone.py")  # step 1 fails; 2-4 are refused
     fake.enqueue('{"name": "read_file", "arguments": {"path": "app.py"}}')  # asked to answer: a call as text
     fake.enqueue_call(
-        "read_file", path="app.py"
+        "read_file", path="gone.py"
     )  # after /continue: refused once more, and not stopped for it
     fake.enqueue("It prints hello.")
     s = session(worker, project)
@@ -962,11 +988,11 @@ def test_toolloop_a_model_that_keeps_making_a_refused_call_is_stopped(
     assert len(fake.history) == 5 and not of(events, ev.AnswerDone)  # the fifth: the answer that was none
     last = fake.history[4]
     assert last.tools == () and last.messages[0] == {"role": "system", "content": ANSWER_SYSTEM}
-    ask = str(last.messages[1]["content"])  # the task, then the result that was read, not the refusals
+    ask = str(last.messages[1]["content"])  # the task, then the result of step 1, not the refusals
     assert (
         ask.startswith("Request: what does app.py do?\n")
-        and "return a - b" in ask
-        and "already did" not in ask
+        and "gone.py" in ask
+        and "made exactly this call" not in ask
     )
     assert "asked to answer" in of(events, ev.Notice)[-1].text
     from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -1027,7 +1053,7 @@ def test_toolloop_settings_auto_approve_edits_over_the_websocket(tmp_path: Path,
 def test_toolloop_cli_says_what_a_stalled_turn_wrote_once(
     project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """Seen in a walkthrough: the 0.5B model wrote hello.py, then made the same call 3 times (each refused),
+    """Seen in a walkthrough: the 0.5B model wrote hello.py, then made the same call again (refused),
     and `flashcode agent` said "files written with the file tools: hello.py" twice, in the guard's notice and
     in its summary. The summary says it; the notice, as the page shows it, still does too."""
     from webapp import cli, engine_host, preflight
@@ -1035,7 +1061,7 @@ def test_toolloop_cli_says_what_a_stalled_turn_wrote_once(
     from webapp.render import make_environment
 
     fake = FakeBackend(tools=True)
-    for _ in range(4):
+    for _ in range(2):
         fake.enqueue_call("write_file", path="hello.py", content="print('hello')")
     fake.enqueue("I wrote hello.py.")
     monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
@@ -1190,7 +1216,7 @@ def test_toolloop_the_second_request_reads_the_files_the_user_attached(
     through tools and was asked to answer with what it had, in a prompt of the typed words and the tool
     results only: "The file appears to be a web search result." The second request reads the attached files
     too; they are never the words a tool call is checked against."""
-    for _ in range(4):
+    for _ in range(2):
         fake.enqueue_call("list_files")
     fake.enqueue("It converts temperatures.")
     attached = '<untrusted source="file conv.py">\ndef celsius_to_fahrenheit(c):\n    return c * 9 / 5 + 32\n</untrusted>\n\n'

@@ -526,8 +526,9 @@ def test_a_repeated_identical_call_is_refused_without_asking(
     events = run(lambda: turn(s), servers)
     done = of(events, ev.ToolStepDone)
     assert [(d.ok, d.decision) for d in done][0] == (True, "once") and not done[1].ok
-    assert "step 1 already did exactly this and it worked" in tool_messages(fake)[1]["content"]
+    assert "step 1 already did exactly this and it worked" in done[1].result
     assert len(approver.asked) == 1  # a small model's loop does not ask the user again
+    assert len(done) == 2 and of(events, ev.AnswerDone)[-1].text == "3"  # and its steps end there
 
 
 def test_a_denied_call_repeated_is_refused_as_denied_without_asking(

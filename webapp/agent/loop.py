@@ -71,6 +71,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_STEPS = 25
 STALLED = 3  # refused repeats in a row that end the steps: the model is asked to answer with what it has
+# A call made again after it worked, with nothing changed since, ends the steps at once (the same request): in
+# bench/agent.py's 25 constrained runs the 0.5B model never went on usefully after one (it made the same call
+# twice more, or ran the refusal's words as a command, each asking the user)
 # after a stall, the model is asked once more, without tools, in a prompt of its own: the task and what the tools
 # returned. (Asked at the end of the agent's conversation, the 0.5B model answered "The task is done.")
 # Worded for the 0.5B model: asked to "answer from the tool results given with it", it began 6 of 12 answers
@@ -175,6 +178,7 @@ class ToolLoop:
         self.mcp: McpTools | None = None  # the project's MCP servers' tools (mcp.py), loaded by run()
         self._refused: set[int] = set()  # indexes of records that were refused repeats
         self._refused_calls: set[str] = set()  # and their calls' ids
+        self._redone: int | None = None  # the step a refused repeat made again, when that step had worked
         self._stall_from = 0  # the first record a stall counts (after /continue: the first new one)
         self.written: list[str] = []  # the files this turn's tools changed, in order (a path may repeat)
         # Python files that parsed before one of this turn's edits and do not now: why
@@ -262,8 +266,7 @@ class ToolLoop:
                 self.at_limit = True
                 yield StepLimitReached(self.steps, self.limit)
                 return
-            if self._stalled():  # a small model that keeps making a refused call: not another step
-                why = f"the model made a refused call {STALLED} times in a row"
+            if why := self._stalled():  # a small model that keeps making a refused call: not another step
                 outcome = []
                 async for ev in self._answer_now(why, outcome):
                     yield ev
@@ -417,9 +420,15 @@ class ToolLoop:
         async for ev in self.s.generate(request):
             yield ev
 
-    def _stalled(self) -> bool:
+    def _stalled(self) -> str:
+        """Why the steps end here ("" while they go on): the last step made again a call that had worked, or the
+        last STALLED steps were all refused."""
+        if self._redone is not None:
+            return f"the model made step {self._redone}'s call again, which had worked"
         first = len(self.records) - STALLED
-        return first >= self._stall_from and all(i in self._refused for i in range(first, len(self.records)))
+        if first >= self._stall_from and all(i in self._refused for i in range(first, len(self.records))):
+            return f"the model made a refused call {STALLED} times in a row"
+        return ""
 
     # ------------------------------------------------------------------ one step
     async def _step(self, call: ToolCall) -> AsyncIterator[AgentEvent]:
@@ -446,6 +455,7 @@ class ToolLoop:
         ):
             self._refused.add(len(self.records))  # a refused repeat: never the call matched next time
             self._refused_calls.add(call.id)
+        self._redone = result.meta.get("redone")
         self.records.append(
             {
                 "tool": call.name,
@@ -529,13 +539,16 @@ class ToolLoop:
                     "task another way, or answer the user without it.",
                 )
                 return
+            if worked:  # the steps end after it (`_stalled`)
+                yield ToolResult(
+                    False,
+                    f"Error: step {step} already did exactly this and it worked; it was not done again.",
+                    meta={"redone": step},
+                )
+                return
             yield ToolResult(
                 False,
-                f"Error: step {step} already did exactly this and it worked; do not repeat it. Go on with "
-                "the next part of the task (for example run_command to run a program), or answer the user "
-                "if the task is complete."
-                if worked
-                else f"Error: step {step} made exactly this call and it failed; it would fail again. Change "
+                f"Error: step {step} made exactly this call and it failed; it would fail again. Change "
                 "the arguments or use another tool (write_file creates a file; read_file shows a file's "
                 "exact text for edit_file).",
             )
@@ -581,9 +594,11 @@ class ToolLoop:
 
     def _repeats(self, call: ToolCall) -> tuple[int, bool] | None:
         """A small model's loop: the step among the last three that made this same call, and whether
-        it worked; None when there is none. A command may be rerun unless it was the step just before.
-        A call that failed at any earlier step is refused too while nothing has changed since (no write, edit,
-        command or MCP call worked after it): it would fail the same way, and each try would ask the user."""
+        it worked; None when there is none. A command may be rerun unless it was the step just before; any
+        call may be made again once something has changed since (a write, edit, command or MCP call worked
+        after it: a file read again after an edit reads what the edit made).
+        A call that failed at any earlier step is refused too while nothing has changed since: it would fail
+        the same way, and each try would ask the user."""
         window = 1 if call.name == "run_command" else 3
         # refused repeats did nothing; a failure that asked to be tried again (a stale diff) is no loop
         done = [
@@ -593,6 +608,8 @@ class ToolLoop:
             r = self.records[i]
             if r["tool"] == call.name and r["arguments"] == call.arguments:
                 return i + 1, bool(r["ok"])
+            if r["ok"] and _changes(r["tool"]):
+                break
         for i in reversed(done):
             r = self.records[i]
             if r["ok"] and _changes(r["tool"]):  # the calls that failed before it may work now
