@@ -206,8 +206,20 @@
     document.activeElement?.blur?.();  // closes the CSS menus
     if (t.dataset.open) return openWindow(t.dataset.open);
     if (t.dataset.action === "delete-now") return deleteNow(t);
+    if (t.dataset.action === "load-model") return loadModel(t.dataset.model);
     actions[t.dataset.action]?.();
   });
+  // A notice's "Load <model>" button: the model menu picks that model, on the engine it suggests for it, as if
+  // chosen there (the server says "Loading…", or that a reply is still being written)
+  function loadModel(name) {
+    const picker = $("#model-picker");
+    const group = [...(picker?.querySelectorAll("optgroup") || [])].find((g) => g.dataset.model === name);
+    if (!group) return alertBox(`${name} is not installed here: make setup (or flashcode setup) installs it.`);
+    const choice = group.querySelector('option[data-suggested="yes"]') || group.querySelector("option");
+    if (picker.value === choice.value) return note(`${name} is loaded already.`);
+    picker.value = choice.value;
+    picker.dispatchEvent(new Event("change", { bubbles: true }));
+  }
   function markSelected(id) {
     document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => {
       li.classList.toggle("selected", li.dataset.id === id);

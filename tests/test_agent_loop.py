@@ -326,6 +326,7 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
     assert (
         mode.mode == "agent" and "does not take tools" in mode.no_tools
     )  # said at the switch, not "works with tools"
+    assert mode.offer == "qwen2.5-coder-0.5b-instruct-q4_k_m"  # the note's button loads the agent model
     fake.enqueue_route("chat").enqueue("chat")
     assert not [
         n for n in of(asyncio.run(collect(session, "hello")), ev.Notice) if "take tools" in n.text

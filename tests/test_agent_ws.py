@@ -168,6 +168,8 @@ def test_choosing_agent_mode_says_at_once_that_the_model_takes_no_tools(ws, fake
     send(ws, type="mode", mode="agent", conversation_id=conv)
     frames = until(ws, r"does not take tools")
     assert "load qwen2.5-coder" in frames
+    # and a button loads it (static/app.js picks it in the model menu; test_browser_ui clicks it)
+    assert 'data-action="load-model" data-model="qwen2.5-coder-0.5b-instruct-q4_k_m"' in frames
     fake.enqueue_route("chat").enqueue("an answer")
     send(ws, type="send", text="hello", conversation_id=conv)
     frames = until(ws, r"an answer")

@@ -621,3 +621,27 @@ def test_browser_a_new_send_closes_the_alerts_earlier_sends_left(fake_server, pa
     send_and_wait(page, "hello")
     assert page.locator("#alerts [role=alert]").count() == 0  # the send that worked closed it too
     assert not page.errors, page.errors
+
+
+def test_browser_the_agent_model_offered_but_not_installed_says_how_to_install_it(
+    fake_server, page, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Agent mode on a model without tools offers the agent model; where it is not installed (an empty model
+    folder here), its button says how to install it, and nothing is sent."""
+    url, fake = fake_server
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    monkeypatch.setenv(
+        "FLASHCODE_HOME", str(tmp_path / "home")
+    )  # the model menu lists what is installed here
+    page.goto(url)
+    page.select_option("#mode-picker", "agent")
+    button = page.locator(".agent-notice button.load-model")
+    button.wait_for(timeout=10_000)
+    assert (
+        page.locator("#model-picker optgroup[data-model='qwen2.5-coder-0.5b-instruct-q4_k_m']").count() == 0
+    )
+    before = page.input_value("#model-picker")
+    button.click()
+    page.locator("#alerts .alert-box", has_text="is not installed here: make setup").wait_for(timeout=5_000)
+    assert page.input_value("#model-picker") == before and page.inner_text("#status .status-text") == "Ready"
+    assert not page.errors, page.errors

@@ -282,3 +282,29 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     assert not page.errors, page.errors
     assert (data_dir / "logs" / "serve.log").exists()  # serve's warnings and errors outlive the terminal
     print(f"\nstop latency in the browser: {stop_s * 1000:.0f} ms")
+
+
+def test_browser_agent_mode_offers_the_agent_model_and_its_button_loads_it(
+    server: str, page, artifacts: Path
+) -> None:
+    """Agent mode with the default model (it takes no tools): the note said to load the agent model from the
+    model menu or with /model; a newcomer looked for a way to do it there. Its button picks it in the menu."""
+    page.goto(server)
+    page.wait_for_selector("#model-picker")
+    page.select_option("#mode-picker", "agent")
+    note = page.locator(".agent-notice", has_text="does not take tools")
+    note.wait_for(timeout=60_000)
+    button = note.locator(f"button.load-model[data-model='{AGENT_MODEL}']")
+    assert button.inner_text() == f"Load {AGENT_MODEL}"
+    page.screenshot(path=str(artifacts / "browser_agent_mode_offer.png"))
+    button.click()
+    page.wait_for_selector(f"#menubar-model:has-text('{AGENT_MODEL}')", timeout=120_000)
+    assert page.input_value("#model-picker").endswith(f":{AGENT_MODEL}")
+    page.wait_for_selector("#status[data-state=idle]", timeout=60_000)
+    button.click()  # loaded now: said, nothing loads again
+    for _ in range(50):
+        if "loaded already" in page.inner_text("#status"):
+            break
+        time.sleep(0.1)
+    assert f"{AGENT_MODEL} is loaded already." in page.inner_text("#status")
+    assert not page.errors, page.errors

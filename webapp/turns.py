@@ -142,9 +142,9 @@ class TurnHandler(Protocol):
 
     async def run(self, turn: Turn, text: str) -> None: ...
 
-    async def mode_note(self, conversation_id: str | None) -> str:
+    async def mode_note(self, conversation_id: str | None) -> tuple[str, str]:
         """Agent mode was chosen for the conversation (None: the next one): what to say about it now ("" if
-        nothing)."""
+        nothing), and a model to offer with it (its name, or "")."""
         ...
 
 

@@ -135,8 +135,9 @@ async def uses_tools(worker: Any) -> bool:
         return False
 
 
-async def no_tools_note(worker: Any) -> str:
-    """Why agent turns are routed with the loaded model, and which model would work."""
+async def no_tools_note(worker: Any) -> tuple[str, str]:
+    """Why agent turns are routed with the loaded model, and which model would work; and that model's name when it
+    is not the loaded one (the note's button loads it), else ""."""
     try:
         name = str(await worker.acall(lambda b: b.model.name))
     except Exception:  # noqa: BLE001 - no model: said without its name
@@ -147,15 +148,16 @@ async def no_tools_note(worker: Any) -> str:
         if name != AGENT_MODEL
         else ""
     )
-    return (
+    note = (
         f"{name} does not take tools, so agent mode routes each message to one of chat, web search or a "
         f"shell command instead of working on the project step by step.{hint}"
     )
+    return note, AGENT_MODEL if hint else ""
 
 
-async def tools_note(worker: Any) -> str:
-    """Agent mode chosen: `no_tools_note` when the model takes no tools, else ""."""
-    return "" if await uses_tools(worker) else await no_tools_note(worker)
+async def tools_note(worker: Any) -> tuple[str, str]:
+    """Agent mode chosen: `no_tools_note` when the model takes no tools, else ("", "")."""
+    return ("", "") if await uses_tools(worker) else await no_tools_note(worker)
 
 
 class AgentSession:
@@ -269,7 +271,7 @@ class AgentSession:
             return
         if not self._said_no_tools:  # once a session: why this agent turn is routed, and what would work
             self._said_no_tools = True
-            yield Notice(await self._no_tools_note(), "warning")
+            yield Notice((await no_tools_note(self.worker))[0], "warning")
         try:
             decision = await router.route(self.worker, text)
         except router.RoutingUnavailableError as exc:
@@ -293,7 +295,7 @@ class AgentSession:
                 yield ev
         elif name in ("agent", "raw"):
             self.mode = name  # type: ignore[assignment]
-            yield ModeChanged(self.mode, await self.tools_note() if name == "agent" else "")
+            yield ModeChanged(self.mode, *(await self.tools_note() if name == "agent" else ("", "")))
         elif name == "help":
             yield HelpShown(self.commands.help_text())
         elif name == "clear":
@@ -325,15 +327,12 @@ class AgentSession:
             yield SlashUnhandled(name, arg)
         yield TurnDone(route)
 
-    async def tools_note(self) -> str:
+    async def tools_note(self) -> tuple[str, str]:
         """Agent mode was chosen: why its turns are routed when the model takes no tools, and what would work
-        ("" when it takes them). Said here, it is not said again at the first turn."""
-        note = await tools_note(self.worker)
+        (`no_tools_note`; empty when it takes them). Said here, it is not said again at the first turn."""
+        note, offer = await tools_note(self.worker)
         self._said_no_tools = self._said_no_tools or bool(note)
-        return note
-
-    async def _no_tools_note(self) -> str:
-        return await no_tools_note(self.worker)
+        return note, offer
 
     # ------------------------------------------------------------------ the tool loop
     async def uses_tools(self) -> bool:

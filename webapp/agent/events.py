@@ -56,6 +56,7 @@ class ReplyReplaced(_Event):
 class ModeChanged(_Event):
     mode: Literal["agent", "raw"]
     no_tools: str = ""  # agent mode on a model without tools: why its turns are routed, and what would work
+    offer: str = ""  # the model that would, when it is not the loaded one: the note has a button to load it
     type: str = "mode"
 
 

@@ -99,7 +99,10 @@ class AgentViews:
                     )
                 if e.no_tools:
                     return str(
-                        ui.notice(f"Agent mode: {e.no_tools} Anything with a side effect asks you first.")
+                        ui.notice(
+                            f"Agent mode: {e.no_tools} Anything with a side effect asks you first.",
+                            offer=e.offer,
+                        )
                     )
                 return str(
                     ui.notice(

@@ -199,14 +199,14 @@ class AgentTurns:
             if m.role in ("user", "assistant") and m.content and m.id > start
         ]
 
-    async def mode_note(self, conversation_id: str | None) -> str:
+    async def mode_note(self, conversation_id: str | None) -> tuple[str, str]:
         """The Mode menu chose Agent for this conversation (None: the next one): what its agent would say about
-        the loaded model (it takes no tools: turns are routed, and which model would work), "" when it takes
-        them."""
+        the loaded model (it takes no tools: turns are routed, and which model would work, offered by name),
+        empty when it takes them."""
         if conversation_id is None:
-            note = await tools_note(self.web.engine.worker)
+            note, offer = await tools_note(self.web.engine.worker)
             self._said_next = bool(note)
-            return note
+            return note, offer
         return await self.agent_for(conversation_id).tools_note()
 
     def agent_for(self, conversation_id: str, files: ProjectFiles | None = None) -> AgentSession:
