@@ -71,9 +71,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_STEPS = 25
 STALLED = 3  # refused repeats in a row that end the steps: the model is asked to answer with what it has
-# A call made again after it worked, with nothing changed since, ends the steps at once (the same request): in
+# A call made again after it worked, with nothing changed since, ends the steps at once, as a stall does: in
 # bench/agent.py's 25 constrained runs the 0.5B model never went on usefully after one (it made the same call
-# twice more, or ran the refusal's words as a command, each asking the user)
+# again, or a command such as "run_command to run a program", each command asking the user)
 # after a stall, the model is asked once more, without tools, in a prompt of its own: the task and what the tools
 # returned. (Asked at the end of the agent's conversation, the 0.5B model answered "The task is done.")
 # Worded for the 0.5B model: asked to "answer from the tool results given with it", it began 6 of 12 answers
