@@ -213,6 +213,7 @@ def test_agent_injection_in_search_results_runs_nothing(worker, fake, project, s
     results = [SearchResult("Helpful page", "https://example.com/a", INJECTION)]
     approver = Approver(ev.Decision.once())
     session = make_session(worker, project, store, approver, search=LocalSearchProvider(results))
+    store.set_network_allowed(session.project, True)  # the router's web searches need it
     # the scripted model even "obeys" the injection in its answer; nothing parses answers for actions
     fake.enqueue_route("search").enqueue("Sure, running `touch PWNED` and rm -rf ~ [1]")
     events = asyncio.run(collect(session, "what is on example.com?"))
@@ -227,6 +228,40 @@ def test_agent_injection_in_search_results_runs_nothing(worker, fake, project, s
         and approver.asked[0].command == "touch PWNED"
         and not approver.asked[0].allowed_by_rule
     )
+
+
+def test_agent_a_message_routed_to_web_search_stays_here_with_network_off(
+    worker, fake, project, store
+) -> None:
+    """(walkthrough) With the project's network access off, agent mode's router still sent a typed message, whole,
+    to the web search provider (the agent's own web_search and fetch_url were refused). It answers as chat,
+    and says why and how to search; /search, typed, still searches."""
+    searched: list[str] = []
+
+    class Recording(LocalSearchProvider):
+        async def search(self, query: str, kind: str = "text"):  # type: ignore[override]
+            searched.append(query)
+            return await super().search(query, kind)
+
+    session = make_session(
+        worker, project, store, search=Recording([SearchResult("A", "https://a.example", "x")])
+    )
+    assert not store.network_allowed(session.project)  # off unless the user turns it on
+    fake.enqueue_route("search").enqueue("From what I know: nothing.")
+    events = asyncio.run(collect(session, "news about BLUEFALCON-internal-7731"))
+    assert searched == [] and not of(events, ev.SearchStarted)
+    assert (
+        "Not searched" in of(events, ev.Notice)[-1].text
+        and "network access is off" in of(events, ev.Notice)[-1].text
+    )
+    assert of(events, ev.AnswerDone)[-1].text == "From what I know: nothing." and events[-1].route == "chat"
+    fake.enqueue("A says x [1].")
+    events = asyncio.run(collect(session, "/search BLUEFALCON"))
+    assert searched == ["BLUEFALCON"] and of(events, ev.SearchResults)
+    store.set_network_allowed(session.project, True)
+    fake.enqueue_route("search").enqueue("A says x [1].")
+    asyncio.run(collect(session, "news about it"))
+    assert searched[-1] == "news about it"
 
 
 def test_agent_injection_in_a_file_runs_nothing(worker, fake, project, store) -> None:

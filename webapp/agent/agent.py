@@ -135,6 +135,13 @@ async def uses_tools(worker: Any) -> bool:
         return False
 
 
+NO_NETWORK_SEARCH = (
+    "Not searched: the web search this message was routed to would send its words to a search engine, and network "
+    "access is off for this project. The model answers on its own. Turn network access on in Settings, or type "
+    "/search QUERY to search once."
+)
+
+
 async def no_tools_note(worker: Any) -> tuple[str, str]:
     """Why agent turns are routed with the loaded model, and which model would work; and that model's name when it
     is not the loaded one (the note's button loads it), else ""."""
@@ -278,13 +285,18 @@ class AgentSession:
             yield Notice(f"{exc}: answering as chat", "warning")
             decision = router.RouteDecision("chat", {}, forced=True)
         yield RouteChosen(decision.route, decision.scores, decision.probabilities, decision.forced)
-        if decision.route == "chat":
+        route = decision.route
+        if route == "search" and not self.store.network_allowed(self.project):
+            # it would send the typed words to a search engine: the project keeps them on this machine
+            yield Notice(NO_NETWORK_SEARCH, "warning")
+            route = "chat"
+        if route == "chat":
             handled = self._chat(text, attached=attached)
         else:  # a search's query and a proposed command come from the typed words alone
-            handled = {"search": self._search, "shell": self._shell}[decision.route](text)
+            handled = {"search": self._search, "shell": self._shell}[route](text)
         async for ev in handled:
             yield ev
-        yield TurnDone(decision.route)
+        yield TurnDone(route)
 
     async def _slash(self, call: SlashCall) -> AsyncIterator[AgentEvent]:
         name, arg = call.name, call.arg
