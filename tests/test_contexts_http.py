@@ -232,6 +232,12 @@ def test_contexts_http_pane_for_htmx(client):
     assert r.status_code == 409 and "its conversation was deleted" in r.json()["error"]
     r = c.post("/projects/default/contexts", data={"name": ""}, headers=hx)  # an error lands in the pane
     assert r.status_code == 200 and 'role="alert"' in r.text
+    # the pane's Save with no conversation open saved the engine's cache (another conversation's) as
+    # belonging to none, and its Resume opened nothing (walkthrough): it says to open one
+    listed = len(c.get("/projects/default/contexts").json()["contexts"])
+    r = c.post("/projects/default/contexts", data={"name": "empty", "conversation_id": ""}, headers=hx)
+    assert "No conversation is open: a saved context is one conversation&#39;s" in r.text, r.text
+    assert len(c.get("/projects/default/contexts").json()["contexts"]) == listed
     r = c.post(f"/projects/default/contexts/{cid}/delete", headers=hx)
     assert "Deleted." in r.text and "No saved contexts yet" in r.text
 

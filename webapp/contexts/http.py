@@ -97,6 +97,12 @@ def _remove(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+NONE_OPEN = (
+    "No conversation is open: a saved context is one conversation's. Open the conversation whose context to save "
+    "(click it in the Conversations window), then save."
+)
+
+
 class SavedContexts:
     """The saved-context routes of one app: files under `data_dir`, the engine on `worker`."""
 
@@ -200,6 +206,10 @@ class SavedContexts:
         name = str(f.get("name") or "")
         if conv and self.db.get_conversation(conv) is None:
             raise HTTPException(404, "no such conversation (it may have been deleted)")
+        if not conv and _htmx(
+            request
+        ):  # the engine's cache is some other conversation's: saved, it named none
+            return self._pane(request, error=NONE_OPEN)
 
         def save(backend: Any) -> Any:  # on the worker: after every generation queued before this save
             if conv:
