@@ -606,3 +606,12 @@ def test_an_agent_turn_answered_from_another_conversation_ends_there_without_its
     button = re.search(r'id="regenerate-button"[^>]*>', frames.rsplit('id="status"', 1)[1])
     assert button and "disabled" not in button.group(0)  # B's controls: its chat reply can be redone
     assert (project / "a.txt").read_text() == "hi\n"
+
+
+def test_continue_with_no_task_to_continue_says_only_that(ws, fake: FakeBackend) -> None:
+    """(walkthrough) `/continue` with nothing stopped at its step limit said "there is no agent task to
+    continue", then "The model ended its turn without an answer (an empty reply)", though no model ran."""
+    send(ws, type="send", text="/continue")
+    frames = until(ws, r"no agent task to continue")
+    frames += until(ws, r'data-state="idle"')
+    assert "without an answer" not in frames and fake.history == []

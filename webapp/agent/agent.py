@@ -302,7 +302,8 @@ class AgentSession:
         name, arg = call.name, call.arg
         route: str | None = None
         if name == "continue":
-            route = "tools"
+            # a tool turn only when there is one to go on with (else it said "ended without an answer" too)
+            route = "tools" if self.loop is not None and self.loop.at_limit else None
             async for ev in self._continue():
                 yield ev
         elif name in ("agent", "raw"):
