@@ -920,7 +920,7 @@ def test_toolloop_an_edit_that_breaks_a_python_file_says_so(
     assert "no longer parses as Python" in of(events, ev.Notice)[0].text
     assert (
         list(s.loop.broken) == ["util.py"]
-        and "No longer parsing as Python after its edits: util.py" in s.loop.facts()
+        and "Not parsing as Python after its edits: util.py" in s.loop.facts()
     )
     # a second edit of the broken file that leaves it broken keeps it named; one that mends it clears it
     (project / "util.py").write_text("def greet(name):\n    return name\n")
@@ -936,6 +936,13 @@ def test_toolloop_an_edit_that_breaks_a_python_file_says_so(
     assert python_broken(FileChange("a.py", "def (:\n", "still broken(\n", "")) is None  # broken before
     assert python_broken(FileChange("a.txt", "x", "def (", "")) is None  # not Python
     assert python_broken(FileChange("new.py", None, "x = \x00", "")) is not None
+    # a new file that does not parse: said, but not as a file that "did before this edit" (walkthrough)
+    fake.enqueue_call("write_file", path="hello.py", content="print('hi'\n").enqueue("Done.")
+    events = asyncio.run(collect(session(worker, project, Approver(ev.Decision.once())), "hello.py"))
+    result = of(events, ev.ToolStepDone)[0].result
+    assert "Warning: it does not parse as Python (line 1" in result and "did before" not in result
+    assert of(events, ev.Notice)[0].text.startswith("hello.py does not parse as Python (line 1")
+    assert "did before" not in of(events, ev.Notice)[0].text
 
 
 def test_toolloop_a_command_that_is_a_results_text_is_refused_without_asking(
@@ -1140,7 +1147,7 @@ def test_toolloop_cli_json(
     fake.enqueue_call("edit_file", path="good.py", old_text="f()", new_text="()").enqueue("Done.")
     code = cli.main(["agent", "--project", str(project), "--approve", "all", "--json", "go"])
     said = capsys.readouterr()
-    assert code == 4 and "flashcode: good.py no longer parses as Python (line 1" in said.err
+    assert code == 4 and "flashcode: good.py does not parse as Python (line 1" in said.err
     assert list(json.loads(said.out)["broken_files"]) == ["good.py"]
 
     fake.enqueue_call("list_files").enqueue_call(

@@ -369,7 +369,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         )
         for path, why in result["broken_files"].items():
             print(
-                visible_text(f"flashcode: {path} no longer parses as Python ({why}): it did before"),
+                visible_text(f"flashcode: {path} does not parse as Python ({why}) after the agent's edits"),
                 file=sys.stderr,
             )
         if result["broken_files"]:

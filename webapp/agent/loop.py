@@ -122,8 +122,8 @@ def python_error(text: str) -> str | None:
 
 
 def python_broken(change: FileChange) -> str | None:
-    """Why a `.py` file that parsed before this change no longer does; None when it still parses, did not
-    before, or is no Python file."""
+    """Why a `.py` file that parsed before this change (or that it creates) does not parse now; None when it
+    parses, did not before, or is no Python file."""
     if not change.path.endswith(".py"):
         return None
     if change.old is not None and python_error(change.old) is not None:
@@ -181,7 +181,7 @@ class ToolLoop:
         self._redone: int | None = None  # the step a refused repeat made again, when that step had worked
         self._stall_from = 0  # the first record a stall counts (after /continue: the first new one)
         self.written: list[str] = []  # the files this turn's tools changed, in order (a path may repeat)
-        # Python files that parsed before one of this turn's edits and do not now: why
+        # Python files that parsed before one of this turn's edits (or that it created) and do not now: why
         self.broken: dict[str, str] = {}
         self._said: set[str] = (
             set()
@@ -312,7 +312,9 @@ class ToolLoop:
         elif to_model:  # else the 0.5B model said "Then I ran python3 calc.py" when nothing ran
             said += " The commands I ran failed." if ran else " I ran no command."
         if self.broken:
-            said += f" No longer parsing as Python after {'my' if to_model else 'its'} edits: {', '.join(self.broken)}."
+            said += (
+                f" Not parsing as Python after {'my' if to_model else 'its'} edits: {', '.join(self.broken)}."
+            )
         if self.records and not worked:
             said += f" None of {'my' if to_model else 'the'} {len(self.records)} tool calls worked."
         return said
@@ -681,13 +683,11 @@ class ToolLoop:
         said = f"{change.path} {verb}."
         if (broke := python_broken(change)) is not None:  # the 0.5B model's edits left `def (name):`
             self.broken[change.path] = broke
-            said += (
-                f" Warning: it no longer parses as Python ({broke}); it did before this edit. Fix it with "
-                "edit_file (read_file shows its lines)."
-            )
-            yield Notice(
-                f"{change.path} no longer parses as Python ({broke}): it did before this edit.", "warning"
-            )
+            # a file this write made did not parse "before" (it said it did: walkthrough)
+            how = "does not parse" if change.old is None else "no longer parses"
+            before = "" if change.old is None else "; it did before this edit"
+            said += f" Warning: it {how} as Python ({broke}){before}. Fix it with edit_file (read_file shows its lines)."
+            yield Notice(f"{change.path} {how} as Python ({broke}){before}.", "warning")
         elif change.path in self.broken:  # broken by an earlier edit of this turn: mended, or not yet
             if (still := python_error(change.new)) is None:
                 del self.broken[change.path]
