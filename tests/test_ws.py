@@ -617,6 +617,13 @@ def test_a_conversation_written_with_another_model_says_so(tmp_path: Path) -> No
             assert re.search(
                 r'id="written-with"[^>]*hidden[^>]*hx-swap-oob="true"', "".join(until(ws, "written-with"))
             )
+        # one that held only a command's answer (/help): no model wrote it, so it names none (walkthrough)
+        with connect(c) as ws:
+            send(ws, type="send", text="/help")
+            only = conversation_id(until(ws, r'data-state="idle"'))
+        db.conn.execute("UPDATE conversations SET model = 'old-7b', backend = 'mlx' WHERE id = ?", (only,))
+        db.conn.commit()
+        assert 'id="written-with" class="written-with" role="status" hidden' in c.get(f"/c/{only}").text
 
 
 def test_ws_conversation_deleted_while_its_reply_streams(tmp_path: Path, caplog) -> None:

@@ -147,7 +147,7 @@ class ChatViews(TranscriptViews):
             "csrf_token": self.csrf_token,
             "project_id": project.id if project else "default",
             "settings_rows": self.settings_rows(),
-            "written_with": self.written_with(conv, choices),
+            "written_with": self.written_with(conv, choices, messages),
             "undo": undo,
             "written_elsewhere": False,  # `page` and `sync` say so; the chat window alone may be the writer's
             "trash_items": self.trash_items(),
@@ -159,10 +159,15 @@ class ChatViews(TranscriptViews):
             context["draft"], context["mode"] = edited  # an edited first message, once, in its mode
         return context
 
-    def written_with(self, conv: Conversation | None, menu: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def written_with(
+        self, conv: Conversation | None, menu: list[dict[str, Any]], messages: list[StoredMessage]
+    ) -> dict[str, Any] | None:
         """The model a conversation was written with, when another one is loaded now (the window says so, and
-        offers to load it: its choice in the `menu`, None when it is not installed any more)."""
+        offers to load it: its choice in the `menu`, None when it is not installed any more). None when no
+        model wrote any of its `messages` (only commands ran there: `/help`, `/shell` denied)."""
         if conv is None or not conv.model or conv.model == self.engine.model:
+            return None
+        if not any(m.role == "assistant" and not m.stats.get("not_generated") for m in messages):
             return None
         choices = [v for g in menu if g["model"] == conv.model for v, _, _ in g["options"]]
         wanted = f"{conv.backend}:{conv.model}"
