@@ -97,7 +97,7 @@
     const ids = [...document.querySelectorAll("#trash-pane li[data-id]")].map((li) => li.dataset.id);
     const n = ids.length;
     if (!n) return alertBox("The Trash is empty.");
-    const yes = await ask(`Delete the ${n === 1 ? "conversation" : n + " conversations"} in the Trash for good? This cannot be undone.`, { ok: "Empty Trash", safe: true });
+    const yes = await ask(`Delete ${n === 1 ? "the 1 conversation" : `all ${n} conversations`} in the Trash for good? This cannot be undone.`, { ok: "Empty Trash", safe: true });
     if (yes !== null) trashPost("/trash/empty", { ids: ids.join(",") });  // those shown: not one trashed since
   }
   // File › Import Conversation…: a conversation's JSON export (File › Export as JSON) comes back as a new one

@@ -350,9 +350,25 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
 
     session = make_session(worker, project, store, on_model=on_model)
     help_ev = of(asyncio.run(collect(session, "/help")), ev.HelpShown)[0]
-    for name in ["/agent", "/raw", "/search", "/shell", "/model", "/clear", "/help", "/read", "/write"]:
+    for name in [
+        "/agent",
+        "/chat",
+        "/raw",
+        "/search",
+        "/shell",
+        "/model",
+        "/clear",
+        "/help",
+        "/read",
+        "/write",
+    ]:
         assert name in help_ev.text
     assert of(asyncio.run(collect(session, "/raw")), ev.ModeChanged)[0].mode == "raw"
+    # the Mode menu calls it Chat, and so does /chat (/help called it "raw mode": walkthrough)
+    session.mode = "agent"
+    assert (
+        of(asyncio.run(collect(session, "/chat")), ev.ModeChanged)[0].mode == "raw" and session.mode == "raw"
+    )
     fake.enqueue("raw reply")
     events = asyncio.run(collect(session, "hi"))
     assert not of(events, ev.RouteChosen) and of(events, ev.AnswerDone)[0].text == "raw reply"

@@ -271,7 +271,9 @@ def test_browser_chat_stream_stop_reload_export(server: str, page, artifacts: Pa
     page.click(".alert-box.modal .dialog-ok")
     page.wait_for_selector(f"#trash-pane li[data-id='{cid}']", state="attached")
     page.dispatch_event("nav [data-action=empty-trash]", "click")
-    assert "Delete the conversation in the Trash for good?" in page.inner_text(".alert-box.modal .alert-text")
+    assert "Delete the 1 conversation in the Trash for good?" in page.inner_text(
+        ".alert-box.modal .alert-text"
+    )
     page.click(".alert-box.modal .dialog-ok")
     page.wait_for_selector(
         "#trash-pane .trash-status:has-text('Deleted 1 conversation for good.')", state="attached"

@@ -633,6 +633,10 @@ def test_projects_attached_files_reach_the_model_in_agent_mode_too(client, two, 
     assert asked and all("what does this do?" in q for q in asked if "main.py" in q)
     assert any('<untrusted source="file main.py' in q and "return" in q for q in asked), asked
     # context, not words: a search is for what was typed, never the files' text (it would leave the machine)
+    from webapp.agent.store import AgentStore
+
+    db = client.app.state.flashcode.db
+    AgentStore(db.conn).set_network_allowed(db.get_conversation(cid).project_id, True)  # else no search runs
     with client.websocket_connect("ws://127.0.0.1:8000/ws", headers=ORIGIN) as sock:
         client.post("/files/attach", data={"path": ["main.py"]})
         fake.routes = ["search"]

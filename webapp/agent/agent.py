@@ -306,8 +306,8 @@ class AgentSession:
             route = "tools" if self.loop is not None and self.loop.at_limit else None
             async for ev in self._continue():
                 yield ev
-        elif name in ("agent", "raw"):
-            self.mode = name  # type: ignore[assignment]
+        elif name in ("agent", "raw", "chat"):  # the Mode menu says Chat: /chat, and /raw as before
+            self.mode = "agent" if name == "agent" else "raw"
             yield ModeChanged(self.mode, *(await self.tools_note() if name == "agent" else ("", "")))
         elif name == "help":
             yield HelpShown(self.commands.help_text())

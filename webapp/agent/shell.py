@@ -148,7 +148,7 @@ PREFIX_TABLE: Mapping[str, ProgramSpec] = {
 def prefix_table_reason(program: str) -> str:
     return (
         f"`{program}` is not in flashcode's table of programs whose arguments cannot run code or write "
-        "files, so only this exact command can be allowed"
+        "files, so no prefix rule can allow it: allow an exact command instead"
     )
 
 

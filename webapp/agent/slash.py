@@ -35,7 +35,8 @@ class SlashError(ValueError):
 
 BUILTIN: tuple[SlashCommand, ...] = (
     SlashCommand("agent", "agent mode: the model uses tools on the project; side effects ask first"),
-    SlashCommand("raw", "raw mode: messages go straight to the model, no routing and no tools"),
+    SlashCommand("chat", "chat mode: messages go straight to the model, no routing and no tools"),
+    SlashCommand("raw", "the same as /chat"),
     SlashCommand("search", "search the web and answer with citations", "QUERY", needs_arg=True),
     SlashCommand(
         "shell", "propose a shell command in the project (still needs approval)", "COMMAND", needs_arg=True

@@ -60,8 +60,8 @@ def check_directory(raw: str | os.PathLike[str], data_dir: Path | None = None) -
         raise ProjectError(f"{text} cannot be checked: {exc.strerror or exc}") from exc
     if not exists:
         raise ProjectError(
-            f"{text} does not exist: check the spelling, or make the folder first (in the browser, File › New "
-            "Project… makes it)"
+            f"{text} does not exist: check the spelling, or make the folder first (File › New Project… in the "
+            "browser makes it, as does mkdir -p in a terminal)"
         )
     if not is_dir:
         raise ProjectError(f"{text} is a file, not a directory: pick the folder that holds it")
