@@ -118,6 +118,9 @@ def test_bad_sampling_value_is_rejected(model_home):
         (("ask", ""), "the prompt is empty"),
         (("agent", "--project", "/etc/hostname", "task"), "is a file, not a directory: pick the folder"),
         (("ask", "--seed", "x", "hi"), "'x' is not a seed: a whole number, 0 or more"),
+        # before a command: it said "the following arguments are required: COMMAND" (walkthrough)
+        (("--bogus",), "unknown option --bogus: options go after a command (flashcode COMMAND --help)"),
+        (("-v", "--bogus", "ask", "hi"), "unknown option --bogus"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_model_loads(

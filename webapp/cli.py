@@ -712,6 +712,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    for word in sys.argv[1:] if argv is None else argv:  # the options before the command
+        if not word.startswith("-"):
+            break
+        if word.split("=")[0] not in parser._option_string_actions:
+            # said before argparse, which says "the following arguments are required: COMMAND" for it
+            parser.error(f"unknown option {word}: options go after a command (flashcode COMMAND --help)")
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_options_on", False):
         words = next((w for w in ("task", "prompt") if isinstance(getattr(args, w, None), str)), None)
