@@ -795,6 +795,26 @@ def test_toolloop_a_stalled_model_is_asked_to_answer_with_what_it_has(
     assert not [m for m in s.loop.messages if m.get("role") == "user" and "Stop calling tools" in str(m)]
 
 
+def test_toolloop_the_second_request_after_steps_that_only_looked_leaves_out_what_was_not_done(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """(walkthrough) Asked what a function does, the 0.5B model read the file, read it again, and answered only
+    "I wrote no file. I ran no command.", the facts its second request gave it. Steps that only looked give
+    none; a write or command tried (failed or denied too) keeps them, or it claims edits it never made."""
+    fake.enqueue_call("read_file", path="app.py").enqueue_call("read_file", path="app.py").enqueue(
+        "It subtracts."
+    )
+    asyncio.run(collect(session(worker, project), "what does sub do?"))
+    ask = str(fake.history[-1].messages[1]["content"])
+    assert "return a - b" in ask and "I wrote" not in ask and "I ran" not in ask
+    fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue_call("edit_file", path="app.py", old_text="not there", new_text="x")  # fails
+    fake.enqueue_call("read_file", path="app.py").enqueue("Done.")  # made again: the second request
+    asyncio.run(collect(session(worker, project), "fix sub"))
+    ask = str(fake.history[-1].messages[1]["content"])
+    assert ask.startswith("Request: fix sub") and "I wrote no file." in ask
+
+
 def test_toolloop_an_answer_loses_the_quoting_tags_it_copied(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:

@@ -319,6 +319,11 @@ class ToolLoop:
             said += f" None of {'my' if to_model else 'the'} {len(self.records)} tool calls worked."
         return said
 
+    def _only_looked(self) -> bool:
+        """Whether this turn's steps only looked (read files, listed, searched): some worked, and none tried to
+        write, edit, run a command or call an MCP tool (a failed or denied one included)."""
+        return any(r["ok"] for r in self.records) and not any(_changes(r["tool"]) for r in self.records)
+
     def _only_a_call(self, text: str) -> bool:
         """True for a reply with no words: empty, or only a call to one of the tools written out as text
         (`<tool_call>…`, `{"name": "read_file", "arguments": …}`, a stray `>` before it). A JSON answer the
@@ -368,8 +373,10 @@ class ToolLoop:
         results = self._results(max(0, budget - len(files))) or "(none that fit)"
         # what the tools did, from the loop's own records: the 0.5B model otherwise said "add was added to
         # util.py" after four failed edits
-        told = self.facts(to_model=True)
-        ask = f"{files}Request: {task}\n\n{told}\n\nTool results:\n{results}\n\nReply to the request in one or two sentences."
+        # ...unless the steps only looked: asked what a function does, it answered "I wrote no file. I ran no
+        # command." and nothing else (walkthrough)
+        told = "" if self._only_looked() else f"{self.facts(to_model=True)}\n\n"
+        ask = f"{files}Request: {task}\n\n{told}Tool results:\n{results}\n\nReply to the request in one or two sentences."
         request = GenerationRequest(
             messages=({"role": "system", "content": ANSWER_SYSTEM}, {"role": "user", "content": ask}),
             sampling=self.s.sampling,
