@@ -6,6 +6,7 @@ flows are in test_agent_real.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -329,6 +330,13 @@ def test_agent_write_needs_approval_and_shows_a_diff(worker, fake, project, stor
     assert (
         proposal.typed and "You asked to write this file (/write)" in dialog and "agent wants" not in dialog
     )
+    # the agent's: a new file, or one that exists (a walkthrough's write replaced main.py, asked for hello.py,
+    # and the dialog read the same as for a new file)
+    views = AgentViews(make_environment())
+    made = dataclasses.replace(proposal, typed=False, diff="--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+x\n")
+    assert "The agent wants to create this new file:" in views.approval_dialog(made, "d2")
+    changed = views.approval_dialog(dataclasses.replace(proposal, typed=False), "d3")
+    assert "The agent wants to change this existing file (the lines it removes are marked -):" in changed
     events = asyncio.run(collect(session, "/write hello.txt\nhello world\n"))
     assert of(events, ev.FileWritten) and (project / "hello.txt").read_text() == "hello world\n"
     assert [a.decision for a in store.actions()] == ["once", "deny"]
