@@ -254,8 +254,9 @@ class EngineState:
     async def switch_locked(self, backend: str, model: str) -> None:
         """`switch` for a caller holding `lock`. On failure reload what was there before, then re-raise."""
         previous = (self.backend, self.model)
-        try:  # a name that is no installed model is said before the loaded one goes (it was unloaded, then
-            # loaded again: its cache lost, llama-server restarted)
+        # a name that is no installed model is said before the loaded one goes (it was unloaded, then loaded
+        # again: its cache lost, llama-server restarted)
+        try:
             await asyncio.to_thread(find_model, model)
         except Exception:
             self.notify()  # the windows' pickers go back to the model that still answers

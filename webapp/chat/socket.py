@@ -721,7 +721,7 @@ class Session:
         data: dict[str, Any] = {"type": "mode", "mode": "agent"}
         try:
             note, offer = await self.turns.mode_note(conversation_id)  # type: ignore[union-attr]
-            data |= {"no_tools": note, "offer": offer} if offer else {"no_tools": note}
+            data |= {"no_tools": note, "offer": offer}
         except Exception:  # noqa: BLE001 - the mode changed all the same; the first turn says it then
             log.warning("the agent mode's note failed", exc_info=True)
         self._say_mode(conversation_id, data)

@@ -206,9 +206,8 @@ class SavedContexts:
         name = str(f.get("name") or "")
         if conv and self.db.get_conversation(conv) is None:
             raise HTTPException(404, "no such conversation (it may have been deleted)")
-        if not conv and _htmx(
-            request
-        ):  # the engine's cache is some other conversation's: saved, it named none
+        # the window's Save with none open: the engine's cache is another conversation's, and saved it named none
+        if not conv and _htmx(request):
             return self._pane(request, error=NONE_OPEN)
 
         def save(backend: Any) -> Any:  # on the worker: after every generation queued before this save
