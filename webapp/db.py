@@ -464,13 +464,6 @@ def _lower(text: Any) -> Any:
     return fold_case(text) if isinstance(text, str) else text
 
 
-def find_folded(text: str, needle: str) -> int:
-    """Where `needle` (folded) starts in `text` as `fold_case` reads it, counted in `text`'s own characters (a
-    letter whose lower case is longer, İ, shifts the folded text); -1: nowhere."""
-    span = folded_span(text, needle)
-    return span[0] if span else -1
-
-
 def folded_span(text: str, needle: str) -> tuple[int, int] | None:
     """[start, end) of the first `needle` (folded) in `text` as `fold_case` reads it, in `text`'s own characters:
     the letters whose folds hold it (İ folds to two, so a match may end one letter sooner than its folded
@@ -492,10 +485,11 @@ def folded_span(text: str, needle: str) -> tuple[int, int] | None:
 
 
 def _find(text: Any, needle: Any) -> int:
-    """SQL `ufind`: 1 + `find_folded` (SQLite counts from 1); 0: nowhere."""
+    """SQL `ufind`: where `folded_span` starts, from 1 as SQLite counts; 0: nowhere."""
     if not isinstance(text, str) or not isinstance(needle, str):
         return 0
-    return find_folded(text, needle) + 1
+    span = folded_span(text, needle)
+    return span[0] + 1 if span else 0
 
 
 def _holds(column: str, word: str, param: str) -> str:

@@ -70,7 +70,7 @@ from .search import DDGSProvider, SearchProvider, SearchResult, SearchUnavailabl
 from .shell import Verdict, check_command
 from .slash import DEFAULT, SlashCall, SlashCommands, SlashError
 from .store import AgentStore
-from .tools import UNDECIDED
+from .tools import undecided
 from .untrusted import attribute, neutralise
 
 log = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ class AgentSession:
         route: str | None = None
         if name == "continue":
             # a tool turn only when there is one to go on with (else it said "ended without an answer" too)
-            route = "tools" if self.loop is not None and self.loop.at_limit else None
+            route = "tools" if self._can_continue() else None
             async for ev in self._continue():
                 yield ev
         elif name in ("agent", "raw", "chat"):  # the Mode menu says Chat: /chat, and /raw as before
@@ -386,8 +386,12 @@ class AgentSession:
         more = f"\n[... {len(names) - LISTED} more: list_files shows them]" if len(names) > LISTED else ""
         return "\n".join(names[:LISTED]) + more
 
+    def _can_continue(self) -> bool:
+        """Whether /continue has a task to go on with: one that stopped at its step limit."""
+        return self.loop is not None and self.loop.at_limit
+
     async def _continue(self) -> AsyncIterator[AgentEvent]:
-        if self.loop is None or not self.loop.at_limit:  # a finished task is not run again (it was)
+        if not self._can_continue():  # a finished task is not run again (it was)
             yield Notice(
                 "there is no agent task to continue: /continue goes on with a task that stopped at its step limit",
                 "warning",
@@ -456,7 +460,7 @@ class AgentSession:
         if decided.decision in ("deny", "timeout"):
             reason = f": {decided.reason}" if decided.reason else ""
             # nobody said no (the page closed, no answer came): not called a denial
-            if (decided.reason or "").startswith(UNDECIDED):
+            if undecided(decided.reason or ""):
                 answer = f"I did not run `{verdict.command}`{reason}."
             else:
                 answer = f"I did not run `{verdict.command}` — it was denied{reason}."

@@ -125,12 +125,14 @@ def check_arguments(spec: ToolSpec, args: dict[str, Any]) -> str | None:
     return None
 
 
-UNDECIDED = ("not decided", "no answer within", "no one is there")  # reasons for a call nobody said no to
+def undecided(reason: str) -> bool:
+    """Whether a call was not approved because nobody said no (the page closed, no answer came)."""
+    return reason.startswith(("not decided", "no answer within", "no one is there"))
 
 
 def denied(reason: str) -> str:
     """What the model is told of a call not approved (an edit, a command, an MCP tool)."""
-    if reason.startswith(UNDECIDED):  # nobody said no
+    if undecided(reason):  # nobody said no
         # (the 0.5B model took "Denied by the user: no answer within 300 s" for the program's output)
         return f"Not run: {reason}; nothing it would have done happened or was seen."
     return f"Denied by the user: {reason}" if reason else "Denied by the user."
