@@ -206,6 +206,12 @@ def test_server_environment_secrets_do_not_reach_commands(
         monkeypatch.setenv(name, SECRET)
     server = subprocess.Popen(["sleep", "60"], env=os.environ.copy())  # a host process holding the keys
     try:
+        # Popen returns (vfork) before the kernel has laid out the new program's environment, and
+        # /proc/PID/environ reads empty until it has: wait for it, or the control below races.
+        environ = Path(f"/proc/{server.pid}/environ")
+        deadline = time.monotonic() + 10
+        while SECRET.encode() not in environ.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         command = f"env; cat /proc/self/environ; cat /proc/1/environ; cat /proc/{server.pid}/environ"
         assert (
             SECRET in run_command(f"cat /proc/{server.pid}/environ", scratch.project, sandboxed=False).output
