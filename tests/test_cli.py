@@ -171,6 +171,12 @@ def test_flash_moe_options_reach_the_engine(model_home, tmp_path):
     assert proc.returncode != 0 and "applies to the flash backend, not llama" in proc.stderr
 
 
+def _catches_sigint(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) & (1 << (2 - 1)))  # SIGINT is signal 2: bit 1
+
+
 def test_ctrl_c_while_the_command_line_loads_says_one_line(tmp_path: Path) -> None:
     """Importing the command line (MLX, transformers) takes a second or so: a Ctrl-C then printed the import's
     traceback (37 lines); it says one line, as a Ctrl-C later does. (Measured with the old entry point: at
@@ -191,7 +197,12 @@ def test_ctrl_c_while_the_command_line_loads_says_one_line(tmp_path: Path) -> No
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(0.25)  # past the interpreter's start, inside the imports
+    started = time.monotonic()
+    while not _catches_sigint(proc.pid):
+        assert time.monotonic() - started < 30 and proc.poll() is None, proc.communicate()
+        time.sleep(0.01)  # Python's SIGINT handler is not in place yet: a Ctrl-C now would kill it outright
+    # past the interpreter's start, inside the imports
+    time.sleep(max(0.0, 0.25 - (time.monotonic() - started)))
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
