@@ -192,3 +192,56 @@ def test_browser_projects_two_directories(server, browser, tmp_path: Path) -> No
     page.screenshot(path=str(ARTIFACTS / "projects-open-dialog-900.png"))
     assert not errors, errors
     context.close()
+
+
+def test_browser_deleting_a_projects_data_asks_once_more_and_return_cancels(
+    server,
+    browser,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """(walkthrough) Remove Project… with "Delete flashcode's data" deleted the project's conversations for good on
+    Return (Remove is the dialog's default button), with no word that they skip the Trash. A second dialog now says
+    what goes, for good, with Cancel the default: Return keeps everything; Delete deletes."""
+    url, _, app = server
+    alpha = tmp_path / "alpha"
+    alpha.mkdir()
+    page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    open_project(page, "new", alpha, "Alpha")
+    wait_text(page, "#menubar-project", "Alpha")
+    page.fill("#prompt", "hello there")
+    page.press("#prompt", "Enter")
+    wait_for(page, "#status[data-state=idle]")
+    parts = app.state.flashcode
+    pid = parts.projects.current().id
+    assert parts.projects.conversation_counts().get(pid) == 1
+
+    def ask_to_delete() -> None:
+        menu(page, "File", "[data-project-dialog=remove]")
+        wait_for(page, "#remove-dialog label[for=delete-data]").click()
+        page.locator("#remove-dialog .dialog-ok").click()
+        wait_text(page, "#remove-dialog", "for good?")
+
+    ask_to_delete()
+    said = page.locator("#remove-dialog").inner_text()
+    assert "1 conversation," in said and "do not go to the Trash" in said and "cannot be undone" in said, said
+    page.screenshot(path=str(ARTIFACTS / "projects-delete-data-confirm.png"))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not page.locator("#remove-dialog .dialog-cancel:focus").count():
+        time.sleep(0.05)
+    page.keyboard.press("Enter")  # Cancel has the focus: Return keeps everything
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and page.locator("#remove-dialog").count():
+        time.sleep(0.05)
+    assert page.locator("#remove-dialog").count() == 0
+    assert parts.projects.get(pid) is not None and parts.projects.conversation_counts().get(pid) == 1
+
+    ask_to_delete()
+    page.locator("#remove-dialog button[type=submit]", has_text="Delete").click()
+    wait_text(page, "#menubar-project", "Default")
+    assert parts.projects.get(pid) is None and parts.projects.conversation_counts().get(pid) is None
+    assert alpha.is_dir()  # its directory is never touched
+    assert not errors, errors
+    page.context.close()

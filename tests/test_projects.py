@@ -1009,10 +1009,43 @@ def test_projects_removing_a_project_waits_for_the_saves_being_written_first(cli
 
     parts.resume.flush = flush
     r = client.post(
-        "/projects/remove", data={"project_id": pid, "delete_data": "on"}, headers={"HX-Request": "true"}
+        "/projects/remove",
+        data={"project_id": pid, "delete_data": "on", "confirmed": "yes"},
+        headers={"HX-Request": "true"},
     )
     assert r.status_code == 200 and parts.projects.get(pid) is None
     assert seen == [True]
+
+
+def test_deleting_a_projects_data_needs_a_second_yes(client, two) -> None:
+    """(walkthrough) `delete_data=on` deleted a project's conversations for good from the first dialog. That post
+    now answers with a second dialog (what goes, for good, Cancel the default) and deletes nothing; its Delete
+    posts `confirmed=yes`. Keeping the data needs no second yes."""
+    a, b = two
+    assert _open(client, a).status_code == 200
+    _chat(client, "hello")
+    projects = client.app.state.flashcode.projects
+    pid = projects.current().id
+    r = client.post(
+        "/projects/remove", data={"project_id": pid, "delete_data": "on"}, headers={"HX-Request": "true"}
+    )
+    assert r.status_code == 200 and "HX-Redirect" not in r.headers
+    assert "for good?" in r.text and "cannot be undone" in r.text and 'name="confirmed" value="yes"' in r.text
+    assert re.search(r'class="btn btn-default dialog-cancel"[^>]*autofocus', r.text), r.text
+    assert projects.get(pid) is not None and projects.conversation_counts().get(pid) == 1
+    r = client.post(
+        "/projects/remove",
+        data={"project_id": pid, "delete_data": "on", "confirmed": "yes"},
+        headers={"HX-Request": "true"},
+    )
+    assert r.headers.get("HX-Redirect") == "/" and projects.get(pid) is None
+    assert projects.conversation_counts().get(pid) is None
+    assert _open(client, b).status_code == 200
+    kept = projects.current().id
+    r = client.post(
+        "/projects/remove", data={"project_id": kept, "delete_data": "off"}, headers={"HX-Request": "true"}
+    )
+    assert r.headers.get("HX-Redirect") == "/" and projects.get(kept) is None
 
 
 def test_open_recent_lists_a_project_added_from_the_command_line(tmp_path: Path) -> None:

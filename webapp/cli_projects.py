@@ -155,6 +155,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--delete-data",
         action="store_true",
-        help="also delete flashcode's data for it (conversations, rules, stats, saved contexts)",
+        help="also delete flashcode's data for it, for good (conversations, the Trash's too, rules, stats, saved contexts)",
     )
     r.set_defaults(func=cmd_projects)

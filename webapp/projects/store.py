@@ -280,6 +280,13 @@ class ProjectStore:
         )
         return {pid: int(n) for pid, n in rows.fetchall()}
 
+    def trashed_count(self, project_id: str) -> int:
+        row = self.conn.execute(
+            "SELECT COUNT(*) FROM conversations WHERE project_id = ? AND trashed_at IS NOT NULL",
+            (project_id,),
+        ).fetchone()
+        return int(row[0])
+
     def _default(self) -> ProjectRef:
         self.conn.execute(
             "INSERT OR IGNORE INTO projects (id, name, path, created_at) VALUES (?, 'Default', '', ?)",

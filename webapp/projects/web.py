@@ -198,17 +198,24 @@ class ProjectsWeb:
         return HTMLResponse(str(html))
 
     async def remove_project(self, request: Request) -> Response:
-        """POST /projects/remove: `project_id`, `delete_data=on` to delete flashcode's data too."""
+        """POST /projects/remove: `project_id`, `delete_data=on` to delete flashcode's data too, which is for
+        good: the first such post answers with a second dialog, whose Delete posts `confirmed=yes` (a
+        walkthrough's Return, on the default button, deleted a project's conversations unasked)."""
         form = await request.form()
-        if self.on_remove is not None and self.store.get(str(form.get("project_id") or "")) is not None:
+        pid = str(form.get("project_id") or "")
+        found = self.store.get(pid)
+        if form.get("delete_data") == "on" and form.get("confirmed") != "yes" and found is not None:
+            listed = self.store.conversation_counts().get(pid, 0)
+            return HTMLResponse(str(self.ui.remove_confirm(found, listed, self.store.trashed_count(pid))))
+        if self.on_remove is not None and found is not None:
             # the saves being written behind a reply land first: one landing after the removal would put a
             # removed (or moved) project's folder back, holding a deleted conversation's cache
             await self.on_remove()
         try:
-            self.store.remove(str(form.get("project_id") or ""), delete_data=form.get("delete_data") == "on")
+            self.store.remove(pid, delete_data=form.get("delete_data") == "on")
         except ProjectError as exc:
             return HTMLResponse(str(self.ui.dialog_error(str(exc))))
-        self.pending.pop(str(form.get("project_id")), None)
+        self.pending.pop(pid, None)
         return Response(status_code=200, headers={"HX-Redirect": "/"})
 
     # ------------------------------------------------------------------ the Files window
