@@ -108,6 +108,22 @@ def test_browser_settings_show_the_rules_and_network_an_approval_saved(project, 
     until(lambda: asked.count() == 1, "asked again")
     asked.locator(".dialog-ok").click()
     until(lambda: row.count() == 0, "the rule removed once confirmed")
+
+    # (walkthrough) a 3,000-character exact rule pushed its Remove out of the window, and its confirmation,
+    # taller than the page, pushed the chat window out of view: the rule wraps, the question shortens it
+    form = settings.locator("#agent-rules form.rules-add")
+    form.locator("select[name=kind]").select_option("exact")
+    form.locator("input[name=pattern]").fill("echo " + "x" * 3000)
+    form.locator("button[type=submit]").click()
+    row = settings.locator("#agent-rules tr", has_text="echo xxx")
+    until(lambda: row.count() == 1, "the long rule, listed")
+    box, button = settings.bounding_box(), row.locator("button").bounding_box()
+    assert box and button and button["x"] + button["width"] <= box["x"] + box["width"], (box, button)
+    row.locator("button").click()
+    asked = page.locator("#alerts .alert-box.modal", has_text="Remove the allow rule ‘echo xxx")
+    until(lambda: asked.count() == 1, "the long rule's confirmation")
+    assert "…’?" in asked.inner_text() and len(asked.inner_text()) < 400, asked.inner_text()
+    asked.locator(".dialog-cancel").click()
     assert native == [], native
     assert not page.errors, page.errors
 
