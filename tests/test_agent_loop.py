@@ -141,6 +141,23 @@ def test_agent_shell_default_is_deny(worker, fake, project, store) -> None:
     assert of(events, ev.Decided)[0].decision == "deny" and not (project / "made.txt").exists()
 
 
+def test_agent_typed_shell_answers_with_its_result_not_a_models_summary(worker, fake, project, store) -> None:
+    """(walkthrough) After a typed /shell the model summed up its output, often wrongly ("This command is not
+    allowed" of one that had run). The output is the answer: the turn ends with the exit, and the next turn's
+    model reads the output as quoted, untrusted text. A command the model proposed is still summed up."""
+    session = make_session(worker, project, store, Approver(ev.Decision.once(), ev.Decision.once()))
+    asked = len(fake.history)
+    events = asyncio.run(collect(session, "/shell cat hello.txt"))
+    assert len(fake.history) == asked  # no model ran
+    assert of(events, ev.AnswerDone)[0].text == "Ran `cat hello.txt`: exit code 0."
+    events = asyncio.run(collect(session, "/shell cat missing.txt"))
+    assert of(events, ev.AnswerDone)[0].text == "Ran `cat missing.txt`: exit code 1."
+    fake.enqueue_route("chat").enqueue("It said hello.")
+    asyncio.run(collect(session, "what did the first one print?"))
+    sent = "\n".join(str(m["content"]) for m in fake.history[-1].messages or [])
+    assert "<untrusted" in sent and "hello" in sent and "No such file" in sent, sent
+
+
 def test_agent_shell_always_exact_then_runs_without_asking(worker, fake, project, store) -> None:
     approver = Approver(ev.Decision.always_exact())
     session = make_session(worker, project, store, approver)

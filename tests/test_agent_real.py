@@ -50,7 +50,11 @@ def test_agent_real_prefix_cached_scores_equal_plain_scores(worker: Worker) -> N
     assert fast == pytest.approx(plain, abs=1e-3)
 
 
-def test_agent_real_approved_command_runs_and_is_summarised(worker: Worker, tmp_path: Path) -> None:
+def test_agent_real_approved_command_runs_and_the_model_sees_its_output_next(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """A typed /shell's output is its answer (no model's summary: a walkthrough's said "This command is not allowed"
+    of one that had run); the next turn's model reads it."""
     asked: list[ev.Proposal] = []
 
     async def approve(p: ev.Proposal) -> ev.Decision:
@@ -69,8 +73,17 @@ def test_agent_real_approved_command_runs_and_is_summarised(worker: Worker, tmp_
         tmp_path / "ran.txt"
     ).exists()
     done = next(e for e in events if isinstance(e, ev.AnswerDone))
-    assert done.error is None and done.stats["completion_tokens"] >= 1
+    assert (
+        done.text == "Ran `printf 'hello from the shell' && touch ran.txt`: exit code 0." and not done.stats
+    )
     assert events[-1].type == "turn_done"
+    assert (
+        "hello from the shell" in session.history[-2]["content"]
+        and "<untrusted" in session.history[-2]["content"]
+    )
+    events = asyncio.run(_collect(session, "What did the command print?"))
+    later = next(e for e in events if isinstance(e, ev.AnswerDone))
+    assert later.error is None and later.stats["completion_tokens"] >= 1
 
 
 def test_agent_real_injected_search_result_runs_nothing(worker: Worker, tmp_path: Path) -> None:

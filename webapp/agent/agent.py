@@ -491,6 +491,14 @@ class AgentSession:
             for warning in await asyncio.to_thread(sandbox.git_warnings, self.project_dir, git_before):
                 yield Notice(warning, "warning")
         output = run.transcript() or "(no output)"
+        if typed:
+            # the user's own command: its output, above, is the answer, and the model sees it next turn (a model
+            # asked to sum it up said "This command is not allowed" of one that had run)
+            answer = f"Ran `{verdict.command}`: {exit_ev.description}."
+            self._remember(f"{text}\n\n{quote_untrusted('command output', output)}", answer)
+            yield AnswerDelta(answer)
+            yield AnswerDone(answer)
+            return
         messages: list[Message] = [
             {"role": "system", "content": SUMMARY_SYSTEM},
             {
