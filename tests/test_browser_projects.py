@@ -245,3 +245,42 @@ def test_browser_deleting_a_projects_data_asks_once_more_and_return_cancels(
     assert alpha.is_dir()  # its directory is never touched
     assert not errors, errors
     page.context.close()
+
+
+def test_browser_a_long_project_name_stays_on_one_menu_bar_line_and_inside_its_dialogs(
+    server,
+    browser,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """(walkthrough) An 80-character project name wrapped the menu bar's right side onto three lines, over the
+    Conversations window's title, and ran past Open Recent's edge, cutting off its Recent button and path."""
+    url, _, _ = server
+    name = "A very long project name " + "x" * 30 + " that goes on and on and on"
+    name = name[:80]
+    folder = tmp_path / "long"
+    folder.mkdir()
+    page = browser.new_context(viewport={"width": 1024, "height": 768}).new_page()
+    page.goto(url)
+    open_project(page, "new", folder, name)
+    wait_text(page, "#menubar-project", name[:20])
+    bar = page.locator("nav.menubar").bounding_box()
+    assert bar and bar["height"] <= 24, bar
+    for part in ("#menubar-project", "#menubar-model", "#clock"):
+        box = page.locator(part).bounding_box()
+        assert box and box["y"] + box["height"] <= bar["y"] + bar["height"] + 1, (part, box, bar)
+    assert page.locator("#menubar-project").get_attribute("title").startswith(name)  # the whole name, hovered
+    menu(page, "File", "[data-project-dialog=recent]")
+    dialog = wait_for(page, "#project-dialog").bounding_box()
+    page.screenshot(path=str(ARTIFACTS / "projects-long-name.png"))
+    for part in (".dialog-current", ".recent-project", ".recent-list li"):
+        box = page.locator(f"#project-dialog {part}").first.bounding_box()
+        assert dialog and box and box["x"] + box["width"] <= dialog["x"] + dialog["width"], (
+            part,
+            box,
+            dialog,
+        )
+    path = page.locator(
+        "#project-dialog .recent-list li .muted"
+    ).first.bounding_box()  # its start shows, "…" at its end
+    assert dialog and path and path["x"] < dialog["x"] + dialog["width"] - 60, (path, dialog)
+    page.context.close()
