@@ -416,6 +416,19 @@
   // after Move to Trash of the open conversation the page is /?trashed=ID (the list offers Undo): the
   // address bar says "/" again, so a reload or a bookmark does not offer it once more
   if (location.pathname === "/" && location.search.includes("trashed=")) history.replaceState({}, "", "/");
+  // a request that sends the page elsewhere (Saved Contexts' Resume) may say what it did: the page it goes to
+  // says it in its status bar until the next reply (the conversation alone looked as if nothing had happened)
+  document.body.addEventListener("htmx:beforeOnLoad", (e) => {
+    const xhr = e.detail.xhr;
+    const said = xhr.getResponseHeader("X-Flashcode-Said");
+    if (said && xhr.getResponseHeader("HX-Redirect")) sessionStorage.setItem("flashcode:said", decodeURIComponent(said));
+  });
+  const said = sessionStorage.getItem("flashcode:said");
+  if (said !== null) {
+    sessionStorage.removeItem("flashcode:said");
+    const s = $("#status .status-text");
+    if (s && !generating()) s.textContent = said;
+  }
 
   // ---------------------------------------------------------------- menu bar clock
   function tick() {

@@ -304,3 +304,11 @@ def test_browser_resume_goes_to_the_conversation_and_the_list_stays_reachable(se
         page.wait_for_url(saved_in, timeout=60_000)  # (page.url polled between sleeps never updates)
         connected(page)
         assert page.locator(".msg-assistant").count() == 1 and not page.errors
+        # and it says it resumed (the conversation alone looked as if nothing had happened), until the next reply
+        status = page.locator("#status .status-text").inner_text()
+        assert (
+            status.startswith("Resumed 'hello': ") and "without reading the conversation again" in status
+        ), status
+        page.reload()
+        connected(page)
+        assert page.locator("#status .status-text").inner_text() == "Ready"  # said once

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from jinja2 import Environment
 from starlette.background import BackgroundTask
@@ -245,6 +245,11 @@ class SavedContexts:
                     # the page goes to the conversation whose context is now live (a newcomer typed into the
                     # one open, which started afresh, and missed the link)
                     pane.headers["HX-Redirect"] = f"/c/{conv}"
+                    # and the page it goes to says what was resumed (static/app.js: its status bar), as the
+                    # pane did: the conversation alone looked as if nothing had happened
+                    pane.headers["X-Flashcode-Said"] = quote(
+                        f"{said}. Your next message goes on from it, without reading the conversation again."
+                    )
                 return pane
             return self._pane(request, error=res.message)
         return JSONResponse(
