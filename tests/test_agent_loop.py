@@ -158,6 +158,24 @@ def test_agent_typed_shell_answers_with_its_result_not_a_models_summary(worker, 
     assert "<untrusted" in sent and "hello" in sent and "No such file" in sent, sent
 
 
+def test_agent_typed_shell_says_a_file_in_the_private_tmp_is_gone(worker, fake, project, store) -> None:
+    from webapp.agent import sandbox
+
+    session = make_session(worker, project, store, Approver(ev.Decision.once(), ev.Decision.once()))
+    events = asyncio.run(collect(session, "/shell echo hi > /tmp/flashcode-typed-note.txt"))
+    said = any(
+        n.text.startswith("The command named /tmp/flashcode-typed-note.txt:") for n in of(events, ev.Notice)
+    )
+    assert of(events, ev.ActionExit)[0].exit_code == 0
+    if sandbox.detect().kind == "bubblewrap":
+        assert said and not Path("/tmp/flashcode-typed-note.txt").exists()
+    else:  # another sandbox's /tmp is not emptied: nothing to say
+        Path("/tmp/flashcode-typed-note.txt").unlink(missing_ok=True)
+        assert not said
+    events = asyncio.run(collect(session, "/shell echo hi > kept.txt"))  # in the project: nothing to say
+    assert (project / "kept.txt").exists() and not any("/tmp" in n.text for n in of(events, ev.Notice))
+
+
 def test_agent_shell_always_exact_then_runs_without_asking(worker, fake, project, store) -> None:
     approver = Approver(ev.Decision.always_exact())
     session = make_session(worker, project, store, approver)

@@ -6,6 +6,7 @@ trimming. Commands run as real subprocesses (sandboxed where bubblewrap is avail
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,6 +142,30 @@ def test_toolloop_multi_step_edit_run_answer(fake: FakeBackend, worker: Worker, 
     assert len(results) == 3 and all(r.startswith('<untrusted source="tool ') for r in results)
     assert [r["tool"] for r in s.loop.records] == ["read_file", "edit_file", "run_command"]
     assert s.loop.records[2]["exit_code"] == 0 and s.loop.records[1]["decision"] == "once"
+
+
+def test_toolloop_a_file_written_to_the_private_tmp_is_said_to_be_gone(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """(walkthrough) `touch /tmp/outside91` said exit code 0 and the model answered "executed successfully", of
+    a file the sandbox's private /tmp lost when the command ended. The user and the model are told."""
+    from webapp.agent import sandbox
+
+    marker = Path(f"/tmp/flashcode-tmp-note-{os.getpid()}")
+    fake.enqueue_call("run_command", command=f"touch {marker} && ls {marker}")
+    fake.enqueue("Done.")
+    events = asyncio.run(collect(session(worker, project, Approver(ev.Decision.once())), "make a temp file"))
+    (step,) = of(events, ev.ToolStepDone)
+    assert step.ok and step.exit_code == 0 and str(marker) in step.output  # it was there while it ran
+    notes = [n for n in of(events, ev.Notice) if "/tmp is the command's own" in n.text]
+    if sandbox.detect().kind != "bubblewrap":  # another sandbox's /tmp is not emptied: nothing to say
+        marker.unlink(missing_ok=True)
+        assert not notes
+        return
+    assert not marker.exists()
+    (note,) = notes
+    assert note.text.startswith(f"The command named {marker}:") and "write it in the project" in note.text
+    assert "/tmp is the command's own and was emptied when it ended" in tool_results(fake)[0]
 
 
 def test_toolloop_denial_goes_back_to_the_model(fake: FakeBackend, worker: Worker, project: Path) -> None:

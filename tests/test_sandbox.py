@@ -290,3 +290,29 @@ except sandbox.SandboxUnavailableError as exc:
     assert run(30, 4096) == "rc 0 soft 4096" and (tmp_path / "r7" / "made").exists()
     said = run(30, 30)
     assert said.startswith("refused") and "may open no more files" in said and "ulimit -n" in said, said
+
+
+def test_private_tmp_note_names_the_tmp_paths_a_command_gives() -> None:
+    """Read off the command's text: a path in /tmp as an argument, an option's value or a redirection's target;
+    not /tmpx nor x/tmp/y; and only under bubblewrap (whose /tmp is the command's own)."""
+    from webapp.agent.sandbox import SandboxStatus, private_tmp_note
+
+    bwrap = SandboxStatus(True, "bubblewrap", "")
+    named = {
+        "touch /tmp/a": "/tmp/a",
+        "echo hi >/tmp/b.txt && ls": "/tmp/b.txt",
+        "gcc --out=/tmp/c.o x.c": "/tmp/c.o",
+        "cp x /tmp/": "/tmp",
+        "python3 -c \"open('/tmp/d', 'w')\"": "/tmp/d",
+        "touch /tmp/1 /tmp/2 /tmp/3 /tmp/4": "/tmp/1, /tmp/2, /tmp/3 and 1 more",
+    }
+    for command, shown in named.items():
+        note = private_tmp_note(bwrap, command)
+        assert note is not None and note.startswith(f"The command named {shown}: in the sandbox"), (
+            command,
+            note,
+        )
+    for command in ("ls /tmpx", "cat x/tmp/y", "echo hi 2>/dev/null", "touch made.txt"):
+        assert private_tmp_note(bwrap, command) is None, command
+    assert private_tmp_note(SandboxStatus(True, "sandbox-exec", ""), "touch /tmp/a") is None
+    assert private_tmp_note(SandboxStatus(False, "none", "no bwrap"), "touch /tmp/a") is None

@@ -743,11 +743,14 @@ class ToolLoop:
         if git_before is not None:  # hooks in a new git directory would run at the user's next git
             for warning in await asyncio.to_thread(sandbox.git_warnings, s.project_dir, git_before):
                 yield Notice(warning, "warning")
+        tmp_note = sandbox.private_tmp_note(box, verdict.command)
+        if tmp_note:  # the model is told too: it said "executed successfully" of a file that was gone
+            yield Notice(tmp_note, "warning")
         output = run.transcript() or "(no output)"
         ok = exit_ev.exit_code == 0
         yield ToolResult(
             ok,
-            f"{exit_ev.description}\n{output}",
+            f"{exit_ev.description}\n{output}" + (f"\nNote: {tmp_note}" if tmp_note else ""),
             decided.decision,
             exit_ev.exit_code,
             action_id,

@@ -51,6 +51,7 @@ import errno
 import functools
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -608,6 +609,26 @@ def git_state(project: Path) -> tuple[bool, frozenset[Path]]:
     """Before a command: whether the project has `.git`, and the other git directories in it."""
     project = Path(project).resolve()
     return (project / ".git").exists(), frozenset(planted_git_dirs(project)[0])
+
+
+_TMP_PATH = re.compile(r"""(?:^|[\s=:<>&|;('"])(/tmp(?:/[^\s;|&)'"]*)?)(?=$|[\s;|&)'"])""")
+
+
+def private_tmp_note(status: SandboxStatus, command: str) -> str | None:
+    """After a command whose text names a path in /tmp: what became of it. Under bubblewrap /tmp is the
+    command's own, emptied when it ends: `touch /tmp/x` said exit code 0 and the model "executed successfully",
+    of a file that was gone. None: no such path, or another sandbox. (A hint read off the text: a path built at
+    run time is not seen.)"""
+    if not status.available or status.kind != "bubblewrap":
+        return None
+    named = sorted({m.group(1).rstrip("/") or "/tmp" for m in _TMP_PATH.finditer(command)})
+    if not named:
+        return None
+    shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    return (
+        f"The command named {shown}: in the sandbox, /tmp is the command's own and was emptied when it ended, so "
+        "nothing it wrote there is kept. To keep a file, write it in the project."
+    )
 
 
 def git_warnings(project: Path, before: tuple[bool, frozenset[Path]]) -> list[str]:
