@@ -81,6 +81,16 @@
     if (!title.trim()) return alertBox("Not renamed: a title cannot be empty.");  // it did nothing (walkthrough)
     post(`/c/${id}/rename`, { title: title.trim() });
   }
+  // File › Rename Project…: the project this window shows (its name everywhere: the page is drawn again)
+  async function renameProject() {
+    const label = $("#menubar-project");
+    const pid = ($("#composer [name=project_id]") || {}).value || "";
+    if (!label || !pid || pid === "default") return alertBox("Default is the scratch project and keeps its name: open or create a project to name one.");
+    const name = await ask(`Rename the project “${label.textContent}” to:`, { value: label.textContent, ok: "Rename" });
+    if (name === null) return;  // Cancel
+    if (!name.trim()) return alertBox("Not renamed: a project name cannot be empty.");
+    htmx.ajax("POST", "/projects/rename", { values: { project_id: pid, name: name.trim() }, headers: { "X-CSRF-Token": csrf() }, swap: "none" });
+  }
   async function remove() {
     const id = conversationId();
     if (!id) return alertBox(NONE_OPEN);
@@ -154,7 +164,7 @@
   }
   const click = (sel) => { const b = $(sel); if (b && !b.disabled) b.click(); };
   const actions = {
-    new: newConversation, rename, delete: remove, import: importConversation,
+    new: newConversation, rename, delete: remove, import: importConversation, "rename-project": renameProject,
     "empty-trash": emptyTrash,
     "export-md": () => download("md"), "export-json": () => download("json"),
     stop: () => {  // with nothing being written the item is greyed; chosen all the same, it says so
@@ -176,12 +186,13 @@
       if (navigator.clipboard) navigator.clipboard.writeText(all[all.length - 1].innerText).then(() => done(true), () => done(false));
       else done(false);
     },
-    "clear-input": () => { const p = $("#prompt"); if (p) p.value = ""; },
+    "clear-input": () => { const p = $("#prompt"); if (p) { p.value = ""; keepDraft(""); } },
   };
   // as System 7 does, a menu greys what it cannot do now, set each time a menu opens (chosen all the same, an
   // item says why it did nothing)
   const available = {
     rename: () => !!conversationId(), delete: () => !!conversationId(),
+    "rename-project": () => (($("#composer [name=project_id]") || {}).value || "default") !== "default",
     "export-md": () => !!conversationId(), "export-json": () => !!conversationId(),
     stop: () => generating(),
     regenerate: () => { const b = $("#regenerate-button"); return !!b && !b.disabled; },
@@ -259,6 +270,29 @@
   document.body.addEventListener("htmx:afterSettle", dropStaleUndo);
   document.body.addEventListener("htmx:oobAfterSwap", dropStaleUndo);
 
+  // ---------------------------------------------------------------- drafts
+  // what is typed and not sent stays with its conversation when another is opened, the page reloads or the
+  // server restarts (it was lost): this browser's localStorage, per conversation (per project for a new one),
+  // until it is sent. A draft the server draws (an Edit… copy, one kept by Move to Trash) comes first.
+  function draftKey() {
+    return `flashcode:draft:${conversationId() || `new:${($("#composer [name=project_id]") || {}).value || ""}`}`;
+  }
+  function forget(key) { try { localStorage.removeItem(key); } catch (_) { /* storage off */ } }
+  function keepDraft(text) {
+    try {
+      if (text.trim()) localStorage.setItem(draftKey(), text.slice(0, 65536)); else forget(draftKey());
+    } catch (_) { /* storage full or off: not kept */ }
+  }
+  function restoreDraft() {
+    const p = $("#prompt");
+    if (!p || p.value.trim()) return;
+    let kept = null;
+    try { kept = localStorage.getItem(draftKey()); } catch (_) { /* storage off */ }
+    if (kept) p.value = kept;
+  }
+  document.addEventListener("input", (e) => { if (e.target.id === "prompt") keepDraft(e.target.value); });
+  restoreDraft();  // and each time the chat window is drawn (htmx:afterSwap, below)
+
   // ---------------------------------------------------------------- keyboard
   function focusPrompt() { const p = $("#prompt"); if (p) p.focus(); }
   const newestAlert = () => document.querySelector("#alerts .alert-box:not(.modal):last-child");
@@ -291,11 +325,13 @@
   // The composer keeps a sent message until the server shows it (a refused one, e.g. too long, stays there to
   // be fixed); what was typed meanwhile is never cleared.
   let sent = null;
+  let sentFrom = "";  // the draft key of the conversation it was sent from (a new one gets its id from the send)
   document.body.addEventListener("htmx:wsAfterSend", (e) => {
     let msg = {};
     try { msg = JSON.parse(e.detail.message); } catch (_) { /* not ours */ }
     if (msg.type === "send") {
-      sent = msg.text; stick = true;
+      // no longer a draft: a New pressed before its frame comes must not draw it back (a refusal keeps it, below)
+      sent = msg.text; sentFrom = draftKey(); forget(sentFrom); stick = true;
       // an alert answered an earlier send ("Type a message first"): this one moves on, so they do not pile up
       document.querySelectorAll("#alerts [role=alert]").forEach((a) => a.remove());
     }
@@ -334,6 +370,7 @@
     if (sent !== null && (shown || refused)) {
       const p = $("#prompt");
       if (shown && !refused && p && p.value === sent) p.value = "";
+      if (refused && p && p.value && draftKey() === sentFrom) keepDraft(p.value);  // refused: still a draft
       sent = null;
     }
     syncTitle();
@@ -352,7 +389,7 @@
   });
   document.body.addEventListener("htmx:afterSwap", (e) => {
     const toChat = e.detail.target && e.detail.target.id === "chat-window";
-    if (toChat) { stick = true; follow(); }
+    if (toChat) { stick = true; follow(); restoreDraft(); }
     markSelected(conversationId());
     syncTitle();
     if (toChat) focusWindow($("#chat-window"));  // other windows keep the focus they had

@@ -284,3 +284,50 @@ def test_browser_a_long_project_name_stays_on_one_menu_bar_line_and_inside_its_d
     ).first.bounding_box()  # its start shows, "…" at its end
     assert dialog and path and path["x"] < dialog["x"] + dialog["width"] - 60, (path, dialog)
     page.context.close()
+
+
+def test_browser_rename_project_from_the_file_menu(
+    server,
+    browser,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """(walkthrough) File › Rename… renamed the conversation, and nothing renamed the project. File › Rename
+    Project… asks for the name (the System 7 dialog), and every place that names the project says the new one;
+    a name taken says why; Default keeps its name."""
+    url, _, app = server
+    alpha, beta = tmp_path / "alpha", tmp_path / "beta"
+    alpha.mkdir()
+    beta.mkdir()
+    page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.locator("nav.menubar li[role=menu-item]:has-text('File')").first.click()
+    item = page.locator("nav.menubar [data-action=rename-project]")
+    assert (
+        item.get_attribute("aria-disabled") == "true"
+    )  # greyed on Default; chosen all the same, it says why
+    item.click(force=True)
+    assert "keeps its name" in wait_for(page, "#alerts .alert-box .alert-text").inner_text()
+    page.locator("#alerts .alert-box .alert-ok").click()
+    open_project(page, "new", beta, "Beta")
+    wait_text(page, "#menubar-project", "Beta")
+    open_project(page, "new", alpha, "Alpha")
+    wait_text(page, "#menubar-project", "Alpha")
+
+    def rename_to(name: str) -> None:
+        menu(page, "File", "[data-action=rename-project]")
+        field = wait_for(page, "#alerts .alert-box.modal input")
+        assert field.input_value() == "Alpha"
+        field.fill(name)
+        page.locator("#alerts .alert-box.modal .dialog-ok").click()
+
+    rename_to("Beta")
+    assert "already exists" in wait_for(page, "#alerts [role=alert] .alert-text").inner_text()
+    page.locator("#alerts [role=alert] .alert-ok").click()
+    rename_to("Alpha Two")
+    wait_text(page, "#menubar-project", "Alpha Two")
+    assert page.locator("#chat-project").inner_text() == "Alpha Two"
+    assert app.state.flashcode.projects.current().name == "Alpha Two"
+    assert not errors, errors
+    page.context.close()

@@ -258,3 +258,36 @@ def test_browser_a_command_sent_closes_its_menu_and_leaves_the_title_to_a_real_m
     until(lambda: page.locator("#chat-title").inner_text() == "name a colour", "the title from the message")
     assert page.locator("#conversation-list li.selected").inner_text().startswith("name a colour")
     assert not page.errors, page.errors
+
+
+def test_browser_an_unsent_message_stays_with_its_conversation(fake_server, page) -> None:  # noqa: F811
+    """(walkthrough) Text typed and not sent was lost when another conversation was opened, or the page reloaded
+    (Open WebUI and ChatGPT keep it). It stays with its conversation, and with a new one, until it is sent."""
+    url, _fake = fake_server
+    page.goto(url)
+    page.fill("#prompt", "first message")
+    page.press("#prompt", "Enter")
+    until(lambda: page.locator("#status[data-state=idle]").count() == 1, "the reply", 30)
+    first = page.locator("#conversation-id").input_value()
+    until(lambda: page.locator("#prompt").input_value() == "", "the sent message leaves the box", 30)
+    page.fill("#prompt", "unsent draft 91")
+    page.click("a.new-link")
+    until(lambda: page.locator("#chat-title").inner_text() == "New Conversation", "a new conversation", 30)
+    assert page.locator("#prompt").input_value() == ""  # the draft is the other conversation's
+    page.fill("#prompt", "a new one's draft")
+    page.locator(f'#conversation-list li[data-id="{first}"] a').click()
+    until(lambda: page.locator("#conversation-id").input_value() == first, "the first conversation", 30)
+    until(lambda: page.locator("#prompt").input_value() == "unsent draft 91", "its draft, back", 30)
+    page.reload()
+    until(lambda: page.locator("#prompt").input_value() == "unsent draft 91", "its draft, after a reload", 30)
+    page.press("#prompt", "Enter")  # sent: no longer a draft
+    until(lambda: page.locator(".msg-user").count() == 2, "the draft sent", 30)
+    until(lambda: page.locator("#status[data-state=idle]").count() == 1, "its reply", 30)
+    page.reload()
+    until(lambda: page.locator("#messages").count() == 1, "the page drawn", 30)
+    assert page.locator("#prompt").input_value() == ""
+    page.click("a.new-link")
+    until(
+        lambda: page.locator("#prompt").input_value() == "a new one's draft", "the new conversation's draft"
+    )
+    assert not page.errors, page.errors

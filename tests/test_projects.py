@@ -753,6 +753,13 @@ def test_projects_cli_lists_adds_and_removes(tmp_path: Path) -> None:
         and f"{work.resolve()} was already a project (Dup, renamed from Work)" in again.stderr
     )
     assert _cli(home, "projects", "add", str(work), "--name", "Work").returncode == 0
+    renamed = _cli(
+        home, "projects", "rename", "Work", "Play"
+    )  # (walkthrough) renaming had no command of its own
+    assert renamed.returncode == 0 and renamed.stdout.strip() == f"renamed Work to Play ({work.resolve()})"
+    assert _cli(home, "projects", "rename", "Play", "Work").returncode == 0
+    refused = _cli(home, "projects", "rename", "Default", "Mine")
+    assert refused.returncode == 2 and "keeps its name" in refused.stderr
     (tmp_path / "here").mkdir()
     here = _cli(home, "projects", "add", ".", cwd=tmp_path / "here")  # from where you are
     assert here.returncode == 0, here.stderr
@@ -1046,6 +1053,39 @@ def test_deleting_a_projects_data_needs_a_second_yes(client, two) -> None:
         "/projects/remove", data={"project_id": kept, "delete_data": "off"}, headers={"HX-Request": "true"}
     )
     assert r.headers.get("HX-Redirect") == "/" and projects.get(kept) is None
+
+
+def test_rename_project_renames_the_one_shown_and_says_why_not(client, two) -> None:
+    """(walkthrough) There was no way to rename a project in the page (New Project… with the same folder and
+    another name did it, silently). File › Rename Project… posts here; the page is drawn again."""
+    a, b = two
+    projects = client.app.state.flashcode.projects
+    assert _open(client, b).status_code == 200
+    beta = projects.current().id
+    assert _open(client, a).status_code == 200
+    pid = projects.current().id
+
+    def rename(project_id: str, name: str):
+        return client.post(
+            "/projects/rename", data={"project_id": project_id, "name": name}, headers={"HX-Request": "true"}
+        )
+
+    r = rename(pid, "  My <b>App</b>  ")
+    assert r.status_code == 200 and r.headers.get("HX-Refresh") == "true"
+    assert projects.get(pid).name == "My <b>App</b>"
+    page = client.get("/").text
+    assert "My &lt;b&gt;App&lt;/b&gt;" in page and "My <b>App</b>" not in page
+    taken = rename(pid, projects.get(beta).name)
+    assert taken.status_code == 400 and "already exists" in taken.text
+    for project_id, name, said in [
+        (pid, "   ", "cannot be empty"),
+        (pid, "x" * 81, "at most 80 characters"),
+        ("default", "Mine", "keeps its name"),
+        ("nosuch", "Mine", "no longer on the list"),
+    ]:
+        refused = rename(project_id, name)
+        assert refused.status_code == 400 and said in refused.text, (name, refused.text)
+    assert projects.get(pid).name == "My <b>App</b>"
 
 
 def test_open_recent_lists_a_project_added_from_the_command_line(tmp_path: Path) -> None:

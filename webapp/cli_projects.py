@@ -1,4 +1,4 @@
-"""`flashcode projects [add DIR [--name NAME] | remove NAME [--delete-data]]`, and the `--project
+"""`flashcode projects [add DIR [--name NAME] | move NAME DIR | rename NAME NEW_NAME | remove NAME [--delete-data]]`, and the `--project
 DIR` option of serve, ask, chat (and any command that registers it with `add_project_arg`).
 
 Output of `flashcode projects`: one line per project, tab-separated: name, path, conversations.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import preflight
 from .db import Database
-from .projects.store import ProjectError, ProjectStore, check_apart_from_data, check_directory
+from .projects.store import DEFAULT_ID, ProjectError, ProjectStore, check_apart_from_data, check_directory
 from .render import visible_text
 from .turns import ProjectRef
 from .units import HELP
@@ -64,6 +64,12 @@ def cmd_projects(args: argparse.Namespace) -> int:
                     "stay)"
                 )
             )
+        elif action == "rename":
+            found = _named(store, args.name)
+            if found.id == DEFAULT_ID:
+                raise ProjectError("Default is the scratch project and keeps its name")
+            renamed = store.rename(found.id, args.new_name)
+            print(visible_text(f"renamed {found.name} to {renamed.name} ({renamed.path})"))
         elif action == "remove":
             found = _named(store, args.name)
             store.remove(found.id, delete_data=args.delete_data)
@@ -135,7 +141,9 @@ def enter_project(args: argparse.Namespace) -> Path | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("projects", help="list projects (name, path, conversations); add or remove one")
+    p = sub.add_parser(
+        "projects", help="list projects (name, path, conversations); add, move, rename or remove one"
+    )
     p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
     p.set_defaults(func=cmd_projects, action=None)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
@@ -150,6 +158,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("name", metavar="NAME", help="the project, as listed")
     m.add_argument("dir", metavar="DIR", help="where its folder is now")
     m.set_defaults(func=cmd_projects)
+    n = actions.add_parser("rename", help="give a project another name (its folder is not touched)")
+    n.add_argument("name", metavar="NAME", help="the project, as listed")
+    n.add_argument("new_name", metavar="NEW_NAME", help="its new name")
+    n.set_defaults(func=cmd_projects)
     r = actions.add_parser("remove", help="take a project off the list (its directory is never deleted)")
     r.add_argument("name", metavar="NAME", help="the project, as listed")
     r.add_argument(

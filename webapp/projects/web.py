@@ -24,7 +24,7 @@ from pygments.lexers import TextLexer, guess_lexer_for_filename
 from pygments.util import ClassNotFound
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .files import ATTACH_LIMIT, ATTACH_TOTAL, Entry, FilesError, ProjectTree
@@ -99,6 +99,7 @@ class ProjectsWeb:
             Route("/projects/browse", self.browse),
             Route("/projects/open", self.open_project, methods=["POST"]),
             Route("/projects/remove", self.remove_dialog),
+            Route("/projects/rename", self.rename_project, methods=["POST"]),
             Route("/projects/remove", self.remove_project, methods=["POST"]),
             Route("/files/window", self.files_window),
             Route("/files/list", self.files_list),
@@ -189,6 +190,21 @@ class ProjectsWeb:
                 with contextlib.suppress(OSError):  # written into meanwhile: kept, and the refusal is said
                     made.rmdir()
             raise
+
+    async def rename_project(self, request: Request) -> Response:
+        """POST /projects/rename: `project_id`, `name`. The page is drawn again (HX-Refresh: every place that
+        names the project); a refused name says why (400, plain text: the page's alert)."""
+        form = await request.form()
+        pid = str(form.get("project_id") or "")
+        if pid == DEFAULT_ID:
+            return PlainTextResponse("Default is the scratch project and keeps its name", status_code=400)
+        if self.store.get(pid) is None:
+            return PlainTextResponse("that project is no longer on the list", status_code=400)
+        try:
+            self.store.rename(pid, str(form.get("name") or ""))
+        except ProjectError as exc:
+            return PlainTextResponse(str(exc), status_code=400)
+        return Response(status_code=200, headers={"HX-Refresh": "true"})
 
     async def remove_dialog(self, request: Request) -> HTMLResponse:
         """GET /projects/remove: asks whether to keep or delete flashcode's data for the project."""
