@@ -663,6 +663,14 @@ def test_toolloop_step_cards_render_escaped() -> None:
     assert (
         'id="step-call_x"' in card and "Step 2/25" in card and "&lt;b&gt;.py" in card and "<details>" in card
     )
+    # a long value folds, its start showing (a walkthrough saw only "command 137 characters" of a command)
+    command = "python3 -c 'print(<i>1</i>)' && " + "echo long; " * 20
+    card = views.event(ev.ToolStep(3, "call_y", "run_command", {"command": command}, 25, 0.0))
+    summary = re.search(r"<summary>(.*?)</summary>", card)
+    assert (
+        summary and "python3 -c &#39;print(&lt;i&gt;1&lt;/i&gt;)&#39; &amp;&amp; echo long;" in summary[1]
+    ), card
+    assert summary[1].endswith(f"…</code> ({len(command)} characters)"), summary[1]
     done = views.event(
         ev.ToolStepDone(
             2, "call_x", "run_command", False, "once", "exit code 1\n<script>", "<script>x", 1, 7, 0.4
