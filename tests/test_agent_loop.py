@@ -377,6 +377,17 @@ def test_agent_write_needs_approval_and_shows_a_diff(worker, fake, project, stor
     assert [a.decision for a in store.actions()] == ["once", "deny"]
 
 
+def test_agent_typed_write_ends_the_file_with_a_newline(worker, fake, project, store) -> None:
+    """(walkthrough) A message cannot end in a newline, so /write made files without one ("\\ No newline at end
+    of file" in its diff). A text file ends with one; content that has it keeps just that one."""
+    session = make_session(worker, project, store, Approver(ev.Decision.once(), ev.Decision.once()))
+    events = asyncio.run(collect(session, "/write notes.txt\nline 1\nline 2"))
+    assert "No newline" not in (of(events, ev.Proposal)[0].diff or "")
+    assert (project / "notes.txt").read_text() == "line 1\nline 2\n"
+    asyncio.run(collect(session, "/write notes.txt\nonly\n"))
+    assert (project / "notes.txt").read_text() == "only\n"
+
+
 def test_agent_write_outside_the_project_is_refused(worker, fake, project, store, tmp_path: Path) -> None:
     approver = Approver(ev.Decision.once())
     events = asyncio.run(collect(make_session(worker, project, store, approver), "/write ../escape.txt\nx"))

@@ -334,6 +334,8 @@ class AgentSession:
                 yield ev
         elif name == "write":
             path, _, content = arg.partition("\n")
+            if content and not content.endswith("\n"):  # a message cannot end in a newline: a text file does
+                content += "\n"
             async for ev in self._write(self.files.propose_write, path.strip(), content):
                 yield ev
         else:
