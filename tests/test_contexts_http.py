@@ -179,6 +179,44 @@ def test_contexts_http_errors_are_clear(client):
     )
 
 
+def test_contexts_http_save_makes_a_conversation_just_opened_live_first(
+    tmp_path: Path, default_model
+) -> None:
+    """Save for a conversation whose reply the engine's cache does not hold asks the app to load its automatic
+    save first (`make_live`, as its next reply would); with none to load, it says so."""
+    fake = FakeCacheBackend(default_model)
+    worker = Worker(lambda: fake)
+    db = Database(tmp_path / "flashcode.db")
+    asked: list[str] = []
+    saved_ones: set[str] = set()
+
+    async def make_live(conversation_id: str) -> None:
+        asked.append(conversation_id)
+        if conversation_id in saved_ones:  # as AutoResume loads a conversation's automatic save
+            fake.owner = conversation_id
+
+    settings = Settings(data_dir=tmp_path, load_model=False)
+    csrf = Middleware(CsrfMiddleware, token=TOKEN["x-csrf-token"], allowed_origins=settings.allowed_origins)
+    contexts = SavedContexts(
+        tmp_path, worker, db, make_environment(), live=lambda: fake.owner, make_live=make_live
+    )
+    app = Starlette(routes=contexts.routes, middleware=[csrf])
+    with TestClient(app, base_url=BASE) as c:
+        a = conversation(db, fake, "one conversation")
+        saved_ones.add(a)
+        conversation(db, fake, "another one entirely")  # its reply took the cache
+        r = c.post("/projects/default/contexts", json={"name": "a", "conversation_id": a}, headers=TOKEN)
+        assert r.status_code == 201 and asked == [a], r.text
+        fresh = db.create_conversation("never saved").id
+        db.add_message(fresh, "user", "hi")
+        r = c.post("/projects/default/contexts", json={"name": "f", "conversation_id": fresh}, headers=TOKEN)
+        assert (
+            r.status_code == 409 and "no automatic save to load" in r.json()["error"] and asked == [a, fresh]
+        )
+    worker.close()
+    db.close()
+
+
 def test_contexts_http_resume_runs_on_the_worker_thread(client):
     c, fake, db = client
     conversation(db, fake, "hello")
@@ -258,8 +296,9 @@ def test_contexts_http_mounted_in_the_app(tmp_path, default_model):
 def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path: Path) -> None:
     """The Projects window's Save Context for the conversation just answered, with the real default model
     on MLX in the real app: saved (its cache held the chat's system prompt, which a check that rebuilt the
-    prompt without it refused: 409 every time). After another conversation's reply it is refused with what
-    to do; after its saved context is resumed, saving it works again."""
+    prompt without it refused: 409 every time). After an API request's or another conversation's reply its
+    automatic save is loaded first and saved by name, with its own tokens (it was refused: "send a message
+    first"); after its saved context is resumed, saving it works too."""
     from tests.test_ws import connect, conversation_id, send, until
     from webapp.app import create_app
     from webapp.engine_host import make_loaded_backend
@@ -283,13 +322,15 @@ def test_contexts_http_save_a_chat_conversation_on_mlx(data_dir: Path, tmp_path:
                 assert saved["conversation_id"] == first and saved["token_count"] > 20
                 api = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
                 assert c.post("/v1/chat/completions", json=api).status_code == 200
+                # the cache holds the API request's prompt now: the conversation's automatic save is loaded
+                # first (as its next reply would), and saved by name (it was refused: "send a message first")
                 r = c.post(url, json={"name": "after api", "conversation_id": first}, headers=headers)
-                assert r.status_code == 409, r.text  # the cache holds the API request's prompt now
+                assert r.status_code == 201 and r.json()["token_count"] == saved["token_count"], r.text
                 send(ws, type="send", text="Say bye.", max_tokens=3, temperature=0, conversation_id="")
                 second = conversation_id(until(ws, r'data-state="idle"', limit=400))
             assert second != first
             r = c.post(url, json={"name": "again", "conversation_id": first}, headers=headers)
-            assert r.status_code == 409 and "send a message in this conversation" in r.json()["error"]
+            assert r.status_code == 201 and r.json()["token_count"] == saved["token_count"], r.text
             r = c.post(f"{url}/{saved['id']}/resume", headers=headers)
             assert r.json()["resumed"], r.json()
             r = c.post(url, json={"name": "again", "conversation_id": first}, headers=headers)

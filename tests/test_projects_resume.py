@@ -176,6 +176,48 @@ def test_projects_a_switch_writes_the_previous_save_behind_the_next_reply(
         db.close()
 
 
+def test_projects_a_conversation_just_opened_is_made_live_from_its_save_to_be_saved_by_name(
+    tmp_path: Path, default_model
+) -> None:
+    """(walkthrough) Saved Contexts' Save for a conversation just opened said "the engine's live context is not
+    this conversation's: send a message first", though it had an automatic save. `make_live` loads that save (as
+    its next reply would), and the named save holds the conversation's tokens, not the other one's."""
+    from engine.mlx_backend import MLXBackend
+    from engine.sessions import ContextStore
+
+    def make() -> MLXBackend:
+        b = MLXBackend()
+        b.load(default_model)
+        return b
+
+    worker = Worker(make)
+    worker.on_submit.append(lambda _request: resume.generating())  # as the app wires it
+    db = Database(tmp_path / "f.db")
+    resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+
+    async def run() -> None:
+        a, b = db.create_conversation("a").id, db.create_conversation("b").id
+        db.add_message(a, "system", SYSTEM)
+        await _turn(resume, db, worker, a, "What is 2+2?")
+        held = await worker.acall(lambda be: list(be.prompt_cache.tokens))
+        await _turn(resume, db, worker, b, "Name a colour.")  # a is saved behind b's reply
+        await resume.flush()
+        assert resume.live == b
+        assert await resume.make_live(a) is None and resume.live == a
+        assert await worker.acall(lambda be: list(be.prompt_cache.tokens)) == held
+        await resume.flush()  # b's own save, written behind
+        ctx = await worker.acall(
+            lambda be: ContextStore(tmp_path).save(be, "default", "a by name", conversation_id=a)
+        )
+        assert ctx.token_count == len(held) and ctx.conversation_id == a
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+        db.close()
+
+
 @pytest.mark.llama
 def test_projects_autoresume_llama_same_greedy_tokens_as_reprefill(
     tmp_path: Path, model_home: Path, default_model, monkeypatch: pytest.MonkeyPatch

@@ -162,6 +162,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
         before_resume=resume.save_now,
         after_resume=resume.took_over,
         known_project=lambda project_id: projects.get(project_id) is not None,
+        make_live=resume.make_live,
     )
     api = OpenAIAPI(engine, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)

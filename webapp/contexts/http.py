@@ -116,13 +116,16 @@ class SavedContexts:
         before_resume: Callable[[], Awaitable[None]] | None = None,
         after_resume: Callable[[str | None], None] | None = None,
         known_project: Callable[[str], bool] | None = None,
+        make_live: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         """`live`: the conversation whose reply the engine's cache holds now (None: none, or another kind of
         prompt, as an agent step's); `before_resume` saves that one's changes before a saved context
-        replaces it, `after_resume` says which conversation the cache then holds."""
+        replaces it, `after_resume` says which conversation the cache then holds; `make_live` loads a
+        conversation's automatic save into the engine (as its next reply would) before it is saved by name."""
         self.data_dir, self.worker, self.db = Path(data_dir), worker, db
         self.ui: Any = env.get_template("contexts/pane.html").module
         self.live, self.before_resume, self.after_resume = live, before_resume, after_resume
+        self.make_live = make_live
         self.known_project = known_project  # saving or importing into a project that does not exist: 404
 
     @property
@@ -174,8 +177,9 @@ class SavedContexts:
                     "it, switch the conversation to Chat mode, send a message, then save"
                 )
             raise EngineError(
-                "the engine's live context is not this conversation's (another conversation or an agent "
-                "step ran since its last reply): send a message in this conversation, then save"
+                "the engine's live context is not this conversation's, and it has no automatic save to load (another "
+                "conversation or an agent step ran since its last reply): send a message in this conversation, "
+                "then save"
             )
 
     # ------------------------------------------------------------------ handlers
@@ -209,6 +213,10 @@ class SavedContexts:
         # the window's Save with none open: the engine's cache is another conversation's, and saved it named none
         if not conv and _htmx(request):
             return self._pane(request, error=NONE_OPEN)
+        if conv and self.make_live is not None and self.live is not None and self.live() != conv:
+            # a conversation just opened (after a restart, or another one's reply): its automatic save, if it
+            # has one, is made live first, as its next reply would (Save had said "send a message first")
+            await self.make_live(conv)
 
         def save(backend: Any) -> Any:  # on the worker: after every generation queued before this save
             if conv:

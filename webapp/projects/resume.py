@@ -167,6 +167,11 @@ class AutoResume:
         finally:  # the reply is submitted next, with no await between: generations counted after it are others'
             self._reply_from[conversation_id] = self._submitted
 
+    async def make_live(self, conversation_id: str) -> str | None:
+        """Make the conversation's automatic save the live cache (Save in Saved Contexts, for a conversation
+        just opened), as `before_reply` does, with no reply to follow."""
+        return await self._before_reply(conversation_id)
+
     async def _before_reply(self, conversation_id: str) -> str | None:
         async with self.lock:
             if self.live == conversation_id:
