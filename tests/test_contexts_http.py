@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 from starlette.applications import Starlette
@@ -250,10 +251,15 @@ def test_contexts_http_pane_for_htmx(client):
         and "<script>x" not in r.text
         and "&lt;script&gt;" in r.text
     )
+    # each row says the conversation it came from (a walkthrough could not tell), its title escaped
+    db.rename_conversation(conv, "<i>greeting</i>\u202e")
+    pane = c.get("/projects/default/window", headers={"hx-request": "true"}).text
+    assert f'from <a href="/c/{conv}">“&lt;i&gt;greeting&lt;/i&gt;<mark class="invisible-char"' in pane, pane
     cid = c.get("/projects/default/contexts").json()["contexts"][0]["id"]
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
     assert "Resumed " in r.text and f'href="/c/{conv}"' in r.text
     assert r.headers["hx-redirect"] == f"/c/{conv}"  # the page goes to the conversation now live
+    assert "Your next message goes on from it" in unquote(r.headers["x-flashcode-said"])  # said on that page
     r = c.post(
         f"/projects/default/contexts/{cid}/resume", headers={**hx, "hx-current-url": f"{BASE}/c/{conv}"}
     )
@@ -263,6 +269,10 @@ def test_contexts_http_pane_for_htmx(client):
     assert "hx-redirect" not in r.headers and "its conversation is in the Trash: put it back" in r.text
     assert "Resumed " not in r.text and 'role="alert"' in r.text
     db.delete_conversation(conv)
+    assert (
+        "from a conversation since deleted"
+        in c.get("/projects/default/window", headers={"hx-request": "true"}).text
+    )
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
     assert "hx-redirect" not in r.headers and "its conversation was deleted" in r.text
     assert f'href="/c/{conv}"' not in r.text and "Resumed " not in r.text

@@ -159,7 +159,13 @@ class SavedContexts:
         except EngineError as exc:
             items, usage, error = [], 0, str(exc)
         backend = getattr(getattr(self.worker, "backend", None), "name", None)
-        pane = self.ui.pane(pid, items, usage, store.quota_bytes, note, error, link, precisions(backend))
+        titles = {}  # each context's conversation, by title (the list did not say which it was)
+        for cid in {c.conversation_id for c in items if c.conversation_id}:
+            if (conv := self.db.get_conversation(cid, trashed=True)) is not None:
+                titles[cid] = conv.title
+        pane = self.ui.pane(
+            pid, items, usage, store.quota_bytes, note, error, link, precisions(backend), titles
+        )
         return HTMLResponse(str(pane))
 
     async def window(self, request: Request) -> Response:
