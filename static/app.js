@@ -155,7 +155,8 @@
       const onKey = (e) => { if (e.key === "Escape") { e.stopPropagation(); e.preventDefault(); close(null); } };
       box.querySelector("form").addEventListener("submit", (e) => { e.preventDefault(); close(safe ? null : (input ? input.value : "")); });
       if (safe) box.querySelector(".dialog-ok").addEventListener("click", () => close(""));
-      box.querySelector(".dialog-cancel").addEventListener("click", () => close(null));
+      // (no submit after it: Return on a safe dialog's Cancel submitted a form already removed, and the console said so)
+      box.querySelector(".dialog-cancel").addEventListener("click", (e) => { e.preventDefault(); close(null); });
       document.addEventListener("keydown", onKey, true);
       $("#alerts").appendChild(box);
       (input || box.querySelector(safe ? ".dialog-cancel" : ".dialog-ok")).focus();

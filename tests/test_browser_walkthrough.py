@@ -202,6 +202,16 @@ def test_browser_undo_shows_the_conversation_again_and_empty_trash_drops_the_not
 
     # Empty Trash deletes it for good: its Undo note goes (Undo said "no such conversation in the Trash")
     trash_open_one()
+    console: list[str] = []
+    page.on("console", lambda m: console.append(m.text))
+    menu(page, "Special", "button[data-action=empty-trash]")
+    until(
+        lambda: page.locator(".alert-box.modal .dialog-cancel:focus").count() == 1, "Cancel, the default", 30
+    )
+    page.keyboard.press("Enter")  # Return cancels (it also logged "Form submission canceled…")
+    until(lambda: page.locator(".alert-box.modal").count() == 0, "the dialog closed", 30)
+    assert page.locator("#conversation-list .trash-note").count() == 1
+    assert not [m for m in console if "Form submission" in m], console
     menu(page, "Special", "button[data-action=empty-trash]")
     page.click(".alert-box.modal .dialog-ok")
     until(lambda: page.locator("#trash-pane .trash-status").count() == 1, "the Trash emptied")
