@@ -213,7 +213,7 @@ def test_browser_deleting_a_projects_data_asks_once_more_and_return_cancels(
     wait_text(page, "#menubar-project", "Alpha")
     page.fill("#prompt", "hello there")
     page.press("#prompt", "Enter")
-    wait_for(page, "#status[data-state=idle]")
+    wait_for(page, ".msg-assistant.status-complete")  # (the idle status could be the one before the send)
     parts = app.state.flashcode
     pid = parts.projects.current().id
     assert parts.projects.conversation_counts().get(pid) == 1

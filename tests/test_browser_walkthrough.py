@@ -277,7 +277,8 @@ def test_browser_an_unsent_message_stays_with_its_conversation(fake_server, page
     page.goto(url)
     page.fill("#prompt", "first message")
     page.press("#prompt", "Enter")
-    until(lambda: page.locator("#status[data-state=idle]").count() == 1, "the reply", 30)
+    until(lambda: page.locator(".msg-assistant.status-complete").count() == 1, "the reply", 30)
+    until(lambda: page.locator("#conversation-id").input_value() != "", "its conversation", 30)
     first = page.locator("#conversation-id").input_value()
     until(lambda: page.locator("#prompt").input_value() == "", "the sent message leaves the box", 30)
     page.fill("#prompt", "unsent draft 91")
@@ -292,7 +293,7 @@ def test_browser_an_unsent_message_stays_with_its_conversation(fake_server, page
     until(lambda: page.locator("#prompt").input_value() == "unsent draft 91", "its draft, after a reload", 30)
     page.press("#prompt", "Enter")  # sent: no longer a draft
     until(lambda: page.locator(".msg-user").count() == 2, "the draft sent", 30)
-    until(lambda: page.locator("#status[data-state=idle]").count() == 1, "its reply", 30)
+    until(lambda: page.locator(".msg-assistant.status-complete").count() == 2, "its reply", 30)
     page.reload()
     until(lambda: page.locator("#messages").count() == 1, "the page drawn", 30)
     assert page.locator("#prompt").input_value() == ""
