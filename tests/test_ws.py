@@ -1196,3 +1196,24 @@ def test_a_window_going_elsewhere_just_after_its_reply_ended_gets_that_conversat
     synced = "".join(frames[at:])
     assert 'id="transcript"' in synced and "first reply" in synced and "second reply" not in synced
     assert 'data-state="idle"' in synced
+
+
+def test_ws_commands_that_ask_no_work_stay_out_of_the_models_context(
+    client: TestClient, fake: FakeBackend
+) -> None:
+    """(walkthrough) `/model mlx:smol`, `/help`, `/stats` were sent to the model as the user's words: it answered
+    "Name a fruit." with "Orange:smol". A command that asks for work (`/shell`, `/search`) and its answer stay: the
+    next turn may be about them."""
+    db = client.app.state.flashcode.db
+    with connect(client) as ws:
+        send(ws, type="send", text="one")
+        cid = conversation_id(until(ws, r'data-state="idle"'))
+        for command in ("/model mlx:smol", "/help", "/stats", "/cost"):
+            send(ws, type="send", text=command, conversation_id=cid)
+            until(ws, r'data-state="idle"')
+        send(ws, type="send", text="Name a fruit.", conversation_id=cid)
+        until(ws, r'data-state="idle"')
+    stored = [m.content for m in db.messages(cid) if m.role == "user"]
+    assert "/model mlx:smol" in stored and "/help" in stored  # the transcript keeps them
+    sent = [m["content"] for m in fake.history[-1].messages if m["role"] != "system"]
+    assert sent == ["one", "Hello world.", "Name a fruit."], sent

@@ -172,3 +172,30 @@ class ProjectLookup(Protocol):
         ...
 
     def all(self) -> list[ProjectRef]: ...
+
+
+def is_slash_command(text: str) -> bool:
+    """Whether a message is a slash command (`/stats`, `/model qwen`), not words for the model; `//` at its
+    start is a message that begins with a slash."""
+    stripped = text.lstrip()
+    return stripped.startswith("/") and not stripped.startswith("//")
+
+
+# Commands whose words are the work asked for (`/shell pytest -q`, `/search …`): they name a conversation
+# begun with one, as a message would. The others (/model, /stats, /help, /clear) leave it to the first that does.
+NAMING_COMMANDS = ("search", "shell", "read", "write")
+
+
+def names_conversation(text: str) -> bool:
+    """Whether a first message gives its conversation a title: words for the model, or a command with work."""
+    if not is_slash_command(text):
+        return True
+    words = text.lstrip()[1:].split(None, 1)
+    return len(words) == 2 and words[0].lower() in NAMING_COMMANDS
+
+
+def for_the_model(text: str) -> bool:
+    """Whether a stored user message goes into the model's context: words, or a command that asks for work
+    (`/shell ls`, `/search …`), whose answer follows it. One that asks nothing of the model (`/model mlx:smol`,
+    `/help`, `/stats`) stays in the transcript only: the model copied ":smol" from it into its replies."""
+    return not is_slash_command(text) or names_conversation(text)

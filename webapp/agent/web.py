@@ -33,7 +33,16 @@ from engine.base import SamplingParams
 from ..db import Database
 from ..engine_host import EngineState
 from ..settings import Settings
-from ..turns import NEW_MODE_KEY, PROJECT_REMOVED, ProjectLookup, ProjectRef, ReplyWriter, SlashHandler, Turn
+from ..turns import (
+    NEW_MODE_KEY,
+    PROJECT_REMOVED,
+    ProjectLookup,
+    ProjectRef,
+    ReplyWriter,
+    SlashHandler,
+    Turn,
+    for_the_model,
+)
 from . import events as ev
 from .agent import AgentSession, tools_note
 from .files import FileToolError, ProjectFiles
@@ -196,7 +205,12 @@ class AgentTurns:
         return [
             {"role": m.role, "content": m.content}
             for m in rows[:-1]
-            if m.role in ("user", "assistant") and m.content and m.id > start
+            if m.role in ("user", "assistant")
+            and m.content
+            and m.id > start
+            and (
+                m.role != "user" or for_the_model(m.content)
+            )  # not /model, /help, /stats: the transcript's only
         ]
 
     async def mode_note(self, conversation_id: str | None) -> tuple[str, str]:

@@ -45,10 +45,13 @@ from ..turns import (
     ReplyHook,
     TurnHandler,
     TurnHandlerFactory,
+    for_the_model,
+    is_slash_command,
+    names_conversation,
 )
 from . import protocol as p
 from .pipeline import ReplyStream
-from .transcript import CHAT_MODE_SYSTEM, is_slash_command, make_title, names_conversation
+from .transcript import CHAT_MODE_SYSTEM, make_title
 from .views import PAGE_WIDE_IDS, PAGE_WIDE_PREFIXES, ChatViews, can_regenerate
 
 log = logging.getLogger(__name__)
@@ -915,7 +918,13 @@ class Session:
         return [{"role": "system", "content": system}] + [
             {"role": m.role, "content": m.content}
             for m in db.messages(conversation_id)
-            if m.role in ("user", "assistant", "system") and m.content and m.id > start and m.id != without
+            if m.role in ("user", "assistant", "system")
+            and m.content
+            and m.id > start
+            and m.id != without
+            and (
+                m.role != "user" or for_the_model(m.content)
+            )  # not /model, /help, /stats: the transcript's only
         ]
 
     def _request(

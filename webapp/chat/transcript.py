@@ -163,26 +163,6 @@ class TranscriptViews:
         return str(self.tx.generation_form(conversation_id, values, self.csrf_token, note, inherited))
 
 
-def is_slash_command(text: str) -> bool:
-    """Whether a message is a slash command (`/stats`, `/model qwen`), not words for the model; `//` at its
-    start is a message that begins with a slash."""
-    stripped = text.lstrip()
-    return stripped.startswith("/") and not stripped.startswith("//")
-
-
-# Commands whose words are the work asked for (`/shell pytest -q`, `/search …`): they name a conversation
-# begun with one, as a message would. The others (/model, /stats, /help, /clear) leave it to the first that does.
-NAMING_COMMANDS = ("search", "shell", "read", "write")
-
-
-def names_conversation(text: str) -> bool:
-    """Whether a first message gives its conversation a title: words for the model, or a command with work."""
-    if not is_slash_command(text):
-        return True
-    words = text.lstrip()[1:].split(None, 1)
-    return len(words) == 2 and words[0].lower() in NAMING_COMMANDS
-
-
 def make_title(text: str, limit: int = 60) -> str:
     """A conversation's title from its first message: the first line, cut at a word within `limit`."""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
