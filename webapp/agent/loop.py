@@ -311,6 +311,14 @@ class ToolLoop:
             said += " I ran commands." if to_model else " Commands ran; their output says what they did."
         elif to_model:  # else the 0.5B model said "Then I ran python3 calc.py" when nothing ran
             said += " The commands I ran failed." if ran else " I ran no command."
+        # an MCP server's tools (not ours): "I ran no command" alone led the model to "calc__add did not execute"
+        mcp = [r for r in self.records if r["tool"] not in BY_NAME]
+        if called := list(dict.fromkeys(r["tool"] for r in mcp if r["ok"])):
+            said += (
+                f" I called {', '.join(called)}." if to_model else f" MCP tools called: {', '.join(called)}."
+            )
+        elif mcp and to_model:
+            said += " My MCP tool calls did not work."
         if self.broken:
             said += (
                 f" Not parsing as Python after {'my' if to_model else 'its'} edits: {', '.join(self.broken)}."
