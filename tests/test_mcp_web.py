@@ -80,6 +80,25 @@ def test_settings_lists_approves_adds_disables_and_removes(client: TestClient, p
     assert "was not added" in r.text
     r = client.post("/agent/mcp/add", data={"name": "web", "url": "ftp://example"} | here)
     assert "was not added" in r.text and "http" in r.text
+    # (walkthrough) a command that cannot start was listed "enabled" and failed every turn; a command and a URL
+    # together kept the URL, unsaid
+    refused = {
+        "ghost-cmd-91": "ghost-cmd-91 is not found on PATH",
+        "/nonexistent/cmd": "/nonexistent/cmd is not an executable file",
+        "/tmp/venv91/bin/python": "is under /tmp, which the sandbox gives each server empty",
+    }
+    for command, said in refused.items():
+        r = client.post("/agent/mcp/add", data={"name": "bad", "command": command} | here)
+        assert (
+            f"bad was not added: {command if said.startswith('is') else ''}" in r.text and said in r.text
+        ), r.text
+    r = client.post(
+        "/agent/mcp/add", data={"name": "both", "command": "/bin/true", "url": "http://x/mcp"} | here
+    )
+    assert "both was not added: give a command" in r.text and "not both" in r.text
+    r = client.post("/agent/mcp/add", data={"name": "envy", "command": "true", "env": "NOEQUALS"} | here)
+    assert "envy was not added: environment lines are NAME=value" in r.text
+    assert not {"bad", "both", "envy"} & {s.name for s in mstore.servers(project_id, project).servers}
     # disable, enable, remove; a tool rule listed and removed
     r = client.post("/agent/mcp/calc/enable", data={"enabled": "off"} | here)
     assert 'id="mcp-server-calc" data-status="disabled"' in r.text

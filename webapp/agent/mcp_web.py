@@ -16,6 +16,9 @@ What it knows: URLs and forms. What it does not know: SQL (`mcp_store.McpStore`)
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment
@@ -27,6 +30,26 @@ from ..turns import ProjectLookup, ProjectRef
 from .mcp import McpServers, shared
 from .mcp_config import McpConfigError
 from .mcp_store import McpStore
+
+
+def command_problem(command: str, project: Path | None) -> str | None:
+    """Why a stdio server's command cannot start, as far as can be told before it runs (None: it may). It runs in
+    the sandbox, where /tmp is its own and empty: one installed there was listed "enabled" and failed every turn
+    ("bwrap: execvp …: No such file or directory")."""
+    if not command:
+        return None  # the config's own check says what is missing
+    if "/" in command:
+        path = Path(
+            os.path.abspath(Path(project or Path.cwd()) / command)
+        )  # an absolute command stays itself
+        inside = project is not None and path.is_relative_to(Path(os.path.abspath(project)))
+        if path.is_relative_to("/tmp") and not inside:  # the project itself is there, when it lies in /tmp
+            return (
+                f"{command} is under /tmp, which the sandbox gives each server empty: install the server elsewhere "
+                "(in the project, or your home)"
+            )
+        return None if os.access(path, os.X_OK) and path.is_file() else f"{command} is not an executable file"
+    return None if shutil.which(command) else f"{command} is not found on PATH: give its full path"
 
 
 class McpWeb:
@@ -86,19 +109,29 @@ class McpWeb:
             return await self._html(f"Not added: {self.STALE} add it again")
         name = str(form.get("name") or "").strip()
         url = str(form.get("url") or "").strip()
+        command = str(form.get("command") or "").strip()
+        not_added = f"{name or 'the server'} was not added:"
+        ref = self.current()
+        if url and command:  # the command was dropped, unsaid, and the server taken for an http one
+            return await self._html(
+                f"{not_added} give a command (a server it starts) or a URL (one running), not both"
+            )
         if url:
             entry: dict[str, Any] = {"type": "http", "url": url}
         else:
+            if problem := command_problem(command, ref.path):
+                return await self._html(f"{not_added} {problem}")
             args = [a.strip() for a in str(form.get("args") or "").splitlines() if a.strip()]
             env: dict[str, str] = {}
             for line in str(form.get("env") or "").splitlines():
                 if line.strip():
                     key, sep, value = line.strip().partition("=")
                     if not sep or not key:
-                        return await self._html(f"environment lines are NAME=value: {line.strip()[:60]!r}")
+                        return await self._html(
+                            f"{not_added} environment lines are NAME=value: {line.strip()[:60]!r}"
+                        )
                     env[key.strip()] = value
-            entry = {"command": str(form.get("command") or "").strip(), "args": args, "env": env}
-        ref = self.current()
+            entry = {"command": command, "args": args, "env": env}
         try:
             self.store.add(ref.id, name, entry)
         except McpConfigError as exc:
