@@ -365,11 +365,16 @@ def test_agent_write_needs_approval_and_shows_a_diff(worker, fake, project, stor
     assert (
         proposal.typed and "You asked to write this file (/write)" in dialog and "agent wants" not in dialog
     )
+    assert 'data-field="keys"' not in dialog  # a typed command's turn ends at its answer
     # the agent's: a new file, or one that exists (a walkthrough's write replaced main.py, asked for hello.py,
     # and the dialog read the same as for a new file)
     views = AgentViews(make_environment())
     made = dataclasses.replace(proposal, typed=False, diff="--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+x\n")
     assert "The agent wants to create this new file:" in views.approval_dialog(made, "d2")
+    # (walkthrough) Esc denied the call and the model asked again, where the README says Esc stops a reply
+    assert "Return or Esc denies this call, and the model may try another" in views.approval_dialog(
+        made, "d2"
+    )
     changed = views.approval_dialog(dataclasses.replace(proposal, typed=False), "d3")
     assert "The agent wants to change this existing file (the lines it removes are marked -):" in changed
     events = asyncio.run(collect(session, "/write hello.txt\nhello world\n"))
