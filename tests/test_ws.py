@@ -1217,3 +1217,27 @@ def test_ws_commands_that_ask_no_work_stay_out_of_the_models_context(
     assert "/model mlx:smol" in stored and "/help" in stored  # the transcript keeps them
     sent = [m["content"] for m in fake.history[-1].messages if m["role"] != "system"]
     assert sent == ["one", "Hello world.", "Name a fruit."], sent
+
+
+def test_ws_model_command_takes_an_engine_before_the_name(client: TestClient, monkeypatch) -> None:
+    """(walkthrough) `/model mlx:smol` said "model 'mlx:smol' not found": `BACKEND:NAME`, as the API takes it,
+    picks the engine too; a name with another colon is a name."""
+    engine = client.app.state.flashcode.engine
+    asked: list[tuple[str, str]] = []
+
+    async def switch(backend: str, model: str) -> None:
+        asked.append((backend, model))
+
+    monkeypatch.setattr(engine, "switch", switch)
+    with connect(client) as ws:
+        for text in (
+            "/model mlx:smol",
+            "/model flash: qwen",
+            "/model smol",
+            "/model odd:name",
+            "/model llama:",
+        ):
+            send(ws, type="send", text=text, mode="agent")
+            until(ws, r'data-state="idle"')
+    here = engine.backend or "mlx"
+    assert asked == [("mlx", "smol"), ("flash", "qwen"), (here, "smol"), (here, "odd:name"), (here, "llama:")]

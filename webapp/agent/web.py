@@ -29,6 +29,7 @@ from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
 from engine.base import SamplingParams
+from engine.registry import BACKENDS
 
 from ..db import Database
 from ..engine_host import EngineState
@@ -287,8 +288,13 @@ class AgentTurns:
         engine, turn = self.web.engine, self._turn
         assert turn is not None
         failed = None
+        backend, sep, model = name.partition(":")
+        if not (
+            sep and backend in BACKENDS and model.strip()
+        ):  # `BACKEND:NAME`, as the API takes it, picks both
+            backend, model = engine.backend or "mlx", name
         try:
-            await engine.switch(engine.backend or "mlx", name)
+            await engine.switch(backend, model.strip())
         except Exception as exc:  # noqa: BLE001 - shown; the engine keeps or restores a model
             failed = f"Could not load {name}: {exc}"
         else:
