@@ -145,6 +145,7 @@ def test_chat_streams_and_exits(model_home):
     assert "bot> " in proc.stdout and "Paris" in proc.stdout
     # /help and a web app command are answered here, not sent to the model (it answered "/help" as a question)
     assert proc.stdout.count("bot> ") == 1, proc.stdout
+    assert "you>" not in proc.stdout and proc.stdout.startswith("bot> ")  # piped: no prompt before each reply
     assert proc.stderr.count("Commands: /clear") == 2 and "/model is not a command here" in proc.stderr
 
 

@@ -502,10 +502,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         "Ctrl-C stops a reply, /help says so again.",
         file=sys.stderr,
     )
+    prompt = (
+        "you> " if sys.stdin.isatty() else ""
+    )  # piped input: each reply on its own line, not "you> bot> …"
     try:
         while True:
             try:
-                line = input("you> ")
+                line = input(prompt)
             except EOFError:
                 print()
                 return 0
