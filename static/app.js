@@ -5,6 +5,8 @@
   const $ = (sel, root) => (root || document).querySelector(sel);
   const csrf = () => JSON.parse(document.body.getAttribute("hx-headers") || "{}")["X-CSRF-Token"];
   const conversationId = () => ($("#conversation-id") || {}).value || "";
+  // the project this window shows (another window, or `flashcode ask --project`, may have opened another)
+  const shownProject = () => ($('#composer input[name="project_id"]') || {}).value || "";
   const generating = () => ($("#status") || {}).dataset?.state === "generating";
 
   // ---------------------------------------------------------------- windows
@@ -53,8 +55,7 @@
 
   // ---------------------------------------------------------------- actions
   function newConversation() {
-    // in the project this window shows (another window, or `flashcode ask --project`, may have opened another)
-    const shown = ($('#composer input[name="project_id"]') || {}).value || "";
+    const shown = shownProject();  // the window's, not necessarily the one open now
     const url = shown ? `/?project=${encodeURIComponent(shown)}` : "/";
     htmx.ajax("GET", url, { target: "#chat-window", swap: "outerHTML" }).then(() => {
       history.pushState({}, "", "/");
@@ -84,7 +85,7 @@
   // File › Rename Project…: the project this window shows (its name everywhere: the page is drawn again)
   async function renameProject() {
     const label = $("#menubar-project");
-    const pid = ($("#composer [name=project_id]") || {}).value || "";
+    const pid = shownProject();
     if (!label || !pid || pid === "default") return alertBox("Default is the scratch project and keeps its name: open or create a project to name one.");
     const name = await ask(`Rename the project “${label.textContent}” to:`, { value: label.textContent, ok: "Rename" });
     if (name === null) return;  // Cancel
@@ -193,7 +194,7 @@
   // item says why it did nothing)
   const available = {
     rename: () => !!conversationId(), delete: () => !!conversationId(),
-    "rename-project": () => (($("#composer [name=project_id]") || {}).value || "default") !== "default",
+    "rename-project": () => (shownProject() || "default") !== "default",
     "export-md": () => !!conversationId(), "export-json": () => !!conversationId(),
     stop: () => generating(),
     regenerate: () => { const b = $("#regenerate-button"); return !!b && !b.disabled; },
@@ -276,7 +277,7 @@
   // server restarts (it was lost): this browser's localStorage, per conversation (per project for a new one),
   // until it is sent. A draft the server draws (an Edit… copy, one kept by Move to Trash) comes first.
   function draftKey() {
-    return `flashcode:draft:${conversationId() || `new:${($("#composer [name=project_id]") || {}).value || ""}`}`;
+    return `flashcode:draft:${conversationId() || `new:${shownProject()}`}`;
   }
   function forget(key) { try { localStorage.removeItem(key); } catch (_) { /* storage off */ } }
   function keepDraft(text) {
