@@ -114,15 +114,28 @@ def _scenario(tmp_path: Path, worker: Worker) -> list[str]:
     return metas
 
 
-def test_projects_autoresume_mlx_same_greedy_tokens_as_reprefill(tmp_path: Path, default_model) -> None:
+def _mlx_worker(model) -> Worker:
+    """A worker owning the default model on MLX, as the app's."""
     from engine.mlx_backend import MLXBackend
 
     def make() -> MLXBackend:
         b = MLXBackend()
-        b.load(default_model)
+        b.load(model)
         return b
 
-    worker = Worker(make)
+    return Worker(make)
+
+
+def _wired(tmp_path: Path, worker: Worker) -> tuple[Database, AutoResume]:
+    """A database and the AutoResume the app makes, told of every generation queued, as the app wires it."""
+    db = Database(tmp_path / "f.db")
+    resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+    worker.on_submit.append(lambda _request: resume.generating())
+    return db, resume
+
+
+def test_projects_autoresume_mlx_same_greedy_tokens_as_reprefill(tmp_path: Path, default_model) -> None:
+    worker = _mlx_worker(default_model)
     try:
         metas = _scenario(tmp_path, worker)
     finally:
@@ -139,17 +152,8 @@ def test_projects_a_switch_writes_the_previous_save_behind_the_next_reply(
     """Switching conversation saved the previous one's cache before the new reply could start (20-35 ms of
     every switch's first token, bench/websocket.py). MLX: the reply waits only for a copy of the cache; the
     file is written behind the reply, and holds the previous conversation's tokens, not the new reply's."""
-    from engine.mlx_backend import MLXBackend
-
-    def make() -> MLXBackend:
-        b = MLXBackend()
-        b.load(default_model)
-        return b
-
-    worker = Worker(make)
-    worker.on_submit.append(lambda _request: resume.generating())  # as the app wires it
-    db = Database(tmp_path / "f.db")
-    resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+    worker = _mlx_worker(default_model)
+    db, resume = _wired(tmp_path, worker)
     order: list[tuple[str, str]] = []
     resume.on_event = lambda kind, cid: order.append((kind, cid))
 
@@ -182,18 +186,10 @@ def test_projects_a_conversation_just_opened_is_made_live_from_its_save_to_be_sa
     """(walkthrough) Saved Contexts' Save for a conversation just opened said "the engine's live context is not
     this conversation's: send a message first", though it had an automatic save. `make_live` loads that save (as
     its next reply would), and the named save holds the conversation's tokens, not the other one's."""
-    from engine.mlx_backend import MLXBackend
     from engine.sessions import ContextStore
 
-    def make() -> MLXBackend:
-        b = MLXBackend()
-        b.load(default_model)
-        return b
-
-    worker = Worker(make)
-    worker.on_submit.append(lambda _request: resume.generating())  # as the app wires it
-    db = Database(tmp_path / "f.db")
-    resume = AutoResume(tmp_path, worker, db, idle_s=3600)
+    worker = _mlx_worker(default_model)
+    db, resume = _wired(tmp_path, worker)
 
     async def run() -> None:
         a, b = db.create_conversation("a").id, db.create_conversation("b").id
