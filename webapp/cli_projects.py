@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import preflight
 from .db import Database
-from .projects.store import DEFAULT_ID, ProjectError, ProjectStore, check_apart_from_data, check_directory
+from .projects.store import ProjectError, ProjectStore, check_apart_from_data, check_directory
 from .render import visible_text
 from .turns import ProjectRef
 from .units import HELP
@@ -66,8 +66,6 @@ def cmd_projects(args: argparse.Namespace) -> int:
             )
         elif action == "rename":
             found = _named(store, args.name)
-            if found.id == DEFAULT_ID:
-                raise ProjectError("Default is the scratch project and keeps its name")
             renamed = store.rename(found.id, args.new_name)
             print(visible_text(f"renamed {found.name} to {renamed.name} ({renamed.path})"))
         elif action == "remove":

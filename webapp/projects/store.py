@@ -359,6 +359,8 @@ class ProjectStore:
             raise ProjectError(f"a project named {name!r} already exists ({other.path}): pick another name")
 
     def rename(self, project_id: str, name: str) -> ProjectRef:
+        if project_id == DEFAULT_ID:  # the page's Rename Project… and `flashcode projects rename` alike
+            raise ProjectError("Default is the scratch project and keeps its name")
         final = clean_name(name)
         self._check_name_free(final, project_id)
         self.conn.execute("UPDATE projects SET name = ? WHERE id = ?", (final, project_id))

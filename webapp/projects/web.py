@@ -196,8 +196,6 @@ class ProjectsWeb:
         names the project); a refused name says why (400, plain text: the page's alert)."""
         form = await request.form()
         pid = str(form.get("project_id") or "")
-        if pid == DEFAULT_ID:
-            return PlainTextResponse("Default is the scratch project and keeps its name", status_code=400)
         if self.store.get(pid) is None:
             return PlainTextResponse("that project is no longer on the list", status_code=400)
         try:
