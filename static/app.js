@@ -434,7 +434,8 @@
   document.body.addEventListener("htmx:confirm", (e) => {
     if (!e.detail.question) return;
     e.preventDefault();
-    ask(e.detail.question, { ok: /^Delete\b/.test(e.detail.question) ? "Delete" : "OK", safe: true }).then((answer) => { if (answer !== null) e.detail.issueRequest(true); });
+    const ok = e.detail.elt.dataset.confirmOk || (/^Delete\b/.test(e.detail.question) ? "Delete" : "OK");  // the verb that acts
+    ask(e.detail.question, { ok, safe: true }).then((answer) => { if (answer !== null) e.detail.issueRequest(true); });
   });
   // a form the server refused draws the form again with why (400 with HTML: Settings' allow rules, Stats'
   // prices): swapped in like an answer, not an error

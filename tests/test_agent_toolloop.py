@@ -1167,6 +1167,7 @@ def test_toolloop_cli_json(
         "answer",
         "steps",
         "changed_files",
+        "writes",
         "broken_files",
         "stats",
     }

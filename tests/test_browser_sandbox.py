@@ -129,3 +129,35 @@ def test_browser_a_change_hides_nothing_past_its_box(project, fake_server, page)
     wait_for(page, ".action-decision:has-text('Denied')")
     assert not (project / "Makefile").exists()
     assert not page.errors, page.errors
+
+
+def test_browser_undo_puts_back_what_a_write_replaced(project, fake_server, page) -> None:  # noqa: F811
+    """A walkthrough's agent overwrote the wrong file, and nothing kept what it held. A write's card offers
+    Undo; it asks first (Cancel the default: Return keeps the write), then puts the earlier text back; the card
+    says undone, after a reload too."""
+    url, _fake = fake_server
+    (project / "notes.txt").write_text("the user's notes\n")
+    page.goto(url)
+    page.fill("#prompt", "/write notes.txt\nthe agent's text")
+    page.press("#prompt", "Enter")
+    wait_for(page, ".agent-approval").locator("button[data-choice=once]").click()
+    undo = wait_for(page, "button.undo-write")
+    assert (project / "notes.txt").read_text() == "the agent's text\n"
+    undo.click()
+    confirm = wait_for(page, "#alerts .dialog-ok")
+    assert confirm.inner_text() == "Undo"
+    page.keyboard.press("Enter")  # the default button is Cancel
+    for _ in range(20):
+        if not page.locator("#alerts .dialog-ok").count():
+            break
+        time.sleep(0.1)
+    assert (project / "notes.txt").read_text() == "the agent's text\n"
+    page.locator("button.undo-write").click()
+    wait_for(page, "#alerts .dialog-ok").click()
+    wait_for(page, ".undo-change:has-text('undone')")
+    wait_for(page, ".agent-notice:has-text('it holds its earlier text again')")
+    assert (project / "notes.txt").read_text() == "the user's notes\n"
+    page.reload()
+    wait_for(page, ".undo-change:has-text('undone')")
+    assert not page.locator("button.undo-write").count()
+    assert not page.errors, page.errors

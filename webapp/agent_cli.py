@@ -184,9 +184,12 @@ def _progress(e: ev._Event) -> None:
 async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     answer, finish, stats, error, stalled = "", None, {}, None, ""
+    writes: list[dict[str, Any]] = []  # each write's id, for `flashcode changes undo ID`
     async for e in session.run_turn(task):
         if isinstance(e, ev.StepLimitReached):
             stalled = e.why
+        if isinstance(e, ev.FileWritten):
+            writes.append({"id": e.action_id, "path": e.path})
         if echo:
             _progress(e)
             if isinstance(e, ev.AnswerDelta):
@@ -201,6 +204,7 @@ async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[s
         "answer": answer,
         "steps": list(loop.records) if loop else [],
         "changed_files": list(dict.fromkeys(loop.written)) if loop else [],
+        "writes": writes,  # in order; each can be undone: `flashcode changes undo ID`
         # .py files that parsed before its edits, not after
         "broken_files": dict(loop.broken) if loop else {},
         "stats": {
@@ -367,6 +371,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
             ),
             file=sys.stderr,
         )
+        if result["writes"]:  # --approve all wrote without a look: each write can be taken back
+            ids = ", ".join(f"{w['id']} ({w['path']})" for w in result["writes"])
+            print(
+                visible_text(f"flashcode: to undo a write: flashcode changes undo ID (writes: {ids})"),
+                file=sys.stderr,
+            )
         for path, why in result["broken_files"].items():
             print(
                 visible_text(f"flashcode: {path} does not parse as Python ({why}) after the agent's edits"),

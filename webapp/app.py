@@ -167,7 +167,7 @@ def create_app(settings: Settings | None = None, worker: Worker | None = None) -
     api = OpenAIAPI(engine, stats.record_api_reply)
     views = ChatViews(env, db, engine, settings, csrf_token, projects=projects)
     pages = ChatPages(db, engine, views)
-    views.render_event = agent.views.stored  # the transcript replays the agent's logged events
+    views.render_event = agent.render_stored  # the transcript replays the agent's logged events
     pages.import_event = agent.views.importable  # an imported conversation's events, checked
     pages.on_deleted = resume.forget_deleted  # a conversation deleted for good takes its saved cache along
     views.slash_commands = tuple(

@@ -29,7 +29,7 @@ from engine.models import DEFAULT_MODEL, human_size
 from engine.placement import is_gguf_path
 from engine.sessions import ContextStore
 
-from . import agent_cli, cli_bench, cli_conversations, cli_projects, preflight
+from . import agent_cli, cli_bench, cli_changes, cli_conversations, cli_projects, preflight
 from .db import remembered_model, storage_problem
 from .doctor import doctor_report, format_report, model_problem
 from .engine_host import backend_options, make_loaded_backend, place_model, resolve_backend
@@ -63,6 +63,7 @@ SUBCOMMANDS = (  # each adds its parsers
     agent_cli.register,
     cli_projects.register,
     cli_conversations.register,
+    cli_changes.register,
 )
 
 

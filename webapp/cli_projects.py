@@ -165,6 +165,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--delete-data",
         action="store_true",
-        help="also delete flashcode's data for it, for good (conversations, the Trash's too, rules, stats, saved contexts)",
+        help="also delete flashcode's data for it, for good (conversations, the Trash's too, rules, stats, saved contexts, the earlier text of files the agent changed)",
     )
     r.set_defaults(func=cmd_projects)

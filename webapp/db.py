@@ -5,7 +5,8 @@ database (WAL, foreign keys), and the conversation and message queries. Tables a
 
     conversations, messages            webapp.db (this module), for the chat
     agent_allow_rules, agent_actions,  webapp.agent.store
-    agent_project_settings
+    agent_project_settings,
+    agent_file_changes
     stats_replies, stats_grades,       webapp.stats.store
     stats_bench_runs
     projects                           webapp.projects.store (conversations.project_id: this module)
@@ -278,6 +279,25 @@ MIGRATIONS: list[Migration] = [
         (
             "ALTER TABLE conversations ADD COLUMN trashed_at REAL",
             "CREATE INDEX conversations_by_trash ON conversations(trashed_at)",
+        ),
+    ),
+    # what a file the agent's file tools wrote held before, so the write can be undone (`agent_actions.id`
+    # of the write); the text it left is kept as a hash: an undo goes ahead only while the file still holds it
+    Migration(
+        10,
+        "earlier text of the files the agent changed",
+        (
+            """CREATE TABLE agent_file_changes (
+            action_id INTEGER PRIMARY KEY,
+            project TEXT NOT NULL,
+            conversation_id TEXT,
+            path TEXT NOT NULL,                        -- relative to the project's folder
+            before TEXT,                               -- NULL: the write made the file
+            after_sha256 TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            undone_at REAL
+        )""",
+            "CREATE INDEX agent_file_changes_by_project ON agent_file_changes (project, created_at)",
         ),
     ),
 ]

@@ -558,7 +558,10 @@ class AgentSession:
             yield Notice(str(exc), "error")
             return
         self.store.record_result(action_id, None, "written")
-        yield FileWritten(action_id, change.path)
+        self.store.record_file_change(
+            action_id, self.project, self.conversation_id, change.path, change.old, change.new
+        )
+        yield FileWritten(action_id, change.path, undo="offer")
 
     # ------------------------------------------------------------------ approval
     def sandbox_policy(self) -> sandbox.SandboxPolicy:

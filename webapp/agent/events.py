@@ -231,6 +231,9 @@ class FileShown(_Event):
 class FileWritten(_Event):
     action_id: int
     path: str
+    # "offer": its earlier text is kept and the card offers Undo; "done": undone since; "": no undo (written
+    # before flashcode kept earlier text). A logged one is drawn with the state the database has now.
+    undo: str = ""
     type: str = "file_written"
 
 

@@ -9,7 +9,9 @@ How a write stays inside: at apply time every folder from the root down is opene
 following symlinks (O_NOFOLLOW, one `openat` per name), the target is opened the same way and must
 be a regular file with one link (a hard link would share its contents with a file elsewhere) whose
 text is still the diff's, and the new text goes to a temp file in that folder that is renamed
-over the name: a symlink swapped in after the check is replaced, never followed. Bad paths (NUL
+over the name: a symlink swapped in after the check is replaced, never followed. An undo (`undo`)
+puts back what a write replaced, or removes the file it made, the same way, only while the file
+still holds what the write left. Bad paths (NUL
 bytes, names past the system's limits, symlink loops, deep nesting) raise `FileToolError` with a
 message, never anything else.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -383,6 +386,40 @@ class ProjectFiles:
             finally:
                 os.close(dfd)
 
+    def undo(self, path: str, before: str | None, after_sha256: str) -> None:
+        """Put back what a write replaced: `before` (None: the write made the file, which is removed), only while
+        the file still holds the text the write left (its hash, `after_sha256`); checked on descriptors, as
+        `apply` checks. Else `StaleChange` says why and nothing is written."""
+        full = self.resolve(path)
+        self._writable(full, path)
+        parts = full.relative_to(self.root).parts
+        if not parts:
+            raise FileToolError("cannot write the project directory itself")
+        with _os_errors(path):
+            dfd = self._open_dir(parts[:-1])
+            if dfd is None:
+                raise StaleChange(
+                    f"{shown(path)} is gone (its folder was removed since): nothing was put back"
+                )
+            try:
+                fd = self._open_file(dfd, parts[-1], path)
+                if fd is None:
+                    raise StaleChange(
+                        f"{shown(path)} is gone (removed since the write): nothing was put back"
+                    )
+                current = self._text(fd, path)[0]
+                if text_sha256(current) != after_sha256:
+                    raise StaleChange(
+                        f"{shown(path)} changed since that write (by you, a command, or a later change of the "
+                        "agent's): nothing was put back. Undo the later changes first, newest first"
+                    )
+                if before is None:
+                    os.unlink(parts[-1], dir_fd=dfd)
+                else:
+                    self._replace(dfd, parts[-1], FileChange(path, current, before, ""))
+            finally:
+                os.close(dfd)
+
     def _replace(self, dfd: int, name: str, change: FileChange) -> None:
         fd = self._open_file(dfd, name, change.path)
         current, mode = (None, None) if fd is None else self._text(fd, change.path)
@@ -406,6 +443,11 @@ class ProjectFiles:
             except FileNotFoundError:
                 pass
             raise
+
+
+def text_sha256(text: str) -> str:
+    """What an undo compares a file's text with (the text a write left is kept as this hash)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def unified_diff(path: str, old: str | None, new: str) -> str:

@@ -693,7 +693,10 @@ class ToolLoop:
         s.files.apply(change)
         self.written.append(change.path)
         s.store.record_result(action_id, None, "written")
-        yield FileWritten(action_id, change.path)
+        s.store.record_file_change(
+            action_id, s.project, s.conversation_id, change.path, change.old, change.new
+        )
+        yield FileWritten(action_id, change.path, undo="offer")
         verb = "created" if change.old is None else "changed"
         said = f"{change.path} {verb}."
         if (broke := python_broken(change)) is not None:  # the 0.5B model's edits left `def (name):`

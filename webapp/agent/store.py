@@ -1,8 +1,8 @@
 """The agent's rows in SQLite: per-project allow rules and network switch, and every proposal with
 its decision (the audit trail).
 
-What it knows: the queries on `agent_allow_rules`, `agent_actions` and `agent_project_settings`
-(their schema is in `webapp.db`'s migration list). What it does not know: the policy (`shell.py`)
+What it knows: the queries on `agent_allow_rules`, `agent_actions`, `agent_project_settings` and
+`agent_file_changes` (their schema is in `webapp.db`'s migration list). What it does not know: the policy (`shell.py`)
 and the UI. Calls are short and synchronous.
 """
 
@@ -12,7 +12,23 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
+from .files import text_sha256
 from .shell import Rule, RuleKind, validate_rule
+
+
+@dataclass(frozen=True)
+class FileChangeRecord:
+    """A write of the agent's file tools, as undo needs it: the file's text before (None: the write made the
+    file) and a hash of the text the write left."""
+
+    action_id: int
+    project: str
+    conversation_id: str | None
+    path: str
+    before: str | None
+    after_sha256: str
+    created_at: float
+    undone_at: float | None
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,46 @@ class AgentStore:
         self.conn.execute(
             "UPDATE agent_actions SET exit_code = ?, outcome = ?, finished_at = ? WHERE id = ?",
             (exit_code, outcome, time.time(), action_id),
+        )
+        self.conn.commit()
+
+    # ------------------------------------------------------------------ earlier text of written files
+    _CHANGE_COLUMNS = "action_id, project, conversation_id, path, before, after_sha256, created_at, undone_at"
+
+    def record_file_change(
+        self,
+        action_id: int,
+        project: str,
+        conversation_id: str | None,
+        path: str,
+        before: str | None,
+        after: str,
+    ) -> None:
+        """Keep what a write replaced (`before`; None: it made the file), so that it can be undone."""
+        self.conn.execute(
+            f"INSERT OR REPLACE INTO agent_file_changes ({self._CHANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
+            (action_id, project, conversation_id, path, before, text_sha256(after), time.time()),
+        )
+        self.conn.commit()
+
+    def file_change(self, action_id: int) -> FileChangeRecord | None:
+        row = self.conn.execute(
+            f"SELECT {self._CHANGE_COLUMNS} FROM agent_file_changes WHERE action_id = ?", (action_id,)
+        ).fetchone()
+        return FileChangeRecord(*row) if row else None
+
+    def file_changes(self, project: str, limit: int = 50) -> list[FileChangeRecord]:
+        """The project's file changes, newest first."""
+        rows = self.conn.execute(
+            f"SELECT {self._CHANGE_COLUMNS} FROM agent_file_changes WHERE project = ? "
+            "ORDER BY action_id DESC LIMIT ?",
+            (project, limit),
+        ).fetchall()
+        return [FileChangeRecord(*row) for row in rows]
+
+    def mark_undone(self, action_id: int) -> None:
+        self.conn.execute(
+            "UPDATE agent_file_changes SET undone_at = ? WHERE action_id = ?", (time.time(), action_id)
         )
         self.conn.commit()
 

@@ -22,10 +22,11 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from jinja2 import Environment
 from starlette.requests import Request
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from engine.base import SamplingParams
@@ -50,7 +51,8 @@ from .files import FileToolError, ProjectFiles
 from .sandbox import ProjectMovedError, detect, pinned_project
 from .search import DDGSProvider
 from .slash import SlashCommands
-from .store import AgentStore
+from .store import AgentStore, FileChangeRecord
+from .undo import undo_write
 from .views import SLASH_OUTPUT, AgentViews
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,8 @@ class AgentWeb:
             Route("/agent/approve-edits", self.set_approve_edits, methods=["POST"]),
             Route("/agent/rules", self.add_rule, methods=["POST"]),
             Route("/agent/rules/{rule_id:int}/delete", self.delete_rule, methods=["POST"]),
+            Route("/agent/changes/{action_id:int}/undo", self.undo_change, methods=["POST"]),
+            Route("/agent/changes/{action_id:int}/before", self.change_before),
         ]
 
     def _rules_html(self, error: str = "", typed: tuple[str, str] = ("exact", "")) -> HTMLResponse:
@@ -185,6 +189,61 @@ class AgentWeb:
             return self._rules_html(f"Not changed: {self.STALE} change it again")
         self.store.set_edits_approved(self._current_key(), form.get("approve_edits") == "on")
         return self._rules_html()
+
+    # ------------------------------------------------------------------ undoing a file change
+    def render_stored(self, type: str, data: Mapping[str, Any]) -> str:
+        """A logged event, drawn as live (`webapp.turns.EventRenderer`); a file write's Undo as it stands now."""
+        if type == ev.FileWritten.type and data.get("undo"):
+            change = self.store.file_change(int(data.get("action_id") or 0))
+            state = "" if change is None else "done" if change.undone_at else "offer"
+            data = {**data, "undo": state}
+        return self.views.stored(type, data)
+
+    def _project_of(self, change: FileChangeRecord) -> ProjectRef | None:
+        if self.projects is not None:
+            return self.projects.get(change.project)
+        here = self.project_for(None)
+        return here if here.id == change.project else None
+
+    def _undo_html(self, action_id: int, state: str, error: str = "", before: bool = False) -> HTMLResponse:
+        return HTMLResponse(str(self.views.ui.undo_control(action_id, state, error, before)))
+
+    async def undo_change(self, request: Request) -> HTMLResponse:
+        """POST /agent/changes/{action_id}/undo: put back what one write of the agent's file tools replaced
+        (remove the file it made), while the file still holds what it wrote; the transcript says so. A refusal
+        says why, in the card, and offers the earlier text to download."""
+        action_id = int(request.path_params["action_id"])
+        change = self.store.file_change(action_id)
+        if change is None:
+            return self._undo_html(action_id, "", "flashcode kept no earlier text for this write")
+        if change.undone_at:
+            return self._undo_html(action_id, "done")
+        kept = change.before is not None
+        project = self._project_of(change)
+        if project is None:
+            return self._undo_html(action_id, "offer", "its project was removed from flashcode", kept)
+        hidden = hidden_paths(self.settings.data_dir)
+        try:
+            said = ev.Notice(await asyncio.to_thread(undo_write, change, project.path, hidden))
+        except FileToolError as exc:
+            return self._undo_html(action_id, "offer", f"Not undone: {exc}.", kept)
+        self.store.mark_undone(action_id)
+        conv = self.db.get_conversation(change.conversation_id) if change.conversation_id else None
+        if conv is not None:
+            self.db.add_event(conv.id, said.type, said.to_dict())  # the transcript keeps it
+        return HTMLResponse(str(self.views.ui.undo_control(action_id, "done")) + self.views.event(said))
+
+    async def change_before(self, request: Request) -> Response:
+        """GET /agent/changes/{action_id}/before: the text a write replaced, as a file to download."""
+        change = self.store.file_change(int(request.path_params["action_id"]))
+        if change is None or change.before is None:
+            what = "that write made the file: it had no earlier text" if change else "no such file change"
+            return PlainTextResponse(f"Not found: {what}.", status_code=404)
+        name = Path(change.path).name + ".before"
+        return PlainTextResponse(
+            change.before,
+            headers={"Content-Disposition": f"attachment; filename*=UTF-8''{quote(name, safe='')}"},
+        )
 
 
 class AgentTurns:

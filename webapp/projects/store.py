@@ -202,6 +202,7 @@ PROJECT_DATA = (  # (table, column) of what flashcode keeps about a project besi
     ("agent_project_settings", "project"),
     ("mcp_servers", "project"),
     ("agent_actions", "project"),
+    ("agent_file_changes", "project"),
     ("stats_replies", "project_id"),
 )
 

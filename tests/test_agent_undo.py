@@ -1,0 +1,188 @@
+"""Undoing a write of the agent's file tools: the earlier text is kept in the database, and Undo puts it back
+(or removes a file the write made) only while the file still holds what the write left, checked on descriptors
+as a write is. The file tools on a real folder; the web app in-process, its model's calls scripted."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FakeBackend
+from tests.test_agent_ws import agent_conversation, send, until
+from tests.test_transcript import replayed
+from webapp.agent.files import FileToolError, ProjectFiles, StaleChange, text_sha256
+from webapp.agent.store import AgentStore
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    p = tmp_path / "proj"
+    p.mkdir()
+    (p / "app.py").write_text("def add(a, b):\n    return a - b\n")
+    monkeypatch.chdir(tmp_path)
+    return p
+
+
+def test_undo_puts_back_the_earlier_text_and_keeps_the_files_mode(project: Path) -> None:
+    files = ProjectFiles(project)
+    os.chmod(project / "app.py", 0o751)
+    change = files.propose_edit("app.py", "a - b", "a + b")
+    files.apply(change)
+    files.undo("app.py", change.old, text_sha256(change.new))
+    assert (project / "app.py").read_text() == "def add(a, b):\n    return a - b\n"
+    assert (project / "app.py").stat().st_mode & 0o777 == 0o751
+    assert not [p.name for p in project.iterdir() if p.name.startswith(".flashcode-")]  # no temp file left
+
+
+def test_undo_of_a_write_that_made_the_file_removes_it(project: Path) -> None:
+    files = ProjectFiles(project)
+    change = files.propose_write("pkg/new.py", "x = 1\n")
+    files.apply(change)
+    assert change.old is None and (project / "pkg" / "new.py").exists()
+    files.undo("pkg/new.py", None, text_sha256(change.new))
+    assert not (project / "pkg" / "new.py").exists() and (project / "pkg").is_dir()
+
+
+def test_undo_refuses_a_file_changed_since_and_writes_nothing(project: Path) -> None:
+    files = ProjectFiles(project)
+    change = files.propose_edit("app.py", "a - b", "a + b")
+    files.apply(change)
+    (project / "app.py").write_text("the user's own text\n")
+    with pytest.raises(StaleChange, match="changed since that write.*nothing was put back"):
+        files.undo("app.py", change.old, text_sha256(change.new))
+    assert (project / "app.py").read_text() == "the user's own text\n"
+    made = files.propose_write("made.txt", "made\n")
+    files.apply(made)
+    (project / "made.txt").write_text("made, then the user's\n")
+    with pytest.raises(StaleChange):  # a file the write made is not removed once it holds other text
+        files.undo("made.txt", None, text_sha256(made.new))
+    assert (project / "made.txt").read_text() == "made, then the user's\n"
+    (project / "made.txt").unlink()
+    with pytest.raises(StaleChange, match="is gone"):
+        files.undo("made.txt", None, text_sha256(made.new))
+
+
+def test_undo_never_follows_a_symlink_swapped_in_for_the_file(project: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("def add(a, b):\n    return a + b\n")  # what the write left: the hash matches
+    files = ProjectFiles(project)
+    change = files.propose_edit("app.py", "a - b", "a + b")
+    files.apply(change)
+    (project / "app.py").unlink()
+    (project / "app.py").symlink_to(outside)
+    with pytest.raises(FileToolError):
+        files.undo("app.py", change.old, text_sha256(change.new))
+    assert outside.read_text() == "def add(a, b):\n    return a + b\n"
+
+
+def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
+    tmp_path: Path, project: Path
+) -> None:
+    """The agent's edit (auto-approved, as Settings allows) shows Undo on its card; Undo asks the server, which
+    puts the earlier text back and logs a notice; reloaded, the card says undone; a second Undo changes nothing;
+    a change made since is refused, with the earlier text offered to download."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("edit_file", path="app.py", old_text="a - b", new_text="a + b").enqueue("Fixed.")
+    fake.enqueue_call("write_file", path="notes.md", content="notes\n").enqueue("Noted.")
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        state = app.state.flashcode
+        AgentStore(state.db.conn).set_edits_approved(state.projects.current().id, True)
+        send(sock, type="send", text="fix add in app.py", conversation_id=cid)
+        frames = until(sock, r"Fixed\.")
+        until(sock, r'data-state="idle"')
+        assert (project / "app.py").read_text() == "def add(a, b):\n    return a + b\n"
+        action = re.search(r'hx-post="/agent/changes/(\d+)/undo"', frames)
+        assert action, frames
+        url = f"/agent/changes/{action.group(1)}/undo"
+        csrf = {"x-csrf-token": state.csrf_token}
+        assert client.post(url).status_code == 403  # no CSRF token: nothing is undone
+        assert (project / "app.py").read_text().endswith("a + b\n")
+        r = client.post(url, headers=csrf)
+        assert r.status_code == 200 and "undone" in r.text
+        assert "Undid the agent&#39;s write of app.py: it holds its earlier text again." in r.text
+        assert (project / "app.py").read_text() == "def add(a, b):\n    return a - b\n"
+        page = "".join(replayed(client.get(f"/c/{cid}").text))
+        assert "Undid the agent&#39;s write of app.py" in page and "· <em>undone</em>" in page
+        assert f'hx-post="{url}"' not in page  # the card offers it no more
+        r = client.post(url, headers=csrf)  # again: nothing more happens
+        assert "undone" in r.text and (project / "app.py").read_text().endswith("a - b\n")
+
+        send(sock, type="send", text="write notes", conversation_id=cid)
+        frames = until(sock, r"Noted\.")
+        until(sock, r'data-state="idle"')
+        made = re.search(r'hx-post="/agent/changes/(\d+)/undo"', frames)
+        assert made and (project / "notes.md").read_text() == "notes\n"
+        (project / "notes.md").write_text("notes, and the user's line\n")
+        r = client.post(f"/agent/changes/{made.group(1)}/undo", headers=csrf)
+        assert "Not undone: notes.md changed since that write" in r.text
+        assert (project / "notes.md").read_text() == "notes, and the user's line\n"
+        assert "Download its earlier text" not in r.text  # the write made it: there was none
+        before = client.get(f"/agent/changes/{made.group(1)}/before")
+        assert before.status_code == 404 and "had no earlier text" in before.text
+        before = client.get(f"/agent/changes/{action.group(1)}/before")
+        assert before.text == "def add(a, b):\n    return a - b\n"
+        assert "app.py.before" in before.headers["content-disposition"]
+        # an imported copy's card names its write by an id of the database it came from (renumbered on import):
+        # no Undo there, though here that id names a real write of this same file
+        exported = client.get(f"/c/{cid}/export.json").text
+        r = client.post(
+            "/conversations/import",
+            files={"file": ("c.json", exported, "application/json")},
+            data={"project_id": state.projects.current().id},
+            headers=csrf | {"HX-Request": "true"},
+        )
+        copy = "".join(replayed(client.get(r.headers["hx-redirect"]).text))
+        assert "Wrote notes.md" in copy and "/undo" not in copy and "undone" not in copy
+        (project / "notes.md").write_text("notes\n")  # back to what the write left: now it can be undone
+        r = client.post(f"/agent/changes/{made.group(1)}/undo", headers=csrf)
+        assert "removed it (that write had made it)" in r.text and not (project / "notes.md").exists()
+
+
+def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
+    project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`flashcode agent --approve all` writes with no look at the diff (a walkthrough's 0.5B model overwrote the
+    wrong file): it says how to undo each write, and `flashcode changes undo ID` does, as the page's Undo."""
+    from webapp import cli, engine_host, preflight
+
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="app.py", content="print('hello')\n")
+    fake.enqueue_call("write_file", path="hello.py", content="print('hello')\n")
+    fake.enqueue("Done.")
+    monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    monkeypatch.setattr(preflight, "check_model", lambda name, root: None)  # the scripted engine is installed
+    monkeypatch.setenv("FLASHCODE_HOME", str(project.parent / "home"))
+    assert cli.main(["agent", "--project", str(project), "--approve", "all", "go"]) == 0
+    err = capsys.readouterr().err
+    assert (project / "app.py").read_text() == "print('hello')\n"
+    said = re.search(
+        r"to undo a write: flashcode changes undo ID \(writes: (\d+) \(app\.py\), (\d+) \(hello\.py\)\)", err
+    )
+    assert said, err
+    first, second = said.groups()
+
+    assert cli.main(["changes", "--project", str(project)]) == 0
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [(x[0], x[2], x[3], x[4]) for x in lines] == [
+        (second, "proj", "hello.py", "made the file (undo removes it)"),
+        (first, "proj", "app.py", "changed it (undo puts it back)"),
+    ]
+    assert cli.main(["changes", "undo", first]) == 0
+    assert "it holds its earlier text again" in capsys.readouterr().out
+    assert (project / "app.py").read_text() == "def add(a, b):\n    return a - b\n"
+    assert cli.main(["changes", "undo", first]) == 0 and "undone already" in capsys.readouterr().out
+    (project / "hello.py").write_text("mine now\n")
+    assert cli.main(["changes", "undo", second]) == 1
+    assert "not undone: hello.py changed since that write" in capsys.readouterr().err
+    assert (project / "hello.py").read_text() == "mine now\n"
+    assert cli.main(["changes", "undo", "999"]) == 2 and "no file change 999" in capsys.readouterr().err
+    assert cli.main(["changes"]) == 0
+    assert [x.split("\t")[4] for x in capsys.readouterr().out.splitlines()] == [
+        "made the file (undo removes it)",
+        "undone",
+    ]
+    assert cli.main(["changes", "--project", "nothing-like-it"]) == 2
+    assert "there is no project named 'nothing-like-it'" in capsys.readouterr().err

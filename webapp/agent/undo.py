@@ -1,0 +1,30 @@
+"""Undoing a write of the agent's file tools, for the page's Undo and `flashcode changes undo`.
+
+What it knows: that a write's earlier text is kept (`AgentStore.record_file_change`), and how to put it back
+through the file tools (`ProjectFiles.undo`: only while the file still holds what the write left). What it does
+not know: the page, the command line, how a project is looked up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .files import ProjectFiles
+from .store import FileChangeRecord
+
+
+def undo_write(change: FileChangeRecord, project_dir: Path, hidden: tuple[Path, ...]) -> str:
+    """Put back what `change` replaced (remove the file it made); what was done, in words. Raises
+    `FileToolError` (nothing written) when the file changed since, is gone, or is out of bounds. Blocking file
+    work with no database: the caller records it (`AgentStore.mark_undone`) on the thread that owns that."""
+    ProjectFiles(project_dir, hidden).undo(change.path, change.before, change.after_sha256)
+    if change.before is None:
+        return f"Undid the agent's write of {change.path}: removed it (that write had made it)."
+    return f"Undid the agent's write of {change.path}: it holds its earlier text again."
+
+
+def state(change: FileChangeRecord) -> str:
+    """A change as the lists say it: undone, or what an undo would do."""
+    if change.undone_at:
+        return "undone"
+    return "made the file (undo removes it)" if change.before is None else "changed it (undo puts it back)"

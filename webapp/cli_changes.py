@@ -1,0 +1,100 @@
+"""`flashcode changes [--project NAME|DIR]` and `flashcode changes undo ID`: the writes of the agent's file tools,
+newest first, and undoing one (its earlier text put back, or the file it made removed), as the page's Undo does.
+
+Output of `flashcode changes`: one line per write, tab-separated: id, when, project, path, what it did or
+"undone". What it knows: the command line's forms and messages. Undo itself is `webapp.agent.undo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+
+from .agent.files import FileToolError
+from .agent.store import AgentStore
+from .agent.undo import state, undo_write
+from .agent.web import hidden_paths
+from .cli_projects import _absolute, _named, _store
+from .projects.store import ProjectError
+from .render import visible_text
+from .units import HELP
+
+
+def cmd_changes(args: argparse.Namespace) -> int:
+    db, projects = _store()
+    try:
+        store = AgentStore(db.conn)
+        if getattr(args, "action", None) == "undo":
+            change = store.file_change(args.id)
+            if change is None:
+                print(
+                    f"flashcode changes: no file change {args.id} (`flashcode changes` lists them)",
+                    file=sys.stderr,
+                )
+                return 2
+            if change.undone_at:
+                print(visible_text(f"change {change.action_id} ({change.path}) was undone already"))
+                return 0
+            project = projects.get(change.project)
+            if project is None:
+                print(
+                    "flashcode changes: its project was removed from flashcode: nothing was put back",
+                    file=sys.stderr,
+                )
+                return 1
+            try:
+                said = undo_write(change, project.path, hidden_paths(projects.data_dir))
+            except FileToolError as exc:
+                print(visible_text(f"flashcode changes: not undone: {exc}"), file=sys.stderr)
+                return 1
+            store.mark_undone(change.action_id)
+            print(visible_text(said))
+            return 0
+        names = {p.id: p.name for p in projects.all()}
+        if args.project is not None:
+            # a name, or a folder (`.` too); an unknown one is refused with the names there are
+            wanted = projects.resolve(_absolute(args.project)) or _named(projects, args.project)
+            changes = store.file_changes(wanted.id, limit=args.limit)
+        else:
+            changes = [c for pid in names for c in store.file_changes(pid, limit=args.limit)]
+            changes = sorted(changes, key=lambda c: -c.action_id)[: args.limit]
+        if not changes:
+            print(
+                "no file was written by the agent's file tools"
+                + (" in that project" if args.project else ""),
+                file=sys.stderr,
+            )
+        for c in changes:
+            when = dt.datetime.fromtimestamp(c.created_at).strftime("%Y-%m-%d %H:%M")
+            print(
+                visible_text(
+                    f"{c.action_id}\t{when}\t{names.get(c.project, c.project)}\t{c.path}\t{state(c)}"
+                )
+            )
+    except ProjectError as exc:
+        print(f"flashcode changes: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        db.close()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "changes",
+        help="list the agent's file writes (id, when, project, path), newest first; undo one",
+    )
+    p.add_argument(
+        "--project", default=None, metavar="NAME|DIR", help="only this project's (default: every project's)"
+    )
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    p.add_argument("--data-dir", default=None, help=HELP["data_dir"])
+    p.set_defaults(func=cmd_changes, action=None)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    u = actions.add_parser(
+        "undo",
+        help="put back what write ID replaced (a file it made is removed), while the file still holds what it wrote",
+    )
+    u.add_argument("id", metavar="ID", type=int, help="the write, as listed")
+    u.set_defaults(func=cmd_changes)
