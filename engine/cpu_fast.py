@@ -322,8 +322,12 @@ def quantized_matmul(
     n = 1
     for d in x.shape[:-1]:
         n *= d
-    # many rows: dequantize and matmul; only with float32 scales (MLX dequantizes float16 ones ~3x slower)
-    many = _Switch.on and mode == "affine" and n >= (rows or min_rows()) and scales.dtype == x.dtype
+    many = _Switch.on and mode == "affine" and n >= (rows or min_rows())
+    if many and scales.dtype != x.dtype:
+        # float16 scales (the flash engine keeps its pinned ones so, at half the memory): MLX dequantizes with
+        # them ~3x slower, so they are cast first, exactly; prefill took 4.5x MLXBackend's time without this
+        scales = scales.astype(x.dtype)
+        biases = biases.astype(x.dtype) if biases is not None else None
     big = _Switch.on and w.shape[0] * w.shape[1] * 32 // bits >= SPLIT_MIN_PARAMS
     streams = cpu_streams() if big else [None]
     bounds = cuts(w.shape[0], len(streams))
@@ -353,15 +357,20 @@ def _rows_call(self: Any, x: Any) -> Any:
     return y
 
 
-def patch_model(model: Any, force: bool = False) -> int:
-    """Give every `QuantizedLinear` of `model` the many-rows path. Only where it was measured faster:
-    on the CPU device with the fast BLAS loaded (with the reference BLAS both paths cost the same);
-    `force` skips that check (tests). Off with FLASHCODE_CPU_FAST=0. Returns how many layers were
-    switched; idempotent."""
+def rows_path(force: bool = False) -> bool:
+    """Whether the many-rows path pays here: on the CPU device with the fast BLAS loaded (with the reference
+    BLAS both paths cost the same); `force` skips the BLAS check (tests). Off with FLASHCODE_CPU_FAST=0."""
     import mlx.core as mx
+
+    return enabled() and mx.default_device() == mx.cpu and (force or _status.active)
+
+
+def patch_model(model: Any, force: bool = False) -> int:
+    """Give every `QuantizedLinear` of `model` the many-rows path, where `rows_path` says it pays. Returns how
+    many layers were switched; idempotent."""
     import mlx.nn as nn
 
-    if not enabled() or mx.default_device() != mx.cpu or not (force or _status.active):
+    if not rows_path(force):
         return 0
     n = 0
     for _, m in model.named_modules():

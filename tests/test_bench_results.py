@@ -26,6 +26,7 @@ RAW = {
     "flash-dense-gpu-depth.json": "flash_runs",
     "flash-dense-gpu-h100.json": "flash",
     "flash-moe.json": "runs",
+    "flash-prefill.json": "runs",
     "flash-moe-gpu.json": "runs",
     "flash-moe-gpu-h100.json": "runs",
     "flash-moe-gpu-h200.json": "runs",
@@ -149,6 +150,22 @@ def test_resume_speedups_recompute() -> None:
         assert any(p["resume_s"] == row["resume_s"] for p in row["precisions"].values())
         label = {"1024": "1k", "4096": "4k"}.get(key, "8k" if int(key) >= 7000 else key)
         assert result[f"resume_speedup_{label}"] == row["speedup"]
+
+
+def test_flash_prefill_summary_recomputes() -> None:
+    """The flash engine's CPU prefill against MLX in RAM: every summary key from the raw runs, by the script's
+    own `summarize` (its medians and ratios), and each mode's tokens are the in-RAM run's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flash_prefill", RESULTS.parent / "flash_prefill.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = load("flash-prefill.json")
+    summary = script.summarize(result["runs"])
+    assert {k: result[k] for k in summary} == summary
+    assert all(result["same_tokens_as_ram"].values())
+    assert all(len(rows) == result["repeats"] for rows in result["runs"].values())
 
 
 @pytest.mark.parametrize("name", ["flash-reader.json", "flash-reader-gpu.json"])

@@ -35,7 +35,9 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
     from webapp.settings import Settings
 
     monkeypatch.setenv("FLASHCODE_HOME", str(two_models))
-    monkeypatch.setattr(ws_module, "METER_SECONDS", 0.2)
+    monkeypatch.setattr(
+        ws_module, "METER_SECONDS", 0.01
+    )  # a meter frame even for a fast reply (flash prefills as MLX)
     worker = Worker(lambda: make_loaded_backend("mlx", DEFAULT_MODEL))
     app = create_app(Settings(data_dir=two_models, load_model=False), worker=worker)
     try:
@@ -70,7 +72,7 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
                     "model": SYNTH,
                 }
 
-                send(ws, type="send", text="Hello", conversation_id="", max_tokens=6, temperature=0)
+                send(ws, type="send", text="Hello", conversation_id="", max_tokens=16, temperature=0)
                 frames = until(ws, r'data-state="idle"', limit=500)
                 joined = html.unescape("".join(frames))
                 assert re.search(rf'class="stat model-name">{SYNTH} · flash<', joined)

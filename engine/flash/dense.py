@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import cpu_fast
 from .reader import AlignedBuffer, UnitReader
 from .split import ALIGN, Manifest, SplitError, Unit, UnitTensor, first_layer, unit_damaged
 
@@ -192,6 +193,8 @@ class LayerStream:
 class StreamedFFN:
     """Drop-in for a llama-family `mlp`: down(silu(gate(x)) * up(x)) on streamed quantized weights."""
 
+    rows_path = False  # the CPU's many-rows path (`cpu_fast.rows_path`): set by `attach` for every FFN
+
     def __init__(self, stream: LayerStream, layer: int) -> None:
         self.stream = stream
         self.layer = layer
@@ -207,16 +210,15 @@ class StreamedFFN:
         import mlx.core as mx
 
         q = self.q[proj]
-        y = mx.quantized_matmul(
-            x,
-            w[f"{proj}.weight"],
-            scales=w[f"{proj}.scales"],
-            biases=w.get(f"{proj}.biases"),
-            transpose=True,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            mode=q.get("mode", "affine"),
-        )
+        weight, scales, biases = w[f"{proj}.weight"], w[f"{proj}.scales"], w.get(f"{proj}.biases")
+        mode = q.get("mode", "affine")
+        if self.rows_path and x.size // x.shape[-1] >= cpu_fast.min_rows():
+            # prefill on the CPU: dequantize and BLAS-multiply, as MLXBackend's layers do (MLX's CPU
+            # `quantized_matmul` costs per row what decode does: flash prefilled 15x slower than MLX in RAM)
+            y = cpu_fast.quantized_matmul(x, weight, scales, biases, q["group_size"], q["bits"], mode)
+        else:
+            y = mx.quantized_matmul(x, weight, scales=scales, biases=biases, transpose=True,
+                                    group_size=q["group_size"], bits=q["bits"], mode=mode)  # fmt: skip
         if f"{proj}.bias" in w:
             y = y + w[f"{proj}.bias"]
         return y
@@ -313,6 +315,7 @@ def attach(model: Any, stream: LayerStream | None, moe_layers: set[int] | None =
             f"the split has FFN units for {len(dense)} layers and experts for {len(moe_layers)}, "
             f"but the model has {len(layers)} layers (no FFN for layers {missing[:8]})"
         )
+    fast = cpu_fast.rows_path()  # prefill's dequantize-then-BLAS path, as patch_model gives the pinned layers
     for i in sorted(dense):
         layer = layers[i - first]
         if not hasattr(layer, "mlp"):
@@ -321,4 +324,6 @@ def attach(model: Any, stream: LayerStream | None, moe_layers: set[int] | None =
             )
         if "mlp" in layer:  # drop the placeholder MLP (lazy, never evaluated) from the parameter tree
             del layer["mlp"]
-        layer.mlp = resident[i] if i in resident else StreamedFFN(stream, i)  # type: ignore[arg-type]
+        ffn = resident[i] if i in resident else StreamedFFN(stream, i)  # type: ignore[arg-type]
+        ffn.rows_path = fast
+        layer.mlp = ffn
