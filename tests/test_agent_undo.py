@@ -42,7 +42,7 @@ def test_undo_of_a_write_that_made_the_file_removes_it(project: Path) -> None:
     change = files.propose_write("pkg/new.py", "x = 1\n")
     files.apply(change)
     assert change.old is None and (project / "pkg" / "new.py").exists()
-    files.undo("pkg/new.py", None, text_sha256(change.new))
+    assert files.undo("pkg/new.py", None, text_sha256(change.new)) == "removed"
     assert not (project / "pkg" / "new.py").exists() and (project / "pkg").is_dir()
 
 
@@ -60,9 +60,14 @@ def test_undo_refuses_a_file_changed_since_and_writes_nothing(project: Path) -> 
     with pytest.raises(StaleChange):  # a file the write made is not removed once it holds other text
         files.undo("made.txt", None, text_sha256(made.new))
     assert (project / "made.txt").read_text() == "made, then the user's\n"
-    (project / "made.txt").unlink()
+    (project / "made.txt").unlink()  # what undoing it would do is done: nothing left to undo, no error
+    assert files.undo("made.txt", None, text_sha256(made.new)) == "gone"
+    change = files.propose_edit("app.py", "the user's own", "an edit of the")
+    files.apply(change)
+    (project / "app.py").unlink()  # a file the write changed, gone since: its earlier text is not put back
     with pytest.raises(StaleChange, match="is gone"):
-        files.undo("made.txt", None, text_sha256(made.new))
+        files.undo("app.py", change.old, text_sha256(change.new))
+    assert not (project / "app.py").exists()
 
 
 def test_undo_never_follows_a_symlink_swapped_in_for_the_file(project: Path, tmp_path: Path) -> None:
@@ -102,10 +107,10 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
         assert (project / "app.py").read_text().endswith("a + b\n")
         r = client.post(url, headers=csrf)
         assert r.status_code == 200 and "undone" in r.text
-        assert "Undid the agent&#39;s write of app.py: it holds its earlier text again." in r.text
+        assert "Undid the write of app.py: it holds its earlier text again." in r.text
         assert (project / "app.py").read_text() == "def add(a, b):\n    return a - b\n"
         page = "".join(replayed(client.get(f"/c/{cid}").text))
-        assert "Undid the agent&#39;s write of app.py" in page and "· <em>undone</em>" in page
+        assert "Undid the write of app.py" in page and "· <em>undone</em>" in page
         assert f'hx-post="{url}"' not in page  # the card offers it no more
         r = client.post(url, headers=csrf)  # again: nothing more happens
         assert "undone" in r.text and (project / "app.py").read_text().endswith("a - b\n")
@@ -113,11 +118,15 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
         send(sock, type="send", text="write notes", conversation_id=cid)
         frames = until(sock, r"Noted\.")
         until(sock, r'data-state="idle"')
+        # the model is told, where it happened: it would take app.py for what it wrote
+        told = [str(m["content"]) for m in fake.history[-1].messages]
+        note = told.index("The write of app.py was undone: it holds what it held before that write.")
+        assert told[note - 1] == "Fixed." and told[note + 2].endswith("write notes")
         made = re.search(r'hx-post="/agent/changes/(\d+)/undo"', frames)
         assert made and (project / "notes.md").read_text() == "notes\n"
         (project / "notes.md").write_text("notes, and the user's line\n")
         r = client.post(f"/agent/changes/{made.group(1)}/undo", headers=csrf)
-        assert "Not undone: notes.md changed since that write" in r.text
+        assert "Not undone: notes.md changed since that write (by you, a command, or a later write)" in r.text
         assert (project / "notes.md").read_text() == "notes, and the user's line\n"
         assert "Download its earlier text" not in r.text  # the write made it: there was none
         before = client.get(f"/agent/changes/{made.group(1)}/before")
@@ -139,6 +148,19 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
         (project / "notes.md").write_text("notes\n")  # back to what the write left: now it can be undone
         r = client.post(f"/agent/changes/{made.group(1)}/undo", headers=csrf)
         assert "removed it (that write had made it)" in r.text and not (project / "notes.md").exists()
+        # /write with no content would have asked to empty the file: refused, nothing asked (walkthrough)
+        send(sock, type="send", text="/write app.py", conversation_id=cid)
+        frames = until(sock, r"needs the file&#39;s new content")
+        assert "dialog-" not in frames and (project / "app.py").read_text().endswith("a - b\n")
+        until(sock, r'data-state="idle"')
+        # deleted for good, the conversation takes the earlier texts of its writes along (Empty Trash says
+        # "for good"): nothing of its files is kept after it
+        agents = AgentStore(state.db.conn)
+        assert agents.file_change(int(action.group(1))) is not None
+        state.db.delete_conversation(cid)
+        assert agents.file_change(int(action.group(1))) is None and not agents.file_changes(
+            state.projects.current().id
+        )
 
 
 def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
@@ -155,14 +177,18 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
     monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
     monkeypatch.setattr(preflight, "check_model", lambda name, root: None)  # the scripted engine is installed
     monkeypatch.setenv("FLASHCODE_HOME", str(project.parent / "home"))
-    assert cli.main(["agent", "--project", str(project), "--approve", "all", "go"]) == 0
+    home = project.parent / "home"
+    assert (
+        cli.main(["agent", "--project", str(project), "--approve", "all", "--data-dir", str(home), "go"]) == 0
+    )
     err = capsys.readouterr().err
     assert (project / "app.py").read_text() == "print('hello')\n"
-    said = re.search(
-        r"to undo a write: flashcode changes undo ID \(writes: (\d+) \(app\.py\), (\d+) \(hello\.py\)\)", err
+    # the ids are that data directory's: the command says which (a walkthrough's hint dropped it)
+    said = re.findall(
+        rf"flashcode: to undo the write of (\S+): flashcode changes --data-dir {home} undo (\d+)", err
     )
-    assert said, err
-    first, second = said.groups()
+    assert [p for p, _ in said] == ["app.py", "hello.py"], err
+    first, second = (i for _, i in said)
 
     assert cli.main(["changes", "--project", str(project)]) == 0
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
@@ -170,12 +196,15 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
         (second, "proj", "hello.py", "made the file (undo removes it)"),
         (first, "proj", "app.py", "changed it (undo puts it back)"),
     ]
+    assert cli.main(["changes", "show", first]) == 0  # the earlier text, before anything is put back
+    assert capsys.readouterr().out == "def add(a, b):\n    return a - b\n"
+    assert cli.main(["changes", "show", second]) == 1 and "it had no earlier text" in capsys.readouterr().err
     assert cli.main(["changes", "undo", first]) == 0
-    assert "it holds its earlier text again" in capsys.readouterr().out
+    assert f"it holds its earlier text again. (write {first}, project proj)" in capsys.readouterr().out
     assert (project / "app.py").read_text() == "def add(a, b):\n    return a - b\n"
     assert cli.main(["changes", "undo", first]) == 0 and "undone already" in capsys.readouterr().out
     (project / "hello.py").write_text("mine now\n")
-    assert cli.main(["changes", "undo", second]) == 1
+    assert cli.main(["changes", "undo", second, "--data-dir", str(home)]) == 1
     assert "not undone: hello.py changed since that write" in capsys.readouterr().err
     assert (project / "hello.py").read_text() == "mine now\n"
     assert cli.main(["changes", "undo", "999"]) == 2 and "no file change 999" in capsys.readouterr().err

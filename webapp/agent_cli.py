@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -372,11 +373,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         if result["writes"]:  # --approve all wrote without a look: each write can be taken back
-            ids = ", ".join(f"{w['id']} ({w['path']})" for w in result["writes"])
-            print(
-                visible_text(f"flashcode: to undo a write: flashcode changes undo ID (writes: {ids})"),
-                file=sys.stderr,
-            )
+            home = os.path.abspath(os.path.expanduser(args.data_dir)) if args.data_dir else ""
+            data = f" --data-dir {shlex.quote(home)}" if home else ""  # its ids are that database's
+            for w in result["writes"]:
+                print(visible_text(f"flashcode: to undo the write of {w['path']}: flashcode changes{data} undo {w['id']}"),
+                      file=sys.stderr)  # fmt: skip
         for path, why in result["broken_files"].items():
             print(
                 visible_text(f"flashcode: {path} does not parse as Python ({why}) after the agent's edits"),

@@ -1,5 +1,6 @@
-"""`flashcode changes [--project NAME|DIR]` and `flashcode changes undo ID`: the writes of the agent's file tools,
-newest first, and undoing one (its earlier text put back, or the file it made removed), as the page's Undo does.
+"""`flashcode changes [--project NAME|DIR]`, `flashcode changes undo ID` and `flashcode changes show ID`: the
+writes of the agent's file tools, newest first; undoing one (its earlier text put back, or the file it made
+removed), as the page's Undo does; and the text one replaced.
 
 Output of `flashcode changes`: one line per write, tab-separated: id, when, project, path, what it did or
 "undone". What it knows: the command line's forms and messages. Undo itself is `webapp.agent.undo`.
@@ -25,7 +26,7 @@ def cmd_changes(args: argparse.Namespace) -> int:
     db, projects = _store()
     try:
         store = AgentStore(db.conn)
-        if getattr(args, "action", None) == "undo":
+        if getattr(args, "action", None) in ("undo", "show"):
             change = store.file_change(args.id)
             if change is None:
                 print(
@@ -33,23 +34,36 @@ def cmd_changes(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
+            if args.action == "show":  # the earlier text, as it was (a file to redirect it to)
+                if change.before is None:
+                    print(visible_text(f"flashcode changes: write {args.id} made {change.path}: it had no earlier text"),
+                          file=sys.stderr)  # fmt: skip
+                    return 1
+                sys.stdout.write(change.before)
+                return 0
             if change.undone_at:
                 print(visible_text(f"change {change.action_id} ({change.path}) was undone already"))
                 return 0
             project = projects.get(change.project)
             if project is None:
                 print(
-                    "flashcode changes: its project was removed from flashcode: nothing was put back",
+                    "flashcode changes: its project was removed from flashcode: nothing was put back. Add its "
+                    "folder again (flashcode projects add DIR: its writes come back with it), then undo",
                     file=sys.stderr,
                 )
                 return 1
             try:
                 said = undo_write(change, project.path, hidden_paths(projects.data_dir))
             except FileToolError as exc:
-                print(visible_text(f"flashcode changes: not undone: {exc}"), file=sys.stderr)
+                kept = (
+                    f"; its earlier text: flashcode changes show {args.id} > FILE"
+                    if change.before is not None
+                    else ""
+                )
+                print(visible_text(f"flashcode changes: not undone: {exc}{kept}"), file=sys.stderr)
                 return 1
             store.mark_undone(change.action_id)
-            print(visible_text(said))
+            print(visible_text(f"{said} (write {change.action_id}, project {project.name})"))
             return 0
         names = {p.id: p.name for p in projects.all()}
         if args.project is not None:
@@ -97,4 +111,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="put back what write ID replaced (a file it made is removed), while the file still holds what it wrote",
     )
     u.add_argument("id", metavar="ID", type=int, help="the write, as listed")
-    u.set_defaults(func=cmd_changes)
+    s = actions.add_parser("show", help="print the text write ID replaced (redirect it to a file to keep it)")
+    s.add_argument("id", metavar="ID", type=int, help="the write, as listed")
+    for a in (u, s):  # after the action too (`flashcode changes undo 3 --data-dir DIR`)
+        a.add_argument("--data-dir", default=argparse.SUPPRESS, help=HELP["data_dir"])
+        a.set_defaults(func=cmd_changes)

@@ -287,7 +287,7 @@ MIGRATIONS: list[Migration] = [
         10,
         "earlier text of the files the agent changed",
         (
-            """CREATE TABLE agent_file_changes (
+            """CREATE TABLE IF NOT EXISTS agent_file_changes (
             action_id INTEGER PRIMARY KEY,
             project TEXT NOT NULL,
             conversation_id TEXT,
@@ -297,7 +297,10 @@ MIGRATIONS: list[Migration] = [
             created_at REAL NOT NULL,
             undone_at REAL
         )""",
-            "CREATE INDEX agent_file_changes_by_project ON agent_file_changes (project, created_at)",
+            "CREATE INDEX IF NOT EXISTS agent_file_changes_by_project ON agent_file_changes (project, created_at)",
+            # a conversation deleted for good takes the earlier texts of its writes along (as its messages go)
+            """CREATE TRIGGER IF NOT EXISTS agent_file_changes_of_deleted AFTER DELETE ON conversations
+            BEGIN DELETE FROM agent_file_changes WHERE conversation_id = OLD.id; END""",
         ),
     ),
 ]
@@ -848,9 +851,11 @@ class Database:
         )
         return StoredEvent(int(cur.lastrowid or 0), conversation_id, after, type, data, now)
 
-    def events(self, conversation_id: str) -> list[StoredEvent]:
+    def events(self, conversation_id: str, type: str | None = None) -> list[StoredEvent]:
+        """The conversation's logged events in order (`type`: only those of that type)."""
         rows = self.conn.execute(
-            "SELECT * FROM conversation_events WHERE conversation_id=? ORDER BY id", (conversation_id,)
+            "SELECT * FROM conversation_events WHERE conversation_id=? AND (? IS NULL OR type=?) ORDER BY id",
+            (conversation_id, type, type),
         ).fetchall()
         return [StoredEvent(**(dict(r) | {"data": json.loads(r["data"])})) for r in rows]
 
@@ -1025,7 +1030,7 @@ def _event_markdown(e: StoredEvent, output: dict[int, list[str]]) -> list[str]:
     if t == "search_results":
         hits = [f"{i}. {r.get('title')} — {r.get('url')}" for i, r in enumerate(d.get("results") or (), 1)]
         return [f"**Web search:** {d.get('query')}", *hits, ""]
-    if t in ("notice", "search_unavailable", "context_trimmed"):
+    if t in ("notice", "search_unavailable", "context_trimmed", "file_undone"):
         return [f"_{d.get('text') or d.get('message') or d.get('note')}_", ""]
     if t == "mode":
         note = f" — {d['no_tools']}" if d.get("no_tools") else ""

@@ -334,10 +334,17 @@ class AgentSession:
                 yield ev
         elif name == "write":
             path, _, content = arg.partition("\n")
-            if content and not content.endswith("\n"):  # a message cannot end in a newline: a text file does
-                content += "\n"
-            async for ev in self._write(self.files.propose_write, path.strip(), content):
-                yield ev
+            if not content.strip() and path.strip():  # a dialog that would empty the file (walkthrough): said
+                yield Notice(
+                    f"/write {path.strip()} needs the file's new content on the lines after it (Shift+Return starts "
+                    "a line): nothing was written.",
+                    "warning",
+                )
+            else:
+                if content and not content.endswith("\n"):  # a message cannot end in a newline: a file does
+                    content += "\n"
+                async for ev in self._write(self.files.propose_write, path.strip(), content):
+                    yield ev
         else:
             yield SlashUnhandled(name, arg)
         yield TurnDone(route)

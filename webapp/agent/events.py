@@ -238,6 +238,17 @@ class FileWritten(_Event):
 
 
 @dataclass(frozen=True)
+class FileUndone(_Event):
+    """A write undone from its card (`AgentWeb.undo_change`): the transcript says so, and the model's next
+    request does (`AgentTurns._stored_history`), or it would take the file for what it wrote."""
+
+    action_id: int
+    path: str
+    text: str
+    type: str = "file_undone"
+
+
+@dataclass(frozen=True)
 class AnswerDelta(_Event):
     text: str
     type: str = "answer_delta"
@@ -365,6 +376,7 @@ AgentEvent = (
     | ActionExit
     | FileShown
     | FileWritten
+    | FileUndone
     | AnswerDelta
     | AnswerDone
     | ToolStep

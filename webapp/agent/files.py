@@ -386,10 +386,11 @@ class ProjectFiles:
             finally:
                 os.close(dfd)
 
-    def undo(self, path: str, before: str | None, after_sha256: str) -> None:
+    def undo(self, path: str, before: str | None, after_sha256: str) -> str:
         """Put back what a write replaced: `before` (None: the write made the file, which is removed), only while
         the file still holds the text the write left (its hash, `after_sha256`); checked on descriptors, as
-        `apply` checks. Else `StaleChange` says why and nothing is written."""
+        `apply` checks. Else `StaleChange` says why and nothing is written. What it did: "restored", "removed",
+        or "gone" (the file the write made was removed since: nothing left to undo)."""
         full = self.resolve(path)
         self._writable(full, path)
         parts = full.relative_to(self.root).parts
@@ -397,28 +398,29 @@ class ProjectFiles:
             raise FileToolError("cannot write the project directory itself")
         with _os_errors(path):
             dfd = self._open_dir(parts[:-1])
-            if dfd is None:
-                raise StaleChange(
-                    f"{shown(path)} is gone (its folder was removed since): nothing was put back"
-                )
             try:
-                fd = self._open_file(dfd, parts[-1], path)
+                fd = None if dfd is None else self._open_file(dfd, parts[-1], path)
                 if fd is None:
+                    if before is None:
+                        return "gone"
                     raise StaleChange(
                         f"{shown(path)} is gone (removed since the write): nothing was put back"
                     )
                 current = self._text(fd, path)[0]
                 if text_sha256(current) != after_sha256:
                     raise StaleChange(
-                        f"{shown(path)} changed since that write (by you, a command, or a later change of the "
-                        "agent's): nothing was put back. Undo the later changes first, newest first"
+                        f"{shown(path)} changed since that write (by you, a command, or a later write): nothing "
+                        "was put back. Where a later write made the change, undo that one first"
                     )
+                assert dfd is not None
                 if before is None:
                     os.unlink(parts[-1], dir_fd=dfd)
-                else:
-                    self._replace(dfd, parts[-1], FileChange(path, current, before, ""))
+                    return "removed"
+                self._replace(dfd, parts[-1], FileChange(path, current, before, ""))
+                return "restored"
             finally:
-                os.close(dfd)
+                if dfd is not None:
+                    os.close(dfd)
 
     def _replace(self, dfd: int, name: str, change: FileChange) -> None:
         fd = self._open_file(dfd, name, change.path)

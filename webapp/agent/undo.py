@@ -17,10 +17,12 @@ def undo_write(change: FileChangeRecord, project_dir: Path, hidden: tuple[Path, 
     """Put back what `change` replaced (remove the file it made); what was done, in words. Raises
     `FileToolError` (nothing written) when the file changed since, is gone, or is out of bounds. Blocking file
     work with no database: the caller records it (`AgentStore.mark_undone`) on the thread that owns that."""
-    ProjectFiles(project_dir, hidden).undo(change.path, change.before, change.after_sha256)
-    if change.before is None:
-        return f"Undid the agent's write of {change.path}: removed it (that write had made it)."
-    return f"Undid the agent's write of {change.path}: it holds its earlier text again."
+    done = ProjectFiles(project_dir, hidden).undo(change.path, change.before, change.after_sha256)
+    if done == "gone":
+        return f"Undid the write of {change.path}: that write had made it, and it was removed since."
+    if done == "removed":
+        return f"Undid the write of {change.path}: removed it (that write had made it)."
+    return f"Undid the write of {change.path}: it holds its earlier text again."
 
 
 def state(change: FileChangeRecord) -> str:

@@ -86,6 +86,8 @@ class AgentViews:
                 return str(ui.file_shown(e))
             case ev.FileWritten():
                 return str(ui.file_written(e))
+            case ev.FileUndone():
+                return str(ui.notice(e.text))
             case ev.HelpShown():
                 return str(ui.help(e))
             case ev.Notice():

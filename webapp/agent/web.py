@@ -221,13 +221,19 @@ class AgentWeb:
         kept = change.before is not None
         project = self._project_of(change)
         if project is None:
-            return self._undo_html(action_id, "offer", "its project was removed from flashcode", kept)
+            return self._undo_html(
+                action_id,
+                "offer",
+                "its project was removed from flashcode: add its folder again (File › New Project…), then Undo",
+                kept,
+            )
         hidden = hidden_paths(self.settings.data_dir)
         try:
-            said = ev.Notice(await asyncio.to_thread(undo_write, change, project.path, hidden))
+            text = await asyncio.to_thread(undo_write, change, project.path, hidden)
         except FileToolError as exc:
             return self._undo_html(action_id, "offer", f"Not undone: {exc}.", kept)
         self.store.mark_undone(action_id)
+        said = ev.FileUndone(action_id, change.path, text)
         conv = self.db.get_conversation(change.conversation_id) if change.conversation_id else None
         if conv is not None:
             self.db.add_event(conv.id, said.type, said.to_dict())  # the transcript keeps it
@@ -246,6 +252,18 @@ class AgentWeb:
         )
 
 
+def undo_note(path: str) -> list[dict[str, str]]:
+    """What the model is told of a write undone from its card (as `/read` tells it of a file: said, then
+    heard). Not "your write": a `/write` the user typed is undone the same way."""
+    return [
+        {
+            "role": "user",
+            "content": f"The write of {path} was undone: it holds what it held before that write.",
+        },
+        {"role": "assistant", "content": f"Understood: I will read {path} again before I change it."},
+    ]
+
+
 class AgentTurns:
     """The agent's side of one websocket (a `webapp.turns.TurnHandler`)."""
 
@@ -254,16 +272,18 @@ class AgentTurns:
         self.search = DDGSProvider()  # one per socket: its cache lives as long as the tab
         self.agents: dict[str, AgentSession] = {}
         self._synced: dict[str, int] = {}  # stored message count after the last agent turn
+        self._undone_seen: dict[str, int] = {}  # writes undone from their cards, in the agent's history
         self._turn: Turn | None = None  # the turn being run (one at a time per socket)
         self._step_id: str | None = None  # its tool-loop step running now (its card's id)
         self._said_next = False  # the no-tools note was shown for the next new conversation (not said again)
 
     def _stored_history(self, conversation_id: str) -> list[dict[str, str]]:
-        """The conversation as stored, minus the message of the turn being run."""
+        """The conversation as stored, minus the message of the turn being run; a write undone from its card
+        is said where it happened (the model would take the file for what it wrote)."""
         rows = self.web.db.messages(conversation_id)
         start = self.web.db.context_start(conversation_id)  # nothing from before a /clear
-        return [
-            {"role": m.role, "content": m.content}
+        items: list[tuple[int, int, list[dict[str, str]]]] = [
+            (m.id, 0, [{"role": m.role, "content": m.content}])
             for m in rows[:-1]
             if m.role in ("user", "assistant")
             and m.content
@@ -272,6 +292,16 @@ class AgentTurns:
                 m.role != "user" or for_the_model(m.content)
             )  # not /model, /help, /stats: the transcript's only
         ]
+        last = rows[-1].id if rows else 0
+        items += [
+            (e.after_message, 1, undo_note(str(e.data.get("path") or "")))
+            for e in self._undone(conversation_id)
+            if start < e.after_message < last  # not one undone while this turn's message was sent
+        ]
+        return [said for *_, pair in sorted(items, key=lambda i: i[:2]) for said in pair]
+
+    def _undone(self, conversation_id: str) -> list[Any]:
+        return self.web.db.events(conversation_id, ev.FileUndone.type)
 
     async def mode_note(self, conversation_id: str | None) -> tuple[str, str]:
         """The Mode menu chose Agent for this conversation (None: the next one): what its agent would say about
@@ -287,11 +317,13 @@ class AgentTurns:
         """The conversation's agent, made at its first turn (`files`: its project's, made off the event loop)."""
         web = self.web
         agent = self.agents.get(conversation_id)
-        if (
-            agent is not None
-            and self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1
-        ):
-            agent.history = self._stored_history(conversation_id)  # plain-chat turns happened in between
+        undone = len(self._undone(conversation_id))
+        if agent is not None and (
+            self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1
+            or self._undone_seen.get(conversation_id, 0) != undone
+        ):  # plain-chat turns happened in between, or a write was undone from its card
+            agent.history = self._stored_history(conversation_id)
+        self._undone_seen[conversation_id] = undone
         if agent is None:
             project = web.project_for(conversation_id)
             agent = AgentSession(
