@@ -57,6 +57,10 @@ DEFAULT_THREADS = 1
 DEFAULT_MIN_ROWS = 4
 CPU_PARTS = 4  # at most this many CPU streams share one matmul (fewer with fewer cores)
 SPLIT_MIN_PARAMS = 2 << 20  # matrices this large and up split their output features over the streams
+# the many-rows path dequantizes a weight this much at a time: its float copy is a transient no memory budget
+# counts whole (an 8B model's 128k-vocabulary head: 2 GB in float32); one block per stream in flight (each
+# block's dequantize waits for the matmul of that stream's block before it: `mx.depends`)
+DEQUANT_BLOCK_BYTES = 4 << 20
 
 SHIM_SOURCE = r"""
 #include <stdint.h>
@@ -323,28 +327,46 @@ def quantized_matmul(
     for d in x.shape[:-1]:
         n *= d
     many = _Switch.on and mode == "affine" and n >= (rows or min_rows())
-    if many and scales.dtype != x.dtype:
-        # float16 scales (the flash engine keeps its pinned ones so, at half the memory): MLX dequantizes with
-        # them ~3x slower, so they are cast first, exactly; prefill took 4.5x MLXBackend's time without this
-        scales = scales.astype(x.dtype)
-        biases = biases.astype(x.dtype) if biases is not None else None
     big = _Switch.on and w.shape[0] * w.shape[1] * 32 // bits >= SPLIT_MIN_PARAMS
     streams = cpu_streams() if big else [None]
-    bounds = cuts(w.shape[0], len(streams))
+    count = len(streams)
+    if many:  # the dequantized weight is a float copy: made a block of output features at a time, not whole
+        whole = w.shape[0] * w.shape[1] * 32 // bits * x.dtype.size
+        count = max(count, -(-whole // DEQUANT_BLOCK_BYTES))
+    bounds = cuts(w.shape[0], count)
     parts = []
-    for a, b, st in zip(bounds, bounds[1:], streams, strict=False):  # a large matrix: output features split
-        if len(streams) > 1:
-            wp, sp, bp = w[a:b], scales[a:b], biases[a:b] if biases is not None else None
-        else:
-            wp, sp, bp = w, scales, biases
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):  # output features split
+        st = streams[j % len(streams)]  # a large matrix: its blocks spread over the cores
+        wp, sp, bp = (
+            (w[a:b], scales[a:b], biases[a:b] if biases is not None else None)
+            if count > 1
+            else (w, scales, biases)
+        )
         if many:
+            if j >= len(streams):  # one block of this stream's at a time: the last one's matmul first
+                wp = mx.depends(wp, parts[j - len(streams)])
+            if sp.dtype != x.dtype:
+                # float16 scales (the flash engine keeps its pinned ones so, at half the memory): MLX dequantizes
+                # with them ~3x slower, so they are cast first, exactly (flash prefilled 4.5x slower without it)
+                sp, bp = sp.astype(x.dtype), bp.astype(x.dtype) if bp is not None else None
             dense = mx.dequantize(
                 wp, sp, bp, group_size=group_size, bits=bits, mode=mode, dtype=x.dtype, stream=st
             )
             parts.append(mx.matmul(x, dense.T, stream=st))
         else:
-            parts.append(mx.quantized_matmul(x, wp, scales=sp, biases=bp, transpose=True, group_size=group_size,
-                                             bits=bits, mode=mode, stream=st))  # fmt: skip
+            parts.append(
+                mx.quantized_matmul(
+                    x,
+                    wp,
+                    scales=sp,
+                    biases=bp,
+                    transpose=True,
+                    group_size=group_size,
+                    bits=bits,
+                    mode=mode,
+                    stream=st,
+                )
+            )
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
@@ -363,6 +385,14 @@ def rows_path(force: bool = False) -> bool:
     import mlx.core as mx
 
     return enabled() and mx.default_device() == mx.cpu and (force or _status.active)
+
+
+def dequant_in_flight_bytes() -> int:
+    """The most the many-rows path holds in dequantized weight blocks at once: one block per CPU stream (what a
+    memory budget must allow for); 0 where the path is off."""
+    if not rows_path():
+        return 0
+    return min(CPU_PARTS, os.cpu_count() or 1) * DEQUANT_BLOCK_BYTES
 
 
 def patch_model(model: Any, force: bool = False) -> int:

@@ -85,6 +85,34 @@ def test_large_layer_few_rows_split_over_cpu_streams_is_bit_exact(monkeypatch: p
     assert out == [True]
 
 
+def test_many_rows_dequantize_a_block_at_a_time_with_float16_scales() -> None:
+    """A head-sized weight (49152x576, 113 MB in float32) fed 128 rows: dequantized a block at a time, one block
+    per stream in flight, so the transient stays far below the whole float copy (it was 284 MB over the inputs
+    whole); float16 scales (the flash engine's pinned ones) give exactly the float32 ones' result, and the
+    result is x @ dequantize(W).T within float32 summation noise."""
+    import mlx.core as mx
+
+    mx.random.seed(5)
+    out_f, in_f = 49152, 576
+    wq, s, b = mx.quantize(mx.random.normal((out_f, in_f)), group_size=32, bits=4)
+    s16, b16 = s.astype(mx.float16), b.astype(mx.float16)
+    s, b = s16.astype(mx.float32), b16.astype(mx.float32)  # the same values, as float32
+    x = mx.random.normal((128, in_f))
+    mx.eval(wq, s, b, s16, b16, x)
+    whole = out_f * in_f * 4
+    assert whole > 8 * cpu_fast.DEQUANT_BLOCK_BYTES
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    y16 = cpu_fast.quantized_matmul(x, wq, s16, b16, 32, 4)
+    mx.eval(y16)
+    outputs = 2 * 128 * out_f * 4  # the blocks' products and their concatenation
+    assert mx.get_peak_memory() - base < outputs + whole // 2, (mx.get_peak_memory() - base) / 1e6
+    y32 = cpu_fast.quantized_matmul(x, wq, s, b, 32, 4)
+    assert mx.array_equal(y16, y32).item()
+    dense = mx.dequantize(wq, s, b, group_size=32, bits=4)
+    assert float(mx.abs(y32 - x @ dense.T).max()) <= 1e-4
+
+
 EXIT_MID_SPLIT = """
 import engine
 from engine import cpu_fast

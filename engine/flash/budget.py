@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..base import BudgetError
+from ..cpu_fast import dequant_in_flight_bytes
 from .dense import max_piece_bytes
 from .split import Manifest, Unit, dtype_size
 
@@ -129,6 +130,8 @@ def plan_budget(
         prefill_step * (3 * inter + 6 * hidden) * float_bytes + int(cfg["vocab_size"]) * float_bytes * 4
     )
     activations += prefill_step * moe_pair_floats(cfg) * float_bytes
+    if float_bytes == 4:  # the CPU: prefill's dequantized weight blocks in flight (cpu_fast.quantized_matmul)
+        activations += dequant_in_flight_bytes()
     kv_per_token = layers * 2 * kv_heads * head_dim * float_bytes
     scores_per_token = 2 * heads * prefill_step * float_bytes
     plan = BudgetPlan(budget, pinned, buffers, in_flight, activations, kv_per_token, context_length,
