@@ -143,8 +143,15 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
             data={"project_id": state.projects.current().id},
             headers=csrf | {"HX-Request": "true"},
         )
-        copy = "".join(replayed(client.get(r.headers["hx-redirect"]).text))
+        copy_id = r.headers["hx-redirect"].removeprefix("/c/")
+        copy = "".join(replayed(client.get(f"/c/{copy_id}").text))
         assert "Wrote notes.md" in copy and "/undo" not in copy and "undone" not in copy
+        # nor is its model told of an undo it logged: that names a write of the database it came from
+        turns = state.agent.turns()
+        state.db.add_message(copy_id, "user", "next")  # the turn being run (left out of the history)
+        state.db.add_message(cid, "user", "next")
+        assert not [m for m in turns._stored_history(copy_id) if "was undone" in m["content"]]
+        assert [m for m in turns._stored_history(cid) if "The write of app.py was undone" in m["content"]]
         (project / "notes.md").write_text("notes\n")  # back to what the write left: now it can be undone
         r = client.post(f"/agent/changes/{made.group(1)}/undo", headers=csrf)
         assert "removed it (that write had made it)" in r.text and not (project / "notes.md").exists()

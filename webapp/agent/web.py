@@ -294,14 +294,22 @@ class AgentTurns:
         ]
         last = rows[-1].id if rows else 0
         items += [
-            (e.after_message, 1, undo_note(str(e.data.get("path") or "")))
-            for e in self._undone(conversation_id)
-            if start < e.after_message < last  # not one undone while this turn's message was sent
+            (after, 1, undo_note(path))
+            for after, path in self._undone(conversation_id)
+            if start < after < last  # not one undone while this turn's message was sent
         ]
         return [said for *_, pair in sorted(items, key=lambda i: i[:2]) for said in pair]
 
-    def _undone(self, conversation_id: str) -> list[Any]:
-        return self.web.db.events(conversation_id, ev.FileUndone.type)
+    def _undone(self, conversation_id: str) -> list[tuple[int, str]]:
+        """The conversation's logged undos, as (the message they came after, the path), of writes this database
+        undid: an imported conversation's name writes of another one (renumbered, they name none here), and
+        their paths would be the file's words."""
+        found = []
+        for e in self.web.db.events(conversation_id, ev.FileUndone.type):
+            change = self.web.store.file_change(int(e.data.get("action_id") or 0))
+            if change is not None and change.undone_at:
+                found.append((e.after_message, change.path))
+        return found
 
     async def mode_note(self, conversation_id: str | None) -> tuple[str, str]:
         """The Mode menu chose Agent for this conversation (None: the next one): what its agent would say about
