@@ -270,13 +270,15 @@ def synchronize() -> None:
     step before it yields a token, so work is still in flight there after the last one, and a process that
     exits with work in flight on a side stream corrupts its heap ("malloc_consolidate(): unaligned fastbin
     chunk detected", about 1 exit in 20 in a test). Only the calling thread's streams (MLX refuses another
-    thread's); a no-op where this thread made none."""
+    thread's); a no-op where this thread made none. Its default stream too: it joins the side streams' parts
+    (with the side streams alone waited for, one exit of ~400 here still failed so, on a loaded box)."""
     streams = getattr(_LOCAL, "streams", None)
     if streams and len(streams) > 1:
         import mlx.core as mx
 
         for st in streams[1:]:
             mx.synchronize(st)
+        mx.synchronize()
 
 
 def end_thread() -> None:
@@ -326,7 +328,13 @@ def quantized_matmul(
     n = 1
     for d in x.shape[:-1]:
         n *= d
-    many = _Switch.on and mode == "affine" and n >= (rows or min_rows())
+    # (scales of another dtype are cast to x's, exactly, only into float32: the CPU's compute dtype)
+    many = (
+        _Switch.on
+        and mode == "affine"
+        and n >= (rows or min_rows())
+        and (scales.dtype == x.dtype or x.dtype == mx.float32)
+    )
     big = _Switch.on and w.shape[0] * w.shape[1] * 32 // bits >= SPLIT_MIN_PARAMS
     streams = cpu_streams() if big else [None]
     count = len(streams)
@@ -388,11 +396,12 @@ def rows_path(force: bool = False) -> bool:
 
 
 def dequant_in_flight_bytes() -> int:
-    """The most the many-rows path holds in dequantized weight blocks at once: one block per CPU stream (what a
-    memory budget must allow for); 0 where the path is off."""
+    """What a memory budget allows for the many-rows path's dequantized weight blocks: one block per CPU stream
+    in flight, twice (a block's dequantize is several ops, each with an output of its own, and MLX allocates an
+    op's output when it is dispatched); 0 where the path is off."""
     if not rows_path():
         return 0
-    return min(CPU_PARTS, os.cpu_count() or 1) * DEQUANT_BLOCK_BYTES
+    return 2 * min(CPU_PARTS, os.cpu_count() or 1) * DEQUANT_BLOCK_BYTES
 
 
 def patch_model(model: Any, force: bool = False) -> int:

@@ -44,13 +44,18 @@ def env_number(name: str, default: float) -> float:
     return value
 
 
+def default_home() -> Path:
+    """The data directory when neither `--data-dir` nor $FLASHCODE_HOME names one."""
+    return Path.home() / ".local" / "share" / "flashcode"
+
+
 def home(override: str | Path | None = None) -> Path:
     if override is not None:
         root = Path(override)
     elif os.environ.get(ENV_HOME):
         root = Path(os.environ[ENV_HOME])
     else:
-        root = Path.home() / ".local" / "share" / "flashcode"
+        root = default_home()
     return _made(root.expanduser().resolve())
 
 

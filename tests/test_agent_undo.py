@@ -70,6 +70,29 @@ def test_undo_refuses_a_file_changed_since_and_writes_nothing(project: Path) -> 
     assert not (project / "app.py").exists()
 
 
+def test_undo_never_removes_a_file_that_replaced_the_checked_one(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A made file replaced between the check and the removal (an editor's save, a formatter the agent runs):
+    the newer file is never deleted; it keeps its name, and the undo says why nothing was removed."""
+    files = ProjectFiles(project)
+    made = files.propose_write("made.txt", "made\n")
+    files.apply(made)
+    read = ProjectFiles._text
+
+    def read_then_replaced(fd: int, rel: str) -> tuple[str, int]:
+        out = read(fd, rel)
+        (project / "newer.tmp").write_text("the user's newer text\n")
+        os.replace(project / "newer.tmp", project / "made.txt")  # the name now holds another file
+        return out
+
+    monkeypatch.setattr(ProjectFiles, "_text", staticmethod(read_then_replaced))
+    with pytest.raises(StaleChange, match="was replaced while it was being undone: nothing was removed"):
+        files.undo("made.txt", None, text_sha256(made.new))
+    assert (project / "made.txt").read_text() == "the user's newer text\n"
+    assert not [p.name for p in project.iterdir() if p.name.startswith(".flashcode-")]
+
+
 def test_undo_never_follows_a_symlink_swapped_in_for_the_file(project: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside.txt"
     outside.write_text("def add(a, b):\n    return a + b\n")  # what the write left: the hash matches
@@ -84,11 +107,16 @@ def test_undo_never_follows_a_symlink_swapped_in_for_the_file(project: Path, tmp
 
 
 def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
-    tmp_path: Path, project: Path
+    tmp_path: Path, project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The agent's edit (auto-approved, as Settings allows) shows Undo on its card; Undo asks the server, which
     puts the earlier text back and logs a notice; reloaded, the card says undone; a second Undo changes nothing;
     a change made since is refused, with the earlier text offered to download."""
+    from webapp import cli
+
+    monkeypatch.setenv(
+        "FLASHCODE_HOME", str(tmp_path / "data")
+    )  # `cli.main --data-dir` sets it; restored after
     fake = FakeBackend(tools=True)
     fake.enqueue_call("edit_file", path="app.py", old_text="a - b", new_text="a + b").enqueue("Fixed.")
     fake.enqueue_call("write_file", path="notes.md", content="notes\n").enqueue("Noted.")
@@ -160,6 +188,31 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
         frames = until(sock, r"needs the file&#39;s new content")
         assert "dialog-" not in frames and (project / "app.py").read_text().endswith("a - b\n")
         until(sock, r'data-state="idle"')
+        send(
+            sock, type="send", text="/write pkg/__init__.py", conversation_id=cid
+        )  # a new, empty file: asked
+        frames = until(sock, r'id="dialog-[\w-]+"')
+        dialog = re.search(r'id="dialog-([\w-]+)"', frames)
+        assert dialog and "needs the file" not in frames and "pkg/__init__.py" in frames
+        send(sock, type="answer", dialog_id=dialog.group(1), choice="deny")
+        until(sock, r'data-state="idle"')
+        # undone from a terminal: logged as the card's Undo is, so the model hears of it too
+        fake.enqueue_call("write_file", path="late.txt", content="late\n").enqueue("Late.")
+        send(sock, type="send", text="write late", conversation_id=cid)
+        late = re.search(r'hx-post="/agent/changes/(\d+)/undo"', until(sock, r"Late\."))
+        until(sock, r'data-state="idle"')
+        assert (
+            late and cli.main(["changes", "--data-dir", str(tmp_path / "data"), "undo", late.group(1)]) == 0
+        )
+        assert not (project / "late.txt").exists()
+        assert [e.data["path"] for e in state.db.events(cid, "file_undone")] == [
+            "app.py",
+            "notes.md",
+            "late.txt",
+        ]
+        state.db.add_message(cid, "user", "next")
+        told = [m["content"] for m in state.agent.turns()._stored_history(cid)]
+        assert told[-2] == "The write of late.txt was undone: it holds what it held before that write."
         # deleted for good, the conversation takes the earlier texts of its writes along (Empty Trash says
         # "for good"): nothing of its files is kept after it
         agents = AgentStore(state.db.conn)
@@ -222,3 +275,14 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
     ]
     assert cli.main(["changes", "--project", "nothing-like-it"]) == 2
     assert "there is no project named 'nothing-like-it'" in capsys.readouterr().err
+
+    # a run that stops at its step limit wrote too: the hints come all the same, naming the data directory
+    # that $FLASHCODE_HOME chose (no --data-dir given: the walkthrough's command would have opened the default)
+    fake.enqueue_call("write_file", path="limit.txt", content="x\n")
+    fake.enqueue_call("list_files")
+    monkeypatch.setenv("FLASHCODE_HOME", str(home))
+    assert cli.main(["agent", "--project", str(project), "--approve", "all", "--max-steps", "1", "go"]) == 3
+    err = capsys.readouterr().err
+    assert re.search(
+        rf"to undo the write of limit\.txt: flashcode changes --data-dir {home} undo \d+", err
+    ), err

@@ -339,6 +339,23 @@ def cmd_agent(args: argparse.Namespace) -> int:
     result["stats"].update(model=loaded, backend=backend, project=str(project))
     if args.json:
         print(json.dumps(result))
+    code = _verdict(result)
+    _undo_hints(result["writes"])  # a run that failed wrote too: then most of all
+    return code
+
+
+def _undo_hints(writes: list[dict[str, Any]]) -> None:
+    """One line per write: the command that undoes it, naming the data directory its ids belong to (each
+    database numbers its writes from 1) unless it is the default one."""
+    home = paths.home()
+    data = f" --data-dir {shlex.quote(str(home))}" if home != paths.default_home().resolve() else ""
+    for w in writes:
+        print(visible_text(f"flashcode: to undo the write of {w['path']}: flashcode changes{data} undo {w['id']}"),
+              file=sys.stderr)  # fmt: skip
+
+
+def _verdict(result: dict[str, Any]) -> int:
+    """The exit status of a finished run, with what the tools did said on stderr."""
     st = result["stats"]
     if st["finish_reason"] == "error":
         return 1
@@ -372,12 +389,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
             ),
             file=sys.stderr,
         )
-        if result["writes"]:  # --approve all wrote without a look: each write can be taken back
-            home = os.path.abspath(os.path.expanduser(args.data_dir)) if args.data_dir else ""
-            data = f" --data-dir {shlex.quote(home)}" if home else ""  # its ids are that database's
-            for w in result["writes"]:
-                print(visible_text(f"flashcode: to undo the write of {w['path']}: flashcode changes{data} undo {w['id']}"),
-                      file=sys.stderr)  # fmt: skip
         for path, why in result["broken_files"].items():
             print(
                 visible_text(f"flashcode: {path} does not parse as Python ({why}) after the agent's edits"),

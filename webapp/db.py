@@ -298,6 +298,7 @@ MIGRATIONS: list[Migration] = [
             undone_at REAL
         )""",
             "CREATE INDEX IF NOT EXISTS agent_file_changes_by_project ON agent_file_changes (project, created_at)",
+            "CREATE INDEX IF NOT EXISTS agent_file_changes_by_conversation ON agent_file_changes (conversation_id)",
             # a conversation deleted for good takes the earlier texts of its writes along (as its messages go)
             """CREATE TRIGGER IF NOT EXISTS agent_file_changes_of_deleted AFTER DELETE ON conversations
             BEGIN DELETE FROM agent_file_changes WHERE conversation_id = OLD.id; END""",

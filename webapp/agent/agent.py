@@ -334,7 +334,7 @@ class AgentSession:
                 yield ev
         elif name == "write":
             path, _, content = arg.partition("\n")
-            if not content.strip() and path.strip():  # a dialog that would empty the file (walkthrough): said
+            if not content.strip() and self._holds_text(path):  # a dialog to empty the file (walkthrough)
                 yield Notice(
                     f"/write {path.strip()} needs the file's new content on the lines after it (Shift+Return starts "
                     "a line): nothing was written.",
@@ -532,6 +532,13 @@ class AgentSession:
             {"role": "user", "content": f"Here is {path}:\n{quote_untrusted('file ' + path, content)}"}
         )
         self.history.append({"role": "assistant", "content": f"I have read {path}."})
+
+    def _holds_text(self, path: str) -> bool:
+        """Whether `path` names a file in the project with text in it (a bad path: no; `/write` says why)."""
+        try:
+            return bool((self.files.propose_write(path.strip(), "").old or "").strip())
+        except FileToolError:
+            return False
 
     async def _write(
         self, propose: Callable[..., FileChange], path: str, *args: str

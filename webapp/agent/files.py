@@ -406,6 +406,7 @@ class ProjectFiles:
                     raise StaleChange(
                         f"{shown(path)} is gone (removed since the write): nothing was put back"
                     )
+                checked = os.fstat(fd)
                 current = self._text(fd, path)[0]
                 if text_sha256(current) != after_sha256:
                     raise StaleChange(
@@ -414,13 +415,35 @@ class ProjectFiles:
                     )
                 assert dfd is not None
                 if before is None:
-                    os.unlink(parts[-1], dir_fd=dfd)
+                    self._remove_checked(dfd, parts[-1], path, checked)
                     return "removed"
                 self._replace(dfd, parts[-1], FileChange(path, current, before, ""))
                 return "restored"
             finally:
                 if dfd is not None:
                     os.close(dfd)
+
+    @staticmethod
+    def _remove_checked(dfd: int, name: str, path: str, checked: os.stat_result) -> None:
+        """Remove `name` only if it is still the file checked: it is renamed aside first, and put back if
+        something else (an editor's save, a formatter) replaced it in between, so that file is never deleted."""
+        aside = f".flashcode-{secrets.token_hex(6)}.undo"
+        os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+        moved = os.stat(aside, dir_fd=dfd, follow_symlinks=False)
+        if (moved.st_dev, moved.st_ino) == (checked.st_dev, checked.st_ino):
+            os.unlink(aside, dir_fd=dfd)
+            return
+        try:
+            os.link(
+                aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False
+            )  # never over a new one
+            os.unlink(aside, dir_fd=dfd)
+        except FileExistsError:  # a newer file took the name again: the one moved aside keeps the name it got
+            raise StaleChange(
+                f"{shown(path)} was replaced while it was being undone: nothing was removed (the file that had "
+                f"replaced it is beside it as {aside})"
+            ) from None
+        raise StaleChange(f"{shown(path)} was replaced while it was being undone: nothing was removed")
 
     def _replace(self, dfd: int, name: str, change: FileChange) -> None:
         fd = self._open_file(dfd, name, change.path)

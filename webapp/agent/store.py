@@ -153,7 +153,7 @@ class AgentStore:
     ) -> None:
         """Keep what a write replaced (`before`; None: it made the file), so that it can be undone."""
         self.conn.execute(
-            f"INSERT OR REPLACE INTO agent_file_changes ({self._CHANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
+            f"INSERT INTO agent_file_changes ({self._CHANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
             (action_id, project, conversation_id, path, before, text_sha256(after), time.time()),
         )
         self.conn.commit()

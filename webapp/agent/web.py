@@ -234,7 +234,9 @@ class AgentWeb:
             return self._undo_html(action_id, "offer", f"Not undone: {exc}.", kept)
         self.store.mark_undone(action_id)
         said = ev.FileUndone(action_id, change.path, text)
-        conv = self.db.get_conversation(change.conversation_id) if change.conversation_id else None
+        conv = (
+            self.db.get_conversation(change.conversation_id, trashed=True) if change.conversation_id else None
+        )
         if conv is not None:
             self.db.add_event(conv.id, said.type, said.to_dict())  # the transcript keeps it
         return HTMLResponse(str(self.views.ui.undo_control(action_id, "done")) + self.views.event(said))
@@ -325,13 +327,14 @@ class AgentTurns:
         """The conversation's agent, made at its first turn (`files`: its project's, made off the event loop)."""
         web = self.web
         agent = self.agents.get(conversation_id)
-        undone = len(self._undone(conversation_id))
-        if agent is not None and (
-            self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1
-            or self._undone_seen.get(conversation_id, 0) != undone
-        ):  # plain-chat turns happened in between, or a write was undone from its card
-            agent.history = self._stored_history(conversation_id)
-        self._undone_seen[conversation_id] = undone
+        undone = self._undone(conversation_id)
+        if agent is not None:
+            if self._synced.get(conversation_id) != len(web.db.messages(conversation_id)) - 1:
+                agent.history = self._stored_history(conversation_id)  # plain-chat turns happened in between
+            else:  # writes undone since its last turn: said after it (what only the session holds is kept)
+                for _, path in undone[self._undone_seen.get(conversation_id, 0) :]:
+                    agent.history += undo_note(path)
+        self._undone_seen[conversation_id] = len(undone)
         if agent is None:
             project = web.project_for(conversation_id)
             agent = AgentSession(
