@@ -60,7 +60,7 @@ SPLIT_MIN_PARAMS = 2 << 20  # matrices this large and up split their output feat
 # the many-rows path dequantizes a weight this much at a time: its float copy is a transient no memory budget
 # counts whole (an 8B model's 128k-vocabulary head: 2 GB in float32); one block per stream in flight (each
 # block's dequantize waits for the matmul of that stream's block before it: `mx.depends`)
-DEQUANT_BLOCK_BYTES = 4 << 20
+DEQUANT_BLOCK_BYTES = 2 << 20
 
 SHIM_SOURCE = r"""
 #include <stdint.h>
