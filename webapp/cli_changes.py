@@ -12,10 +12,9 @@ import argparse
 import datetime as dt
 import sys
 
-from .agent.events import FileUndone
 from .agent.files import FileToolError
 from .agent.store import AgentStore
-from .agent.undo import state, undo_write
+from .agent.undo import record_undo, state, undo_write
 from .agent.web import hidden_paths
 from .cli_projects import _absolute, _named, _store
 from .projects.store import ProjectError
@@ -63,13 +62,9 @@ def cmd_changes(args: argparse.Namespace) -> int:
                 )
                 print(visible_text(f"flashcode changes: not undone: {exc}{kept}"), file=sys.stderr)
                 return 1
-            store.mark_undone(change.action_id)
-            conv = (
-                db.get_conversation(change.conversation_id, trashed=True) if change.conversation_id else None
-            )
-            if conv is not None:  # as the card's Undo: the transcript says so, and the model's next request
-                done = FileUndone(change.action_id, change.path, said)
-                db.add_event(conv.id, done.type, done.to_dict())
+            record_undo(
+                store, db, change, said
+            )  # as the card's Undo: logged for the transcript and the model
             print(visible_text(f"{said} (write {change.action_id}, project {project.name})"))
             return 0
         names = {p.id: p.name for p in projects.all()}

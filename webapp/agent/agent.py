@@ -536,7 +536,7 @@ class AgentSession:
     def _holds_text(self, path: str) -> bool:
         """Whether `path` names a file in the project with text in it (a bad path: no; `/write` says why)."""
         try:
-            return bool((self.files.propose_write(path.strip(), "").old or "").strip())
+            return bool(self.files.read(path.strip(), 4096).strip())  # its start says: no diff of it all
         except FileToolError:
             return False
 

@@ -9,20 +9,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..db import Database
+from .events import FileUndone
 from .files import ProjectFiles
-from .store import FileChangeRecord
+from .store import AgentStore, FileChangeRecord
 
 
 def undo_write(change: FileChangeRecord, project_dir: Path, hidden: tuple[Path, ...]) -> str:
     """Put back what `change` replaced (remove the file it made); what was done, in words. Raises
     `FileToolError` (nothing written) when the file changed since, is gone, or is out of bounds. Blocking file
-    work with no database: the caller records it (`AgentStore.mark_undone`) on the thread that owns that."""
+    work with no database: the caller records it (`record_undo`) on the thread that owns that."""
     done = ProjectFiles(project_dir, hidden).undo(change.path, change.before, change.after_sha256)
     if done == "gone":
         return f"Undid the write of {change.path}: that write had made it, and it was removed since."
     if done == "removed":
         return f"Undid the write of {change.path}: removed it (that write had made it)."
     return f"Undid the write of {change.path}: it holds its earlier text again."
+
+
+def record_undo(store: AgentStore, db: Database, change: FileChangeRecord, text: str) -> FileUndone:
+    """After `undo_write` (`text`: what it said): the write is marked undone and, where its conversation is kept
+    (the Trash's too), the undo is logged there, for the transcript and the model's next request."""
+    store.mark_undone(change.action_id)
+    said = FileUndone(change.action_id, change.path, text)
+    conv = db.get_conversation(change.conversation_id, trashed=True) if change.conversation_id else None
+    if conv is not None:
+        db.add_event(conv.id, said.type, said.to_dict())
+    return said
 
 
 def state(change: FileChangeRecord) -> str:

@@ -52,7 +52,7 @@ from .sandbox import ProjectMovedError, detect, pinned_project
 from .search import DDGSProvider
 from .slash import SlashCommands
 from .store import AgentStore, FileChangeRecord
-from .undo import undo_write
+from .undo import record_undo, undo_write
 from .views import SLASH_OUTPUT, AgentViews
 
 log = logging.getLogger(__name__)
@@ -232,13 +232,7 @@ class AgentWeb:
             text = await asyncio.to_thread(undo_write, change, project.path, hidden)
         except FileToolError as exc:
             return self._undo_html(action_id, "offer", f"Not undone: {exc}.", kept)
-        self.store.mark_undone(action_id)
-        said = ev.FileUndone(action_id, change.path, text)
-        conv = (
-            self.db.get_conversation(change.conversation_id, trashed=True) if change.conversation_id else None
-        )
-        if conv is not None:
-            self.db.add_event(conv.id, said.type, said.to_dict())  # the transcript keeps it
+        said = record_undo(self.store, self.db, change, text)
         return HTMLResponse(str(self.views.ui.undo_control(action_id, "done")) + self.views.event(said))
 
     async def change_before(self, request: Request) -> Response:
