@@ -270,9 +270,30 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
     assert cli.main(["changes", "undo", "999"]) == 2 and "no file change 999" in capsys.readouterr().err
     assert cli.main(["changes"]) == 0
     assert [x.split("\t")[4] for x in capsys.readouterr().out.splitlines()] == [
+        "made the file; the file changed since, so it cannot be undone",  # it said "undo removes it"
+        "undone",
+    ]
+    (project / "app.py").write_text("edited by hand\n")  # the undone write's file: "undone" all the same
+    (project / "hello.py").unlink()  # the file the write made is gone: undoing it has nothing left to do
+    assert cli.main(["changes"]) == 0
+    assert [x.split("\t")[4] for x in capsys.readouterr().out.splitlines()] == [
         "made the file (undo removes it)",
         "undone",
     ]
+    (project / "hello.py").write_text("print('hello')\n")
+    # a removed project's writes stay listed (they were hidden), with why they cannot be undone now
+    assert cli.main(["projects", "remove", "proj"]) == 0
+    capsys.readouterr()
+    assert cli.main(["changes"]) == 0
+    assert [(x[2], x[4]) for x in (line.split("\t") for line in capsys.readouterr().out.splitlines())] == [
+        (
+            "(a removed project)",
+            "made the file; its project was removed from flashcode, so it cannot be undone",
+        ),
+        ("(a removed project)", "undone"),
+    ]
+    assert cli.main(["projects", "add", str(project)]) == 0
+    capsys.readouterr()
     assert cli.main(["changes", "--project", "nothing-like-it"]) == 2
     assert "there is no project named 'nothing-like-it'" in capsys.readouterr().err
 

@@ -2,7 +2,8 @@
 writes of the agent's file tools, newest first; undoing one (its earlier text put back, or the file it made
 removed), as the page's Undo does; and the text one replaced.
 
-Output of `flashcode changes`: one line per write, tab-separated: id, when, project, path, what it did or
+Output of `flashcode changes`: one line per write, tab-separated: id, when, project, path, and what it did
+and what an undo would do, why it would be refused now (the file changed since, its project removed), or
 "undone". What it knows: the command line's forms and messages. Undo itself is `webapp.agent.undo`.
 """
 
@@ -14,7 +15,7 @@ import sys
 
 from .agent.files import FileToolError
 from .agent.store import AgentStore
-from .agent.undo import record_undo, state, undo_write
+from .agent.undo import record_undo, state, undo_refusal, undo_write
 from .agent.web import hidden_paths
 from .cli_projects import _absolute, _named, _store
 from .projects.store import ProjectError
@@ -72,22 +73,21 @@ def cmd_changes(args: argparse.Namespace) -> int:
             # a name, or a folder (`.` too); an unknown one is refused with the names there are
             wanted = projects.resolve(_absolute(args.project)) or _named(projects, args.project)
             changes = store.file_changes(wanted.id, limit=args.limit)
-        else:
-            changes = [c for pid in names for c in store.file_changes(pid, limit=args.limit)]
-            changes = sorted(changes, key=lambda c: -c.action_id)[: args.limit]
+        else:  # a removed project's too, while its data is kept: Add its folder again to undo them
+            changes = store.file_changes(None, limit=args.limit)
         if not changes:
             print(
                 "no file was written by the agent's file tools"
                 + (" in that project" if args.project else ""),
                 file=sys.stderr,
             )
+        hidden = hidden_paths(projects.data_dir)
+        folders = {p.id: p.path for p in projects.all()}
         for c in changes:
             when = dt.datetime.fromtimestamp(c.created_at).strftime("%Y-%m-%d %H:%M")
-            print(
-                visible_text(
-                    f"{c.action_id}\t{when}\t{names.get(c.project, c.project)}\t{c.path}\t{state(c)}"
-                )
-            )
+            said = state(c, undo_refusal(c, folders.get(c.project), hidden))
+            name = names.get(c.project, "(a removed project)")
+            print(visible_text(f"{c.action_id}\t{when}\t{name}\t{c.path}\t{said}"))
     except ProjectError as exc:
         print(f"flashcode changes: {exc}", file=sys.stderr)
         return 2

@@ -423,6 +423,20 @@ class ProjectFiles:
                 if dfd is not None:
                     os.close(dfd)
 
+    def undo_refusal(self, path: str, before: str | None, after_sha256: str) -> str | None:
+        """Why `undo` would refuse now, in words (the file changed since, is gone, is out of bounds), or None
+        when it would go ahead: for the lists that say which writes can still be undone. Reads only."""
+        try:
+            full = self.resolve(path)
+            with _os_errors(path):
+                fd = self._open_target(full)
+                if fd is None:
+                    return None if before is None else "the file is gone since"
+                current = self._text(fd, path)[0]
+        except FileToolError as exc:
+            return str(exc)
+        return None if text_sha256(current) == after_sha256 else "the file changed since"
+
     @staticmethod
     def _remove_checked(dfd: int, name: str, path: str, checked: os.stat_result) -> None:
         """Remove `name` only if it is still the file checked: it is renamed aside first, and put back if

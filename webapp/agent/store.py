@@ -164,12 +164,12 @@ class AgentStore:
         ).fetchone()
         return FileChangeRecord(*row) if row else None
 
-    def file_changes(self, project: str, limit: int = 50) -> list[FileChangeRecord]:
-        """The project's file changes, newest first."""
+    def file_changes(self, project: str | None, limit: int = 50) -> list[FileChangeRecord]:
+        """The project's file changes (None: every project's, a removed one's kept data too), newest first."""
+        where, args = ("WHERE project = ? ", (project,)) if project is not None else ("", ())
         rows = self.conn.execute(
-            f"SELECT {self._CHANGE_COLUMNS} FROM agent_file_changes WHERE project = ? "
-            "ORDER BY action_id DESC LIMIT ?",
-            (project, limit),
+            f"SELECT {self._CHANGE_COLUMNS} FROM agent_file_changes {where}ORDER BY action_id DESC LIMIT ?",
+            (*args, limit),
         ).fetchall()
         return [FileChangeRecord(*row) for row in rows]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..db import Database
 from .events import FileUndone
-from .files import ProjectFiles
+from .files import FileToolError, ProjectFiles
 from .store import AgentStore, FileChangeRecord
 
 
@@ -38,8 +38,30 @@ def record_undo(store: AgentStore, db: Database, change: FileChangeRecord, text:
     return said
 
 
-def state(change: FileChangeRecord) -> str:
-    """A change as the lists say it: undone, or what an undo would do."""
+def state(change: FileChangeRecord, refusal: str | None = None) -> str:
+    """A change as the lists say it: undone, what an undo would do, or (`refusal`: why an undo would be refused
+    now, from `ProjectFiles.undo_refusal`) that it can no longer be undone."""
     if change.undone_at:
         return "undone"
-    return "made the file (undo removes it)" if change.before is None else "changed it (undo puts it back)"
+    did = "made the file" if change.before is None else "changed it"
+    if refusal is not None:
+        kept = (
+            f"; its earlier text: flashcode changes show {change.action_id}"
+            if change.before is not None
+            else ""
+        )
+        return f"{did}; {refusal}, so it cannot be undone{kept}"
+    return f"{did} (undo removes it)" if change.before is None else f"{did} (undo puts it back)"
+
+
+def undo_refusal(change: FileChangeRecord, project_dir: Path | None, hidden: tuple[Path, ...]) -> str | None:
+    """Why undoing `change` would be refused now (None: it would go ahead, or was undone already)."""
+    if change.undone_at:
+        return None
+    if project_dir is None:
+        return "its project was removed from flashcode"
+    try:
+        files = ProjectFiles(project_dir, hidden)
+    except FileToolError as exc:
+        return str(exc)
+    return files.undo_refusal(change.path, change.before, change.after_sha256)
