@@ -43,7 +43,52 @@ def test_undo_of_a_write_that_made_the_file_removes_it(project: Path) -> None:
     files.apply(change)
     assert change.old is None and (project / "pkg" / "new.py").exists()
     assert files.undo("pkg/new.py", None, text_sha256(change.new)) == "removed"
-    assert not (project / "pkg" / "new.py").exists() and (project / "pkg").is_dir()
+    assert not (project / "pkg" / "new.py").exists() and (project / "pkg").is_dir()  # made_dirs not given
+
+
+def test_undo_of_a_made_file_removes_the_folders_its_write_made_while_empty(project: Path) -> None:
+    """`pkg/sub/new.py` in a project with neither folder: an undo left pkg/sub behind (a walkthrough's)."""
+    files = ProjectFiles(project)
+    (project / "kept").mkdir()  # a folder the user made, empty: no write made it, no undo removes it
+    change = files.propose_write("kept/a/b/new.py", "x = 1\n")
+    assert files.apply(change) == 2
+    assert files.undo("kept/a/b/new.py", None, text_sha256(change.new), made_dirs=2) == "removed"
+    assert not (project / "kept" / "a").exists() and (project / "kept").is_dir()
+
+    change = files.propose_write("pkg/sub/new.py", "x = 1\n")
+    assert files.apply(change) == 2
+    (project / "pkg" / "mine.txt").write_text("put there since\n")  # pkg holds something now: it stays
+    assert files.undo("pkg/sub/new.py", None, text_sha256(change.new), made_dirs=2) == "removed"
+    assert not (project / "pkg" / "sub").exists()
+    assert (project / "pkg" / "mine.txt").read_text() == "put there since\n"
+
+    change = files.propose_write("gone/new.py", "x = 1\n")
+    assert files.apply(change) == 1 and files.apply(files.propose_write("app.py", "y\n")) == 0
+    (project / "gone" / "new.py").unlink()  # removed since: the undo has only its empty folder left to remove
+    assert files.undo("gone/new.py", None, text_sha256(change.new), made_dirs=1) == "gone"
+    assert not (project / "gone").exists()
+    (project / "kept" / "c").mkdir()
+    os.symlink(
+        project / "kept", project / "link"
+    )  # rmdir never follows a link: the link stays, as its target
+    change = files.propose_write("link2/new.py", "x\n")
+    files.apply(change)
+    (project / "link2" / "new.py").unlink()
+    (project / "link2").rmdir()
+    os.symlink(project / "kept" / "c", project / "link2")
+    files.undo("link2/new.py", None, text_sha256(change.new), made_dirs=1)
+    assert (project / "link2").is_symlink() and (project / "kept" / "c").is_dir()
+
+
+def test_a_write_keeps_how_many_folders_it_made_and_the_store_hands_it_to_undo(tmp_path: Path) -> None:
+    from webapp.db import Database
+
+    db = Database(tmp_path / "f.db")
+    store = AgentStore(db.conn)
+    store.record_file_change(1, "p", None, "a/b/c.py", None, "x\n", 2)
+    store.record_file_change(2, "p", None, "d.py", "old\n", "x\n")
+    assert [(c.action_id, c.made_dirs) for c in store.file_changes("p")] == [(2, 0), (1, 2)]
+    db.close()
 
 
 def test_undo_refuses_a_file_changed_since_and_writes_nothing(project: Path) -> None:
@@ -307,3 +352,25 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
     assert re.search(
         rf"to undo the write of limit\.txt: flashcode changes --data-dir {home} undo \d+", err
     ), err
+
+
+def test_the_agents_write_of_a_new_folder_is_undone_with_its_folders(
+    project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Through the tool loop and `flashcode changes undo`: the folders the write made go with the file."""
+    from webapp import cli, engine_host, preflight
+
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="docs/notes/todo.md", content="- one\n")
+    fake.enqueue("Done.")
+    monkeypatch.setattr(engine_host, "make_loaded_backend", lambda backend, model, options=None: fake)
+    monkeypatch.setattr(preflight, "check_model", lambda name, root: None)
+    home = project.parent / "home"
+    monkeypatch.setenv("FLASHCODE_HOME", str(home))
+    assert cli.main(["agent", "--project", str(project), "--approve", "all", "go"]) == 0
+    assert (project / "docs" / "notes" / "todo.md").read_text() == "- one\n"
+    write = re.search(r"flashcode changes --data-dir \S+ undo (\d+)", capsys.readouterr().err)
+    assert write is not None
+    assert cli.main(["changes", "undo", write.group(1)]) == 0
+    assert "removed it" in capsys.readouterr().out
+    assert sorted(p.name for p in project.iterdir()) == ["app.py"]  # docs/notes stayed behind

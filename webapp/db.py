@@ -304,6 +304,13 @@ MIGRATIONS: list[Migration] = [
             BEGIN DELETE FROM agent_file_changes WHERE conversation_id = OLD.id; END""",
         ),
     ),
+    # how many of the path's folders (the deepest) a write made: undoing the write that made the file
+    # removes them too, when empty (they stayed behind); 0 for the writes kept before
+    Migration(
+        11,
+        "the folders a write made",
+        ("ALTER TABLE agent_file_changes ADD COLUMN made_dirs INTEGER NOT NULL DEFAULT 0",),
+    ),
 ]
 
 LAST_MODEL_KEY = (

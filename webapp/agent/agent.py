@@ -566,14 +566,14 @@ class AgentSession:
         if decided.decision in ("deny", "timeout"):
             return
         try:
-            self.files.apply(change)
+            made_dirs = self.files.apply(change)
         except FileToolError as exc:
             self.store.record_result(action_id, None, str(exc))
             yield Notice(str(exc), "error")
             return
         self.store.record_result(action_id, None, "written")
         self.store.record_file_change(
-            action_id, self.project, self.conversation_id, change.path, change.old, change.new
+            action_id, self.project, self.conversation_id, change.path, change.old, change.new, made_dirs
         )
         yield FileWritten(action_id, change.path, undo="offer")
 

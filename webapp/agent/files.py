@@ -30,7 +30,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .sandbox import (
     ProjectMovedError,
@@ -211,9 +211,12 @@ class ProjectFiles:
         return str(full.relative_to(self.root)) if full != self.root else "."
 
     # ------------------------------------------------------------------ opening without following links
-    def _open_dir(self, parts: tuple[str, ...], create: bool = False) -> int | None:
+    def _open_dir(
+        self, parts: tuple[str, ...], create: bool = False, made: list[str] | None = None
+    ) -> int | None:
         """A descriptor of root/parts, each folder opened without following a symlink; None if one
-        is missing (created when `create`). Refuses a symlink or a file on the way."""
+        is missing (created when `create`; each one made is added to `made`). Refuses a symlink or a file on
+        the way."""
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             for i, part in enumerate(parts):
@@ -224,6 +227,8 @@ class ProjectFiles:
                         os.close(fd)
                         return None
                     os.mkdir(part, 0o777, dir_fd=fd)
+                    if made is not None:
+                        made.append(part)
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
@@ -370,27 +375,31 @@ class ProjectFiles:
         new = old.replace(find, replace, 1)
         return FileChange(self.relative(full), old, new, unified_diff(self.relative(full), old, new))
 
-    def apply(self, change: FileChange) -> None:
+    def apply(self, change: FileChange) -> int:
         """Write an approved change. Everything is checked again, on descriptors: no folder on the
-        way is a symlink, the file is not a symlink nor hard-linked, and its text is still `old`."""
+        way is a symlink, the file is not a symlink nor hard-linked, and its text is still `old`.
+        Returns how many of the path's folders (the deepest) it made, for an undo to remove."""
         full = self.resolve(change.path)
         self._writable(full, change.path)
         parts = full.relative_to(self.root).parts
         if not parts:
             raise FileToolError("cannot write the project directory itself")
+        made: list[str] = []
         with _os_errors(change.path):
-            dfd = self._open_dir(parts[:-1], create=True)
+            dfd = self._open_dir(parts[:-1], create=True, made=made)
             assert dfd is not None
             try:
                 self._replace(dfd, parts[-1], change)
             finally:
                 os.close(dfd)
+        return len(made)
 
-    def undo(self, path: str, before: str | None, after_sha256: str) -> str:
-        """Put back what a write replaced: `before` (None: the write made the file, which is removed), only while
-        the file still holds the text the write left (its hash, `after_sha256`); checked on descriptors, as
-        `apply` checks. Else `StaleChange` says why and nothing is written. What it did: "restored", "removed",
-        or "gone" (the file the write made was removed since: nothing left to undo)."""
+    def undo(self, path: str, before: str | None, after_sha256: str, made_dirs: int = 0) -> str:
+        """Put back what a write replaced: `before` (None: the write made the file, which is removed, with the
+        `made_dirs` folders the write made for it while they are empty), only while the file still holds the
+        text the write left (its hash, `after_sha256`); checked on descriptors, as `apply` checks. Else
+        `StaleChange` says why and nothing is written. What it did: "restored", "removed", or "gone" (the file
+        the write made was removed since: nothing left to undo but its empty folders)."""
         full = self.resolve(path)
         self._writable(full, path)
         parts = full.relative_to(self.root).parts
@@ -402,6 +411,7 @@ class ProjectFiles:
                 fd = None if dfd is None else self._open_file(dfd, parts[-1], path)
                 if fd is None:
                     if before is None:
+                        self._remove_made_dirs(path, made_dirs)
                         return "gone"
                     raise StaleChange(
                         f"{shown(path)} is gone (removed since the write): nothing was put back"
@@ -416,6 +426,7 @@ class ProjectFiles:
                 assert dfd is not None
                 if before is None:
                     self._remove_checked(dfd, parts[-1], path, checked)
+                    self._remove_made_dirs(path, made_dirs)
                     return "removed"
                 self._replace(dfd, parts[-1], FileChange(path, current, before, ""))
                 return "restored"
@@ -436,6 +447,28 @@ class ProjectFiles:
         except FileToolError as exc:
             return str(exc)
         return None if text_sha256(current) == after_sha256 else "the file changed since"
+
+    def _remove_made_dirs(self, path: str, made_dirs: int) -> None:
+        """Remove the deepest `made_dirs` folders of `path` (a made file's, as the write named it: a folder
+        swapped for a link since is not followed to another) while each is empty, deepest first, each through
+        its parent's descriptor: rmdir never removes a folder that holds anything (a file put there since keeps
+        it, and the folders above it). The file is gone already: nothing here fails the undo."""
+        folders = PurePosixPath(path).parts[:-1]
+        if not made_dirs or any(part in ("", ".", "..", "/") for part in folders):
+            return
+        for depth in range(len(folders), max(len(folders) - made_dirs, 0), -1):
+            try:
+                parent = self._open_dir(folders[: depth - 1])
+            except (OSError, FileToolError):
+                return
+            if parent is None:
+                return
+            try:
+                os.rmdir(folders[depth - 1], dir_fd=parent)
+            except OSError:
+                return
+            finally:
+                os.close(parent)
 
     @staticmethod
     def _remove_checked(dfd: int, name: str, path: str, checked: os.stat_result) -> None:

@@ -690,11 +690,11 @@ class ToolLoop:
         if decision in ("deny", "timeout"):
             yield ToolResult(False, denied(reason), decision, action_id=action_id, output=change.diff)
             return
-        s.files.apply(change)
+        made_dirs = s.files.apply(change)
         self.written.append(change.path)
         s.store.record_result(action_id, None, "written")
         s.store.record_file_change(
-            action_id, s.project, s.conversation_id, change.path, change.old, change.new
+            action_id, s.project, s.conversation_id, change.path, change.old, change.new, made_dirs
         )
         yield FileWritten(action_id, change.path, undo="offer")
         verb = "created" if change.old is None else "changed"

@@ -29,6 +29,7 @@ class FileChangeRecord:
     after_sha256: str
     created_at: float
     undone_at: float | None
+    made_dirs: int = 0  # the path's deepest folders the write made (an undo of a made file removes them)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,9 @@ class AgentStore:
         self.conn.commit()
 
     # ------------------------------------------------------------------ earlier text of written files
-    _CHANGE_COLUMNS = "action_id, project, conversation_id, path, before, after_sha256, created_at, undone_at"
+    _CHANGE_COLUMNS = (
+        "action_id, project, conversation_id, path, before, after_sha256, created_at, undone_at, made_dirs"
+    )
 
     def record_file_change(
         self,
@@ -150,11 +153,13 @@ class AgentStore:
         path: str,
         before: str | None,
         after: str,
+        made_dirs: int = 0,
     ) -> None:
-        """Keep what a write replaced (`before`; None: it made the file), so that it can be undone."""
+        """Keep what a write replaced (`before`; None: it made the file, and `made_dirs` of its folders), so
+        that it can be undone."""
         self.conn.execute(
-            f"INSERT INTO agent_file_changes ({self._CHANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
-            (action_id, project, conversation_id, path, before, text_sha256(after), time.time()),
+            f"INSERT INTO agent_file_changes ({self._CHANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            (action_id, project, conversation_id, path, before, text_sha256(after), time.time(), made_dirs),
         )
         self.conn.commit()
 

@@ -19,7 +19,9 @@ def undo_write(change: FileChangeRecord, project_dir: Path, hidden: tuple[Path, 
     """Put back what `change` replaced (remove the file it made); what was done, in words. Raises
     `FileToolError` (nothing written) when the file changed since, is gone, or is out of bounds. Blocking file
     work with no database: the caller records it (`record_undo`) on the thread that owns that."""
-    done = ProjectFiles(project_dir, hidden).undo(change.path, change.before, change.after_sha256)
+    done = ProjectFiles(project_dir, hidden).undo(
+        change.path, change.before, change.after_sha256, change.made_dirs
+    )
     if done == "gone":
         return f"Undid the write of {change.path}: that write had made it, and it was removed since."
     if done == "removed":
