@@ -68,7 +68,7 @@ def cmd_changes(args: argparse.Namespace) -> int:
             )  # as the card's Undo: logged for the transcript and the model
             print(visible_text(f"{said} (write {change.action_id}, project {project.name})"))
             return 0
-        names = {p.id: p.name for p in projects.all()}
+        known = {p.id: p for p in projects.all()}
         if args.project is not None:
             # a name, or a folder (`.` too); an unknown one is refused with the names there are
             wanted = projects.resolve(_absolute(args.project)) or _named(projects, args.project)
@@ -82,11 +82,11 @@ def cmd_changes(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         hidden = hidden_paths(projects.data_dir)
-        folders = {p.id: p.path for p in projects.all()}
         for c in changes:
             when = dt.datetime.fromtimestamp(c.created_at).strftime("%Y-%m-%d %H:%M")
-            said = state(c, undo_refusal(c, folders.get(c.project), hidden))
-            name = names.get(c.project, "(a removed project)")
+            project = known.get(c.project)
+            said = state(c, undo_refusal(c, project.path if project else None, hidden))
+            name = project.name if project else "(a removed project)"
             print(visible_text(f"{c.action_id}\t{when}\t{name}\t{c.path}\t{said}"))
     except ProjectError as exc:
         print(f"flashcode changes: {exc}", file=sys.stderr)
