@@ -882,7 +882,22 @@ class LlamaServerBackend:
                 False  # its finish chunk looks the same after a stop string, whose tokens count (as on MLX)
             )
         self._fill_stats(stats, turn, t0)
+        if not stats.prompt_tokens and turn.finish == "cancelled":
+            # stopped while the server read the prompt: it sent no count (the context gauge fell back to the
+            # turn before's, ~1,500 tokens short); its progress gave the total, or the prompt is counted
+            stats.prompt_tokens = turn.prompt_total or self._count_prompt(request)
         yield Done(stats, "error" if error else turn.finish, "".join(turn.text), error=error)  # type: ignore[arg-type]
+
+    def _count_prompt(self, request: GenerationRequest) -> int:
+        """The prompt's tokens as the server would count them (0 when it cannot say)."""
+        try:
+            if request.messages is not None and not request.continue_final:
+                return len(self.apply_chat_template(request.messages))
+            if request.prompt is not None:
+                return len(self.tokenize(request.prompt))
+        except (BackendUnavailableError, ServerError, httpx.HTTPError, ValueError):
+            pass
+        return 0
 
     def _raise_error(self, resp: httpx.Response) -> None:
         resp.read()
