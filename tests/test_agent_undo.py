@@ -202,6 +202,15 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
         assert "Not undone: notes.md changed since that write (by you, a command, or a later write)" in r.text
         assert (project / "notes.md").read_text() == "notes, and the user's line\n"
         assert "Download its earlier text" not in r.text  # the write made it: there was none
+        # after a reload the card says so at once, with no Undo that would only be refused (it offered one)
+        page = "".join(replayed(client.get(f"/c/{cid}").text))
+        assert "Wrote notes.md" in page and f'hx-post="/agent/changes/{made.group(1)}/undo"' not in page
+        assert "Cannot be undone now: the file changed since." in page
+        (project / "notes.md").write_text("notes\n")  # as the write left it again: Undo is offered again
+        assert f'hx-post="/agent/changes/{made.group(1)}/undo"' in "".join(
+            replayed(client.get(f"/c/{cid}").text)
+        )
+        (project / "notes.md").write_text("notes, and the user's line\n")
         before = client.get(f"/agent/changes/{made.group(1)}/before")
         assert before.status_code == 404 and "had no earlier text" in before.text
         before = client.get(f"/agent/changes/{action.group(1)}/before")

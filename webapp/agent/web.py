@@ -52,7 +52,7 @@ from .sandbox import ProjectMovedError, detect, pinned_project
 from .search import DDGSProvider
 from .slash import SlashCommands
 from .store import AgentStore, FileChangeRecord
-from .undo import record_undo, undo_write
+from .undo import record_undo, undo_refusal, undo_write
 from .views import SLASH_OUTPUT, AgentViews
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,19 @@ class AgentWeb:
             change = self.store.file_change(int(data.get("action_id") or 0))
             state = "" if change is None else "done" if change.undone_at else "offer"
             data = {**data, "undo": state}
+            if (
+                change is not None and state == "offer"
+            ):  # after a reload, an Undo that would only be refused is not offered
+                project = self._project_of(change)
+                refusal = undo_refusal(
+                    change, project.path if project else None, hidden_paths(self.settings.data_dir)
+                )
+                if refusal is not None:
+                    data |= {
+                        "undo": "refused",
+                        "undo_refused": f"Cannot be undone now: {refusal}.",
+                        "undo_before": change.before is not None,
+                    }
         return self.views.stored(type, data)
 
     def _project_of(self, change: FileChangeRecord) -> ProjectRef | None:
