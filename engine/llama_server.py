@@ -882,10 +882,10 @@ class LlamaServerBackend:
                 False  # its finish chunk looks the same after a stop string, whose tokens count (as on MLX)
             )
         self._fill_stats(stats, turn, t0)
-        if not stats.prompt_tokens and turn.finish == "cancelled":
-            # stopped while the server read the prompt: it sent no count (the context gauge fell back to the
-            # turn before's, ~1,500 tokens short); its progress gave the total, or the prompt is counted
-            stats.prompt_tokens = turn.prompt_total or self._count_prompt(request)
+        if turn.finish == "cancelled" and not turn.read and not turn.n_deltas:
+            # stopped while the server read the prompt: its count is none, or the cached part only (89 of a
+            # 1,600-token prompt: the context gauge showed that); the progress gave the total, or it is counted
+            stats.prompt_tokens = max(stats.prompt_tokens, turn.prompt_total or self._count_prompt(request))
         yield Done(stats, "error" if error else turn.finish, "".join(turn.text), error=error)  # type: ignore[arg-type]
 
     def _count_prompt(self, request: GenerationRequest) -> int:

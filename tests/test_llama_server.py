@@ -201,6 +201,15 @@ def test_llama_cancel_during_a_long_prefill_ends_the_stream_at_once(llama) -> No
     assert time.perf_counter() - t0 < 0.1 + STOP_BOUND_S
     # the server sent no count: the prompt is counted all the same (the context gauge read 0 of it)
     assert done.stats.prompt_tokens == len(llama.apply_chat_template(long)) > 1500
+    # a turn after a first (its prefix cached): the server counted the cached part only (89 of ~1,600: walkthrough)
+    _, first = run(llama, GenerationRequest(messages=CHAT, sampling=GREEDY))
+    later = (*CHAT, {"role": "assistant", "content": first.text}, *long)
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    _, again = run(llama, GenerationRequest(messages=later, sampling=GREEDY, progress=True), cancel)
+    assert again.finish_reason == "cancelled" and again.stats.prompt_tokens == len(
+        llama.apply_chat_template(later)
+    )
     _, after = run(
         llama, GenerationRequest(messages=CHAT, sampling=SamplingParams(temperature=0, max_tokens=4))
     )
