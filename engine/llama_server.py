@@ -918,8 +918,9 @@ class LlamaServerBackend:
             if "choices" not in chunk and not chunk.get("content") and not chunk.get("stop"):
                 return  # a native progress chunk: its "tokens": [0] is no token
         if (
-            turn.prompt_total is not None and not turn.read
-        ):  # the first token, with no (total, total) before it
+            turn.prompt_total is not None and not turn.read and not progress
+        ):  # the first token, with no (total, total) before it (the chat endpoint's progress chunks carry
+            # "choices" too, a role with no content: one of them is no token, or the bar said "read" at its first)
             turn.read = True
             yield PrefillProgress(turn.prompt_total, turn.prompt_total)
         if "timings" in chunk:

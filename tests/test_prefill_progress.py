@@ -169,6 +169,10 @@ def test_llama_server_streams_prefill_progress(data_dir: Path) -> None:
         assert (
             all(p.processed < p.total for p in progress[:-1]) and progress[-1].processed == progress[-1].total
         )
+        # one a batch of 512 (the chat endpoint's progress chunks carry a role "delta": the first was taken for
+        # the first token, and the bar said "read" at once, from 38 of 1,740)
+        steps = [p.processed for p in progress]
+        assert steps == sorted(set(steps)) and len(steps) >= 1 + done.stats.prompt_tokens // 512, steps
         first_text = next(i for i, e in enumerate(events) if isinstance(e, TextDelta) and e.text)
         assert max(i for i, e in enumerate(events) if isinstance(e, PrefillProgress)) < first_text
         assert all(
