@@ -234,8 +234,9 @@ class FileWritten(_Event):
     # "offer": its earlier text is kept and the card offers Undo; "done": undone since; "": no undo (written
     # before flashcode kept earlier text). A logged one is drawn with the state the database has now.
     undo: str = ""
-    # drawn, never logged: why an Undo would be refused now ("refused": the file changed since, its project
-    # removed), and whether its earlier text is kept to download; the card then offers no Undo
+    # set only when a logged one is drawn again (empty live, and whatever a stored one holds is replaced): why
+    # an Undo would be refused now (state "refused": the file changed since, its project removed), and whether
+    # its earlier text is kept to download; the card then offers no Undo
     undo_refused: str = ""
     undo_before: bool = False
     type: str = "file_written"

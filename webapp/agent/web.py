@@ -196,7 +196,7 @@ class AgentWeb:
         if type == ev.FileWritten.type and data.get("undo"):
             change = self.store.file_change(int(data.get("action_id") or 0))
             state = "" if change is None else "done" if change.undone_at else "offer"
-            data = {**data, "undo": state}
+            data = {**data, "undo": state, "undo_refused": "", "undo_before": False}  # never a file's own
             if (
                 change is not None and state == "offer"
             ):  # after a reload, an Undo that would only be refused is not offered
