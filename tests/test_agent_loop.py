@@ -454,11 +454,18 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
     async def fails(name: str) -> tuple[str, str]:
         return f"Could not load {name}: model {name!r} not found", "other-model-instruct-q4"
 
-    session.on_model = fails  # the transcript keeps why, under its "Switching to …"
+    session.on_model = fails  # a load that fails: the transcript keeps why, under its "Switching to …"
     events = asyncio.run(collect(session, "/model nosuch"))
     assert (
         isinstance(events[0], ev.ModelRequested) and "Could not load nosuch" in of(events, ev.Notice)[0].text
     )
+
+    async def unknown(name: str) -> str:
+        return f"Could not load {name}: no installed model is named {name!r}"
+
+    session.check_model = unknown  # a name that is no model: said alone, never "Switching to …" first
+    events = asyncio.run(collect(session, "/model nosuch"))
+    assert [type(e) for e in events] == [ev.Notice] and "no installed model" in events[0].text
     assert "unknown command" in of(asyncio.run(collect(session, "/nope")), ev.Notice)[0].text
     assert "needs" in of(asyncio.run(collect(session, "/shell")), ev.Notice)[0].text
 

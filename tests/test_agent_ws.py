@@ -521,6 +521,16 @@ def test_an_agent_step_waiting_for_approval_says_so_and_a_command_shows_its_outp
     assert "Output (" not in frames
 
 
+def test_model_command_with_no_such_model_says_why_and_never_that_it_switches(ws, fake: FakeBackend) -> None:
+    """(walkthrough) `/model nosuchmodel` said "Switching to nosuchmodel…", then that it could not load it."""
+    send(ws, type="send", text="/agent")
+    conv = re.search(r'id="conversation-id" value="([0-9a-f]+)"', until(ws, r'data-state="idle"')).group(1)  # type: ignore[union-attr]
+    send(ws, type="send", text="/model no-such-model-anywhere", conversation_id=conv)
+    frames = until(ws, r'data-state="idle"')
+    assert "Could not load no-such-model-anywhere" in frames and "Switching to" not in frames
+    assert fake.closed is False  # the loaded model was never touched
+
+
 def test_slash_commands_that_write_no_reply_add_no_warning(tmp_path: Path, project: Path) -> None:
     """/help, /raw, /clear answer in their own way: no "the model ended its turn without an answer"."""
     fake = FakeBackend(tools=True)

@@ -185,6 +185,8 @@ class AgentSession:
         history: list[Message] | None = None,
         # /model NAME: None, and the model loaded (the full name: NAME may be the start of one); or why it failed
         on_model: Callable[[str], Awaitable[tuple[str | None, str]]] | None = None,
+        # /model NAME before "Switching to …": why NAME cannot be loaded (no such model), or None
+        check_model: Callable[[str], Awaitable[str | None]] | None = None,
         hidden: tuple[Path, ...] = (),
         commands: SlashCommands = DEFAULT,
         max_steps: int = DEFAULT_MAX_STEPS,
@@ -208,6 +210,7 @@ class AgentSession:
         self.output_cap = output_cap
         self.history: list[Message] = list(history or [])
         self.on_model = on_model
+        self.check_model = check_model
         self.hidden = tuple(Path(h) for h in hidden)  # paths commands never see (flashcode's data dir)
         self.mode: Mode = "agent"
         self._run: CommandRun | None = None
@@ -315,6 +318,10 @@ class AgentSession:
             self.clear()
             yield Cleared()
         elif name == "model":
+            refused = await self.check_model(arg) if self.check_model is not None else None
+            if refused:  # said alone: not "Switching to …" first, then why not (walkthrough)
+                yield Notice(refused, "warning")
+                return
             yield ModelRequested(arg)
             if self.on_model is not None:  # in the transcript, after its "Switching to …"
                 failed, loaded = await self.on_model(arg)

@@ -30,6 +30,7 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from engine.base import SamplingParams
+from engine.models import find_model
 from engine.registry import BACKENDS
 
 from ..db import Database
@@ -355,6 +356,7 @@ class AgentTurns:
                 history=self._stored_history(conversation_id),
                 approval_timeout_s=DIALOG_TIMEOUT_S,
                 on_model=self._switch_model,
+                check_model=self._check_model,
                 hidden=hidden_paths(web.settings.data_dir),
                 commands=web.commands,
                 files=files,
@@ -391,19 +393,32 @@ class AgentTurns:
         network = answer.network if proposal.tool == "shell" else None
         return ev.Decision.from_answer(answer.choice, answer.note, network)
 
+    @staticmethod
+    def _backend_model(name: str, loaded_backend: str | None) -> tuple[str, str]:
+        """/model's NAME as (backend, model): `BACKEND:NAME`, as the API takes it, picks both."""
+        backend, sep, model = name.partition(":")
+        if not (sep and backend in BACKENDS and model.strip()):
+            backend, model = loaded_backend or "mlx", name
+        return backend, model.strip()
+
+    async def _check_model(self, name: str) -> str | None:
+        """Why /model NAME cannot load (no installed model of that name), said instead of "Switching to …"."""
+        _, model = self._backend_model(name, self.web.engine.backend)
+        try:
+            await asyncio.to_thread(find_model, model)
+        except Exception as exc:  # noqa: BLE001 - shown; nothing was unloaded
+            return f"Could not load {name}: {exc}"
+        return None
+
     async def _switch_model(self, name: str) -> tuple[str | None, str]:
         """/model NAME: (None, the model loaded: NAME may be the start of its name); else (why not, which the
         transcript keeps under "Switching to …", the model still loaded)."""
         engine, turn = self.web.engine, self._turn
         assert turn is not None
         failed = None
-        backend, sep, model = name.partition(":")
-        if not (
-            sep and backend in BACKENDS and model.strip()
-        ):  # `BACKEND:NAME`, as the API takes it, picks both
-            backend, model = engine.backend or "mlx", name
+        backend, model = self._backend_model(name, engine.backend)
         try:
-            await engine.switch(backend, model.strip())
+            await engine.switch(backend, model)
         except Exception as exc:  # noqa: BLE001 - shown; the engine keeps or restores a model
             failed = f"Could not load {name}: {exc}"
         else:
