@@ -15,6 +15,7 @@ from tests.test_agent_ws import agent_conversation, send, until
 from tests.test_transcript import replayed
 from webapp.agent.files import FileToolError, ProjectFiles, StaleChange, text_sha256
 from webapp.agent.store import AgentStore
+from webapp.projects.store import project_id_for
 
 
 @pytest.fixture
@@ -339,13 +340,16 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
     assert cli.main(["projects", "remove", "proj"]) == 0
     capsys.readouterr()
     assert cli.main(["changes"]) == 0
+    removed = (
+        f"(removed) {project_id_for(project.resolve())}"  # its id, not a name lost with it (walkthrough)
+    )
     assert [(x[2], x[4]) for x in (line.split("\t") for line in capsys.readouterr().out.splitlines())] == [
-        (
-            "(a removed project)",
-            "made the file; its project was removed from flashcode, so it cannot be undone",
-        ),
-        ("(a removed project)", "undone"),
+        (removed, "made the file; its project was removed from flashcode, so it cannot be undone"),
+        (removed, "undone"),
     ]
+    # `--project` takes the id as listed (it said "there is no project named …" for every removed project)
+    assert cli.main(["changes", "--project", removed.split()[1]]) == 0
+    assert [x.split("\t")[3] for x in capsys.readouterr().out.splitlines()] == ["hello.py", "app.py"]
     assert cli.main(["projects", "add", str(project)]) == 0
     capsys.readouterr()
     assert cli.main(["changes", "--project", "nothing-like-it"]) == 2

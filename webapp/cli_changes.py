@@ -2,9 +2,9 @@
 writes of the agent's file tools, newest first; undoing one (its earlier text put back, or the file it made
 removed), as the page's Undo does; and the text one replaced.
 
-Output of `flashcode changes`: one line per write, tab-separated: id, when, project, path, and what it did
-and what an undo would do, why it would be refused now (the file changed since, its project removed), or
-"undone". What it knows: the command line's forms and messages. Undo itself is `webapp.agent.undo`.
+Output of `flashcode changes`: one line per write, tab-separated: id, when, project (a removed one's as
+"(removed) ID", which `--project` takes), path, and what it did and what an undo would do, why it would be
+refused now (the file changed since, its project removed), or "undone". What it knows: the command line's forms and messages. Undo itself is `webapp.agent.undo`.
 """
 
 from __future__ import annotations
@@ -70,9 +70,14 @@ def cmd_changes(args: argparse.Namespace) -> int:
             return 0
         known = {p.id: p for p in projects.all()}
         if args.project is not None:
-            # a name, or a folder (`.` too); an unknown one is refused with the names there are
-            wanted = projects.resolve(_absolute(args.project)) or _named(projects, args.project)
-            changes = store.file_changes(wanted.id, limit=args.limit)
+            # a name, or a folder (`.` too), or a removed project's id as listed; an unknown one is refused
+            # with the names there are
+            found = projects.resolve(_absolute(args.project))
+            if found is None and args.project not in known and store.file_changes(args.project, limit=1):
+                wanted = args.project  # a removed project's writes, listed under its id
+            else:
+                wanted = (found or _named(projects, args.project)).id
+            changes = store.file_changes(wanted, limit=args.limit)
         else:  # a removed project's too, while its data is kept: Add its folder again to undo them
             changes = store.file_changes(None, limit=args.limit)
         if not changes:
@@ -86,7 +91,7 @@ def cmd_changes(args: argparse.Namespace) -> int:
             when = dt.datetime.fromtimestamp(c.created_at).strftime("%Y-%m-%d %H:%M")
             project = known.get(c.project)
             said = state(c, undo_refusal(c, project.path if project else None, hidden))
-            name = project.name if project else "(a removed project)"
+            name = project.name if project else f"(removed) {c.project}"  # its id: `--project` takes it
             print(visible_text(f"{c.action_id}\t{when}\t{name}\t{c.path}\t{said}"))
     except ProjectError as exc:
         print(f"flashcode changes: {exc}", file=sys.stderr)
