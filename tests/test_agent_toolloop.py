@@ -463,7 +463,9 @@ def test_toolloop_auto_approved_edits_never_cover_git(
     fake.enqueue_call("write_file", path="b.txt", content="B")
     fake.enqueue("ok")
     approver = Approver(ev.Decision.deny(), ev.Decision.deny())
-    events = asyncio.run(collect(session(worker, project, approver, approve_edits=True), "go"))
+    s = session(worker, project, approver, approve_edits=True)
+    s.seen_files.add(".git/config")  # read before (write_file replaces only a file it read)
+    events = asyncio.run(collect(s, "go"))
     assert [p.command for p in approver.asked] == [".git/config", ".GIT/hooks/pre-commit"]
     assert all(not p.allowed_by_rule and "always ask" in p.rule_text for p in approver.asked)
     assert config.read_text() == "[core]\n" and not (project / ".GIT" / "hooks").exists()
@@ -780,7 +782,9 @@ def test_toolloop_a_write_whose_file_changed_under_the_dialog_may_be_proposed_ag
             return await super().__call__(proposal)
 
     approver = ChangesTheFileFirst(ev.Decision.once(), ev.Decision.once())
-    events = asyncio.run(collect(session(worker, project, approver), "fix app.py"))
+    s = session(worker, project, approver)
+    s.seen_files.add("app.py")  # read before (write_file replaces only a file it read)
+    events = asyncio.run(collect(s, "fix app.py"))
     results = [d.result for d in of(events, ev.ToolStepDone)]
     assert "changed since the diff was shown: propose it again" in results[0]
     assert len(approver.asked) == 2 and "app.py changed" in results[1], results
@@ -1297,3 +1301,40 @@ def test_toolloop_the_second_request_reads_the_files_the_user_attached(
 
 async def _collect_attached(s: AgentSession, text: str, attached: str) -> list[ev._Event]:
     return [e async for e in s.run_turn(text, attached)]
+
+
+def test_toolloop_write_file_never_replaces_a_file_the_conversation_did_not_read(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """(walkthrough) The 0.5B model, asked to create hello.py, replaced all of app.py with it, and with edits
+    approved nobody saw it. write_file may replace only a file this conversation's tools read or wrote: the
+    first try is refused with what to do, unasked; read, the same call is proposed; a new file never waits."""
+    fake.enqueue_call("write_file", path="app.py", content="print('hello')\n")
+    fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue_call("write_file", path="app.py", content="print('hello')\n")  # the same call, now read
+    fake.enqueue_call("write_file", path="new.py", content="x = 1\n")
+    fake.enqueue_call("write_file", path="new.py", content="x = 2\n")  # its own write: known
+    fake.enqueue("Done.")
+    approver = Approver(*[ev.Decision.once()] * 4)
+    s = session(worker, project, approver)
+    events = asyncio.run(collect(s, "create hello.py"))
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert results[0].startswith(
+        "Error: app.py already exists (2 lines) and was not read in this conversation"
+    )
+    assert "read_file it first" in results[0] and "a path that does not exist yet" in results[0]
+    assert [p.command for p in approver.asked] == ["app.py", "new.py", "new.py"]  # the refusal asked nothing
+    assert (project / "app.py").read_text() == "print('hello')\n" and (
+        project / "new.py"
+    ).read_text() == "x = 2\n"
+    # a later turn of the conversation knows them still; a file only /read showed counts as read too
+    (project / "notes.md").write_text("# notes\n")
+    assert of(asyncio.run(collect(s, "/read notes.md")), ev.FileShown)
+    fake.enqueue_call("write_file", path="notes.md", content="# Notes\n")
+    fake.enqueue_call("write_file", path=".gitignore", content="*.pyc\n")  # never read: refused
+    fake.enqueue("Done.")
+    events = asyncio.run(collect(s, "fix the title"))
+    results = [d.result for d in of(events, ev.ToolStepDone)]
+    assert results[0] == "notes.md changed." and (project / "notes.md").read_text() == "# Notes\n"
+    assert "Error: .gitignore already exists (2 lines)" in results[1]
+    assert (project / ".gitignore").read_text() == "build/\n*.log\n"

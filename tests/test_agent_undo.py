@@ -286,6 +286,7 @@ def test_flashcode_changes_lists_the_agents_writes_and_undoes_one(
     from webapp import cli, engine_host, preflight
 
     fake = FakeBackend(tools=True)
+    fake.enqueue_call("read_file", path="app.py")  # write_file replaces only a file the agent read
     fake.enqueue_call("write_file", path="app.py", content="print('hello')\n")
     fake.enqueue_call("write_file", path="hello.py", content="print('hello')\n")
     fake.enqueue("Done.")

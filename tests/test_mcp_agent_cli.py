@@ -179,13 +179,18 @@ def test_approve_all_never_writes_into_a_git_directory(tmp_path: Path, project: 
     for d in ("docs/objects", "docs/refs"):
         (project / d).mkdir(parents=True)
     (project / "docs" / "HEAD").write_text("ref: refs/heads/main\n")
-    write = [{"call": "write_file", "arguments": {"path": "docs/HEAD", "content": "x"}}, {"text": "Done."}]
+    write = [
+        {"call": "read_file", "arguments": {"path": "docs/HEAD"}},  # write_file replaces only a file it read
+        {"call": "write_file", "arguments": {"path": "docs/HEAD", "content": "x"}},
+        {"text": "Done."},
+    ]
     proc, _ = agent(tmp_path / "home", tmp_path, project, "all", script=write)
     assert proc.returncode == 0, proc.stderr
     steps = json.loads(proc.stdout)["steps"]
-    assert [(s["tool"], s["decision"], s["ok"]) for s in steps] == [("write_file", "deny", False)], (
-        proc.stderr
-    )
+    assert [(s["tool"], s["decision"], s["ok"]) for s in steps] == [
+        ("read_file", "none", True),
+        ("write_file", "deny", False),
+    ], proc.stderr
     assert (project / "docs" / "HEAD").read_text() == "ref: refs/heads/main\n"
     assert "Warning: this write leaves docs looking like a git directory" in proc.stderr
 

@@ -210,6 +210,9 @@ class AgentSession:
         self.output_cap = output_cap
         self.history: list[Message] = list(history or [])
         self.on_model = on_model
+        # the files (relative paths) this conversation's tools or the user's /read and /write read or wrote:
+        # write_file replaces only these (`ToolLoop._unread`)
+        self.seen_files: set[str] = set()
         self.check_model = check_model
         self.hidden = tuple(Path(h) for h in hidden)  # paths commands never see (flashcode's data dir)
         self.mode: Mode = "agent"
@@ -534,7 +537,9 @@ class AgentSession:
         except FileToolError as exc:
             yield Notice(str(exc), "error")
             return
-        yield FileShown(self.files.relative(self.files.resolve(path)), content)
+        shown_path = self.files.relative(self.files.resolve(path))
+        self.seen_files.add(shown_path)
+        yield FileShown(shown_path, content)
         self.history.append(
             {"role": "user", "content": f"Here is {path}:\n{quote_untrusted('file ' + path, content)}"}
         )

@@ -581,6 +581,7 @@ class ToolLoop:
                 yield ToolResult(True, out, output=out)
             elif call.name == "read_file":
                 out = self.read.read_file(a["path"], a.get("start_line"), a.get("end_line"))
+                self.s.seen_files.add(self.s.files.relative(self.s.files.resolve(a["path"])))
                 yield ToolResult(True, out, output=out)
             elif call.name == "search_text":
                 out = await asyncio.to_thread(self.read.search_text, a["pattern"], a.get("path", "."))
@@ -591,6 +592,13 @@ class ToolLoop:
                     if call.name == "edit_file"
                     else self.s.files.propose_write(a["path"], a["content"])
                 )
+                if (
+                    call.name == "write_file"
+                    and change.old != change.new
+                    and (unread := self._unread(change))
+                ):
+                    yield ToolResult(False, unread, meta={"retry": True})  # it may come again once read
+                    return
                 async for item in self._write(change):
                     yield item
             elif call.name == "run_command":
@@ -603,6 +611,19 @@ class ToolLoop:
             yield ToolResult(
                 False, f"Error: {exc}", meta={"retry": True} if isinstance(exc, StaleChange) else {}
             )
+
+    def _unread(self, change: FileChange) -> str:
+        """Why write_file may not replace this file: it holds text the conversation's tools never read nor
+        wrote (the 0.5B model, asked to create hello.py, replaced all of mathutil.py: walkthrough); "" if it
+        may. Not asked: the user would only be shown a whole file replaced."""
+        if change.old is None or not change.old.strip() or change.path in self.s.seen_files:
+            return ""
+        lines = change.old.count("\n") + (not change.old.endswith("\n"))
+        return (
+            f"Error: {change.path} already exists ({lines} lines) and was not read in this conversation: "
+            "write_file would replace all of it, so nothing was written. To change it, read_file it first (then "
+            "edit_file or write_file); to make a new file, use a path that does not exist yet."
+        )
 
     def _echoed(self, call: ToolCall) -> bool:
         """A write whose new text is one of this turn's tool results ("notes.txt changed.")."""
@@ -692,6 +713,7 @@ class ToolLoop:
             return
         made_dirs = s.files.apply(change)
         self.written.append(change.path)
+        s.seen_files.add(change.path)  # what it wrote, it knows: a later write_file may replace it
         s.store.record_result(action_id, None, "written")
         s.store.record_file_change(
             action_id, s.project, s.conversation_id, change.path, change.old, change.new, made_dirs
