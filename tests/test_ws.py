@@ -22,6 +22,7 @@ from starlette.websockets import WebSocketDisconnect
 from engine.base import Done, GenerationStats, TextDelta
 from engine.worker import Worker
 from tests.conftest import FRAME_WAIT, FakeBackend, next_frame
+from webapp.agent import web as agent_web
 from webapp.app import create_app
 from webapp.chat.protocol import MAX_MESSAGE_BYTES
 from webapp.db import Database
@@ -428,12 +429,13 @@ def test_ws_a_new_conversation_starts_in_the_mode_last_chosen(client: TestClient
 
 
 def test_ws_a_model_that_cannot_load_says_so_in_the_transcript(client: TestClient) -> None:
-    """/model NAME that fails: the transcript keeps why under its "Switching to …" (it kept only that line)."""
+    """/model NAME that fails: the transcript keeps why (it kept only "Switching to …"); a name that is no
+    installed model is said alone, never "Switching to" it first (walkthrough)."""
     with connect(client) as ws:
         send(ws, type="send", text="/model no-such-model", mode="agent")
         frames = "".join(until(ws, r'data-state="idle"'))
         cid = conversation_id([frames])
-    assert "Switching to no-such-model" in frames and "Could not load no-such-model" in frames
+    assert "Switching to" not in frames and "Could not load no-such-model" in frames
     assert "Could not load no-such-model" in client.get(f"/c/{cid}").text  # kept: a reload shows it too
 
 
@@ -1229,6 +1231,7 @@ def test_ws_model_command_takes_an_engine_before_the_name(client: TestClient, mo
         asked.append((backend, model))
 
     monkeypatch.setattr(engine, "switch", switch)
+    monkeypatch.setattr(agent_web, "find_model", lambda name: None)  # every name here is taken as installed
     with connect(client) as ws:
         for text in (
             "/model mlx:smol",
