@@ -380,6 +380,10 @@ def test_new_project_makes_a_folder_that_does_not_exist_yet(client, tmp_path: Pa
     r = _open(client, tmp_path / "missing" / "deeper", mode="new")
     assert "HX-Redirect" not in r.headers and "New Project makes only the last folder" in r.text
     assert not (tmp_path / "missing").exists()
+    (tmp_path / "afile.txt").write_text("x")  # below a file: said as such (it said the file did not exist)
+    r = _open(client, tmp_path / "afile.txt" / "sub" / "deeper", mode="new")
+    assert f"{tmp_path / 'afile.txt'} is a file, not a directory, so no folder can be made in it" in r.text
+    assert "afile.txt does not exist" not in r.text and (tmp_path / "afile.txt").read_text() == "x"
     inside = tmp_path / "data" / "mine"
     r = _open(client, inside, mode="new")
     assert "HX-Redirect" not in r.headers and "data-error" in r.text and not inside.exists()

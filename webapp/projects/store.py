@@ -111,6 +111,11 @@ def make_folder(raw: str | os.PathLike[str]) -> Path | None:
         if not path.is_absolute() or path.exists() or path.is_symlink():
             return None
         if not path.parent.is_dir():
+            above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
+            if above is not None and not above.is_dir():  # it said the file "does not exist" (walkthrough)
+                raise ProjectError(
+                    f"{above} is a file, not a directory, so no folder can be made in it: pick another folder"
+                )
             raise ProjectError(
                 f"{path.parent} does not exist: New Project makes only the last folder of a path; create "
                 f"{path.parent} first, or pick another folder"
