@@ -74,8 +74,17 @@ def test_settings_lists_approves_adds_disables_and_removes(client: TestClient, p
         | here,
     )
     assert 'id="mcp-server-calc"' in r.text
+    assert 'hx-confirm="Remove the MCP server ‘calc’?' in r.text  # it went at once, unasked (walkthrough)
     calc = {s.name: s for s in mstore.servers(project_id, project).servers}["calc"]
     assert calc.source == "settings" and calc.args == (SERVER, "--only=add") and calc.env == (("A", "1"),)
+    r = client.post("/agent/mcp/add", data={"name": "calc", "command": "/bin/true"} | here)
+    assert (
+        "calc was not added: a server named calc is on the list already" in r.text
+    )  # it replaced it, unsaid
+    assert {s.name: s for s in mstore.servers(project_id, project).servers}["calc"].args == (
+        SERVER,
+        "--only=add",
+    )
     r = client.post("/agent/mcp/add", data={"name": "bad name", "command": "x"} | here)
     assert "was not added" in r.text
     r = client.post("/agent/mcp/add", data={"name": "web", "url": "ftp://example"} | here)

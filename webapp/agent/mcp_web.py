@@ -132,6 +132,12 @@ class McpWeb:
                         )
                     env[key.strip()] = value
             entry = {"command": command, "args": args, "env": env}
+        listed = {s.name: s for s in self.store.servers(ref.id, ref.path).servers}.get(name)
+        if listed is not None and listed.source == "settings":  # it was replaced, unsaid (walkthrough)
+            return await self._html(
+                f"{not_added} a server named {name} is on the list already: to change it, remove it first; "
+                "or give this one another name"
+            )
         try:
             self.store.add(ref.id, name, entry)
         except McpConfigError as exc:
