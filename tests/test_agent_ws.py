@@ -242,7 +242,17 @@ def test_agent_rules_are_listed_and_removable(tmp_path: Path, fake: FakeBackend,
             assert (
                 r.status_code == 400 and "Not added: " in r.text and "can never be prefix-allowed" in r.text
             )
+            assert r.text.count("prefix rule can") == 0  # said once (it said it twice, three colons in a row)
             assert 'value="python"' in r.text  # what was typed stays, to be mended
+            r = client.post(  # a rule on the list already: said (nothing happened, unsaid: walkthrough)
+                "/agent/rules",
+                data={"kind": "exact", "pattern": " python hello.py ", "project": key},
+                headers=csrf,
+            )
+            assert (
+                r.status_code == 400
+                and "Not added: the exact rule `python hello.py` is on the list already" in r.text
+            )
             r = client.post(
                 "/agent/rules",
                 data={"kind": "exact", "pattern": "ls; rm -rf x &", "project": key},

@@ -145,11 +145,14 @@ PREFIX_TABLE: Mapping[str, ProgramSpec] = {
 }
 
 
-def prefix_table_reason(program: str) -> str:
+def not_in_table(program: str) -> str:
     return (
-        f"`{program}` is not in flashcode's table of programs whose arguments cannot run code or write "
-        "files, so no prefix rule can allow it: allow an exact command instead"
+        f"`{program}` is not in flashcode's table of programs whose arguments cannot run code or write files"
     )
+
+
+def prefix_table_reason(program: str) -> str:
+    return f"{not_in_table(program)}, so no prefix rule can allow it: allow an exact command instead"
 
 
 # --------------------------------------------------------------------------- parsing
@@ -545,7 +548,7 @@ def _offer_prefix(v: Verdict) -> None:
     v.prefix = suggest_prefix(part)
 
 
-def _as_typed(pattern: str) -> str:
+def as_typed(pattern: str) -> str:
     """A rule as its refusal quotes it: as typed, in backticks (Python's quoting, escapes and all, where it
     holds characters that do not print)."""
     return f"`{pattern}`" if pattern.isprintable() else repr(pattern)
@@ -562,14 +565,20 @@ def validate_rule(kind: RuleKind, pattern: str) -> Rule:
         parts = parse_command(pattern)
     except ShellParseError as exc:
         raise ValueError(
-            f"{_as_typed(pattern)} is not a plain command ({exc}); no rule can allow it"
+            f"{as_typed(pattern)} is not a plain command ({exc}); no rule can allow it"
         ) from None
     if kind == "prefix":
         if len(parts) != 1 or parts[0].redirects:
             raise ValueError(
-                f"a prefix rule must be one plain command without redirections, got {_as_typed(pattern)}"
+                f"a prefix rule must be one plain command without redirections, got {as_typed(pattern)}"
+            )
+        program = parts[0].argv[0]
+        if program not in PREFIX_TABLE:  # said once, not "… so no prefix rule can allow it: …" after it
+            raise ValueError(
+                f"{as_typed(pattern)} can never be prefix-allowed, as {not_in_table(program)}. "
+                "Allow the exact command instead"
             )
         blocker = _valid_prefix(parts[0].argv)
         if blocker:
-            raise ValueError(f"{_as_typed(pattern)} can never be prefix-allowed: {blocker}")
+            raise ValueError(f"{as_typed(pattern)} can never be prefix-allowed: {blocker}")
     return Rule(kind, pattern)

@@ -51,6 +51,7 @@ from .agent import AgentSession, tools_note
 from .files import FileToolError, ProjectFiles
 from .sandbox import ProjectMovedError, detect, pinned_project
 from .search import DDGSProvider
+from .shell import as_typed, validate_rule
 from .slash import SlashCommands
 from .store import AgentStore, FileChangeRecord
 from .undo import record_undo, undo_refusal, undo_write
@@ -158,9 +159,13 @@ class AgentWeb:
         kind, pattern = str(form.get("kind") or "exact"), str(form.get("pattern") or "")
         if self._stale(form):
             return self._rules_html(f"Not added: {self.STALE} add it again", (kind, pattern))
+        project = self._current_key()
         try:
-            self.store.add_rule(self._current_key(), kind, pattern)  # type: ignore[arg-type]
-        except ValueError as exc:
+            rule = validate_rule(kind, pattern)  # type: ignore[arg-type]
+            if any((r.kind, r.pattern) == (rule.kind, rule.pattern) for r in self.store.list_rules(project)):
+                raise ValueError(f"the {rule.kind} rule {as_typed(rule.pattern)} is on the list already")
+            self.store.add_rule(project, rule.kind, rule.pattern)
+        except ValueError as exc:  # a rule on the list already said nothing (walkthrough)
             return self._rules_html(f"Not added: {exc}", (kind, pattern))
         return self._rules_html()
 
