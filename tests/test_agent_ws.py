@@ -400,6 +400,7 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
     with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
         send(sock, type="send", text="Create hello2.txt", conversation_id=cid)
         until(sock, r'id="dialog-[\w-]+"')
+        time.sleep(0.3)  # the dialog open a while: nobody answered it, and the card says so
         sock.close()  # the window closes: the turn is stopped and its end logged
         db = app.state.flashcode.db
         for _ in range(100):
@@ -414,6 +415,9 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
     assert not (project / "hello2.txt").exists()
     assert "Not run: not decided: the page was closed" in page and "Denied: not decided" not in page
     assert "Stopped before the agent answered." in page and "Create hello2.txt" in page
+    # it said "(0.5 s for your answer)" and "Output (87 characters)" for the diff nobody saw through (walkthrough)
+    assert "s in the dialog, unanswered)" in page and "for your answer" not in page
+    assert "The change it proposed (" in page and "Output (" not in page
 
 
 def test_an_agent_turn_that_ends_with_no_words_says_so(tmp_path: Path, project: Path) -> None:
