@@ -1110,3 +1110,11 @@ def test_open_recent_lists_a_project_added_from_the_command_line(tmp_path: Path)
     time_module.sleep(0.01)
     store.open(opened.id)
     assert [p.name for p in store.recent()] == [opened.name, added.name, "Default"]
+
+
+def test_remove_project_on_default_says_it_cannot_be_removed(client) -> None:
+    """(walkthrough) Remove Project… on Default asked "Remove “Default” from the list?" with only Cancel to
+    answer it: it says Default stays, and how to remove another, with OK."""
+    r = client.get("/projects/remove")  # the open project: Default on a first start
+    assert r.status_code == 200 and "“Default” cannot be removed" in r.text and "from the list?" not in r.text
+    assert ">OK</button>" in r.text and "dialog-ok" not in r.text and "open it first" in r.text
