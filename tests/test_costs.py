@@ -95,9 +95,26 @@ def test_prices_from_form_drops_empty_rows_and_rejects_duplicates() -> None:
     assert [p.name for p in prices] == ["A", "B"]
     with pytest.raises(costs.PriceTableError, match="unique"):
         costs.prices_from_form(["A", "A"], ["1", "1"], ["0", "0"], ["1", "1"], ["2025-10-15", "2025-10-15"])
-    with pytest.raises(costs.PriceTableError):
-        costs.prices_from_form(["A"], ["abc"], ["0"], ["1"], ["2025-10-15"])
-    with pytest.raises(costs.PriceTableError, match="as_of must be a date"):  # the shape of a date is not one
+    # each refusal names the row and the column as the form shows them (it said "could not convert string to
+    # float: 'abc'" after a list of every field: walkthrough)
+    for typed, said in (
+        (
+            ["abc", "0", "1"],
+            "A: Input needs a price in US dollars per million tokens, such as 3 or 0.3 (it says 'abc')",
+        ),
+        (
+            ["1", "", "1"],
+            "A: Cached needs a price in US dollars per million tokens, such as 3 or 0.3 (it is empty)",
+        ),
+        (["1", "0", "-5"], "A: Output needs a price"),
+        (["1", "0", "inf"], "A: Output needs a price"),
+    ):
+        with pytest.raises(costs.PriceTableError) as refused:
+            costs.prices_from_form(["A"], *([t] for t in typed), ["2025-10-15"])
+        assert str(refused.value).startswith(said), refused.value
+    with pytest.raises(
+        costs.PriceTableError, match="A: As of needs the date"
+    ):  # the shape of a date is not one
         costs.prices_from_form(["A"], ["1"], ["0"], ["1"], ["2025-13-45"])
     assert costs.PRICE_SOURCES and all(url.startswith("https://") for _, url in costs.PRICE_SOURCES)
 

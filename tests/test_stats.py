@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -262,9 +263,17 @@ def test_stats_routes_render_and_save_prices_with_csrf(tmp_path: Path) -> None:
             r = c.post("/stats/prices", data=form, headers={"x-csrf-token": state.csrf_token})
             assert r.status_code == 200 and "Mine" in r.text and "$0.0020" in r.text  # 1000 x 1 + 500 x 2
             assert [p.name for p in costs.load_prices(costs.prices_path(tmp_path))] == ["Mine"]
-            bad = form | {"as_of": ["yesterday", ""]}
+            bad = form | {"name": ["Mine too", ""], "input": ["abc", ""]}
             r = c.post("/stats/prices", data=bad, headers={"x-csrf-token": state.csrf_token})
-            assert r.status_code == 400 and "as_of" in r.text
+            assert r.status_code == 400 and "Not saved: Mine too: Input needs a price" in r.text
+            # beside the form, open, with what was typed (it closed, the message scrolled out of sight, and
+            # the rows went back to the saved ones: walkthrough)
+            assert re.search(
+                r'<details open>\s*<summary id="stats-prices-h">Edit prices…</summary>\s*<p class="stats-error"',
+                r.text,
+            )
+            assert 'value="Mine too"' in r.text and 'value="abc"' in r.text
+            assert [p.name for p in costs.load_prices(costs.prices_path(tmp_path))] == ["Mine"]
             r = c.post("/stats/prices/reset", headers={"x-csrf-token": state.csrf_token})
             assert r.status_code == 200 and not costs.prices_path(tmp_path).exists()
             # a hand edit's typo: the window shows the defaults, and Save replaced the user's rows for good

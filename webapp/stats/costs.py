@@ -173,15 +173,44 @@ def save_prices(path: Path, prices: tuple[Price, ...] | list[Price]) -> None:
     paths.write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
+FORM_COLUMNS = (("input", "Input"), ("cached_input", "Cached"), ("output", "Output"))  # field, column heading
+
+
+def form_rows(
+    names: list[str], inputs: list[str], cached: list[str], outputs: list[str], dates: list[str]
+) -> list[dict[str, str]]:
+    """The Stats window's price form as typed: parallel lists, one dict a row (drawn again after a refusal)."""
+    return [
+        {"name": n, "input": i, "cached_input": c, "output": o, "as_of": d}
+        for n, i, c, o, d in zip(names, inputs, cached, outputs, dates, strict=False)
+    ]
+
+
 def prices_from_form(
     names: list[str], inputs: list[str], cached: list[str], outputs: list[str], dates: list[str]
 ) -> tuple[Price, ...]:
-    """The Stats window's price form: parallel lists; rows with an empty name are dropped."""
+    """The Stats window's price form: parallel lists; rows with an empty name are dropped. A refusal names the
+    row and the column as the form shows them (it said "model #1 needs name, input, … : could not convert
+    string to float: 'abc'": walkthrough)."""
     rows = []
-    for name, i, c, o, d in zip(names, inputs, cached, outputs, dates, strict=False):
-        if not name.strip():
+    for row in form_rows(names, inputs, cached, outputs, dates):
+        name = row["name"].strip()
+        if not name:
             continue
-        rows.append({"name": name.strip(), "input": i, "cached_input": c, "output": o, "as_of": d.strip()})
+        for field_name, heading in FORM_COLUMNS:
+            text = row[field_name].strip()
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value) or value < 0:
+                raise PriceTableError(
+                    f"{name}: {heading} needs a price in US dollars per million tokens, such as 3 or 0.3"
+                    + (f" (it says {text[:20]!r})" if text else " (it is empty)")
+                )
+        if not DATE_RE.match(row["as_of"].strip()) or not _real_date(row["as_of"].strip()):
+            raise PriceTableError(f"{name}: As of needs the date of the price, such as 2025-10-15")
+        rows.append({**row, "name": name, "as_of": row["as_of"].strip()})
     return parse_prices({"models": rows}, source="the price form")
 
 

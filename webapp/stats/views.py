@@ -68,9 +68,12 @@ def window_context(
     error: str | None = None,
     project: str | None = None,
     project_choices: Sequence[tuple[str, str]] = (),
+    price_error: str | None = None,
+    typed: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """`project`: one project's numbers (its id), or every project's (None); `project_choices`:
-    (id, name) pairs for the window's project menu."""
+    (id, name) pairs for the window's project menu; `price_error`, `typed`: why the price form was refused,
+    and its rows as typed (drawn again, the form open, the message beside it)."""
     total = store.totals(conn, project=project)
     try:
         prices = costs.load_prices(costs.prices_path(data_dir))
@@ -99,6 +102,19 @@ def window_context(
             )
         ],
         "prices": prices,
+        "price_rows": typed
+        if typed is not None
+        else [
+            {
+                "name": p.name,
+                "input": f"{p.input:g}",
+                "cached_input": f"{p.cached_input:g}",
+                "output": f"{p.output:g}",
+                "as_of": p.as_of,
+            }
+            for p in prices
+        ],  # fmt: skip
+        "price_error": price_error,
         "prices_are_defaults": not costs.prices_path(data_dir).exists(),
         "price_sources": costs.PRICE_SOURCES,
         "charts": {
@@ -135,8 +151,10 @@ def render_window(
     error: str | None = None,
     project: str | None = None,
     project_choices: Sequence[tuple[str, str]] = (),
+    price_error: str | None = None,
+    typed: list[dict[str, str]] | None = None,
 ) -> str:
-    context = window_context(conn, data_dir, csrf_token, error, project, project_choices)
+    context = window_context(conn, data_dir, csrf_token, error, project, project_choices, price_error, typed)
     return env.get_template("stats/window.html").render(**context)
 
 
@@ -300,12 +318,27 @@ class Stats:
         ]
 
     def _window(
-        self, error: str | None = None, status_code: int = 200, project: str | None = None
+        self,
+        error: str | None = None,
+        status_code: int = 200,
+        project: str | None = None,
+        price_error: str | None = None,
+        typed: list[dict[str, str]] | None = None,
     ) -> HTMLResponse:
         choices = [(p.id, p.name) for p in self.projects.all()] if self.projects else []
         if project is not None and project not in {pid for pid, _ in choices}:
             project = None  # an unknown id shows every project's numbers
-        html = render_window(self.env, self.db.conn, self.data_dir, self.csrf_token, error, project, choices)
+        html = render_window(
+            self.env,
+            self.db.conn,
+            self.data_dir,
+            self.csrf_token,
+            error,
+            project,
+            choices,
+            price_error,
+            typed,
+        )
         return HTMLResponse(html, status_code=status_code)
 
     async def window_route(self, request: Request) -> HTMLResponse:
@@ -316,12 +349,12 @@ class Stats:
         """The price table saved; the window is drawn again for the project it showed (the form sends it)."""
         form = await request.form()
         project = _picked(form.get("project"))
+        columns = [_getlist(form, k) for k in ("name", "input", "cached_input", "output", "as_of")]
         try:
-            prices = costs.prices_from_form(
-                *(_getlist(form, k) for k in ("name", "input", "cached_input", "output", "as_of"))
-            )
-        except costs.PriceTableError as exc:
-            return self._window(error=str(exc), status_code=400, project=project)
+            prices = costs.prices_from_form(*columns)
+        except costs.PriceTableError as exc:  # beside the form, open, with what was typed (walkthrough)
+            typed = [r for r in costs.form_rows(*columns) if r["name"].strip()]
+            return self._window(status_code=400, project=project, price_error=str(exc), typed=typed)
         path = costs.prices_path(self.data_dir)
         kept = costs.keep_unreadable(path)
         costs.save_prices(path, prices)
