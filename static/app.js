@@ -233,6 +233,20 @@
     picker.value = choice.value;
     picker.dispatchEvent(new Event("change", { bubbles: true }));
   }
+  // an offer to load the model the menu now shows is done: its button says so, disabled (it stayed "Load …" in
+  // the transcript once the model was loaded: walkthrough)
+  function markLoadedOffers() {
+    const loaded = $("#model-picker")?.selectedOptions?.[0]?.closest("optgroup")?.dataset.model;
+    document.querySelectorAll("button.load-model").forEach((b) => {
+      const done = b.dataset.model === loaded;
+      if (b.disabled === done) return;
+      b.disabled = done;
+      b.textContent = done ? `${b.dataset.model} is loaded` : `Load ${b.dataset.model}`;
+    });
+  }
+  document.body.addEventListener("htmx:afterSettle", markLoadedOffers);
+  document.body.addEventListener("htmx:oobAfterSwap", markLoadedOffers);
+  markLoadedOffers();
   function markSelected(id) {
     document.querySelectorAll("#conversation-list li[data-id]").forEach((li) => {
       li.classList.toggle("selected", li.dataset.id === id);
