@@ -1386,7 +1386,7 @@ def import_json(
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise ConversationImportError(
             "this is not a conversation export: expected a JSON object with a 'messages' list "
-            "(File > Export as JSON writes one)"
+            "(File › Export as JSON writes one)"
         )
     raw = data["messages"]
     if len(raw) > MAX_IMPORT_MESSAGES:

@@ -93,7 +93,7 @@ class ChatPages:
         conv = self.db.get_conversation(request.path_params["conversation_id"])
         if conv is None:
             if self.db.get_conversation(request.path_params["conversation_id"], trashed=True):
-                raise HTTPException(404, "this conversation is in the Trash: View > Trash puts it back")
+                raise HTTPException(404, "this conversation is in the Trash: View › Trash puts it back")
             raise HTTPException(404, "no such conversation (it may have been deleted)")
         return conv
 

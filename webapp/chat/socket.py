@@ -539,9 +539,9 @@ class Session:
                 return True
             return False
         if db.get_conversation(conversation_id, trashed=True) is not None:
-            self.error("that conversation is in the Trash: put it back (View > Trash) to go on with it")
+            self.error("that conversation is in the Trash: put it back (View › Trash) to go on with it")
         else:
-            self.error("that conversation no longer exists: start a new one (File > New Conversation)")
+            self.error("that conversation no longer exists: start a new one (File › New Conversation)")
         return True
 
     def _send(self, msg: p.Send) -> None:

@@ -211,7 +211,7 @@ def cost_markdown(conn: sqlite3.Connection, data_dir: Path, project: str | None 
             f"| {p.name} | {costs.format_usd(dollars)} | ${p.input:g} / ${p.cached_input:g} / ${p.output:g} "
             f"| {p.as_of} |"
         )
-    lines += ["", "Edit the prices in the Stats window (View > Stats)."]
+    lines += ["", "Edit the prices in the Stats window (View › Stats)."]
     return "\n".join(lines)
 
 
