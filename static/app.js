@@ -152,6 +152,15 @@
       }
       const input = box.querySelector(".dialog-input");
       if (input) input.value = value;
+      // modal, as System 7's were: the page behind it takes no clicks or keys until it is answered (a form behind
+      // a confirm could be filled and sent: walkthrough); #alerts stays live (an agent's approval may come)
+      const behind = [];  // what is beside #alerts, and beside each box it is in, up to the body
+      for (let el = $("#alerts"); el && el !== document.body; el = el.parentElement) {
+        behind.push(...[...el.parentElement.children].filter((sib) => sib !== el && !sib.inert));
+      }
+      behind.forEach((el) => { el.inert = true; });
+      const release = () => behind.forEach((el) => { el.inert = false; });
+      const gone = new MutationObserver(() => { if (!box.isConnected) { gone.disconnect(); release(); } });
       const close = (result) => { box.remove(); document.removeEventListener("keydown", onKey, true); resolve(result); };
       const onKey = (e) => { if (e.key === "Escape") { e.stopPropagation(); e.preventDefault(); close(null); } };
       box.querySelector("form").addEventListener("submit", (e) => { e.preventDefault(); close(safe ? null : (input ? input.value : "")); });
@@ -160,6 +169,7 @@
       box.querySelector(".dialog-cancel").addEventListener("click", (e) => { e.preventDefault(); close(null); });
       document.addEventListener("keydown", onKey, true);
       $("#alerts").appendChild(box);
+      gone.observe($("#alerts"), { childList: true, subtree: true });  // however it goes, the page comes back
       (input || box.querySelector(safe ? ".dialog-cancel" : ".dialog-ok")).focus();
       if (input) input.select();
     });

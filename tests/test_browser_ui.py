@@ -375,6 +375,26 @@ def test_browser_a_blank_rename_says_why_nothing_changed(fake_server, page) -> N
     assert not page.errors, page.errors
 
 
+def test_browser_a_dialog_keeps_the_page_behind_it_until_it_is_answered(fake_server, page) -> None:
+    """(walkthrough) While a confirm was open, the forms behind it could be filled and sent. A dialog is modal,
+    as System 7's were: nothing behind it takes a click until it is answered; then everything does again."""
+    url, fake = fake_server
+    fake.enqueue("a reply")
+    page.goto(url)
+    send_and_wait(page, "name me")
+    page.click("#conversations-window .list-actions [data-action=rename]")
+    page.wait_for_selector(".alert-box .dialog-input")
+    with pytest.raises(Exception, match="inert"):  # Playwright waits for it to take clicks: it never does
+        page.click("#prompt", timeout=1_500)
+    page.fill(".alert-box .dialog-input", "renamed")  # the dialog itself takes them
+    page.click(".alert-box .dialog-ok")
+    page.wait_for_selector("#chat-title:has-text('renamed')", timeout=5_000)
+    page.click("#prompt", timeout=5_000)  # answered: the page is back
+    page.fill("#prompt", "typed after")
+    assert page.input_value("#prompt") == "typed after"
+    assert not page.errors, page.errors
+
+
 def test_browser_find_filters_the_list_and_keeps_it_filtered_and_trash_keeps_typed_text(
     fake_server, page
 ) -> None:
