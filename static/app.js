@@ -138,6 +138,23 @@
   window.flashcode = Object.assign(window.flashcode || {}, { alertBox });  // static/trust.js says things with it
   // A modal System 7 dialog: resolves to the text typed (or "" without a field), or null on Cancel/Esc.
   // `safe`: Cancel is the default button (Return), for a choice that cannot be undone.
+  // While a dialog asks, the page behind it is inert (modal, as System 7's were): what is beside #alerts, and
+  // beside each box it is in, up to the body. Counted: two dialogs at once release the page after the last.
+  let held = [];
+  let asking = 0;
+  function holdPage() {
+    if (asking++ > 0) return;
+    held = [];
+    for (let el = $("#alerts"); el && el !== document.body; el = el.parentElement) {
+      held.push(...[...el.parentElement.children].filter((sib) => sib !== el && !sib.inert));
+    }
+    held.forEach((el) => { el.inert = true; });
+  }
+  function releasePage() {
+    if (asking === 0 || --asking > 0) return;
+    held.forEach((el) => { el.inert = false; });
+    held = [];
+  }
   function ask(text, { value = null, ok = "OK", safe = false } = {}) {
     return new Promise((resolve) => {
       const box = fromTemplate("dialog-template");
@@ -154,13 +171,8 @@
       if (input) input.value = value;
       // modal, as System 7's were: the page behind it takes no clicks or keys until it is answered (a form behind
       // a confirm could be filled and sent: walkthrough); #alerts stays live (an agent's approval may come)
-      const behind = [];  // what is beside #alerts, and beside each box it is in, up to the body
-      for (let el = $("#alerts"); el && el !== document.body; el = el.parentElement) {
-        behind.push(...[...el.parentElement.children].filter((sib) => sib !== el && !sib.inert));
-      }
-      behind.forEach((el) => { el.inert = true; });
-      const release = () => behind.forEach((el) => { el.inert = false; });
-      const gone = new MutationObserver(() => { if (!box.isConnected) { gone.disconnect(); release(); } });
+      holdPage();
+      const gone = new MutationObserver(() => { if (!box.isConnected) { gone.disconnect(); releasePage(); } });
       const close = (result) => { box.remove(); document.removeEventListener("keydown", onKey, true); resolve(result); };
       const onKey = (e) => { if (e.key === "Escape") { e.stopPropagation(); e.preventDefault(); close(null); } };
       box.querySelector("form").addEventListener("submit", (e) => { e.preventDefault(); close(safe ? null : (input ? input.value : "")); });
@@ -226,7 +238,8 @@
     if (t.dataset.close !== undefined) { t.closest("[data-window]").hidden = true; return; }
     if (t.dataset.zoom !== undefined) { t.closest("[data-window]").classList.toggle("zoomed"); return; }
     e.preventDefault();
-    document.activeElement?.blur?.();  // closes the CSS menus
+    // closes the CSS menus; never a dialog's button that hx-confirm has just focused (Return did nothing)
+    if (!document.activeElement?.closest?.("#alerts")) document.activeElement?.blur?.();
     if (t.dataset.open) return openWindow(t.dataset.open);
     if (t.dataset.action === "delete-now") return deleteNow(t);
     if (t.dataset.action === "load-model") return loadModel(t.dataset.model);
@@ -243,10 +256,11 @@
     picker.value = choice.value;
     picker.dispatchEvent(new Event("change", { bubbles: true }));
   }
-  // an offer to load the model the menu now shows is done: its button says so, disabled (it stayed "Load …" in
-  // the transcript once the model was loaded: walkthrough)
+  // an offer to load the model the server says is loaded is done: its button says so, disabled (it stayed
+  // "Load …" in the transcript once the model was loaded: walkthrough). Not the menu's choice: that is what
+  // was asked for, which may still be loading, or fail
   function markLoadedOffers() {
-    const loaded = $("#model-picker")?.selectedOptions?.[0]?.closest("optgroup")?.dataset.model;
+    const loaded = $("#menubar-model")?.dataset.loaded;
     document.querySelectorAll("button.load-model").forEach((b) => {
       const done = b.dataset.model === loaded;
       if (b.disabled === done) return;
@@ -336,7 +350,7 @@
       if (generating()) click("#stop-button"); else if (alert) alert.remove();
     } else if ((e.metaKey || e.ctrlKey) && !e.shiftKey && (e.key === "n" || e.key === "N")) {
       e.preventDefault();
-      newConversation();
+      if (!asking) newConversation();  // a dialog asks first (the new window would not be held behind it)
     }
   });
 

@@ -465,7 +465,7 @@ def test_agent_slash_commands_are_all_reachable(worker, fake, project, store) ->
 
     session.check_model = unknown  # a name that is no model: said alone, never "Switching to …" first
     events = asyncio.run(collect(session, "/model nosuch"))
-    assert [type(e) for e in events] == [ev.Notice] and "no installed model" in events[0].text
+    assert [type(e) for e in events] == [ev.Notice, ev.TurnDone] and "no installed model" in events[0].text
     assert "unknown command" in of(asyncio.run(collect(session, "/nope")), ev.Notice)[0].text
     assert "needs" in of(asyncio.run(collect(session, "/shell")), ev.Notice)[0].text
 

@@ -17,7 +17,7 @@ from engine.worker import Worker
 from tests.conftest import FakeBackend
 from webapp.agent import events as ev
 from webapp.agent.agent import AgentSession
-from webapp.agent.files import ProjectFiles
+from webapp.agent.files import ProjectFiles, text_sha256
 from webapp.agent.search import LocalSearchProvider
 from webapp.agent.store import AgentStore
 from webapp.agent.tools import IgnoreRules, ReadTools, walk
@@ -464,7 +464,7 @@ def test_toolloop_auto_approved_edits_never_cover_git(
     fake.enqueue("ok")
     approver = Approver(ev.Decision.deny(), ev.Decision.deny())
     s = session(worker, project, approver, approve_edits=True)
-    s.seen_files.add(".git/config")  # read before (write_file replaces only a file it read)
+    s.read_shown[".git/config"] = text_sha256("[core]\n")  # seen whole (write_file replaces only such text)
     events = asyncio.run(collect(s, "go"))
     assert [p.command for p in approver.asked] == [".git/config", ".GIT/hooks/pre-commit"]
     assert all(not p.allowed_by_rule and "always ask" in p.rule_text for p in approver.asked)
@@ -770,9 +770,12 @@ def test_toolloop_a_write_whose_file_changed_under_the_dialog_may_be_proposed_ag
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
     """The file changed while the dialog was open: nothing is written and the result says "propose it
-    again" - so the same call again is a fresh proposal, not a repeat refused as "it would fail again"."""
+    again" - so the same call again is a fresh proposal, not a repeat refused as "it would fail again". Once
+    the file is read again, that is: write_file replaces only text the task saw (the user's edit, unseen)."""
     for _ in range(2):
         fake.enqueue_call("write_file", path="app.py", content="fixed\n")
+    fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue_call("write_file", path="app.py", content="fixed\n")
     fake.enqueue("Done.")
 
     class ChangesTheFileFirst(Approver):
@@ -783,11 +786,12 @@ def test_toolloop_a_write_whose_file_changed_under_the_dialog_may_be_proposed_ag
 
     approver = ChangesTheFileFirst(ev.Decision.once(), ev.Decision.once())
     s = session(worker, project, approver)
-    s.seen_files.add("app.py")  # read before (write_file replaces only a file it read)
+    s.read_shown["app.py"] = text_sha256((project / "app.py").read_text())  # seen whole, as /read shows it
     events = asyncio.run(collect(s, "fix app.py"))
     results = [d.result for d in of(events, ev.ToolStepDone)]
     assert "changed since the diff was shown: propose it again" in results[0]
-    assert len(approver.asked) == 2 and "app.py changed" in results[1], results
+    assert results[1].startswith("Error: app.py changed since this task read it"), results
+    assert len(approver.asked) == 2 and "app.py changed" in results[3], results
     assert (project / "app.py").read_text() == "fixed\n"
 
 
@@ -1303,12 +1307,13 @@ async def _collect_attached(s: AgentSession, text: str, attached: str) -> list[e
     return [e async for e in s.run_turn(text, attached)]
 
 
-def test_toolloop_write_file_never_replaces_a_file_the_conversation_did_not_read(
+def test_toolloop_write_file_never_replaces_a_file_the_task_did_not_see_whole(
     fake: FakeBackend, worker: Worker, project: Path
 ) -> None:
     """(walkthrough) The 0.5B model, asked to create hello.py, replaced all of app.py with it, and with edits
-    approved nobody saw it. write_file may replace only a file this conversation's tools read or wrote: the
-    first try is refused with what to do, unasked; read, the same call is proposed; a new file never waits."""
+    approved nobody saw it. write_file replaces only text this task saw whole (a read_file that showed all of
+    it, its own write, the user's /read) while the file still holds it: the first try is refused, unasked,
+    with what to do; read, the same call is proposed; a new file never waits."""
     fake.enqueue_call("write_file", path="app.py", content="print('hello')\n")
     fake.enqueue_call("read_file", path="app.py")
     fake.enqueue_call("write_file", path="app.py", content="print('hello')\n")  # the same call, now read
@@ -1320,21 +1325,46 @@ def test_toolloop_write_file_never_replaces_a_file_the_conversation_did_not_read
     events = asyncio.run(collect(s, "create hello.py"))
     results = [d.result for d in of(events, ev.ToolStepDone)]
     assert results[0].startswith(
-        "Error: app.py already exists (2 lines) and was not read in this conversation"
+        "Error: app.py already exists (2 lines) and this task has not read all of it"
     )
     assert "read_file it first" in results[0] and "a path that does not exist yet" in results[0]
     assert [p.command for p in approver.asked] == ["app.py", "new.py", "new.py"]  # the refusal asked nothing
     assert (project / "app.py").read_text() == "print('hello')\n" and (
         project / "new.py"
     ).read_text() == "x = 2\n"
-    # a later turn of the conversation knows them still; a file only /read showed counts as read too
+
+    # the next task: what the last one read is not in its prompt any more (tool results stay with their turn);
+    # a file the user's /read put whole in the history is; a file changed since it was read is refused
     (project / "notes.md").write_text("# notes\n")
     assert of(asyncio.run(collect(s, "/read notes.md")), ev.FileShown)
+    (project / "big.py").write_text("".join(f"x{n} = {n}\n" for n in range(5)))
+    fake.enqueue_call("write_file", path="new.py", content="x = 3\n")  # its last task's write: not seen now
     fake.enqueue_call("write_file", path="notes.md", content="# Notes\n")
-    fake.enqueue_call("write_file", path=".gitignore", content="*.pyc\n")  # never read: refused
     fake.enqueue("Done.")
-    events = asyncio.run(collect(s, "fix the title"))
-    results = [d.result for d in of(events, ev.ToolStepDone)]
-    assert results[0] == "notes.md changed." and (project / "notes.md").read_text() == "# Notes\n"
-    assert "Error: .gitignore already exists (2 lines)" in results[1]
-    assert (project / ".gitignore").read_text() == "build/\n*.log\n"
+    approver = Approver(*[ev.Decision.once()] * 3)
+    s.request_approval = approver
+    results = [d.result for d in of(asyncio.run(collect(s, "tidy up")), ev.ToolStepDone)]
+    assert results[0].startswith("Error: new.py already exists (1 line) and this task has not read all of it")
+    assert results[1] == "notes.md changed." and (project / "notes.md").read_text() == "# Notes\n"
+    fake.enqueue_call("read_file", path="big.py", start_line=2)  # shows 4 of its 5 lines
+    fake.enqueue_call("write_file", path="big.py", content="x = 0\n")
+    fake.enqueue("Done.")
+    results = [d.result for d in of(asyncio.run(collect(s, "shorten big.py")), ev.ToolStepDone)]
+    assert results[1].startswith("Error: big.py already exists (5 lines) and this task has not read all")
+    assert (project / "big.py").read_text().count("\n") == 5
+    fake.enqueue_call("read_file", path="app.py")
+    fake.enqueue_call("run_command", command="echo edited > app.py")  # the file changes after it was read
+    fake.enqueue_call("write_file", path="app.py", content="print('bye')\n")
+    fake.enqueue("Done.")
+    results = [d.result for d in of(asyncio.run(collect(s, "rewrite app.py")), ev.ToolStepDone)]
+    assert results[2].startswith(
+        "Error: app.py changed since this task read it: write_file would replace all"
+    )
+    assert (project / "app.py").read_text() == "edited\n"
+    assert [p.command for p in approver.asked] == ["notes.md", "echo edited > app.py"]
+    # /clear takes the /read texts out of the history, and what they allowed with them
+    asyncio.run(collect(s, "/clear"))
+    fake.enqueue_call("write_file", path="notes.md", content="# N\n")
+    fake.enqueue("Done.")
+    results = [d.result for d in of(asyncio.run(collect(s, "again")), ev.ToolStepDone)]
+    assert "notes.md already exists" in results[0] and (project / "notes.md").read_text() == "# Notes\n"

@@ -472,3 +472,19 @@ def test_a_call_nobody_answered_is_not_called_denied_by_the_user() -> None:
         )
     assert denied("use mental arithmetic") == "Denied by the user: use mental arithmetic"
     assert denied("") == "Denied by the user."
+
+
+def test_read_file_says_when_it_showed_all_of_a_file(tmp_path: Path) -> None:
+    """What write_file may replace (`ToolLoop._unread`): only a file a read showed whole."""
+    (tmp_path / "short.py").write_text("a = 1\nb = 2\n")
+    (tmp_path / "long.py").write_text("".join(f"x{n} = {n}\n" for n in range(450)))
+    (tmp_path / "empty.py").write_text("")
+    tools = ReadTools(ProjectFiles(tmp_path))
+    assert tools.read_file_shown("short.py")[1] == "a = 1\nb = 2\n"
+    assert tools.read_file_shown("short.py", 1, 2)[1] == "a = 1\nb = 2\n"
+    assert (
+        tools.read_file_shown("short.py", 2)[1] is None and tools.read_file_shown("short.py", 1, 1)[1] is None
+    )
+    out, whole = tools.read_file_shown("long.py")  # 400 lines at most
+    assert whole is None and "[... lines 401-450 not shown]" in out
+    assert tools.read_file_shown("short.py", 9)[1] is None and tools.read_file_shown("empty.py")[1] == ""

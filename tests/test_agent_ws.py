@@ -542,7 +542,6 @@ def test_model_command_with_no_such_model_says_why_and_never_that_it_switches(ws
     send(ws, type="send", text="/model no-such-model-anywhere", conversation_id=conv)
     frames = until(ws, r'data-state="idle"')
     assert "Could not load no-such-model-anywhere" in frames and "Switching to" not in frames
-    assert fake.closed is False  # the loaded model was never touched
 
 
 def test_slash_commands_that_write_no_reply_add_no_warning(tmp_path: Path, project: Path) -> None:

@@ -112,6 +112,8 @@ def test_prices_from_form_drops_empty_rows_and_rejects_duplicates() -> None:
         with pytest.raises(costs.PriceTableError) as refused:
             costs.prices_from_form(["A"], *([t] for t in typed), ["2025-10-15"])
         assert str(refused.value).startswith(said), refused.value
+    with pytest.raises(costs.PriceTableError, match="rows of different lengths"):  # a forged post: none kept
+        costs.prices_from_form(["A", "B"], ["1"], ["0", "0"], ["1", "1"], ["2025-10-15", "2025-10-15"])
     with pytest.raises(
         costs.PriceTableError, match="A: As of needs the date"
     ):  # the shape of a date is not one

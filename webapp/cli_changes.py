@@ -72,9 +72,9 @@ def cmd_changes(args: argparse.Namespace) -> int:
         if args.project is not None:
             # a name, or a folder (`.` too), or a removed project's id as listed; an unknown one is refused
             # with the names there are
-            found = projects.resolve(_absolute(args.project))
-            if found is None and args.project not in known and store.file_changes(args.project, limit=1):
-                wanted = args.project  # a removed project's writes, listed under its id
+            found = projects.resolve(_absolute(args.project)) or projects.resolve(args.project)
+            if found is None and store.file_changes(args.project, limit=1):
+                wanted = args.project  # a removed project's writes, listed under its id (names come first)
             else:
                 wanted = (found or _named(projects, args.project)).id
             changes = store.file_changes(wanted, limit=args.limit)

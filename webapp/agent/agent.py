@@ -63,7 +63,7 @@ from .events import (
     SlashUnhandled,
     TurnDone,
 )
-from .files import FileChange, FileToolError, ProjectFiles
+from .files import FileChange, FileToolError, ProjectFiles, text_sha256
 from .loop import DEFAULT_MAX_STEPS, LOOP_SYSTEM, ToolLoop
 from .runner import DEFAULT_OUTPUT_CAP, DEFAULT_TIMEOUT_S, CommandRun
 from .search import DDGSProvider, SearchProvider, SearchResult, SearchUnavailableError
@@ -210,9 +210,9 @@ class AgentSession:
         self.output_cap = output_cap
         self.history: list[Message] = list(history or [])
         self.on_model = on_model
-        # the files (relative paths) this conversation's tools or the user's /read and /write read or wrote:
-        # write_file replaces only these (`ToolLoop._unread`)
-        self.seen_files: set[str] = set()
+        # path -> sha256 of the text of each file the user's /read put whole in the history (until /clear): the tool
+        # loop's write_file may replace it while it holds that text (`ToolLoop._unread`)
+        self.read_shown: dict[str, str] = {}
         self.check_model = check_model
         self.hidden = tuple(Path(h) for h in hidden)  # paths commands never see (flashcode's data dir)
         self.mode: Mode = "agent"
@@ -254,6 +254,7 @@ class AgentSession:
 
     def clear(self) -> None:
         self.history.clear()
+        self.read_shown.clear()  # its /read texts left the history with it
         self.loop = None
 
     # ------------------------------------------------------------------ a turn
@@ -324,15 +325,15 @@ class AgentSession:
             refused = await self.check_model(arg) if self.check_model is not None else None
             if refused:  # said alone: not "Switching to …" first, then why not (walkthrough)
                 yield Notice(refused, "warning")
-                return
-            yield ModelRequested(arg)
-            if self.on_model is not None:  # in the transcript, after its "Switching to …"
-                failed, loaded = await self.on_model(arg)
-                yield (
-                    Notice(failed, "warning")
-                    if failed
-                    else Notice(f"Loaded {loaded or arg}: the next replies are its.")
-                )
+            else:
+                yield ModelRequested(arg)
+                if self.on_model is not None:  # in the transcript, after its "Switching to …"
+                    failed, loaded = await self.on_model(arg)
+                    yield (
+                        Notice(failed, "warning")
+                        if failed
+                        else Notice(f"Loaded {loaded or arg}: the next replies are its.")
+                    )
         elif name in ("search", "shell"):
             route = name
             yield RouteChosen(name, {}, {}, forced=True)
@@ -538,7 +539,10 @@ class AgentSession:
             yield Notice(str(exc), "error")
             return
         shown_path = self.files.relative(self.files.resolve(path))
-        self.seen_files.add(shown_path)
+        if (
+            len(content) <= UNTRUSTED_CHARS
+        ):  # the history holds all of it (quote_untrusted keeps the end only)
+            self.read_shown[shown_path] = text_sha256(content)
         yield FileShown(shown_path, content)
         self.history.append(
             {"role": "user", "content": f"Here is {path}:\n{quote_untrusted('file ' + path, content)}"}

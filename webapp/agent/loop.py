@@ -48,7 +48,7 @@ from .events import (
     ToolStep,
     ToolStepDone,
 )
-from .files import FileChange, FileToolError, StaleChange
+from .files import FileChange, FileToolError, StaleChange, text_sha256
 from .mcp import McpTools
 from .runner import CommandRun
 from .search import SearchUnavailableError
@@ -186,6 +186,9 @@ class ToolLoop:
         self._said: set[str] = (
             set()
         )  # what this turn's steps returned (one line each): never a file's content
+        # path -> sha256 of the text this task saw whole (a read_file that showed it all, its own write, the
+        # user's /read): write_file replaces a file only while it holds that text (`_unread`)
+        self.known: dict[str, str] = dict(session.read_shown)
 
     # ------------------------------------------------------------------ the loop
     async def run(
@@ -580,8 +583,9 @@ class ToolLoop:
                 out = self.read.list_files(a.get("path", "."))
                 yield ToolResult(True, out, output=out)
             elif call.name == "read_file":
-                out = self.read.read_file(a["path"], a.get("start_line"), a.get("end_line"))
-                self.s.seen_files.add(self.s.files.relative(self.s.files.resolve(a["path"])))
+                out, whole = self.read.read_file_shown(a["path"], a.get("start_line"), a.get("end_line"))
+                if whole is not None:  # all of it shown: write_file may replace it while it holds this text
+                    self.known[self.s.files.relative(self.s.files.resolve(a["path"]))] = text_sha256(whole)
                 yield ToolResult(True, out, output=out)
             elif call.name == "search_text":
                 out = await asyncio.to_thread(self.read.search_text, a["pattern"], a.get("path", "."))
@@ -599,7 +603,7 @@ class ToolLoop:
                 ):
                     yield ToolResult(False, unread, meta={"retry": True})  # it may come again once read
                     return
-                async for item in self._write(change):
+                async for item in self._write(change, call.name):
                     yield item
             elif call.name == "run_command":
                 async for item in self._command(a["command"]):
@@ -613,16 +617,25 @@ class ToolLoop:
             )
 
     def _unread(self, change: FileChange) -> str:
-        """Why write_file may not replace this file: it holds text the conversation's tools never read nor
-        wrote (the 0.5B model, asked to create hello.py, replaced all of mathutil.py: walkthrough); "" if it
-        may. Not asked: the user would only be shown a whole file replaced."""
-        if change.old is None or not change.old.strip() or change.path in self.s.seen_files:
+        """Why write_file may not replace this file; "" if it may. It may replace only text this task saw whole:
+        a read_file that showed all of it, a /read, or its own write, and only while the file still holds that
+        text (the 0.5B model, asked to create hello.py, replaced all of mathutil.py: walkthrough). Not asked:
+        the user would only be shown a whole file replaced."""
+        if change.old is None or not change.old.strip():
+            return ""
+        seen = self.known.get(change.path)
+        if seen == text_sha256(change.old):
             return ""
         lines = change.old.count("\n") + (not change.old.endswith("\n"))
+        why = (
+            "changed since this task read it"
+            if seen is not None
+            else f"already exists ({lines} line{'s' if lines != 1 else ''}) and this task has not read all of it"
+        )
         return (
-            f"Error: {change.path} already exists ({lines} lines) and was not read in this conversation: "
-            "write_file would replace all of it, so nothing was written. To change it, read_file it first (then "
-            "edit_file or write_file); to make a new file, use a path that does not exist yet."
+            f"Error: {change.path} {why}: write_file would replace all of it, so nothing was written. To change "
+            "it, read_file it first (then edit_file, or write_file if it is short enough to be shown whole); to "
+            "make a new file, use a path that does not exist yet."
         )
 
     def _echoed(self, call: ToolCall) -> bool:
@@ -657,7 +670,7 @@ class ToolLoop:
         return None
 
     # ------------------------------------------------------------------ side effects
-    async def _write(self, change: FileChange) -> AsyncIterator[AgentEvent | ToolResult]:
+    async def _write(self, change: FileChange, call_name: str) -> AsyncIterator[AgentEvent | ToolResult]:
         s = self.s
         if change.old == change.new:  # nothing would change: nothing to approve
             yield ToolResult(True, f"{change.path} already holds exactly this content: nothing was written.")
@@ -713,7 +726,8 @@ class ToolLoop:
             return
         made_dirs = s.files.apply(change)
         self.written.append(change.path)
-        s.seen_files.add(change.path)  # what it wrote, it knows: a later write_file may replace it
+        if call_name == "write_file" or change.path in self.known:  # it knows all of what the file holds now
+            self.known[change.path] = text_sha256(change.new)
         s.store.record_result(action_id, None, "written")
         s.store.record_file_change(
             action_id, s.project, s.conversation_id, change.path, change.old, change.new, made_dirs

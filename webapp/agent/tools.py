@@ -248,17 +248,23 @@ class ReadTools:
         return (str(Path(*parts[:cut])) if cut else "."), str(Path(*parts[cut:]))
 
     def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
+        return self.read_file_shown(path, start_line, end_line)[0]
+
+    def read_file_shown(
+        self, path: str, start_line: int | None = None, end_line: int | None = None
+    ) -> tuple[str, str | None]:
+        """`read_file`'s result, and the file's text when the result showed all of it (else None)."""
         text = self.files.read(path)
         lines = text.splitlines()
         first = max(1, start_line or 1)
         last = min(len(lines), end_line or first + MAX_READ_LINES - 1, first + MAX_READ_LINES - 1)
         if not lines:
-            return "(empty file)"
+            return "(empty file)", text
         if first > len(lines):
-            return f"(the file has {len(lines)} lines)"
+            return f"(the file has {len(lines)} lines)", None
         body = "\n".join(f"{n:>5}  {lines[n - 1]}" for n in range(first, last + 1))
         rest = f"\n[... lines {last + 1}-{len(lines)} not shown]" if last < len(lines) else ""
-        return body + rest
+        return body + rest, text if first == 1 and not rest else None
 
     def search_text(self, pattern: str, path: str = ".") -> str:
         try:

@@ -180,6 +180,10 @@ def form_rows(
     names: list[str], inputs: list[str], cached: list[str], outputs: list[str], dates: list[str]
 ) -> list[dict[str, str]]:
     """The Stats window's price form as typed: parallel lists, one dict a row (drawn again after a refusal)."""
+    if (
+        len({len(names), len(inputs), len(cached), len(outputs), len(dates)}) != 1
+    ):  # never from the form itself
+        raise PriceTableError("the price form came with rows of different lengths: open Stats again and save")
     return [
         {"name": n, "input": i, "cached_input": c, "output": o, "as_of": d}
         for n, i, c, o, d in zip(names, inputs, cached, outputs, dates, strict=False)

@@ -353,7 +353,12 @@ class Stats:
         try:
             prices = costs.prices_from_form(*columns)
         except costs.PriceTableError as exc:  # beside the form, open, with what was typed (walkthrough)
-            typed = [r for r in costs.form_rows(*columns) if r["name"].strip()]
+            try:
+                typed: list[dict[str, str]] | None = [
+                    r for r in costs.form_rows(*columns) if r["name"].strip()
+                ]
+            except costs.PriceTableError:  # a forged form's uneven rows: the table as saved
+                typed = None
             return self._window(status_code=400, project=project, price_error=str(exc), typed=typed)
         path = costs.prices_path(self.data_dir)
         kept = costs.keep_unreadable(path)
