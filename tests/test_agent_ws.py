@@ -420,6 +420,32 @@ def test_an_agent_turn_cut_off_before_it_answered_leaves_a_trace(tmp_path: Path,
     assert "The change it proposed (" in page and "Output (" not in page
 
 
+def test_a_page_drawn_while_a_closed_windows_turn_stopped_is_drawn_again_when_its_socket_opens(
+    tmp_path: Path, project: Path
+) -> None:
+    """(walkthrough) A reload while an agent asked: the new page was drawn while the old window's turn was still
+    stopping ("A reply is being written in another window…", the step "Running…"), its socket opened after the
+    turn had ended, and it stayed so until a second reload. Its socket opening draws it as it is now."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="hello3.txt", content="hi").enqueue("Written.")
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        send(sock, type="send", text="Create hello3.txt", conversation_id=cid)
+        until(sock, r'id="dialog-[\w-]+"')
+        drawn = client.get(f"/c/{cid}").text  # the reload's page, drawn before the old socket closed
+        assert "A reply is being written in another window" in drawn
+        sock.close()
+        db = app.state.flashcode.db
+        for _ in range(100):  # the old window's turn ends
+            if "Stopped before the agent answered." in [e.data.get("text") for e in db.events(cid)]:
+                break
+            time.sleep(0.05)
+        with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as again:
+            send(again, type="showing", conversation_id=cid)
+            frames = until(again, r'data-state="idle"')
+    assert "being written in another window" not in frames and "Not run: not decided" in frames
+    assert "Stopped before the agent answered." in frames
+
+
 def test_an_agent_turn_that_ends_with_no_words_says_so(tmp_path: Path, project: Path) -> None:
     """A small model calls a tool, then ends its turn with an empty reply, and asked once more to answer, says
     nothing again: the transcript says the turn ended without an answer (it showed nothing and went back to

@@ -111,6 +111,9 @@ class ChatContext:
     hooks: list[ReplyHook] = field(default_factory=list)
     turns: TurnHandlerFactory | None = None
     sessions: set[Session] = field(default_factory=set)  # open sockets: all follow the one engine
+    # conversation -> when a turn in it last ended (monotonic): a window whose socket opens just after is drawn
+    # again (`Session._showing`): it may have been drawn while the turn still ran, and missed its end
+    ended_at: dict[str, float] = field(default_factory=dict)
     projects: ProjectLookup | None = None  # new conversations go to the open project
     # before a reply is generated for a conversation: e.g. resume its saved KV cache; a note to show
     before_reply: Callable[[str], Awaitable[str | None]] | None = None
@@ -244,7 +247,6 @@ class Session:
         self.shown: str | None = None
         # the reply being written (redrawn when its conversation is shown again)
         self.reply: ReplyStream | None = None
-        self.wrote: tuple[str, float] | None = None  # the conversation last written in, and when it ended
         self.made_from: dict[str, str] = {}  # a conversation a message of this window made -> the page's mark
         # a chat reply outlives its window (a reload, a closed tab): `left` once the socket closed with one
         # being written; `shown_by` the window now showing it (its frames go there, its Stop stops it), and
@@ -254,6 +256,7 @@ class Session:
         self.left = False
         self.left_in: str | None = None  # the conversation of the reply it left writing
         self.shown_by: Session | None = None
+        self.wrote_at = -1e9  # when a reply of this window last ended (monotonic)
         self.adopted: Session | None = None
         self._saying: set[asyncio.Task[None]] = set()  # mode changes being said (`_say_mode`)
 
@@ -445,7 +448,10 @@ class Session:
         if not self.generating:
             # a reply of this window ended just now: the page may have been drawn before its end, or have taken
             # its last page-wide frames (its Regenerate) while going to another conversation: drawn as it is now
-            if cid and self.wrote is not None and time.monotonic() - self.wrote[1] < 10:
+            # — or a turn of a window since closed ended just before this socket opened (a reload while an agent
+            # asked: the page was drawn "being written in another window" and missed the end: walkthrough)
+            now = time.monotonic()
+            if cid and (now - self.wrote_at < 10 or now - self.ctx.ended_at.get(cid, -1e9) < 10):
                 self.send_for(cid)(self.views.sync(cid))
             return
         if cid and cid == self.writing_in:
@@ -497,7 +503,7 @@ class Session:
         self.ctx.conversation_changed(conversation_id, self)
 
         def ended(_task: asyncio.Task[None]) -> None:
-            self.wrote = (conversation_id, time.monotonic())
+            self.wrote_at = self.ctx.ended_at[conversation_id] = time.monotonic()
             self.ctx.conversation_changed(conversation_id, self)
             # the conversation this window shows has a reply left writing by a closed window: shown here now
             if (
