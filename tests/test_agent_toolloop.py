@@ -922,15 +922,24 @@ def test_toolloop_the_second_request_and_its_notice_say_what_the_steps_changed(
         in of(events, ev.Notice)[-1].facts
     )
     assert s.loop.written == [] and s.loop.facts().startswith("No file was written")
-    s.loop.records.append({"tool": "run_command", "ok": False, "exit_code": 127})  # ran, and failed
-    assert "I wrote no file. The commands I ran failed." in s.loop.facts(to_model=True)
+    s.loop.records.append({"tool": "run_command", "ok": False, "exit_code": None})  # denied: it never ran
+    assert "I wrote no file. The commands I tried did not run." in s.loop.facts(to_model=True)
+    s.loop.records.append({"tool": "run_command", "ok": False, "exit_code": -15})  # killed by Stop
+    assert "The commands I tried did not run. None of my 6 tool calls worked." in s.loop.facts(to_model=True)
+    # a command that exited with an error ran, and its output is a result (a test run with failures said "The
+    # commands I ran failed" and "None of the 4 tool calls worked", and `flashcode agent` exited 4: walkthrough)
+    s.loop.records.append({"tool": "run_command", "ok": False, "exit_code": 1})
+    said = s.loop.facts(to_model=True)
+    assert "I ran commands. Exit code 1: their output says what failed." in said and "None of" not in said
     s.loop.records.append({"tool": "run_command", "ok": True, "exit_code": 0})
-    assert "I ran commands." in s.loop.facts(to_model=True) and "failed" not in s.loop.facts(to_model=True)
+    assert "I ran commands. Exit code 1:" in s.loop.facts(to_model=True)
     # an MCP server's tool is said too: "I ran no command" alone led to "calc__add did not execute" (walkthrough)
     s.loop.records.append({"tool": "calc__add", "ok": False})
-    assert s.loop.facts(to_model=True).endswith("I ran commands. My MCP tool calls did not work.")
+    assert s.loop.facts(to_model=True).endswith(
+        "I ran commands. Exit code 1: their output says what failed. My MCP tool calls did not work."
+    )
     s.loop.records.append({"tool": "calc__add", "ok": True})
-    assert s.loop.facts(to_model=True).endswith("I ran commands. I called calc__add.")
+    assert s.loop.facts(to_model=True).endswith("their output says what failed. I called calc__add.")
     assert s.loop.facts().endswith("MCP tools called: calc__add.")
     fake.enqueue_call("write_file", path="new.py", content="x = 1\n").enqueue("")
     fake.enqueue("Wrote new.py.")
@@ -1210,6 +1219,12 @@ def test_toolloop_cli_json(
     assert (
         code == 4 and "none of the 1 steps worked" in said.err and json.loads(said.out)["answer"] == "Edited."
     )
+    # a command that ran and exited with an error returned its output: a result, not "none worked" (a test run
+    # with failures exited 4: walkthrough)
+    fake.enqueue_call("run_command", command="echo '1 failed'; exit 1").enqueue("One test fails.")
+    code = cli.main(["agent", "--project", str(project), "--approve", "all", "--json", "go"])
+    said = capsys.readouterr()
+    assert code == 0 and "none of the" not in said.err and json.loads(said.out)["steps"][0]["exit_code"] == 1
     # an edit that leaves a Python file that parsed before unparsable: exit 4, and stderr names it
     (project / "good.py").write_text("def f():\n    return 1\n")
     fake.enqueue_call("edit_file", path="good.py", old_text="f()", new_text="()").enqueue("Done.")

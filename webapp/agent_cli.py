@@ -32,7 +32,7 @@ from engine.worker import Worker
 from . import cli_projects, engine_host, preflight, tools_cli
 from .agent import events as ev
 from .agent.agent import AgentSession
-from .agent.loop import DEFAULT_AGENT_MODEL, DEFAULT_MAX_STEPS
+from .agent.loop import DEFAULT_AGENT_MODEL, DEFAULT_MAX_STEPS, ran_to_its_end
 from .agent.mcp import Launch, McpServers
 from .agent.mcp_store import McpStore
 from .agent.router import route_step
@@ -396,7 +396,8 @@ def _verdict(result: dict[str, Any]) -> int:
             )
         if result["broken_files"]:
             return 4
-        if not any(r["ok"] or r["decision"] == "deny" for r in steps):  # a denial is the user's word, heard
+        # a denial is the user's word, heard; a command that exited with an error returned its output
+        if not any(r["ok"] or r["decision"] == "deny" or ran_to_its_end(r) for r in steps):
             print(
                 f"flashcode: none of the {len(steps)} steps worked: the answer is not backed by any tool result",
                 file=sys.stderr,

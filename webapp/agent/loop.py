@@ -24,7 +24,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,13 @@ def assistant_message(text: str, calls: list[ToolCall]) -> Message:
             for c in calls
         ]
     return msg
+
+
+def ran_to_its_end(record: Mapping[str, Any]) -> bool:
+    """A step's record (`ToolLoop.records`, `flashcode agent`'s steps): a command that ran and exited by itself,
+    with any exit code (not denied, never started, killed by Stop or its time limit)."""
+    code = record.get("exit_code")
+    return record.get("tool") == "run_command" and code is not None and int(code) >= 0
 
 
 def _changes(tool: str) -> bool:
@@ -300,7 +307,7 @@ class ToolLoop:
         (a command may have changed others), and whether any step worked. `to_model`: told to the model, in
         the second person (what it did), which it then reports as its own."""
         changed = list(dict.fromkeys(self.written))
-        worked = sum(1 for r in self.records if r["ok"])
+        worked = sum(1 for r in self.records if r["ok"] or ran_to_its_end(r))
         if to_model:  # in the model's own voice: it copies these lines into its answer as they stand
             said = f"I wrote {', '.join(changed)}." if changed else "I wrote no file."
         else:
@@ -309,11 +316,19 @@ class ToolLoop:
                 if changed
                 else "No file was written with the file tools."
             )
-        ran = [r for r in self.records if r["tool"] == "run_command" and r.get("exit_code") is not None]
-        if any(r["ok"] for r in ran):
-            said += " I ran commands." if to_model else " Commands ran; their output says what they did."
+        ran = [r for r in self.records if ran_to_its_end(r)]
+        # a command that exited with an error still ran, and its output is a result (a test run with failures
+        # was "The commands I ran failed" and "None of the 4 tool calls worked": walkthrough)
+        errors = sorted({int(r["exit_code"]) for r in ran if r["exit_code"] != 0})
+        if ran and to_model:
+            said += " I ran commands." + (
+                f" Exit code {', '.join(map(str, errors))}: their output says what failed." if errors else ""
+            )
+        elif ran:
+            said += " Commands ran; their output says what they did."
         elif to_model:  # else the 0.5B model said "Then I ran python3 calc.py" when nothing ran
-            said += " The commands I ran failed." if ran else " I ran no command."
+            tried = any(r["tool"] == "run_command" for r in self.records)
+            said += " The commands I tried did not run." if tried else " I ran no command."
         # an MCP server's tools (not ours): "I ran no command" alone led the model to "calc__add did not execute"
         mcp = [r for r in self.records if r["tool"] not in BY_NAME]
         if called := list(dict.fromkeys(r["tool"] for r in mcp if r["ok"])):
