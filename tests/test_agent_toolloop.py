@@ -222,14 +222,20 @@ def test_toolloop_tool_exception_is_a_result(
 
 
 def test_toolloop_step_limit_then_continue(fake: FakeBackend, worker: Worker, project: Path) -> None:
-    for n in range(5):
+    for n in range(3):
+        fake.enqueue_call("search_text", pattern=f"word{n}")
+    fake.enqueue("Three words are not there.")  # at the limit: asked to answer with what it has
+    for n in range(3, 5):
         fake.enqueue_call("search_text", pattern=f"word{n}")
     fake.enqueue("All listed.")
     s = session(worker, project, max_steps=3)
     events = asyncio.run(collect(s, "list forever"))
     limit = of(events, ev.StepLimitReached)
     assert len(limit) == 1 and limit[0].steps == 3 and len(of(events, ev.ToolStepDone)) == 3
-    assert not of(events, ev.AnswerDone) or of(events, ev.AnswerDone)[-1].text == ""
+    # it answers from what the steps did (it ended with no word at all: walkthrough), and may go on
+    assert of(events, ev.AnswerDone)[-1].text == "Three words are not there."
+    assert "The step limit (3 steps) was reached: it was asked to answer" in of(events, ev.Notice)[-1].text
+    assert not fake.history[-1].tools and fake.history[-2].tools  # that request offered no tools; a step did
     more = asyncio.run(collect(s, "/continue"))
     assert len(of(more, ev.ToolStepDone)) == 2
     assert of(more, ev.AnswerDone)[-1].text == "All listed."
@@ -1242,6 +1248,15 @@ def test_toolloop_cli_json(
     captured = capsys.readouterr()
     assert code == 3 and json.loads(captured.out)["stats"]["step_limit_reached"]  # a script sees it failed
     assert "reached the step limit (1 steps)" in captured.err and "--max-steps" in captured.err
+    # at the limit it is asked to answer with what it has: the answer is printed (there was none, and stdout
+    # was empty after a task that had worked: walkthrough), and the exit status still says it may be unfinished
+    fake.enqueue_call("list_files").enqueue("The project holds cli.txt.")
+    code = cli.main(
+        ["agent", "--project", str(project), "--approve", "all", "--max-steps", "1", "--json", "go"]
+    )
+    captured = capsys.readouterr()
+    assert code == 3 and json.loads(captured.out)["answer"] == "The project holds cli.txt."
+    assert "reached the step limit (1 steps): its answer is from what those steps did" in captured.err
 
 
 def test_toolloop_step_cards_are_redrawn_from_the_event_log() -> None:

@@ -365,6 +365,9 @@ def _verdict(result: dict[str, Any]) -> int:
             if st.get("stalled")
             else f"reached the step limit ({st['steps']} steps) before answering; run again with a larger "
             "--max-steps"
+            if not result["answer"].strip()
+            else f"reached the step limit ({st['steps']} steps): its answer is from what those steps did, and "
+            "the task may not be finished; run again with a larger --max-steps"
         )
         print(f"flashcode: the agent {why}", file=sys.stderr)
         return 3

@@ -273,7 +273,15 @@ class ToolLoop:
                 yield AnswerDone("", "cancelled", self.last_stats)
                 return
             if self.steps >= self.limit:
+                # asked once more, without tools, as when the steps stall: a task that did its work in its last
+                # steps ended with no word at all (walkthrough); /continue still goes on with it
                 self.at_limit = True
+                outcome = []
+                async for ev in self._answer_now(f"the step limit ({self.limit} steps) was reached", outcome):
+                    yield ev
+                if outcome == ["cancelled"]:
+                    yield AnswerDone("", "cancelled", self.last_stats)
+                    return
                 yield StepLimitReached(self.steps, self.limit)
                 return
             if why := self._stalled():  # a small model that keeps making a refused call: not another step
