@@ -149,6 +149,16 @@ def test_an_edit_whose_text_is_not_there_shows_the_lines_to_copy_it_from(proj: P
     ) as err:  # twice there: no lines (the model knows its text is in the file)
         files.propose_edit("big.py", "= 1", "= 2")
     assert "occurs" in str(err.value) and "Lines" not in str(err.value)
+    # where it occurs, and what to do (the 0.5B model made the same call three times: walkthrough)
+    (proj / "ops2.py").write_text("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a + b\n")
+    with pytest.raises(FileToolError) as err:
+        files.propose_edit("ops2.py", "    return a + b", "    return a * b")
+    assert str(err.value) == (
+        "ops2.py: the text to replace occurs 2 times; it must occur exactly once (at lines 2, 6): put more of "
+        "the lines around the one to change in old_text"
+    )
+    with pytest.raises(FileToolError, match=r"occurs 2 times; it must occur exactly once \(at lines 1, 5\)"):
+        files.propose_edit("ops2.py", "(a, b):\n    return", "(a, b):\n    return")
 
 
 # --------------------------------------------------------------------------- search

@@ -369,6 +369,14 @@ class ProjectFiles:
         count = old.count(find) if find else 0
         if count != 1:
             hint = f"\n{_near(old, find)}" if count == 0 and find and self.show_on_miss else ""
+            if count > 1:  # where, and what to do: the 0.5B model made the same call three times (walkthrough)
+                at, lines = [], 0
+                for part in old.split(find)[:-1]:
+                    lines += part.count("\n")
+                    at.append(lines + 1)
+                    lines += find.count("\n")
+                where = ", ".join(map(str, at[:10])) + (", …" if len(at) > 10 else "")
+                hint = f" (at lines {where}): put more of the lines around the one to change in old_text"
             raise FileToolError(
                 f"{shown(path)}: the text to replace occurs {count} times; it must occur exactly once{hint}"
             )
