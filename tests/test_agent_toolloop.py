@@ -995,10 +995,15 @@ def test_toolloop_an_edit_that_breaks_a_python_file_says_so(
     (project / "util.py").write_text("def greet(name):\n    return name\n")
     fake.enqueue_call("edit_file", path="util.py", old_text="greet", new_text="")
     fake.enqueue("Done.")
-    s = session(worker, project, Approver(ev.Decision.once()))
+    approver = Approver(ev.Decision.once())
+    s = session(worker, project, approver)
     events = asyncio.run(collect(s, "add a function"))
     result = of(events, ev.ToolStepDone)[0].result
     assert "Warning: it no longer parses as Python (line 1" in result
+    # the dialog says so before it is approved, not only after (walkthrough)
+    assert [w[:59] for w in approver.asked[0].warnings] == [
+        "after this edit it no longer parses as Python (line 1: inv"
+    ]
     assert "no longer parses as Python" in of(events, ev.Notice)[0].text
     assert (
         list(s.loop.broken) == ["util.py"]

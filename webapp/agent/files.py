@@ -369,7 +369,9 @@ class ProjectFiles:
         count = old.count(find) if find else 0
         if count != 1:
             hint = f"\n{_near(old, find)}" if count == 0 and find and self.show_on_miss else ""
-            if count > 1:  # where, and what to do: the 0.5B model made the same call three times (walkthrough)
+            if (
+                count > 1
+            ):  # where, and what to do: the 0.5B model made the same call three times (walkthrough)
                 at, lines = [], 0
                 for part in old.split(find)[:-1]:
                     lines += part.count("\n")

@@ -703,11 +703,16 @@ class ToolLoop:
         # the user's next git command
         # (and so is a write that makes a folder one by its contents: HEAD beside objects/ or refs/)
         made = sandbox.makes_git_dir(s.project_dir, (s.project_dir / change.path).resolve())
-        warnings = ()
+        warnings: tuple[str, ...] = ()
         if made is not None and not touches_git(change.path):
             where = made.relative_to(s.project_dir.resolve()).as_posix()
             warnings = (f"this write leaves {where or 'the project folder'} looking like a git directory to git "
                         f"(HEAD beside objects/ or refs/): {GIT_WARNING}",)  # fmt: skip
+        if (
+            broken := python_broken(change)
+        ) is not None:  # said before it is approved, not only after (walkthrough)
+            now = "it does not parse as Python" if change.old is None else "it no longer parses as Python"
+            warnings += (f"after this {'edit' if change.old is not None else 'write'} {now} ({broken})",)
         auto = (
             s.approve_edits
             and not touches_git(change.path)
