@@ -225,7 +225,9 @@ class AgentWeb:
         return here if here.id == change.project else None
 
     def _undo_html(self, action_id: int, state: str, error: str = "", before: bool = False) -> HTMLResponse:
-        return HTMLResponse(str(self.views.ui.undo_control(action_id, state, error, before)))
+        change = self.store.file_change(action_id)
+        path = change.path if change is not None else ""
+        return HTMLResponse(str(self.views.ui.undo_control(action_id, state, error, before, path)))
 
     async def undo_change(self, request: Request) -> HTMLResponse:
         """POST /agent/changes/{action_id}/undo: put back what one write of the agent's file tools replaced
