@@ -175,7 +175,9 @@ def test_undo_in_the_page_puts_back_an_agent_edit_and_the_transcript_keeps_it(
         assert (project / "app.py").read_text() == "def add(a, b):\n    return a + b\n"
         action = re.search(r'hx-post="/agent/changes/(\d+)/undo"', frames)
         assert action, frames
-        assert 'hx-confirm="Undo the write of app.py? It gets back' in frames  # it named no file (walkthrough)
+        assert (
+            'hx-confirm="Undo the write of app.py? It gets back' in frames
+        )  # it named no file (walkthrough)
         url = f"/agent/changes/{action.group(1)}/undo"
         csrf = {"x-csrf-token": state.csrf_token}
         assert client.post(url).status_code == 403  # no CSRF token: nothing is undone
