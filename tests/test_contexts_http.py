@@ -172,6 +172,13 @@ def test_contexts_http_errors_are_clear(client):
     db.set_mode(other, "agent")  # its advice (send a message, then save) would only run agent steps again
     r = c.post("/projects/default/contexts", json={"name": "x", "conversation_id": other}, headers=TOKEN)
     assert r.status_code == 409 and "switch the conversation to Chat mode" in r.json()["error"]
+    # in the window: a sentence, and the name typed stays in its box (it was cleared: walkthrough)
+    hx = {**TOKEN, "hx-request": "true"}
+    r = c.post(
+        "/projects/default/contexts", data={"name": "my <b>plan</b>", "conversation_id": other}, headers=hx
+    )
+    assert '<p class="contexts-error" role="alert">An agent conversation&#39;s context is not kept' in r.text
+    assert "then save.</p>" in r.text and 'value="my &lt;b&gt;plan&lt;/b&gt;"' in r.text
     assert c.get("/projects/..%2Fx/contexts").status_code in (400, 404)
     r = c.post("/projects/default/contexts/20261122-113000-a1b2c3/resume", headers=TOKEN)
     assert r.json()["resumed"] is False and "re-reads it from the start" in r.json()["message"]
@@ -266,7 +273,7 @@ def test_contexts_http_pane_for_htmx(client):
     assert "Resumed " in r.text and "hx-redirect" not in r.headers  # already there
     db.trash_conversation(conv)  # resumed, the redirect went to a 404 page (red-team): not resumed now
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
-    assert "hx-redirect" not in r.headers and "its conversation is in the Trash: put it back" in r.text
+    assert "hx-redirect" not in r.headers and "Its conversation is in the Trash: put it back" in r.text
     assert "Resumed " not in r.text and 'role="alert"' in r.text
     db.delete_conversation(conv)
     assert (
@@ -274,7 +281,7 @@ def test_contexts_http_pane_for_htmx(client):
         in c.get("/projects/default/window", headers={"hx-request": "true"}).text
     )
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
-    assert "hx-redirect" not in r.headers and "its conversation was deleted" in r.text
+    assert "hx-redirect" not in r.headers and "Its conversation was deleted" in r.text
     assert f'href="/c/{conv}"' not in r.text and "Resumed " not in r.text
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=TOKEN)
     assert r.status_code == 409 and "its conversation was deleted" in r.json()["error"]

@@ -152,7 +152,10 @@ class SavedContexts:
         return JSONResponse({"error": str(exc)}, status_code=status)
 
     # ------------------------------------------------------------------ the Projects window pane
-    def _pane(self, request: Request, note: str = "", error: str = "", link: str = "") -> HTMLResponse:
+    def _pane(
+        self, request: Request, note: str = "", error: str = "", link: str = "", typed: str = ""
+    ) -> HTMLResponse:
+        """The pane; `typed`: the name a refused Save had in its box (kept: it was cleared)."""
         store, pid = self._store(), request.path_params["project_id"]
         try:
             items, usage = store.list(pid), store.usage(pid)
@@ -164,7 +167,7 @@ class SavedContexts:
             if (conv := self.db.get_conversation(cid, trashed=True)) is not None:
                 titles[cid] = conv.title
         pane = self.ui.pane(
-            pid, items, usage, store.quota_bytes, note, error, link, precisions(backend), titles
+            pid, items, usage, store.quota_bytes, note, error, link, precisions(backend), titles, typed
         )
         return HTMLResponse(str(pane))
 
@@ -232,6 +235,8 @@ class SavedContexts:
         try:
             ctx = await self.worker.acall(save)
         except EngineError as exc:
+            if _htmx(request):  # the name typed stays in the box, to save again once mended
+                return self._pane(request, error=str(exc), typed=name)
             return self._error(exc, request)
         if _htmx(request):
             return self._pane(request, note=f"Saved {ctx.name!r}: {ctx.token_count:,} tokens.")
