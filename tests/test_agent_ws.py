@@ -116,6 +116,27 @@ def test_agent_ws_stop_kills_the_command(ws, project: Path) -> None:
     assert "Stopped by the user" in frames and not (project / "never.txt").exists()
 
 
+def test_a_command_cut_off_by_its_window_closing_says_so_not_stopped_by_the_user(
+    tmp_path: Path, project: Path
+) -> None:
+    """(walkthrough) A reload while an approved command ran: its result said "Stopped by the user"."""
+    fake = FakeBackend(tools=True)
+    with agent_conversation(tmp_path, project, fake) as (app, client, sock, cid):
+        send(sock, type="send", text="/shell echo started; sleep 30; touch never.txt", conversation_id=cid)
+        dialog = re.search(r'id="dialog-([\w-]+)"', until(sock, r'id="dialog-[\w-]+"')).group(1)  # type: ignore[union-attr]
+        send(sock, type="answer", dialog_id=dialog, choice="once")
+        until(sock, r"started")
+        sock.close()
+        db = app.state.flashcode.db
+        for _ in range(200):
+            exits = [e.data for e in db.events(cid) if e.type == "exit"]
+            if exits:
+                break
+            time.sleep(0.05)
+    assert exits and exits[-1]["killed"] and not (project / "never.txt").exists()
+    assert exits[-1]["description"] == "stopped: the page was closed or reloaded while it ran"
+
+
 def test_agent_ws_agent_mode_routes_and_help_lists_commands(ws, fake: FakeBackend, project: Path) -> None:
     send(ws, type="send", text="/help")
     frames = until(ws, r'data-state="idle"')

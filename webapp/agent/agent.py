@@ -234,7 +234,7 @@ class AgentSession:
         )
 
     # ------------------------------------------------------------------ control
-    def stop(self, reason: str = "stopped by the user") -> None:
+    def stop(self, reason: str = "stopped by the user", command_reason: str | None = None) -> None:
         """Kill the running command (its whole process group), stop the reply being written, and
         answer an open approval dialog with deny (`reason`: why, as the model and the transcript see it)."""
         self._stop_reason = reason
@@ -242,8 +242,8 @@ class AgentSession:
         self._halt = True
         if self._approval is not None:
             self._approval.cancel()
-        if self._run is not None:
-            self._run.kill()
+        if self._run is not None:  # `command_reason`: what a running command's result says, if not `reason`
+            self._run.kill(command_reason or reason)
         if self._gen is not None:
             self._gen.cancel()
 

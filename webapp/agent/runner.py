@@ -52,6 +52,7 @@ class CommandExit:
     truncated: bool = False
     duration_s: float = 0.0
     error: str | None = None  # could not start (no such directory, ...)
+    stopped_why: str = "stopped by the user"  # a kill's reason (the page closed: `CommandRun.kill`)
     type: str = "exit"
 
     def describe(self) -> str:
@@ -60,7 +61,7 @@ class CommandExit:
         if self.timed_out:
             return f"timed out after {self.duration_s:.0f} s and was stopped"
         if self.killed:
-            return "stopped by the user"
+            return self.stopped_why
         return f"exit code {self.exit_code}"
 
 
@@ -89,9 +90,13 @@ class CommandRun:
         self._kept = 0
         self._truncated = False
         self._killed = asyncio.Event()
+        self._kill_reason = "stopped by the user"
         self._proc: asyncio.subprocess.Process | None = None
 
-    def kill(self) -> None:
+    def kill(self, reason: str = "stopped by the user") -> None:
+        """Stop the command's whole process group; `reason`: why, as its result says (a reload while it ran was
+        "stopped by the user": walkthrough)."""
+        self._kill_reason = reason
         self._killed.set()
 
     @property
@@ -173,6 +178,7 @@ class CommandRun:
             killed=reason == "killed",
             truncated=self._truncated,
             duration_s=time.monotonic() - t0,
+            stopped_why=self._kill_reason,
         )
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> str:

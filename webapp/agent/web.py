@@ -64,6 +64,9 @@ DIALOG_TIMEOUT_S = 300.0
 DEFAULT_MODE = "chat"
 # an open dialog when its page goes away (closed, reloaded): the call is not run, and nobody denied it
 CLOSED_REASON = "not decided: the page was closed or reloaded while it asked"
+CLOSED_RUNNING = (
+    "stopped: the page was closed or reloaded while it ran"  # a command's (it said "by the user")
+)
 
 
 def project_key(settings: Settings) -> str:
@@ -480,7 +483,13 @@ class AgentTurns:
         steps = 0
         reading = False  # the status bar says the prompt is being read
         # the user's Stop, or the page going away (then no one decided what the dialog asked)
-        turn.on_stop(lambda: agent.stop(CLOSED_REASON if turn.closing else "stopped by the user"))
+        turn.on_stop(
+            lambda: (
+                agent.stop(CLOSED_REASON, CLOSED_RUNNING)
+                if turn.closing
+                else agent.stop("stopped by the user")
+            )
+        )
         try:
             async for e in agent.run_turn(text, turn.attached):
                 if isinstance(e, ev.Reading):
