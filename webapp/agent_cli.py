@@ -378,7 +378,7 @@ def _verdict(result: dict[str, Any]) -> int:
     steps = result["steps"]
     if steps:  # what the tools did, from their records: the answer is the model's words, unchecked
         changed = result["changed_files"]
-        ran = sum(1 for r in steps if r["tool"] == "run_command" and r["ok"])
+        ran = sum(1 for r in steps if ran_to_its_end(r))  # with any exit code: each may have changed files
         print(
             (
                 visible_text(f"flashcode: files written with the file tools: {', '.join(changed)}")
@@ -411,7 +411,14 @@ def _verdict(result: dict[str, Any]) -> int:
 
 def register_agent(sub: Any) -> None:
     p = sub.add_parser(
-        "agent", help="run one agent task in a project: the model reads, edits and runs, you approve"
+        "agent",
+        help="run one agent task in a project: the model reads, edits and runs, you approve",
+        description="Run one agent task in a project: the model reads, edits and runs, you approve.",
+        epilog="exit status: 0 answered; 1 no answer (an engine error, or no words); 2 bad arguments; 3 the step "
+        "limit was reached "
+        "(its answer, if any, from what the steps did) or the model stalled; 4 an answer, but none of the steps "
+        "worked, or a .py file it edited no longer parses. stderr ends with the files written and how to undo "
+        "each: flashcode changes undo ID.",
     )
     p.add_argument("task", help="what the agent should do, in one quoted argument")
     p.add_argument("--project", required=True, help="the project directory the agent works in")
@@ -428,7 +435,10 @@ def register_agent(sub: Any) -> None:
         "allow rules still apply)",
     )
     p.add_argument(
-        "--max-steps", type=positive_int, default=DEFAULT_MAX_STEPS, help="tool steps before it stops to ask"
+        "--max-steps",
+        type=positive_int,
+        default=DEFAULT_MAX_STEPS,
+        help=f"tool steps before it stops (default {DEFAULT_MAX_STEPS})",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, steps, stats")
     p.add_argument("--unconstrained", action="store_true", help="no constrained decoding of tool calls")

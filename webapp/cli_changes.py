@@ -87,6 +87,8 @@ def cmd_changes(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         hidden = hidden_paths(projects.data_dir)
+        if changes and sys.stdout.isatty():  # for a reader; a script reading the lines gets them alone
+            print("ID\tWHEN\tPROJECT\tPATH\tWHAT IT DID, AND WHAT AN UNDO WOULD DO")
         for c in changes:
             when = dt.datetime.fromtimestamp(c.created_at).strftime("%Y-%m-%d %H:%M")
             project = known.get(c.project)
