@@ -243,15 +243,16 @@ def test_toolloop_step_limit_then_continue(fake: FakeBackend, worker: Worker, pr
     asked = len(fake.history)
     again = asyncio.run(collect(s, "/continue"))
     assert len(fake.history) == asked and not of(again, ev.ToolStepDone) and not of(again, ev.AnswerDone)
-    assert "there is no agent task to continue" in of(again, ev.Notice)[-1].text
+    assert "There is no agent task to continue" in of(again, ev.Notice)[-1].text
 
 
 def test_toolloop_stop_during_command(fake: FakeBackend, worker: Worker, project: Path) -> None:
     fake.enqueue_call("run_command", command="sleep 30")
     fake.enqueue("never")
 
+    s = session(worker, project, Approver(ev.Decision.once()))
+
     async def main() -> list[ev._Event]:
-        s = session(worker, project, Approver(ev.Decision.once()))
         out: list[ev._Event] = []
         async for e in s.run_turn("sleep"):
             out.append(e)
@@ -259,14 +260,18 @@ def test_toolloop_stop_during_command(fake: FakeBackend, worker: Worker, project
                 asyncio.get_running_loop().call_later(0.5, s.stop)
         return out
 
-    t0 = asyncio.get_event_loop_policy().new_event_loop().time()
     events = asyncio.run(main())
     exit_ev = of(events, ev.ActionExit)[0]
     assert exit_ev.killed
     assert len(fake.history) == 1  # no further generation after Stop
     assert of(events, ev.AnswerDone)[-1].finish_reason == "cancelled"
     assert isinstance(events[-1], ev.TurnDone)
-    del t0
+    # /continue goes on with a task Stop stopped (it said there was none: walkthrough); the model sees why
+    more = asyncio.run(collect(s, "/continue"))
+    assert of(more, ev.AnswerDone)[-1].text == "never" and len(fake.history) == 2
+    assert "stopped by the user" in str(fake.history[-1].messages[-1]["content"])
+    again = asyncio.run(collect(s, "/continue"))  # answered: nothing left to go on with
+    assert "There is no agent task to continue" in of(again, ev.Notice)[-1].text and len(fake.history) == 2
 
 
 def test_toolloop_stop_during_generation(worker: Worker, project: Path) -> None:

@@ -407,13 +407,14 @@ class AgentSession:
         return "\n".join(names[:LISTED]) + more
 
     def _can_continue(self) -> bool:
-        """Whether /continue has a task to go on with: one that stopped at its step limit."""
-        return self.loop is not None and self.loop.at_limit
+        """Whether /continue has a task to go on with: one that stopped at its step limit, or that Stop stopped."""
+        return self.loop is not None and (self.loop.at_limit or self.loop.stopped)
 
     async def _continue(self) -> AsyncIterator[AgentEvent]:
         if not self._can_continue():  # a finished task is not run again (it was)
             yield Notice(
-                "there is no agent task to continue: /continue goes on with a task that stopped at its step limit",
+                "There is no agent task to continue: /continue goes on with a task that stopped at its step limit "
+                "or that you stopped.",
                 "warning",
             )
             return

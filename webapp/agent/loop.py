@@ -179,7 +179,8 @@ class ToolLoop:
         self.attached = ""  # the files the user attached to them, quoted (run())
         self.steps = 0  # tool calls run so far, over every resume
         self.limit = max_steps
-        self.at_limit = False  # the task stopped at its step limit: /continue goes on with it (only then)
+        self.at_limit = False  # the task stopped at its step limit: /continue goes on with it
+        self.stopped = False  # or the user stopped it (Stop): so does /continue
         self.records: list[dict[str, Any]] = []  # one per step: tool, arguments, decision, ok, exit_code
         self.last_stats: dict[str, Any] = {}
         self.mcp: McpTools | None = None  # the project's MCP servers' tools (mcp.py), loaded by run()
@@ -210,14 +211,16 @@ class ToolLoop:
         self.tools = (*self.tools, *self.mcp.openai())
         async for ev in self._loop():
             yield ev
+        self.stopped = self.s.halted  # Stop ended it: /continue goes on with it (walkthrough)
 
     async def resume(self, more_steps: int | None = None) -> AsyncIterator[AgentEvent]:
         """Continue after the step limit: `more_steps` more (default: the loop's max_steps)."""
         self.limit = self.steps + (more_steps or self.max_steps)
-        self.at_limit = False
+        self.at_limit = self.stopped = False
         self._stall_from = len(self.records)
         async for ev in self._loop():
             yield ev
+        self.stopped = self.s.halted
 
     async def _loop(self) -> AsyncIterator[AgentEvent]:
         while True:
