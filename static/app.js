@@ -227,6 +227,11 @@
       const can = available[item.dataset.action];
       if (can) item.setAttribute("aria-disabled", String(!can()));
     });
+    // the export links name the conversation shown now (a middle-click took the one the page was drawn with)
+    const id = conversationId();
+    document.querySelectorAll('nav.menubar a[data-action^="export-"]').forEach((a) => {
+      a.setAttribute("href", id ? `/c/${id}/export.${a.dataset.action.slice("export-".length)}` : "#");
+    });
   }
   const menubar = $("nav.menubar");
   menubar?.addEventListener("focusin", greyMenus);

@@ -626,6 +626,10 @@ def test_browser_menus_grey_what_they_cannot_do_now_and_stop_says_why(fake_serve
     send_and_wait(page, "again")
     after = greyed()
     assert after["stop"] and not any(after[a] for a in ("rename", "delete", "regenerate", "copy-last")), after
+    # the export links name the conversation shown now, not the one the page was drawn with (walkthrough)
+    shown = page.get_attribute("#conversation-id", "value")
+    greyed()
+    assert page.get_attribute("nav [data-action=export-md]", "href") == f"/c/{shown}/export.md"
     assert not page.errors, page.errors
 
 
