@@ -114,3 +114,33 @@ def test_a_piped_answer_is_shown_after_the_prompt(
     err = _ask(tmp_path, fake, "y\n", monkeypatch, capsys)
     prompt_line = next(line for line in err.splitlines() if line.startswith("Allow? "))
     assert prompt_line.endswith(": y")
+
+
+def test_the_terminal_offers_the_rules_the_dialog_offers_and_none_to_a_pipe(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """(walkthrough) `[a]lways` saved only an exact rule where the dialog also offers the prefix (`ls`), and a
+    pipe was offered `[a]lways`, then refused it."""
+    import sys
+
+    from webapp import agent_cli
+    from webapp.agent import events as ev
+
+    proposal = ev.Proposal(1, "shell", "ls mathpkg", "/tmp", 30.0, prefix="ls")
+    asked: list[str] = []
+    monkeypatch.setattr(agent_cli, "ask_terminal", lambda prompt: asked.append(prompt) or answers.pop(0))
+    approve = terminal_approval("ask")
+    for tty, typed, decision in (
+        (True, "p", "always_prefix"),
+        (True, "a", "always_exact"),
+        (False, "y", "once"),
+    ):
+        answers = [typed]
+        monkeypatch.setattr(sys.stdin, "isatty", lambda tty=tty: tty)
+        assert asyncio.run(approve(proposal)).kind == decision
+    assert asked[0] == (
+        "Allow? [y]es once, [a]lways this exact command in this project, [p]refix: always `ls` in this project, "
+        "or no (Enter, or type why not: the model reads it): "
+    )
+    assert asked[2] == "Allow? [y]es once, or no (Enter, or type why not: the model reads it): "  # piped
+    capsys.readouterr()

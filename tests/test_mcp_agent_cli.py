@@ -100,7 +100,8 @@ def test_ask_approves_the_server_for_the_project_then_asks_for_each_call(
     assert "Approve demo for this project? [y/N]" in err and "approved demo for this run only" in err
     assert 'The agent wants to call the MCP tool: demo__add {"a": 2, "b": 40}' in err
     assert "Its result reaches the model as untrusted data." in err
-    assert "[y]es once, [a]lways in this project, or no (Enter, or type why not" in err
+    # piped, no rule is offered (it was, then refused when taken: walkthrough)
+    assert "Allow? [y]es once, or no (Enter, or type why not" in err and "[a]lways" not in err
     out = json.loads(proc.stdout)
     assert [(s["tool"], s["decision"], s["ok"]) for s in out["steps"]] == [("demo__add", "once", True)]
     assert out["answer"] == "The sum is 42." and out["stats"]["project"] == str(project.resolve())
@@ -255,7 +256,7 @@ def test_real_model_flashcode_agent_asks_for_the_server_and_the_call(
     # one step: the call, then the step limit before an answer (exit status 3, the task not answered)
     assert proc.returncode in (0, 3), proc.stderr[-3000:]
     err = proc.stderr
-    assert proc.returncode == 0 or "reached the step limit (1 steps) before answering" in err
+    assert proc.returncode == 0 or "reached the step limit (1 steps)" in err  # answered at it, or not
     assert "names the MCP server calc, not approved yet" in err and "approved calc for" in err
     assert 'The agent wants to call the MCP tool: calc__add {"a": 1234, "b": 4321}' in err
     assert "-> ok (approved) '5555'" in err, err[-3000:]

@@ -144,20 +144,36 @@ def terminal_approval(mode: str) -> Any:
         )
         if p.tool == "mcp":
             print("  Its result reaches the model as untrusted data.", file=sys.stderr)
+        # a rule outlives this run: offered only to a terminal (piped, [a]lways was offered, then refused), and
+        # the prefix rule the dialog offers too (walkthrough)
+        tty = sys.stdin.isatty()
         always = "always_exact" in p.choices
-        prompt = (
-            "Allow? [y]es once, [a]lways in this project, or no (Enter, or type why not: the model reads it): "
-            if always
-            else "Allow? [y]es once, or no (Enter, or type why not: the model reads it): "
-        )
+        prefix = p.prefix if "always_prefix" in p.choices and p.prefix else ""
+        options = "[y]es once"
+        if always and tty:
+            options += (
+                ", [a]lways this exact command in this project"
+                if p.tool == "shell"
+                else ", [a]lways in this project"
+            )
+        if prefix and tty:
+            options += f", [p]refix: always `{prefix}` in this project"
+        prompt = f"Allow? {options}, or no (Enter, or type why not: the model reads it): "
         answer = (await asyncio.to_thread(ask_terminal, prompt)).strip()
         if answer.lower() in ("y", "yes"):
             return ev.Decision.once()
-        if always and answer.lower() in ("a", "always"):
-            if not sys.stdin.isatty():  # a line of piped text never makes a rule that outlives this run
-                print(f"  not allowed: {FROM_A_PIPE}", file=sys.stderr)
-                return ev.Decision.deny(f"not allowed: {FROM_A_PIPE}")
-            return ev.Decision.always_exact()
+        rule = (always and answer.lower() in ("a", "always")) or (
+            prefix and answer.lower() in ("p", "prefix")
+        )
+        if rule and not tty:  # a line of piped text never makes a rule that outlives this run
+            print(f"  not allowed: {FROM_A_PIPE}", file=sys.stderr)
+            return ev.Decision.deny(f"not allowed: {FROM_A_PIPE}")
+        if rule:
+            return (
+                ev.Decision.always_exact()
+                if answer.lower() in ("a", "always")
+                else ev.Decision.always_prefix()
+            )
         return ev.Decision.deny(answer)
 
     return approve
