@@ -1234,6 +1234,18 @@ def test_toolloop_cli_json(
     assert (
         code == 4 and "none of the 1 steps worked" in said.err and json.loads(said.out)["answer"] == "Edited."
     )
+    # every generation of `flashcode agent` counts in the project's Stats, as a web turn's does (none did:
+    # walkthrough)
+    from webapp.db import Database
+    from webapp.stats import store as stats_store
+
+    db = Database(Path(os.environ["FLASHCODE_HOME"]) / "flashcode.db")
+    try:
+        recorded = db.conn.execute("SELECT source, route FROM stats_replies").fetchall()
+        assert recorded and {tuple(r) for r in recorded} == {("agent", "tools")}
+        assert stats_store.totals(db.conn).replies == len(recorded)  # the Stats window counts them
+    finally:
+        db.close()
     # a command that ran and exited with an error returned its output: a result, not "none worked" (a test run
     # with failures exited 4: walkthrough)
     fake.enqueue_call("run_command", command="echo '1 failed'; exit 1").enqueue("One test fails.")

@@ -21,6 +21,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from .agent.web import hidden_paths
 from .projects.store import ProjectRef
 from .render import visible_text
 from .settings import default_agent_sampling
+from .stats import store as stats_store
 from .units import HELP, non_negative_float, positive_int, seed
 
 
@@ -198,11 +200,16 @@ def _progress(e: ev._Event) -> None:
         print(visible_text(f"    {e.text}"), file=sys.stderr)
 
 
-async def run_agent_task(session: AgentSession, task: str, echo: bool) -> dict[str, Any]:
+async def run_agent_task(
+    session: AgentSession, task: str, echo: bool, record: Callable[[dict[str, Any]], Any] | None = None
+) -> dict[str, Any]:
+    """`record`: each generation's numbers (its steps' and its answer's), for Stats, as the web app's are."""
     t0 = time.perf_counter()
     answer, finish, stats, error, stalled = "", None, {}, None, ""
     writes: list[dict[str, Any]] = []  # each write's id, for `flashcode changes undo ID`
     async for e in session.run_turn(task):
+        if record is not None and isinstance(e, ev.Generated | ev.AnswerDone) and e.stats:
+            record(e.stats)
         if isinstance(e, ev.StepLimitReached):
             stalled = e.why
         if isinstance(e, ev.FileWritten):
@@ -337,13 +344,20 @@ def cmd_agent(args: argparse.Namespace) -> int:
                     temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
                 ),
             )
+
+            def counted(stats: dict[str, Any]) -> None:  # in the project's Stats, as its web turns are
+                stats_store.record_reply(
+                    db.conn, stats, backend=stats.get("backend") or backend, model=stats.get("model") or loaded,
+                    source="agent", route="tools", finish_reason=stats.get("finish_reason"), project_id=ref.id,
+                )  # fmt: skip
+
             servers = McpServers()
             session.mcp = servers  # type: ignore[attr-defined]  # stopped when the task is done
             session.mcp_run_approved = run_only  # type: ignore[attr-defined]  # --approve all, this run
 
             async def main() -> dict[str, Any]:
                 try:
-                    return await run_agent_task(session, args.task, echo=not args.json)
+                    return await run_agent_task(session, args.task, echo=not args.json, record=counted)
                 finally:
                     await servers.close_all()
 
