@@ -108,9 +108,11 @@ def test_agent_ws_dialog_timeout_denies(ws, project: Path, monkeypatch: pytest.M
 
 def test_agent_ws_stop_kills_the_command(ws, project: Path) -> None:
     conv: list[str] = []
-    _, dialog = ask(ws, "/shell echo started; sleep 30; touch never.txt", conv)
+    frames, dialog = ask(ws, "/shell echo started; sleep 30; touch never.txt", conv)
+    # the status bar says what the turn waits for (it said "Writing…" while the command ran: walkthrough)
+    assert "Waiting for your approval…" in frames
     send(ws, type="answer", dialog_id=dialog, choice="once")
-    until(ws, r"started")
+    assert "Running the command… Stop stops it." in until(ws, r"started")
     send(ws, type="stop")
     frames = until(ws, r'data-state="idle"', limit=100)
     assert "Stopped by the user" in frames and not (project / "never.txt").exists()

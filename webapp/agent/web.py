@@ -482,6 +482,7 @@ class AgentTurns:
         answered = completed = limited = tool_turn = False  # a reply; ran to its end; step limit; tool loop
         steps = 0
         reading = False  # the status bar says the prompt is being read
+        asking = ""  # the tool of the proposal last made (a command's runs once approved)
         # the user's Stop, or the page going away (then no one decided what the dialog asked)
         turn.on_stop(
             lambda: (
@@ -503,6 +504,16 @@ class AgentTurns:
                     continue
                 if reading:  # the model writes (words, or a tool call that follows)
                     reading = False
+                    turn.status(None)
+                # the status bar says what the turn waits for: it said "Writing…" while a command ran (walkthrough)
+                if isinstance(e, ev.Proposal):
+                    asking = e.tool
+                    if not e.allowed_by_rule:
+                        turn.status("Waiting for your approval…")
+                elif isinstance(e, ev.Decided):
+                    runs = asking == "shell" and e.decision not in ("deny", "timeout")
+                    turn.status("Running the command… Stop stops it." if runs else None)
+                elif isinstance(e, ev.ActionExit):
                     turn.status(None)
                 limited = limited or isinstance(e, ev.StepLimitReached)
                 tool_turn = tool_turn or (isinstance(e, ev.TurnDone) and e.route == "tools")
