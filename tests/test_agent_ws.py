@@ -456,14 +456,18 @@ def test_a_page_drawn_while_a_closed_windows_turn_stopped_is_drawn_again_when_it
         until(sock, r'id="dialog-[\w-]+"')
         drawn = client.get(f"/c/{cid}").text  # the reload's page, drawn before the old socket closed
         assert "A reply is being written in another window" in drawn
+        assert '<input type="hidden" id="drawn-elsewhere" name="drawn_elsewhere" value="1">' in drawn
         sock.close()
         db = app.state.flashcode.db
         for _ in range(100):  # the old window's turn ends
             if "Stopped before the agent answered." in [e.data.get("text") for e in db.events(cid)]:
-                break
+                if "being written in another window" not in client.get(f"/c/{cid}").text:
+                    break
             time.sleep(0.05)
         with client.websocket_connect("ws://127.0.0.1:8000/ws", headers={"origin": ORIGIN}) as again:
-            send(again, type="showing", conversation_id=cid)
+            send(
+                again, type="showing", conversation_id=cid, drawn_elsewhere="1"
+            )  # as the drawn page sends it
             frames = until(again, r'data-state="idle"')
     assert "being written in another window" not in frames and "Not run: not decided" in frames
     assert "Stopped before the agent answered." in frames

@@ -399,6 +399,30 @@ def test_browser_a_dialog_keeps_the_page_behind_it_until_it_is_answered(fake_ser
     assert not page.errors, page.errors
 
 
+def test_browser_a_reload_while_a_command_waits_for_approval_ends_its_turn_in_the_new_page(
+    fake_server, page
+) -> None:
+    """(walkthrough) A reload while the approval dialog was open: the new page said "A reply is being written in
+    another window…" with Stop greyed and the step "Waiting for approval…", until a second reload."""
+    url, _ = fake_server
+    page.goto(url)
+    page.fill("#prompt", "/shell sleep 30")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".approval-form", timeout=10_000)
+    page.reload()
+    page.wait_for_selector("#prompt")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = page.get_attribute("#status", "data-state")
+        text = page.inner_text("#status .status-text")
+        if state == "idle" and text == "Ready" and page.locator("text=not decided").count():
+            break
+        time.sleep(0.1)
+    assert (state, text) == ("idle", "Ready"), (state, text)
+    assert page.locator("#messages", has_text="Not run: not decided: the page was closed or reloaded").count()
+    assert not page.errors, page.errors
+
+
 def test_browser_find_filters_the_list_and_keeps_it_filtered_and_trash_keeps_typed_text(
     fake_server, page
 ) -> None:

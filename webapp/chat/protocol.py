@@ -97,6 +97,9 @@ class Showing:
     writer's and says "another window")."""
 
     conversation_id: str | None = None
+    # the page was drawn while another window wrote in it ("A reply is being written in another window…"): if
+    # that has ended by the time its socket opens, it is drawn again (a reload while an agent asked: walkthrough)
+    drawn_elsewhere: bool = False
     type: str = "showing"
 
 
@@ -187,7 +190,10 @@ def _model(d: dict[str, Any]) -> SwitchModel:
 _PARSERS = {
     "send": _send,
     "stop": lambda d: Stop(),
-    "showing": lambda d: Showing(conversation_id=_str(d, "conversation_id", required=False)),
+    "showing": lambda d: Showing(
+        conversation_id=_str(d, "conversation_id", required=False),
+        drawn_elsewhere=d.get("drawn_elsewhere") == "1",
+    ),
     "regenerate": lambda d: Regenerate(
         conversation_id=_str(d, "conversation_id") or "", seen=_number(d, "seen", int, 0, 2**63 - 1)
     ),

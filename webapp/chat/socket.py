@@ -111,9 +111,6 @@ class ChatContext:
     hooks: list[ReplyHook] = field(default_factory=list)
     turns: TurnHandlerFactory | None = None
     sessions: set[Session] = field(default_factory=set)  # open sockets: all follow the one engine
-    # conversation -> when a turn in it last ended (monotonic): a window whose socket opens just after is drawn
-    # again (`Session._showing`): it may have been drawn while the turn still ran, and missed its end
-    ended_at: dict[str, float] = field(default_factory=dict)
     projects: ProjectLookup | None = None  # new conversations go to the open project
     # before a reply is generated for a conversation: e.g. resume its saved KV cache; a note to show
     before_reply: Callable[[str], Awaitable[str | None]] | None = None
@@ -448,10 +445,10 @@ class Session:
         if not self.generating:
             # a reply of this window ended just now: the page may have been drawn before its end, or have taken
             # its last page-wide frames (its Regenerate) while going to another conversation: drawn as it is now
-            # — or a turn of a window since closed ended just before this socket opened (a reload while an agent
-            # asked: the page was drawn "being written in another window" and missed the end: walkthrough)
+            # — or the page was drawn while a window since closed wrote in it, which has ended before this socket
+            # opened (a reload while an agent asked: "being written in another window" until a second reload)
             now = time.monotonic()
-            if cid and (now - self.wrote_at < 10 or now - self.ctx.ended_at.get(cid, -1e9) < 10):
+            if cid and (now - self.wrote_at < 10 or (msg.drawn_elsewhere and not self.ctx.writing(cid))):
                 self.send_for(cid)(self.views.sync(cid))
             return
         if cid and cid == self.writing_in:
@@ -503,7 +500,7 @@ class Session:
         self.ctx.conversation_changed(conversation_id, self)
 
         def ended(_task: asyncio.Task[None]) -> None:
-            self.wrote_at = self.ctx.ended_at[conversation_id] = time.monotonic()
+            self.wrote_at = time.monotonic()
             self.ctx.conversation_changed(conversation_id, self)
             # the conversation this window shows has a reply left writing by a closed window: shown here now
             if (
