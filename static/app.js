@@ -136,8 +136,6 @@
     $("#alerts").appendChild(box);
   }
   window.flashcode = Object.assign(window.flashcode || {}, { alertBox });  // static/trust.js says things with it
-  // A modal System 7 dialog: resolves to the text typed (or "" without a field), or null on Cancel/Esc.
-  // `safe`: Cancel is the default button (Return), for a choice that cannot be undone.
   // While a dialog asks, the page behind it is inert (modal, as System 7's were): what is beside #alerts, and
   // beside each box it is in, up to the body. Counted: two dialogs at once release the page after the last.
   let held = [];
@@ -155,6 +153,8 @@
     held.forEach((el) => { el.inert = false; });
     held = [];
   }
+  // A modal System 7 dialog: resolves to the text typed (or "" without a field), or null on Cancel/Esc.
+  // `safe`: Cancel is the default button (Return), for a choice that cannot be undone.
   function ask(text, { value = null, ok = "OK", safe = false } = {}) {
     return new Promise((resolve) => {
       const box = fromTemplate("dialog-template");
