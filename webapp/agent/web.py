@@ -227,10 +227,12 @@ class AgentWeb:
         here = self.project_for(None)
         return here if here.id == change.project else None
 
-    def _undo_html(self, action_id: int, state: str, error: str = "", before: bool = False) -> HTMLResponse:
-        change = self.store.file_change(action_id)
-        path = change.path if change is not None else ""
-        return HTMLResponse(str(self.views.ui.undo_control(action_id, state, error, before, path)))
+    def _undo_html(self, change: FileChangeRecord, state: str, error: str = "") -> HTMLResponse:
+        """The card's Undo control for `change`, as it stands (the caller has the record: not read again)."""
+        ui = self.views.ui
+        return HTMLResponse(
+            str(ui.undo_control(change.action_id, state, error, change.before is not None, change.path))
+        )
 
     async def undo_change(self, request: Request) -> HTMLResponse:
         """POST /agent/changes/{action_id}/undo: put back what one write of the agent's file tools replaced
@@ -239,23 +241,24 @@ class AgentWeb:
         action_id = int(request.path_params["action_id"])
         change = self.store.file_change(action_id)
         if change is None:
-            return self._undo_html(action_id, "", "flashcode kept no earlier text for this write")
+            refused = self.views.ui.undo_control(
+                action_id, "", "flashcode kept no earlier text for this write"
+            )
+            return HTMLResponse(str(refused))
         if change.undone_at:
-            return self._undo_html(action_id, "done")
-        kept = change.before is not None
+            return self._undo_html(change, "done")
         project = self._project_of(change)
         if project is None:
             return self._undo_html(
-                action_id,
+                change,
                 "offer",
                 "its project was removed from flashcode: add its folder again (File › New Project…), then Undo",
-                kept,
             )
         hidden = hidden_paths(self.settings.data_dir)
         try:
             text = await asyncio.to_thread(undo_write, change, project.path, hidden)
         except FileToolError as exc:
-            return self._undo_html(action_id, "offer", f"Not undone: {exc}.", kept)
+            return self._undo_html(change, "offer", f"Not undone: {exc}.")
         said = record_undo(self.store, self.db, change, text)
         return HTMLResponse(str(self.views.ui.undo_control(action_id, "done")) + self.views.event(said))
 
