@@ -87,6 +87,7 @@ def child_main(args: argparse.Namespace) -> None:
         expert_policy=args.policy,
         top_k=args.top_k or None,
         expert_prefetch=args.prefetch_next,
+        expert_predict=args.predict,
         routing_bias=args.bias,
         direct_io=not args.buffered,
         **({"io_threads": args.io_threads} if args.io_threads else {}),
@@ -150,6 +151,10 @@ def child_main(args: argparse.Namespace) -> None:
         "prefetched": es.stats.prefetched,
         "prefetch_used": es.stats.prefetch_used,
         "prefetch_min_misses": es.pf_min_misses,
+        "predict_units": args.predict,  # the predict pass (opt-in, exact): its staging units, 0 = off
+        "predict_passes": es.predictor.passes if es.predictor else 0,
+        "predicted": es.predictor.predicted if es.predictor else 0,  # experts read on a prediction
+        "predicted_used": es.predictor.used if es.predictor else 0,  # ... that the exact pass used
         "miss_avg_per_layer": [round(float(m), 3) for m in es.miss_avg],
         "pipeline": es.pipeline if not es.host_writes else "host_writes",
         # bytes per preadv of an expert read; "by_misses": at least 512 KB, as far as a layer's misses leave
@@ -499,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-min-misses", type=float, default=0.0,
                     help="with --prefetch-next: guess only the layers whose decode calls miss this many experts on "
                          "average (0: every layer)")  # fmt: skip
+    ap.add_argument("--predict", type=int, default=0,
+                    help="opt-in, exact: the predict pass, its reads through this many staging units (0: off)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="flash runs per routing (fresh processes)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="flash runs before the repeats, kept under warmup_runs, not summarized (a fresh GPU "
@@ -573,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     child_flags = ("--engine-share", str(args.engine_share), *(["--buffered"] if args.buffered else []),
                    *(["--pipeline", args.pipeline] if args.pipeline else []),
                    *(["--io-threads", str(args.io_threads)] if args.io_threads else []),
+                   *(["--predict", str(args.predict)] if args.predict else []),
                    *(["--read-chunk", str(args.read_chunk)] if args.read_chunk >= 0 else []),
                    *(["--prefetch-min-misses", str(args.prefetch_min_misses)] if args.prefetch_min_misses else []))  # fmt: skip
     compare = tuple((name.strip(), tuple(flags.split())) for name, _, flags in
@@ -580,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or Path(os.environ.get("FLASHCODE_HOME", "/tmp/fhome")) / "synth")
     results: dict[str, Any] = {**provenance(), "preset": args.preset, "layers": args.layers, "policy": args.policy,
                                "engine_share": args.engine_share, "buffered": args.buffered,
-                               "prefetch_next": args.prefetch_next, "memory_cap": args.memory_cap,
+                               "prefetch_next": args.prefetch_next, "predict": args.predict,
+                               "memory_cap": args.memory_cap,
                                "tokens": args.tokens, "repeats": args.repeats, "device": device_name(),
                                "top_k": args.top_k or None, "runs": {}}  # fmt: skip
     for routing in args.routing.split(","):

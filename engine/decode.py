@@ -36,11 +36,14 @@ def stream_generate_yield_first(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    before_step: Callable[[Any, list[Any]], Any] | None = None,
     **prefill: Any,
 ) -> Iterator[Any]:
     """`mlx_lm.stream_generate(model, tokenizer, prompt, ...)` for an `mx.array` prompt and a
     TokenizerWrapper, each token yielded before the next step is built. `prefill`: the rest of
-    `generate_step`'s options (`prefill_step_size`, `prompt_progress_callback`)."""
+    `generate_step`'s options (`prefill_step_size`, `prompt_progress_callback`). `before_step(inputs,
+    cache)`: called before each later step's model call, on its stream (the flash engine's predict pass,
+    which leaves the cache as it found it)."""
     import mlx.core as mx
     from mlx_lm.generate import (
         GenerationResponse,
@@ -93,6 +96,8 @@ def stream_generate_yield_first(
                 peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
             )  # fmt: skip
             with mx.stream(generation_stream):  # mlx-lm's `_step`, op for op
+                if before_step is not None:
+                    before_step(y[None], cache)
                 logits = model(y[None], cache=cache)[:, -1, :]
                 if logits_processors:
                     tokens = mx.concat([tokens, y]) if tokens is not None else y

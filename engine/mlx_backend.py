@@ -433,6 +433,7 @@ class MLXBackend:
         last = None
         seam: bool | None = None if request.continue_final else False  # a space the detokenizer dropped?
         generate = stream_generate_yield_first if self.yield_first else stream_generate
+        step_hook = self._before_step() if self.yield_first else None
         try:
             for resp in generate(
                 self.model_obj,
@@ -447,6 +448,7 @@ class MLXBackend:
                 quantized_kv_start=self.quantized_kv_start,
                 prompt_progress_callback=on_prefill,
                 logits_processors=[constraint] if constraint is not None else None,
+                **({"before_step": step_hook} if step_hook is not None else {}),
             ):
                 last = resp
                 if not stats.ttft_s:
@@ -518,6 +520,10 @@ class MLXBackend:
         stats.peak_memory_bytes = int(mx.get_peak_memory())
         stats.peak_rss_bytes = peak_rss_bytes()
         yield Done(stats, finish, "".join(text_parts))  # type: ignore[arg-type]
+
+    def _before_step(self) -> Any:
+        """What runs before each decode step's model call (`engine.decode`): None here."""
+        return None
 
     def close(self) -> None:
         import mlx.core as mx

@@ -172,6 +172,21 @@ def test_flash_moe_options_reach_the_engine(model_home, tmp_path):
     assert proc.returncode != 0 and "applies to the flash backend, not llama" in proc.stderr
 
 
+def test_flash_expert_predict_is_a_flag_and_says_what_it_read_ahead(model_home, tmp_path):
+    """`--expert-predict UNITS` (exact): the reply's stats count its passes and what it read ahead; with
+    `--expert-prefetch` as well the load says to choose one."""
+    proc = flashcode("synth", "moe-tiny", "--out", str(tmp_path / "moe"), "--skew", "2", home=model_home)
+    assert proc.returncode == 0, proc.stderr
+    ask = ("ask", "--backend", "flash", "--model", str(tmp_path / "moe"), "--memory-budget", "300MB",
+           "--temperature", "0", "--max-tokens", "4", "--json", "--expert-predict", "4")  # fmt: skip
+    proc = flashcode(*ask, "hi", home=model_home)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["completion_tokens"] == 4 and out["predict_passes"] == 3 and out["experts_predicted"] >= 0
+    proc = flashcode(*ask, "--expert-prefetch", "hi", home=model_home)
+    assert proc.returncode != 0 and "choose one" in proc.stderr
+
+
 def _catches_sigint(pid: int) -> bool:
     status = Path(f"/proc/{pid}/status").read_text()
     caught = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]

@@ -46,7 +46,10 @@ def streamed_model(model: Path, slots: int, policy: str = "lru", prefetch: bool 
     return obj, stream
 
 
-def greedy(model: Any, n: int = 8, prompt: list[list[int]] = PROMPT) -> tuple[list[int], Any]:
+def greedy(
+    model: Any, n: int = 8, prompt: list[list[int]] = PROMPT, before: Any = None
+) -> tuple[list[int], Any]:
+    """`n` greedy tokens and their logits; `before(inputs, cache)`: run before each decode step's model call."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -57,6 +60,8 @@ def greedy(model: Any, n: int = 8, prompt: list[list[int]] = PROMPT) -> tuple[li
         t = mx.argmax(y, -1)
         out.append(t.item())
         logits.append(y)
+        if before is not None:
+            before(t[:, None], cache)
         y = model(t[:, None], cache=cache)[:, -1]
     return out, mx.concatenate(logits)
 
@@ -112,6 +117,67 @@ def test_moe_guessing_only_the_layers_that_miss_stays_exact(tiny_moe: Path, refe
         assert (stream.miss_avg > 0).any()  # decode calls missed, so there was something to guess
         guessed[floor] = stream.stats.prefetched
     assert guessed[99.0] == 0 < guessed[0.5] < guessed[0.0]  # (the average starts at 0: guessing starts late)
+
+
+def greedy_predicting(model: Any, stream: Any, n: int = 8) -> tuple[list[int], Any]:
+    """`greedy` with the predict pass before each decode step, as engine.decode runs it (`before_step`)."""
+    from engine.flash.predict import predict_pass
+
+    return greedy(model, n, before=lambda inputs, cache: predict_pass(model, stream.predictor, inputs, cache))
+
+
+@pytest.mark.parametrize("units,copier", [(1, False), (6, False), (6, True)])
+def test_moe_predict_pass_reads_ahead_and_gives_the_same_tokens(
+    tiny_moe: Path, reference: Any, units: int, copier: bool
+) -> None:
+    """The predict pass (opt-in): each decode token first runs on the resident experts only, its routers' picks
+    are read at once (through a pool of `units` staging units, reused as reads land; or copied into the banks as
+    on CUDA, landing only when waited for), and the exact pass gives mlx-lm's tokens and logits. Experts read on
+    a prediction that the exact pass used count as its misses, not hits."""
+    import mlx.core as mx
+
+    from engine.flash.devcopy import HostCopier
+
+    _, toks_ref, logits_ref = reference
+    streamed, stream = streamed_model(tiny_moe, 5)
+    if copier:
+        stream.use_copier(HostCopier(queued=True))
+    stream.enable_predict(units)
+    toks, logits = greedy_predicting(streamed, stream)
+    assert toks == toks_ref and mx.abs(logits - logits_ref).max().item() <= 1e-4
+    pr = stream.predictor
+    assert pr.passes == 8 and pr.predicted > 0 and 0 < pr.used <= pr.predicted
+    assert not pr.pending and sorted(pr._free) == list(range(units))  # every read landed, every unit free
+    misses = sum(s.misses for s in stream.cache.stats)
+    assert misses >= pr.used  # (the prompt's misses besides)
+    assert stream.cache.used_bytes <= stream.cache.capacity_bytes
+    stream.close()
+
+
+def test_moe_a_layer_that_does_not_wait_for_its_predicted_reads_gives_another_answer(
+    tiny_moe: Path, reference: Any
+) -> None:
+    """The control for the test above: with slow reads, and each layer not waiting for its predicted reads
+    before its cache access, the answer changes. So the agreement there comes from that wait."""
+    import time
+
+    import mlx.core as mx
+
+    _, _, logits_ref = reference
+    streamed, stream = streamed_model(tiny_moe, 5)
+    stream.enable_predict(6)
+    pread = stream.reader._pread
+
+    def slow(*args: Any) -> int:
+        time.sleep(0.05)
+        return pread(*args)
+
+    stream.reader._pread = slow
+    stream.predictor.wait_layer = lambda i: set()
+    _, logits = greedy_predicting(streamed, stream)
+    assert mx.abs(logits - logits_ref).max().item() > 1e-2
+    stream.predictor.wait_layer = type(stream.predictor).wait_layer.__get__(stream.predictor)
+    stream.close()
 
 
 def test_moe_grouped_prefill_is_bit_exact_and_computes_each_pair_once(tiny_moe: Path, reference: Any) -> None:
@@ -310,6 +376,37 @@ def test_flash_backend_serves_a_moe_split_like_mlx(tiny_moe: Path) -> None:
     extra = done.stats.extra
     assert 0.0 <= extra["hit_rate"] <= 1.0 and extra["bytes_read"] > 0
     assert extra["expert_cache"]["used_bytes"] <= extra["expert_cache"]["capacity_bytes"] < 60_000_000
+
+
+def test_flash_backend_runs_the_predict_pass_before_each_decode_step(tiny_moe: Path) -> None:
+    """`FlashBackend(expert_predict=N)`: the pass runs before each decode step of a reply (engine.decode's
+    `before_step`), the tokens are the plain engine's, and the reply's stats say what it read ahead."""
+    import threading
+
+    from engine.base import GenerationRequest, ModelInfo, SamplingParams
+    from engine.flash.backend import FlashBackend
+
+    req = GenerationRequest(prompt="Once upon a time", sampling=SamplingParams(temperature=0.0, max_tokens=6))
+    info = ModelInfo("moe-tiny", tiny_moe, "qwen3_moe", 0, split_path=tiny_moe / "split")
+    runs = {}
+    for predict in (0, 4):
+        backend = FlashBackend(memory_budget=60_000_000, runtime_bytes=0, expert_predict=predict)
+        backend.load(info)
+        assert backend.plan is not None
+        staging = backend.plan.experts - backend.expert_stream.cache.capacity_bytes
+        unit = backend.expert_stream.unit_bytes
+        events = list(backend.stream(req, threading.Event()))
+        runs[predict] = (
+            [t for ev in events for t in getattr(ev, "token_ids", [])],
+            events[-1].stats.extra,
+            staging,
+        )
+        backend.close()
+    (plain, _, staging0), (predicted, extra, staging4) = runs[0], runs[4]
+    assert predicted == plain and len(plain) == 6
+    assert extra["predict_passes"] == 5  # one per token after the first
+    assert 0 < extra["experts_predicted_used"] <= extra["experts_predicted"]
+    assert staging4 - staging0 == 4 * unit  # the pool is in the budget
 
 
 def test_a_moe_context_is_4096_unless_asked_and_the_fix_says_so(tiny_moe: Path, caplog) -> None:

@@ -378,6 +378,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="flash, MoE: read the next layer's likely experts ahead (exact)",
     )
     g.add_argument(
+        "--expert-predict",
+        type=positive_int,
+        default=None,
+        metavar="UNITS",
+        help="flash, MoE: run each token first on the resident experts and read its likely misses at once, "
+        "through UNITS staging experts (exact; CPU and CUDA)",
+    )
+    g.add_argument(
         "--top-k-experts",
         type=positive_int,
         default=None,

@@ -81,14 +81,14 @@ _ENGINE_OPTIONS = {
     "llama_binary": "binary", "llama_threads": "threads", "flash_attn": "flash_attn",
     "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v", "parallel": "parallel",
     "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "expert_policy": "expert_policy",
-    "expert_prefetch": "expert_prefetch", "top_k_experts": "top_k", "routing_bias": "routing_bias",
-    "hosts": "hostfile",
+    "expert_prefetch": "expert_prefetch", "expert_predict": "expert_predict", "top_k_experts": "top_k",
+    "routing_bias": "routing_bias", "hosts": "hostfile",
 }  # fmt: skip
 _BACKEND_OF = {"kv_bits": {"mlx", "flash"}, "memory_budget": {"flash"}, "llama_url": {"llama"},
                "llama_binary": {"llama"}, "llama_threads": {"llama"}, "flash_attn": {"llama"},
                "cache_type_k": {"llama"}, "cache_type_v": {"llama"}, "parallel": {"llama"},
                "n_gpu_layers": {"llama"}, "n_cpu_moe": {"llama"}, "expert_policy": {"flash"},
-               "expert_prefetch": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"},
+               "expert_prefetch": {"flash"}, "expert_predict": {"flash"}, "top_k_experts": {"flash"}, "routing_bias": {"flash"},
                "hosts": {"mlx", "flash", "llama"}}  # fmt: skip
 
 

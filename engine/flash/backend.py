@@ -30,6 +30,7 @@ from .budget import TRANSIENT_ALLOWANCE, BudgetPlan, fmt, fmt_up, plan_budget, p
 from .dense import LayerStream, attach, load_resident
 from .inplace import open_reader, scratch_bytes
 from .moe import MOE_CONTEXT, expert_floor, has_experts, load_experts, moe_counters, moe_extra, top_k_of
+from .predict import predict_pass
 from .reader import UnitReader
 from .split import Manifest, SplitError, check_unit, load_manifest, split_model, verify_pinned
 
@@ -84,14 +85,14 @@ def cast_pinned(model: Any) -> None:
 def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan, budget: int | None, *,
                  verify: bool = False, prefetch: int = 2, policy: str = "lru", top_k: int | None = None,
                  expert_prefetch: bool = False, routing_bias: float = 0.0, float_bytes: int = 2,
-                 context_asked: bool = False) -> tuple[LayerStream | None, Any]:  # fmt: skip
+                 context_asked: bool = False, expert_predict: int = 0) -> tuple[LayerStream | None, Any]:  # fmt: skip
     """Attach the streamed layers to a pinned-only model: MoE layers read their routed experts (moe.py),
     dense layers — all of a dense model, a MoE model's `mlp_only_layers` — their FFN pieces (dense.py)."""
     stream, experts = None, None
     if has_experts(man):
         experts = load_experts(model, man, reader, plan, budget, policy, top_k, verify=verify,
                                prefetch_next=expert_prefetch, routing_bias=routing_bias,
-                               context_asked=context_asked)  # fmt: skip
+                               context_asked=context_asked, predict=expert_predict)  # fmt: skip
     if man.dense_units():
         keep = set(plan.resident_layers)
         resident = load_resident(man, reader, [u for u in man.dense_units() if u.layer in keep], float_bytes)
@@ -129,6 +130,7 @@ class FlashBackend(MLXBackend):
         expert_policy: str = "lru",
         top_k: int | None = None,
         expert_prefetch: bool = False,
+        expert_predict: int = 0,
         routing_bias: float = 0.0,
         direct_io: bool = True,
         runtime_bytes: int | None = None,
@@ -155,6 +157,9 @@ class FlashBackend(MLXBackend):
             top_k,
         )  # MoE: cache policy; top_k < the model's is lossy
         self.expert_prefetch = expert_prefetch  # MoE: exact next-layer guess-and-read (moe.py)
+        self.expert_predict = (
+            expert_predict  # MoE: the exact predict pass's staging units, 0 = off (predict.py)
+        )
         self.routing_bias = routing_bias  # MoE: > 0 is lossy cache-aware routing (moe.py)
         self.direct_io = direct_io  # False: read units through the page cache (measured, off by default)
         # what the process holds besides the engine: None = measured at load (RSS after the tokenizer, plus
@@ -265,7 +270,7 @@ class FlashBackend(MLXBackend):
             stream, experts = stream_model(obj, man, reader, plan, self.memory_budget, verify=not verify_now,
                                            prefetch=self.prefetch, policy=self.expert_policy, top_k=self.top_k,
                                            expert_prefetch=self.expert_prefetch, routing_bias=self.routing_bias,
-                                           float_bytes=float_bytes,
+                                           float_bytes=float_bytes, expert_predict=self.expert_predict,
                                            context_asked=self._context_asked is not None)  # fmt: skip
         except SplitError:
             reader.close()
@@ -353,7 +358,9 @@ class FlashBackend(MLXBackend):
         """Drop the layers other processes hold from the lazily loaded `model` (before anything is read)."""
 
     def _expert_floor(self, man: Manifest, n_buffers: int) -> int:
-        return expert_floor(man, self.top_k, self.expert_prefetch, n_buffers) if has_experts(man) else 0
+        if not has_experts(man):
+            return 0
+        return expert_floor(man, self.top_k, self.expert_prefetch, n_buffers, self.expert_predict)
 
     def _measure_runtime(self) -> int:
         """Bytes of the budget the process holds besides the engine: RSS now (the tokenizer loaded) + the allowance."""
@@ -427,6 +434,20 @@ class FlashBackend(MLXBackend):
         if self.auto_budget is not None:
             out["memory_budget_auto"] = self.auto_budget["detail"]
         return out
+
+    def _before_step(self) -> Any:
+        """The predict pass before each decode step (opt-in, `expert_predict`; predict.py)."""
+        es = self.expert_stream
+        if es is None or es.predictor is None:
+            return None
+        model, predictor = self.model_obj, es.predictor
+
+        def predict(inputs: Any, cache: list[Any]) -> None:
+            t0 = time.perf_counter()
+            predict_pass(model, predictor, inputs, cache)
+            es.prof.add("predict", time.perf_counter() - t0)
+
+        return predict
 
     def close(self) -> None:
         if self.layer_stream is not None:

@@ -228,15 +228,18 @@ class ExpertCache:
     def used_bytes(self) -> int:
         return sum(len(p) for p in self.layers) * self.unit_bytes
 
-    def access(self, layer: int, ids: Sequence[int]) -> list[tuple[int, int, bool]]:
+    def access(self, layer: int, ids: Sequence[int], count: bool = True) -> list[tuple[int, int, bool]]:
+        """[(id, slot, hit)], every id resident afterwards; `count`: in the layer's hit and miss counts."""
         res = self.layers[layer].access(ids)
-        st = self.stats[layer]
-        for _, _, hit in res:
-            if hit:
-                st.hits += 1
-            else:
-                st.misses += 1
+        if count:
+            hits = sum(hit for _, _, hit in res)
+            self.count(layer, hits, len(res) - hits)
         return res
+
+    def count(self, layer: int, hits: int, misses: int) -> None:
+        st = self.stats[layer]
+        st.hits += hits
+        st.misses += misses
 
     def forget(self, layer: int, ids: Sequence[int]) -> None:
         """Experts of `layer` whose load failed: no longer resident (stats keep their misses)."""

@@ -33,7 +33,8 @@ import numpy as np
 from ..cpu_fast import cpu_streams, cuts
 from .devcopy import BankCopier, address_of, open_device_copier
 from .experts import ExpertCache
-from .reader import AlignedBuffer, UnitReader, buffer_address
+from .predict import Predictor
+from .reader import AlignedBuffer, UnitReader, buffer_address, when_landed
 from .safetensors_io import DTYPE_SIZES
 from .split import ALIGN, Manifest, Unit, UnitTensor, check_unit, first_layer
 
@@ -103,6 +104,7 @@ PROFILE_PARTS = (
     "compute",
     "prefetch",
     "h2d_async",
+    "predict",
 )
 
 
@@ -120,7 +122,8 @@ class MoEProfile:
     (`direct`: queued on the compute thread); bank: bank updates (profile: evaluated; `direct`: waiting for
     the copies to finish); compute: the experts' matmuls (profile: evaluated); prefetch: guessing and issuing
     speculative reads (opt-in); h2d_async: the copies made off the compute thread (`threaded`: on the copy
-    thread; `direct`: queued by the reader thread whose read landed), overlapped, not compute-thread time."""
+    thread; `direct`: queued by the reader thread whose read landed), overlapped, not compute-thread time;
+    predict: the predict pass (opt-in, predict.py): its graph, its one sync, and starting its reads."""
 
     calls: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROFILE_PARTS, 0.0))
@@ -201,6 +204,7 @@ class ExpertStream:
         self.last_misses = 0
         self.copier: BankCopier | None = None
         self.slot_addr: list[dict[str, tuple[int, int]]] = []  # per layer: tensor -> (address, slot bytes)
+        self.predictor: Predictor | None = None  # opt-in: the predict pass (predict.py, `enable_predict`)
         if copier is not None:
             self.use_copier(copier)
 
@@ -244,8 +248,15 @@ class ExpertStream:
     def ensure(self, i: int, ids: np.ndarray, guesses: list[np.ndarray | None] | None = None) -> None:
         """Make experts `ids` (distinct, at most `slots`) of MoE layer index `i` resident; updates slot_of[i].
         `guesses`: opt-in, the likely experts of layers i+1, i+2, ... (read ahead once layer i's reads are issued)."""
+        # the predict pass's reads for this layer first: they hold slots this access may give out again
+        read_now = self.predictor.wait_layer(i) if self.predictor is not None else set()
         t0 = time.perf_counter()
-        res = self.cache.access(i, ids.tolist())
+        res = self.cache.access(i, ids.tolist(), count=not read_now)
+        if read_now:  # read this token on a prediction: not resident when the layer needed it, so a miss
+            late = sum(1 for k, _, hit in res if hit and k in read_now)
+            hits = sum(hit for _, _, hit in res) - late
+            self.cache.count(i, hits, len(res) - hits)
+            self.predictor.used += late  # type: ignore[union-attr]
         misses = [(k, s) for k, s, hit in res if not hit]
         self.last_misses = len(misses)
         self.slot_of[i, [k for k, _, _ in res]] = [s for _, s, _ in res]
@@ -269,6 +280,33 @@ class ExpertStream:
             # cache must not call them resident; the next call reads them again
             self.cache.forget(i, [k for k, _ in misses])
             raise
+
+    # ------------------------------------------------------------------ opt-in predict pass (predict.py)
+    def enable_predict(self, units: int) -> None:
+        """The predict pass, with a pool of `units` staging units for its reads."""
+        self.predictor = Predictor(self, units)
+
+    def store(self, i: int, k: int, s: int, view: memoryview) -> None:
+        """From any thread: expert k of layer index `i`, read into `view`, into bank slot `s`; returns once it
+        is there (its staging is free). Only where banks are written directly (the CPU's views, CUDA's copier)."""
+        if self.copier is not None:
+            self._copy_to_bank(i, k, s, view, timed=False)
+            self.copier.wait()
+        else:
+            self._verify(self.layers[i], k, view)
+            self._write_host(i, s, view)
+
+    def _write_host(self, i: int, s: int, view: memoryview) -> None:
+        """CPU: an expert's bytes straight into bank slot `s`'s memory (numpy views: no MLX op, no sync)."""
+        layer = self.layers[i]
+        raw = np.frombuffer(view, dtype=np.uint8, count=self.unit_bytes)
+        for t in self.template[layer]:
+            src = raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
+            dst = self.bank_np[i][t.name][s]
+            if t.dtype == "BF16" and dst.dtype == np.float32:  # bfloat16 = the top half of a float32
+                dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
+            else:
+                np.copyto(dst, src)
 
     # ------------------------------------------------------------------ opt-in next-layer prefetch
     def enable_prefetch(self, k: int, depth: int = 1) -> None:
@@ -383,7 +421,7 @@ class ExpertStream:
         guesses: list[np.ndarray | None] | None,
     ) -> None:
         """The misses' reads are in flight (`futs`; `landed`: read ahead on a guess): into the bank, by the path."""
-        layer, ub = self.layers[i], self.unit_bytes
+        layer = self.layers[i]
         self._drain(ready, {k for k, _, _ in landed})
         if self.copier is not None and self.pipeline == "direct":
             self._load_direct(i, futs, landed, guesses)
@@ -424,14 +462,7 @@ class ExpertStream:
         if self.host_writes:  # CPU: straight into the bank's memory through numpy views (no MLX op, no sync)
             t0 = time.perf_counter()
             for _, s, view in todo:
-                raw = np.frombuffer(view, dtype=np.uint8, count=ub)
-                for t in self.template[layer]:
-                    src = raw[t.offset : t.offset + t.nbytes].view(_NP[t.dtype]).reshape(t.shape)
-                    dst = self.bank_np[i][t.name][s]
-                    if t.dtype == "BF16" and dst.dtype == np.float32:  # bfloat16 = the top half of a float32
-                        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
-                    else:
-                        np.copyto(dst, src)
+                self._write_host(i, s, view)
             self.prof.add("h2d", time.perf_counter() - t0)
         else:
             self._legacy_to_bank(i, todo)
@@ -462,25 +493,7 @@ class ExpertStream:
     def _copy_on_landing(self, read: Future[float], i: int, k: int, s: int, view: memoryview) -> Future[None]:
         """`direct`: expert k's copies are queued by the reader thread that finishes its read (the driver call
         releases the GIL), so the compute thread only waits; the future is done once they are queued."""
-        queued: Future[None] = Future()
-        # the staging view is handed over once: a done future keeps its callbacks (and the reader's futures
-        # form reference cycles), and a view still held at close() would keep the staging from being unmapped
-        held = [view]
-
-        def landed(f: Future[float]) -> None:
-            mine = held.pop()
-            try:
-                f.result()
-                self._copy_to_bank(i, k, s, mine, timed=False)
-            except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
-                queued.set_exception(exc)
-            else:
-                queued.set_result(None)
-            finally:
-                del mine
-
-        read.add_done_callback(landed)
-        return queued
+        return when_landed(read, view, lambda mine: self._copy_to_bank(i, k, s, mine, timed=False))
 
     def _copy_to_bank(self, i: int, k: int, s: int, view: memoryview, timed: bool = True) -> None:
         """Queue the copies of expert k's tensors from its staging `view` into bank slot `s` (`timed`: on the
@@ -600,6 +613,8 @@ class ExpertStream:
 
     def close(self) -> None:
         self._take_prefetched(-1)
+        if self.predictor is not None:
+            self.predictor.close()
         if self._h2d_pool is not None:
             self._h2d_pool.shutdown(wait=True)
         if self.copier is not None:
@@ -690,6 +705,8 @@ class StreamedSwitchGLU:
         import mlx.core as mx
 
         st = self.stream
+        if st.predictor is not None and st.predictor.active:  # the predict pass: resident experts only
+            return st.predictor.layer(self, x, indices)
         prof = st.prof
         t0 = time.perf_counter()
         if st.profile:
@@ -874,7 +891,9 @@ def has_experts(man: Manifest) -> bool:
     return any(u.kind == "expert" for u in man.units)
 
 
-def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool | int, n_buffers: int) -> int:
+def expert_floor(
+    man: Manifest, top_k: int | None, prefetch_next: bool | int, n_buffers: int, predict: int = 0
+) -> int:
     """The least the expert cache and its staging take under a budget (top-k experts per layer), as
     `load_experts` sizes them: what `plan_budget` must leave for a MoE split (its `reserve`)."""
     units = expert_units(man)
@@ -883,7 +902,7 @@ def expert_floor(man: Manifest, top_k: int | None, prefetch_next: bool | int, n_
     unit = max(u.padded for us in units.values() for u in us)
     k = int(man.config.get("num_experts_per_tok") or 8)
     k = k if top_k is None else min(top_k, k)
-    staging = (2 * k + k * prefetch_next) * unit
+    staging = (2 * k + k * prefetch_next + predict) * unit
     if not man.dense_units():  # as in load_experts: the plan's read-ahead buffers are never made
         staging = max(0, staging - n_buffers * man.max_unit_bytes)
     return k * len(units) * resident_expert_bytes(units) + staging
@@ -896,10 +915,11 @@ MOE_CONTEXT = 4096
 
 def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budget: int | None, policy: str = "lru",
                  top_k: int | None = None, verify: bool = False, prefetch_next: bool | int = False,
-                 routing_bias: float = 0.0, context_asked: bool = False) -> ExpertStream:  # fmt: skip
+                 routing_bias: float = 0.0, context_asked: bool = False, predict: int = 0) -> ExpertStream:  # fmt: skip
     """Size the expert cache from what the budget leaves (after pinned weights, buffers and a KV cache of
     up to MOE_CONTEXT tokens — the whole `plan.context` when `context_asked`, the user's --ctx-size — else
-    256), build the banks and attach the streamed layers. Sets `plan.context`."""
+    256), build the banks and attach the streamed layers. Sets `plan.context`. `predict`: the predict pass's
+    staging units (0: off; predict.py)."""
     from .budget import MIN_CONTEXT
 
     units = expert_units(man)
@@ -915,7 +935,7 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
             n_layers, n_experts, resident, policy
         )  # no budget: every expert may stay, as in RAM
     else:
-        staging = (max_misses + k * prefetch_next) * unit
+        staging = (max_misses + k * prefetch_next + predict) * unit
         if not man.dense_units():  # no dense layer: the plan's read-ahead buffers are never made
             staging = max(0, staging - plan.buffers)
         for ctx in (plan.context if context_asked else min(plan.context, MOE_CONTEXT), MIN_CONTEXT):
@@ -936,6 +956,8 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
         plan.experts = cache.capacity_bytes + staging
     stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
     attach_moe(model, stream, top_k, prefetch_next, routing_bias)
+    if predict:
+        stream.enable_predict(predict)
     return stream
 
 
@@ -948,9 +970,21 @@ def moe_extra(stream: ExpertStream, since: dict[str, int], tokens: int) -> dict[
         "experts_read_per_token": (stream.stats.experts_read - since["read"]) / max(1, tokens),
         "expert_cache": stream.cache.report(),
         "moe_host_syncs": stream.stats.host_syncs - since["syncs"],
+        **(
+            {
+                "predict_passes": pr.passes - since["passes"],
+                "experts_predicted": pr.predicted - since["predicted"],
+                "experts_predicted_used": pr.used - since["predicted_used"],
+            }
+            if (pr := stream.predictor) is not None
+            else {}
+        ),
     }
 
 
 def moe_counters(stream: ExpertStream) -> dict[str, int]:
+    pr = stream.predictor
     return {"hits": sum(s.hits for s in stream.cache.stats), "misses": sum(s.misses for s in stream.cache.stats),
-            "read": stream.stats.experts_read, "syncs": stream.stats.host_syncs}  # fmt: skip
+            "read": stream.stats.experts_read, "syncs": stream.stats.host_syncs,
+            "passes": pr.passes if pr else 0, "predicted": pr.predicted if pr else 0,
+            "predicted_used": pr.used if pr else 0}  # fmt: skip

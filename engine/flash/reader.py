@@ -261,6 +261,38 @@ class UnitReader:
         os.close(self.fd)
 
 
+def when_landed(
+    read: Future[float],
+    view: memoryview,
+    put: Callable[[memoryview], None],
+    out: Future[None] | None = None,
+    after: Callable[[], None] | None = None,
+) -> Future[None]:
+    """Once `read` lands in `view`, `put(view)` runs on the reader thread that finished it; `out` (made if None)
+    is then done, with the read's or put's error if either failed; `after()` runs last, whatever happened.
+    The view is handed over once: a done future keeps its callbacks (and the reader's futures form reference
+    cycles), and a view still held when the staging closes would keep it from being unmapped."""
+    done: Future[None] = Future() if out is None else out
+    held = [view]
+
+    def landed(f: Future[float]) -> None:
+        mine = held.pop()
+        try:
+            f.result()
+            put(mine)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on `out`
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        finally:
+            del mine
+            if after is not None:
+                after()
+
+    read.add_done_callback(landed)
+    return done
+
+
 def started_clock(fn: Callable[..., Any], started: list[float]) -> Callable[..., Any]:
     """`fn`, noting in `started` when the first part of a read began: a guess waits in its queue until the
     disk is free, and that wait is not the read's latency."""
