@@ -124,3 +124,18 @@ def test_every_swap_after_a_proposal_finds_its_target(views: AgentViews, tool: s
             r'<\w+[^>]*\bid="([\w-]+)"[^>]*hx-swap-oob="(?:true|beforeend)"', views.event(e)
         ):
             assert target in ids, (tool, e, target)
+
+
+def test_a_commands_stop_button_waits_for_its_approval(views: AgentViews) -> None:
+    """ "Stop command" is greyed while the command waits for approval (nothing runs yet: it read as if something
+    did), enabled once it is approved, and at once for a command a rule allows."""
+    stop = re.compile(r"<button[^>]*>Stop command</button>")
+    (waiting,) = stop.findall(views.event(proposal("ls")))
+    assert " disabled" in waiting and "until you approve" in waiting
+    (ruled,) = stop.findall(views.event(proposal("ls", allowed_by_rule=True)))
+    assert " disabled" not in ruled
+    approved = views.event(ev.Decided(7, "once", tool="shell"))
+    (enabled,) = stop.findall(approved)
+    assert " disabled" not in enabled and 'id="action-7-exit" hx-swap-oob="true"' in approved
+    assert not stop.findall(views.event(ev.Decided(7, "once", tool="write")))
+    assert "Not run" in views.event(ev.Decided(7, "deny", tool="shell"))

@@ -647,7 +647,7 @@ class AgentSession:
         if proposal.allowed_by_rule and verdict is not None:
             rule = "; ".join(r.pattern for r in verdict.rules)
             self.store.record_decision(proposal.action_id, "rule", rule, verdict.reason)
-            return Decided(proposal.action_id, "rule", rule, verdict.reason)
+            return Decided(proposal.action_id, "rule", rule, verdict.reason, proposal.tool)
         decision = await self._ask(proposal)
         kind, rule, reason = decision.kind, None, decision.reason
         if kind not in proposal.choices:
@@ -659,7 +659,7 @@ class AgentSession:
         elif kind == "always_prefix" and proposal.prefix:
             rule = self.store.add_rule(self.project, "prefix", proposal.prefix).pattern
         self.store.record_decision(proposal.action_id, kind, rule, reason)
-        return Decided(proposal.action_id, kind, rule, reason)
+        return Decided(proposal.action_id, kind, rule, reason, proposal.tool)
 
     async def _ask(self, proposal: Proposal) -> Decision:
         if self.request_approval is None:

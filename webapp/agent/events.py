@@ -177,6 +177,7 @@ class Decided(_Event):
     decision: str  # deny | once | always_exact | always_prefix | rule | timeout
     rule: str | None = None  # the rule that allowed it, or the one saved now
     reason: str = ""
+    tool: str = ""  # the proposal's (a command's approval enables its Stop button); "" in older logs
     type: str = "decided"
 
 
