@@ -139,6 +139,22 @@ def test_browser_transcript_mode_gauge_and_connection_survive(served, browser, a
         page = new_page(browser)
         page.goto(srv.url)
         connected(page)
+        # the toolbar's places are fixed: the context gauge does not move when a turn's step counter shows (it
+        # wrapped to the left beside nothing, and jumped right beside "Step 1/25"), nor for a long model name
+        at_first = page.locator("#context-gauge").bounding_box()
+        page.evaluate(
+            "() => { const s = document.getElementById('step-counter'); s.hidden = false; s.textContent = 'Step 12/25'; }"
+        )
+        assert page.locator("#context-gauge").bounding_box() == at_first
+        assert page.locator("#step-counter").bounding_box()["y"] == at_first["y"]  # type: ignore[index]
+        page.evaluate(
+            "() => { const o = document.createElement('option'); o.textContent = 'x'.repeat(120); "
+            "document.getElementById('model-picker').prepend(o); }"
+        )
+        assert page.locator("#context-gauge").bounding_box() == at_first
+        assert page.locator("#mode-picker").bounding_box()["y"] < at_first["y"]  # type: ignore[index]
+        page.reload()
+        connected(page)
 
         # agent mode from the toolbar, then a command that prints and fails with exit code 3
         page.select_option("#mode-picker", "agent")
