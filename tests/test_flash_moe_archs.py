@@ -224,6 +224,30 @@ def qwen3_next_reference(tmp_path: Path) -> tuple[Path, list[int], Any]:
     return (model_dir, *greedy(ref))
 
 
+def test_the_predict_pass_is_refused_where_it_cannot_be_exact(tmp_path: Path, model_home: Path) -> None:
+    """--expert-predict rolls the KV cache back after its pass and writes experts into bank memory from reader
+    threads: refused at load for a model whose cache cannot be rolled back (qwen3_next's recurrent layers), and
+    on a device path that replaces the bank arrays (their addresses would go stale: the tokens changed)."""
+    from engine.flash.devcopy import HostCopier
+    from engine.flash.predict import check_model
+
+    model_dir, _, _ = qwen3_next_reference(tmp_path)
+    model, stream = streamed(model_dir, slots=3)
+    with pytest.raises(ValueError, match="ArraysCache cannot: leave --expert-predict off"):
+        check_model(model)
+    stream.use_copier(HostCopier(queued=True))
+    stream.pipeline = "threaded"
+    with pytest.raises(ValueError, match="needs the direct device path, not --pipeline threaded"):
+        stream.enable_predict(2)
+    stream.pipeline = "direct"
+    stream.enable_predict(2)
+    stream.pipeline = "overlap"  # changed after: the pass checks again before it writes anything
+    with pytest.raises(ValueError, match="not --pipeline overlap"):
+        stream.predictor.begin()
+    stream.pipeline = "direct"
+    stream.close()
+
+
 @pytest.mark.parametrize(
     "pipeline,prefetch",
     [("threaded", 0), ("threaded", 2), ("overlap", 1), ("legacy", 1), ("direct", 0), ("direct", 2)],

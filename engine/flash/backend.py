@@ -281,6 +281,13 @@ class FlashBackend(MLXBackend):
         except Exception as exc:
             reader.close()
             raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
+        if self.expert_predict and experts is None:
+            log.warning(
+                "flash: --expert-predict applies to MoE models; %s has no experts, so it is off", model.name
+            )
+        elif self.expert_predict and stream is not None:
+            log.warning("flash: --expert-predict runs each token twice, so %s's streamed dense layers are read twice "
+                        "a token", model.name)  # fmt: skip
         cast_pinned(obj)
         # CPU: large pinned matrices spread over the cores (float16 scales: no dequantized copies)
         cpu_fast.patch_model(obj)

@@ -81,10 +81,10 @@ class HostCopier:
             self._todo.append((dst, src, nbytes))
 
     def wait(self) -> None:
-        with self._lock:
+        with self._lock:  # held while copying: like a stream sync, no caller returns before every queued copy
             todo, self._todo = self._todo, []
-        for dst, src, nbytes in todo:
-            ctypes.memmove(dst, src, nbytes)
+            for dst, src, nbytes in todo:
+                ctypes.memmove(dst, src, nbytes)
 
     def close(self) -> None:
         self.wait()

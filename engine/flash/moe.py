@@ -33,7 +33,7 @@ import numpy as np
 from ..cpu_fast import cpu_streams, cuts
 from .devcopy import BankCopier, address_of, open_device_copier
 from .experts import ExpertCache
-from .predict import Predictor
+from .predict import Predictor, check_model
 from .reader import AlignedBuffer, UnitReader, buffer_address, when_landed
 from .safetensors_io import DTYPE_SIZES
 from .split import ALIGN, Manifest, Unit, UnitTensor, check_unit, first_layer
@@ -957,7 +957,12 @@ def load_experts(model: Any, man: Manifest, reader: UnitReader, plan: Any, budge
     stream = ExpertStream(man, reader, cache, max_misses=max_misses, verify=verify)
     attach_moe(model, stream, top_k, prefetch_next, routing_bias)
     if predict:
-        stream.enable_predict(predict)
+        try:
+            check_model(model)
+            stream.enable_predict(predict)
+        except BaseException:
+            stream.close()  # its staging (pinned on CUDA) and the copier's context
+            raise
     return stream
 
 
@@ -975,6 +980,7 @@ def moe_extra(stream: ExpertStream, since: dict[str, int], tokens: int) -> dict[
                 "predict_passes": pr.passes - since["passes"],
                 "experts_predicted": pr.predicted - since["predicted"],
                 "experts_predicted_used": pr.used - since["predicted_used"],
+                "predict_skipped": pr.skipped - since["predict_skipped"],
             }
             if (pr := stream.predictor) is not None
             else {}
@@ -987,4 +993,4 @@ def moe_counters(stream: ExpertStream) -> dict[str, int]:
     return {"hits": sum(s.hits for s in stream.cache.stats), "misses": sum(s.misses for s in stream.cache.stats),
             "read": stream.stats.experts_read, "syncs": stream.stats.host_syncs,
             "passes": pr.passes if pr else 0, "predicted": pr.predicted if pr else 0,
-            "predicted_used": pr.used if pr else 0}  # fmt: skip
+            "predicted_used": pr.used if pr else 0, "predict_skipped": pr.skipped if pr else 0}  # fmt: skip

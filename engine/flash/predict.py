@@ -46,12 +46,8 @@ class Predictor:
             raise ValueError(f"the predict pass needs at least one staging unit, not {units}")
         if stream.pf_k:
             raise ValueError("--expert-predict and --expert-prefetch read ahead two ways: choose one")
-        if not stream.host_writes and stream.copier is None:
-            raise ValueError(
-                "the predict pass needs direct bank writes (the CPU's, or CUDA's copier), which this device has "
-                "not: leave --expert-predict off here"
-            )
         self.stream, self.units = stream, units
+        self.check_path()
         self.staging = AlignedBuffer(units * stream.unit_bytes)
         if stream.copier is not None:
             stream.copier.register(buffer_address(self.staging.view), self.staging.size)
@@ -70,12 +66,28 @@ class Predictor:
         self.predicted = 0  # experts read on a prediction
         self.used = 0  # of which the exact pass used
         self.passes = 0
+        self.skipped = 0  # decode steps the pass could not run (predict_pass)
+
+    def check_path(self) -> None:
+        """Reader threads write predicted experts straight into bank memory: the CPU's numpy views, or CUDA's
+        copier on the `direct` path (the other device paths replace the bank arrays as they update them, so the
+        copier's addresses would go stale)."""
+        st = self.stream
+        if st.copier is not None and st.pipeline != "direct":
+            raise ValueError(f"--expert-predict needs the direct device path, not --pipeline {st.pipeline}")
+        if not st.host_writes and st.copier is None:
+            raise ValueError(
+                "--expert-predict needs direct bank writes: the CPU's, or CUDA's copier (libcuda), which this "
+                "process does not have (on Metal it is not built; on CUDA the log says why the copier is off): "
+                "leave --expert-predict off here"
+            )
 
     # ------------------------------------------------------------------ the pass (compute thread)
     def begin(self) -> None:
         """Before the pass: every earlier predicted read settled; the resident experts' table on the device."""
         import mlx.core as mx
 
+        self.check_path()
         self.settle()
         st = self.stream
         table = np.full((len(st.layers), st.n_experts), -1, dtype=np.int32)
@@ -93,7 +105,7 @@ class Predictor:
         self.ops[glu.index] = indices
         slots = self.table[glu.index][indices]
         y = glu._glu(x, mx.maximum(slots, 0).astype(mx.uint32), indices.shape)
-        return y * (slots >= 0)[..., None].astype(y.dtype)
+        return mx.where((slots >= 0)[..., None], y, mx.zeros_like(y))  # (not y * mask: slot 0 may hold inf)
 
     def finish(self) -> int:
         """After the pass: its one host sync (every layer's choice), then the predicted misses' reads start, in
@@ -154,6 +166,9 @@ class Predictor:
             return
         with self._lock:
             self.reads[(i, k)] = read
+            late = speculative and i <= self._urgent  # the compute came to this layer while it was issued
+        if late and hasattr(st.reader, "promote"):
+            st.reader.promote([read])
 
         def after() -> None:
             with self._lock:
@@ -172,9 +187,10 @@ class Predictor:
         """Before layer index `i`'s cache access: its predicted reads are in its bank (they were given slots the
         exact pass may reuse). Returns the experts read on a prediction for it this token (a failed one is
         forgotten by the cache, so the exact pass reads it again if it needs it)."""
-        mine = self.pending.pop(i, [])
-        read_now, self.read_now[i] = self.read_now[i], set()
+        mine = self.pending.get(i, [])
         if not mine:
+            self.pending.pop(i, None)
+            read_now, self.read_now[i] = self.read_now[i], set()
             return read_now
         with self._lock:
             self._urgent = max(self._urgent, i)
@@ -184,6 +200,8 @@ class Predictor:
         t0 = time.perf_counter()
         failed = [k for k, done in mine if done.exception() is not None]
         self.stream._waited(t0)
+        del self.pending[i]  # (only now: an interrupted wait leaves them for `settle`)
+        read_now, self.read_now[i] = self.read_now[i], set()
         if failed:
             self.stream.cache.forget(i, failed)
             read_now -= set(failed)
@@ -206,11 +224,33 @@ class Predictor:
         self.staging.close()
 
 
+def can_roll_back(cache: list[Any]) -> bool:
+    """Every layer's cache can be trimmed back by a token (mlx-lm's KVCache and QuantizedKVCache; a
+    RotatingKVCache until it is full; not ArraysCache, the recurrent layers' state, nor CacheList)."""
+    return all(
+        hasattr(c, "is_trimmable") and c.is_trimmable() and isinstance(getattr(c, "offset", None), int)
+        for c in cache
+    )
+
+
+def check_model(model: Any) -> None:
+    """At load: refuse the predict pass for a model whose KV cache cannot be rolled back (a fresh one)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if not can_roll_back([c])})
+    if kinds:
+        raise ValueError(
+            f"--expert-predict runs each token twice and rolls the KV cache back between, which this model's "
+            f"{', '.join(kinds)} cannot: leave --expert-predict off for it"
+        )
+
+
 def predict_pass(model: Any, predictor: Predictor, inputs: Any, cache: list[Any]) -> int:
     """Run the predict pass for a decode step: `model` on `inputs` (the token) with `cache`, then roll every
     layer's KV cache back to where it was. Returns the reads started; 0 (nothing done) for a cache that
-    cannot be rolled back."""
-    if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):
+    cannot be rolled back now (a sliding window that is full; counted in `predictor.skipped`)."""
+    if not can_roll_back(cache):
+        predictor.skipped += 1
         return 0
     offsets = [c.offset for c in cache]
     predictor.begin()

@@ -268,8 +268,8 @@ def when_landed(
     out: Future[None] | None = None,
     after: Callable[[], None] | None = None,
 ) -> Future[None]:
-    """Once `read` lands in `view`, `put(view)` runs on the reader thread that finished it; `out` (made if None)
-    is then done, with the read's or put's error if either failed; `after()` runs last, whatever happened.
+    """Once `read` lands in `view`, `put(view)` runs on the reader thread that finished it, then `after()` (whatever
+    happened); `out` (made if None) is done last, with the read's or put's error if either failed.
     The view is handed over once: a done future keeps its callbacks (and the reader's futures form reference
     cycles), and a view still held when the staging closes would keep it from being unmapped."""
     done: Future[None] = Future() if out is None else out
@@ -277,17 +277,22 @@ def when_landed(
 
     def landed(f: Future[float]) -> None:
         mine = held.pop()
+        error: BaseException | None = None
         try:
             f.result()
             put(mine)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on `out`
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
+            error = exc
         finally:
             del mine
-            if after is not None:
-                after()
+            try:
+                if after is not None:
+                    after()
+            finally:
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(None)
 
     read.add_done_callback(landed)
     return done
