@@ -45,6 +45,7 @@ RAW = {
     "flash-moe-gpu-adaptive-skewed.json": "runs",
     "flash-moe-gpu-adaptive-uniform.json": "runs",
     "flash-moe-cpu-chunks.json": "runs",
+    "flash-moe-predict-cpu.json": "runs",
     "flash-moe-gpu-chunks-uniform.json": "runs",
     "flash-moe-gpu-chunks-skewed.json": "runs",
     "flash-moe-gpu-chunks48.json": "runs",

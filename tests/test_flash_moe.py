@@ -502,6 +502,7 @@ def test_lossy_moe_options_are_said_at_load_and_in_each_reply(tiny_moe: Path, ca
         "flash-moe-gpu-speculation-skewed.json",
         "flash-moe-gpu-speculation-uniform.json",
         "flash-moe-cpu-chunks.json",  # the same script on this CPU
+        "flash-moe-predict-cpu.json",  # ... with the predict pass beside it
     ],
 )
 def test_gpu_results_recompute_from_their_runs(name: str) -> None:
