@@ -157,9 +157,8 @@ class FlashBackend(MLXBackend):
             top_k,
         )  # MoE: cache policy; top_k < the model's is lossy
         self.expert_prefetch = expert_prefetch  # MoE: exact next-layer guess-and-read (moe.py)
-        self.expert_predict = (
-            expert_predict  # MoE: the exact predict pass's staging units, 0 = off (predict.py)
-        )
+        # MoE: the exact predict pass's staging units, 0 = off (predict.py)
+        self.expert_predict = expert_predict
         self.routing_bias = routing_bias  # MoE: > 0 is lossy cache-aware routing (moe.py)
         self.direct_io = direct_io  # False: read units through the page cache (measured, off by default)
         # what the process holds besides the engine: None = measured at load (RSS after the tokenizer, plus

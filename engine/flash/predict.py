@@ -60,9 +60,8 @@ class Predictor:
         self._urgent = -1  # the layer the compute waits on: its reads go ahead of guesses
         self.pending: dict[int, list[tuple[int, Future[None]]]] = {}  # layer index -> [(expert, done)]
         self.read_now: list[set[int]] = [set() for _ in stream.layers]  # read on a prediction this token
-        self.reads: dict[
-            tuple[int, int], Future[float]
-        ] = {}  # (layer index, expert) -> its read, once issued
+        # (layer index, expert) -> its read, from its issue until it has landed (for `promote`)
+        self.reads: dict[tuple[int, int], Future[float]] = {}
         self.predicted = 0  # experts read on a prediction
         self.used = 0  # of which the exact pass used
         self.passes = 0
