@@ -112,7 +112,7 @@ def default_float_bytes() -> int:
 
 def in_ram_bytes(info: ModelInfo, backend: str = "mlx", float_bytes: int | None = None) -> int:
     """What the model's weights take in memory on an in-RAM engine."""
-    if backend == "llama" and info.gguf_path is not None and info.gguf_path.exists():
+    if backend == "llama" and has_gguf(info):
         return info.gguf_path.stat().st_size  # llama-server maps the GGUF
     from .flash.safetensors_io import read_model_tensors
 
@@ -175,6 +175,17 @@ def spare_memory(
     return auto.budget, own_rss, auto.source, auto.detail
 
 
+def has_gguf(info: ModelInfo) -> bool:
+    """Whether llama-server can load the model: the GGUF it was imported from is still there."""
+    return info.gguf_path is not None and Path(info.gguf_path).exists()
+
+
+def in_ram_engine(info: ModelInfo, in_ram: str) -> str:
+    """`in_ram`, except llama for a model with no GGUF (made by `flashcode synth` or copied in as safetensors):
+    MLX, the in-RAM engine that loads it."""
+    return "mlx" if in_ram == "llama" and not has_gguf(info) else in_ram
+
+
 def choose_engine(
     info: ModelInfo,
     in_ram: str,
@@ -182,7 +193,9 @@ def choose_engine(
     own_rss: int | None = None,
     float_bytes: int | None = None,
 ) -> Placement:
-    """`in_ram` (mlx or llama) when the model fits with room to spare, else flash."""
+    """`in_ram` (mlx or llama; mlx for a model llama-server cannot load) when the model fits with room to
+    spare, else flash."""
+    in_ram = in_ram_engine(info, in_ram)
     budget, rss, source, detail = spare_memory(memory_budget, own_rss)
     need = in_ram_bytes(info, in_ram, float_bytes)
     free = max(0, budget - rss)
@@ -215,8 +228,9 @@ def menu_placements(
     free = max(0, budget - rss + held)
     out = {}
     for info in models:
-        need = in_ram_bytes(info, in_ram)
-        backend = in_ram if fits_in(need, free) else "flash"
+        mine = in_ram_engine(info, in_ram)
+        need = in_ram_bytes(info, mine)
+        backend = mine if fits_in(need, free) else "flash"
         setting = size(memory_budget) if isinstance(memory_budget, int) else "auto"
         out[info.name] = Placement(backend, need, free, budget, source, detail, rss, setting)
     return out

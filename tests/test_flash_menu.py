@@ -35,6 +35,13 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
     from webapp.settings import Settings
 
     monkeypatch.setenv("FLASHCODE_HOME", str(two_models))
+    # a model with no GGUF (as `flashcode synth` makes): llama-server cannot load it, so it is not offered
+    bare = two_models / "models" / "bare-synth"
+    if not bare.exists():
+        bare.mkdir()
+        for f in (two_models / "models" / SYNTH).iterdir():
+            if f.is_file() and f.name != "flashcode.json":
+                (bare / f.name).symlink_to(f)
     monkeypatch.setattr(
         ws_module, "METER_SECONDS", 0.01
     )  # a meter frame even for a fast reply (flash prefills as MLX)
@@ -48,7 +55,9 @@ def test_the_menu_shows_size_and_fit_and_flash_switches_without_restart(
             )
             assert group and 10 < float(group[1]) < 20, page[page.find('<select id="model-picker"') :][:1500]
             for label in ("in RAM (MLX)", "from SSD (flash)"):
-                assert f"{SYNTH} · {label}" in page
+                assert f"{SYNTH} · {label}" in page and f"bare-synth · {label}" in page
+            assert f'value="llama:{SYNTH}"' in page and 'value="llama:bare-synth"' not in page
+            assert re.search(r'<option value="mlx:bare-synth"[^>]*data-suggested="yes"', page)
             assert re.search(r'<option value="(mlx|llama):' + SYNTH + r'"[^>]*data-suggested="yes"', page)
             assert re.search(r'id="model-fit"[^>]*>\d+\.\d MB · fits in RAM<', page)  # the loaded model's
             budget = re.search(r"<dt>Memory budget \(flash\)</dt><dd>(auto: [^<]+)</dd>", page)

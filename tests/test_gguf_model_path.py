@@ -96,6 +96,23 @@ def test_the_engine_is_in_ram_when_the_model_fits_with_room_to_spare(tiny_gguf: 
     assert auto.source in ("available", "cgroup") and auto.backend == "llama"  # a 12 MB model fits here
 
 
+def test_a_model_with_no_gguf_goes_in_ram_on_mlx_not_llama(tiny_gguf: Path, tmp_path: Path) -> None:
+    """llama-server loads a model from the GGUF it was imported from: a model with none (made by `flashcode
+    synth`, or whose GGUF was moved) that fits goes in RAM on MLX, not on llama (whose load then failed)."""
+    import dataclasses
+
+    from engine.placement import menu_placements
+
+    info, _ = import_or_reuse(tiny_gguf, tmp_path / "models", show_progress=False)
+    bare = dataclasses.replace(info, name="bare", gguf_path=None)
+    rss = 100_000_000
+    assert choose_engine(info, "llama", None, own_rss=rss).backend == "llama"
+    placed = choose_engine(bare, "llama", None, own_rss=rss)
+    assert placed.backend == "mlx" and "in RAM on mlx" in placed.line(bare.name)
+    menu = menu_placements([info, bare], "llama")
+    assert (menu[info.name].backend, menu["bare"].backend) == ("llama", "mlx")
+
+
 def ask(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"FLASHCODE_HOME": str(home), "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([*FLASHCODE, "ask", "--json", "--temperature", "0", "--max-tokens", "6", *args, "hi"],

@@ -16,6 +16,7 @@ from jinja2 import Environment
 from jinja2_fragments import render_block
 
 from engine.models import list_models
+from engine.placement import has_gguf
 
 from ..db import (
     FIND_LIMIT,
@@ -190,6 +191,7 @@ class ChatViews(TranscriptViews):
         `flashcode serve --model`: engine.placement) — with an option per engine: in RAM, from SSD, llama."""
         infos = list_models()
         models = [m.name for m in infos]
+        no_gguf = {i.name for i in infos if not has_gguf(i)}  # llama-server cannot load these: not offered
         base = {i.name for i in infos if not i.has_chat_template}  # marked: completion mode only
         if self.engine.model and self.engine.model not in models:
             models.insert(0, self.engine.model)
@@ -212,6 +214,7 @@ class ChatViews(TranscriptViews):
                 (f"{b}:{m}", f"{m} · {ENGINE_LABELS.get(b, b)}" + (" · base model" if m in base else ""),
                  p is not None and p.backend == b)
                 for b in backends
+                if not (b == "llama" and m in no_gguf and (self.engine.backend, self.engine.model) != (b, m))
             ]  # fmt: skip
             groups.append(
                 {"model": m, "size": size, "fit": fit, "fits": p.fits if p else None, "options": options}
