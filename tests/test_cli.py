@@ -183,8 +183,15 @@ def test_flash_expert_predict_is_a_flag_and_says_what_it_read_ahead(model_home, 
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["completion_tokens"] == 4 and out["predict_passes"] == 3 and out["experts_predicted"] >= 0
-    proc = flashcode(*ask, "--expert-prefetch", "hi", home=model_home)
-    assert proc.returncode != 0 and "choose one" in proc.stderr
+    proc = flashcode(*ask[:-1], "100000", "hi", home=model_home)  # a pool larger than the budget says so
+    assert (
+        proc.returncode == 2
+        and "(--expert-predict 100000 takes 6553.6 MB of it: fewer units need less)" in (proc.stderr)
+    )
+    proc = flashcode(*ask, "--expert-prefetch", "hi", home=model_home)  # said before anything loads
+    assert proc.returncode != 0 and proc.stderr.strip() == (
+        "flashcode: --expert-predict and --expert-prefetch read ahead two ways: choose one"
+    )
 
 
 def _catches_sigint(pid: int) -> bool:

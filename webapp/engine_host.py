@@ -104,6 +104,8 @@ def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
                 f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}"
             )
         opts[key] = value
+    if opts.get("expert_predict") and opts.get("expert_prefetch"):  # (FlashBackend refuses them too)
+        raise SystemExit("flashcode: --expert-predict and --expert-prefetch read ahead two ways: choose one")
     return opts
 
 

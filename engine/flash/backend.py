@@ -103,6 +103,16 @@ def stream_model(model: Any, man: Manifest, reader: UnitReader, plan: BudgetPlan
     return stream, experts
 
 
+def _with_predict(exc: BudgetError, man: Manifest, units: int) -> BudgetError:
+    """A refused budget that counts --expert-predict's staging says how much of it that is: fewer units, or none,
+    is the other fix."""
+    if not units or not has_experts(man):
+        return exc
+    pool = units * max(u.padded for u in man.units if u.kind == "expert")
+    return BudgetError(f"{exc} (--expert-predict {units} takes {fmt(pool)} of it: fewer units need less)",
+                       need=exc.need)  # fmt: skip
+
+
 def _under_cgroup(exc: BudgetError, cgroup: int | None, budget: int | None) -> BudgetError:
     """A budget already at its memory cgroup's limit (`auto` takes it) cannot be raised: the kernel kills the
     process at the cgroup's limit, so the refusal says that the cgroup's limit is what must be raised."""
@@ -137,6 +147,8 @@ class FlashBackend(MLXBackend):
         residency: bool = True,
         **kwargs: Any,
     ) -> None:
+        if expert_predict and expert_prefetch:  # said before anything loads
+            raise ValueError("--expert-predict and --expert-prefetch read ahead two ways: choose one")
         super().__init__(**kwargs)
         # --ctx-size, kept apart from _context_override, which a load sets to the context it planned
         self._context_asked: int | None = self._context_override
@@ -239,6 +251,7 @@ class FlashBackend(MLXBackend):
                                reserve=self._expert_floor(man, self.prefetch), scratch=scratch)  # fmt: skip
         except BudgetError as exc:
             if self.prefetch <= 1:
+                exc = _with_predict(exc, man, self.expert_predict)
                 raise _under_cgroup(exc, cgroup, self.memory_budget) from exc
             log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
             self.prefetch = 1
@@ -253,6 +266,7 @@ class FlashBackend(MLXBackend):
                     scratch=scratch,
                 )
             except BudgetError as exc:
+                exc = _with_predict(exc, man, self.expert_predict)
                 raise _under_cgroup(exc, cgroup, self.memory_budget) from exc
         if self.memory_budget and self.residency and not has_experts(man):
             # keep what the budget allows; stream only the rest
@@ -274,9 +288,9 @@ class FlashBackend(MLXBackend):
         except SplitError:
             reader.close()
             raise
-        except BudgetError:
+        except BudgetError as exc:
             reader.close()
-            raise
+            raise _with_predict(exc, man, self.expert_predict) from exc
         except Exception as exc:
             reader.close()
             raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
