@@ -166,6 +166,7 @@ def test_flash_moe_options_reach_the_engine(model_home, tmp_path):
     assert (
         out["expert_cache"]["policy"] == "lfu" and 0 <= out["hit_rate"] <= 1 and out["completion_tokens"] == 4
     )
+    assert out["experts_prefetched"] >= out["experts_prefetch_used"] >= 0  # its reads, beside the misses
     proc = flashcode("ask", "--backend", "flash", "--routing-bias", "-1", "hi", home=model_home)
     assert proc.returncode == 2 and "not a number of 0 or more" in proc.stderr
     proc = flashcode("ask", "--backend", "llama", "--routing-bias", "1", "hi", home=model_home)

@@ -104,13 +104,17 @@ def test_a_stopped_flash_reply_keeps_the_engine_numbers(flash_client: TestClient
 def test_a_reply_that_fills_the_context_says_so_not_the_token_limit(default_model, tmp_path: Path) -> None:
     """A reply cut because the conversation filled the model's context (a flash budget's short context, say)
     said "Stopped at the token limit" with a Continue that could only fail: it says the context is full and
-    what to do instead."""
+    what to do instead, the engine's own fix first (flash: a larger memory budget)."""
     import html
 
     from engine.mlx_backend import MLXBackend
 
+    class BudgetCut(MLXBackend):  # as flash says when its budget cut the context (FlashBackend.context_fix)
+        def context_fix(self) -> str:
+            return "raise the memory budget (Settings)"
+
     def load() -> MLXBackend:
-        b = MLXBackend(context_length=96)
+        b = BudgetCut(context_length=96)
         b.load(default_model)
         return b
 
@@ -122,6 +126,7 @@ def test_a_reply_that_fills_the_context_says_so_not_the_token_limit(default_mode
                  max_tokens=400, temperature=0)  # fmt: skip
             shown = html.unescape("".join(until(ws, r'data-state="idle"', limit=2000)))
         assert 'data-flag="context"' in shown and "Stopped: the context is full (96 tokens)" in shown
+        assert "For a longer one, raise the memory budget (Settings); or start a new conversation" in shown
         assert 'data-flag="length"' not in shown and "continue-button" not in shown
     finally:
         worker.close()

@@ -976,6 +976,14 @@ def moe_extra(stream: ExpertStream, since: dict[str, int], tokens: int) -> dict[
         "expert_cache": stream.cache.report(),
         "moe_host_syncs": stream.stats.host_syncs - since["syncs"],
         **(
+            {  # --expert-prefetch's reads, beside experts_read_per_token's (the router's misses)
+                "experts_prefetched": stream.stats.prefetched - since["prefetched"],
+                "experts_prefetch_used": stream.stats.prefetch_used - since["prefetch_used"],
+            }
+            if stream.pf_k
+            else {}
+        ),
+        **(
             {
                 "predict_passes": pr.passes - since["passes"],
                 "experts_predicted": pr.predicted - since["predicted"],
@@ -993,4 +1001,5 @@ def moe_counters(stream: ExpertStream) -> dict[str, int]:
     return {"hits": sum(s.hits for s in stream.cache.stats), "misses": sum(s.misses for s in stream.cache.stats),
             "read": stream.stats.experts_read, "syncs": stream.stats.host_syncs,
             "passes": pr.passes if pr else 0, "predicted": pr.predicted if pr else 0,
-            "predicted_used": pr.used if pr else 0, "predict_skipped": pr.skipped if pr else 0}  # fmt: skip
+            "predicted_used": pr.used if pr else 0, "predict_skipped": pr.skipped if pr else 0,
+            "prefetched": stream.stats.prefetched, "prefetch_used": stream.stats.prefetch_used}  # fmt: skip
