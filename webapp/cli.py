@@ -383,7 +383,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="UNITS",
         help="flash, MoE: run each token first on the resident experts and read its likely misses at once, "
-        "through UNITS staging experts (exact; CPU and CUDA)",
+        "through UNITS staging experts (exact; for a CUDA GPU, where reads bind: on a CPU it is slower)",
     )
     g.add_argument(
         "--top-k-experts",
