@@ -510,8 +510,13 @@ class MLXBackend:
             )
         self.prompt_cache.record(prompt + generated + fed_eos)
         stats.completion_tokens = len(generated)
-        if finish == "length" and len(prompt) + len(generated) >= self.context_length and self.context_fix():
-            stats.extra["context_fix"] = self.context_fix()  # the context, not the reply's budget, ended it
+        fix = (
+            self.context_fix()
+            if finish == "length" and len(prompt) + len(generated) >= self.context_length
+            else ""
+        )
+        if fix:  # the context, not the reply's budget, ended it
+            stats.extra["context_fix"] = fix
         # forward passes run (the prompt's counts as one): one per token sampled (the reply's and an EOS);
         # mlx-lm's loop built one step past the last
         self.last_passes = len(generated) + len(fed_eos) + (0 if self.yield_first else 1)

@@ -251,8 +251,7 @@ class FlashBackend(MLXBackend):
                                reserve=self._expert_floor(man, self.prefetch), scratch=scratch)  # fmt: skip
         except BudgetError as exc:
             if self.prefetch <= 1:
-                exc = _with_predict(exc, man, self.expert_predict)
-                raise _under_cgroup(exc, cgroup, self.memory_budget) from exc
+                raise self._refused(exc, man, cgroup) from exc
             log.info("flash: budget too tight for %d read-ahead buffers, using 1", self.prefetch)
             self.prefetch = 1
             try:
@@ -266,8 +265,7 @@ class FlashBackend(MLXBackend):
                     scratch=scratch,
                 )
             except BudgetError as exc:
-                exc = _with_predict(exc, man, self.expert_predict)
-                raise _under_cgroup(exc, cgroup, self.memory_budget) from exc
+                raise self._refused(exc, man, cgroup) from exc
         if self.memory_budget and self.residency and not has_experts(man):
             # keep what the budget allows; stream only the rest
             plan_residency(plan, man.dense_units(), float_bytes=float_bytes)
@@ -376,6 +374,10 @@ class FlashBackend(MLXBackend):
 
     def _own_layers(self, model: Any) -> None:
         """Drop the layers other processes hold from the lazily loaded `model` (before anything is read)."""
+
+    def _refused(self, exc: BudgetError, man: Manifest, cgroup: int | None) -> BudgetError:
+        """A plan the budget refused, with the fixes beside raising it (fewer predict units; the cgroup's limit)."""
+        return _under_cgroup(_with_predict(exc, man, self.expert_predict), cgroup, self.memory_budget)
 
     def _expert_floor(self, man: Manifest, n_buffers: int) -> int:
         if not has_experts(man):

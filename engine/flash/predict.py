@@ -187,19 +187,17 @@ class Predictor:
         exact pass may reuse). Returns the experts read on a prediction for it this token (a failed one is
         forgotten by the cache, so the exact pass reads it again if it needs it)."""
         mine = self.pending.get(i, [])
-        if not mine:
-            self.pending.pop(i, None)
-            read_now, self.read_now[i] = self.read_now[i], set()
-            return read_now
-        with self._lock:
-            self._urgent = max(self._urgent, i)
-            queued = [self.reads[(i, k)] for k, _ in mine if (i, k) in self.reads]
-        if queued and hasattr(self.stream.reader, "promote"):
-            self.stream.reader.promote(queued)  # needed now: ahead of later layers' guesses
-        t0 = time.perf_counter()
-        failed = [k for k, done in mine if done.exception() is not None]
-        self.stream._waited(t0)
-        del self.pending[i]  # (only now: an interrupted wait leaves them for `settle`)
+        failed: list[int] = []
+        if mine:
+            with self._lock:
+                self._urgent = max(self._urgent, i)
+                queued = [self.reads[(i, k)] for k, _ in mine if (i, k) in self.reads]
+            if queued and hasattr(self.stream.reader, "promote"):
+                self.stream.reader.promote(queued)  # needed now: ahead of later layers' guesses
+            t0 = time.perf_counter()
+            failed = [k for k, done in mine if done.exception() is not None]
+            self.stream._waited(t0)
+        self.pending.pop(i, None)  # (only now: an interrupted wait leaves them for `settle`)
         read_now, self.read_now[i] = self.read_now[i], set()
         if failed:
             self.stream.cache.forget(i, failed)
