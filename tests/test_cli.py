@@ -286,6 +286,25 @@ def test_agent_with_a_model_not_installed_says_so_before_loading(tmp_path: Path)
     assert "run `flashcode setup --data-dir" in proc.stderr, proc.stderr
 
 
+def test_json_commands_that_fail_print_their_error_as_json(tmp_path: Path) -> None:
+    """`--json` is for scripts: a failure left stdout empty, so the script's JSON parse failed instead of
+    reading what went wrong. Now stdout carries `{"error", "exit_status"}`, and stderr still says it."""
+    (tmp_path / "proj").mkdir()
+    runs = [
+        ("ask", "--json", "--model", "nope", "hi"),
+        ("agent", "--json", "--model", "nope", "--project", str(tmp_path / "proj"), "task"),
+        ("agent", "--json", "--project", str(tmp_path / "proj"), "  "),
+    ]
+    for args in runs:
+        proc = flashcode(*args, home=tmp_path / "home")
+        assert proc.returncode == 2, (args, proc.stderr)
+        out = json.loads(proc.stdout)
+        assert out["exit_status"] == 2 and out["error"] in proc.stderr, (args, out, proc.stderr)
+        assert "nope" in out["error"] or "the task is empty" in out["error"]
+    proc = flashcode("ask", "--model", "nope", "hi", home=tmp_path / "home")  # without --json: stderr only
+    assert proc.returncode == 2 and not proc.stdout
+
+
 def test_every_option_says_what_it_is_for() -> None:
     """`flashcode X --help` explains each argument (a new user found `task`, `--backend` and `--temperature`
     bare in `flashcode agent --help`)."""

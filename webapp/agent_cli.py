@@ -307,8 +307,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if args.data_dir:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
     if not args.task.strip():
-        print("flashcode agent: the task is empty: say what the agent should do", file=sys.stderr)
-        return 2
+        raise preflight.StartupError("the task is empty: say what the agent should do")
     project = cli_projects.project_dir(
         args
     )  # checked as `ask --project` checks it (a file, a missing folder)

@@ -463,6 +463,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         done = run_stream(backend, request, printer)
         if done.error:
             print(f"\nflashcode: {done.error}", file=sys.stderr)
+            json_error(args, done.error, 1)
             return 1
         s = done.stats
         if args.json:
@@ -802,11 +803,19 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, message: str, status: int = 2) -> int:
-    """One sentence on stderr; the traceback too with -v."""
+    """One sentence on stderr; the traceback too with -v. Under --json, stdout carries it too, as the one
+    object a script reads (`{"error": ..., "exit_status": ...}`): an empty stdout made its JSON parse fail."""
     if args.verbose:
         traceback.print_exc()
     print(f"flashcode: {message}", file=sys.stderr)
+    json_error(args, message, status)
     return status
+
+
+def json_error(args: argparse.Namespace, message: str, status: int) -> None:
+    """`--json`'s object for a command that failed: what went wrong and the exit status it ends with."""
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "exit_status": status}), flush=True)
 
 
 if __name__ == "__main__":
