@@ -244,3 +244,30 @@ def test_the_cgroup_advice_comes_only_when_the_budget_is_at_the_cgroup_limit() -
         "the memory budget is more than this process's memory cgroup allows; raise --memory-budget"
     )
     assert _under_cgroup(other, 600_000_000, 599_998_976) is other
+
+
+def test_moe_options_on_a_dense_model_are_said_as_ignored(tiny_split: Path, caplog) -> None:
+    """`--expert-policy lfu` and `--expert-predict 2` on a dense model did nothing, without a word (a new user's
+    walk): each MoE-only option is named once at load as ignored, and the model runs as without them."""
+    import logging
+
+    from engine.flash.backend import FlashBackend
+
+    info = ModelInfo("tiny", tiny_split, "llama", 0)
+    b = FlashBackend(memory_budget=4_000_000_000, runtime_bytes=0, expert_policy="lfu", expert_predict=2)
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        b.load(info)
+    try:
+        said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+        assert said == [
+            "flash: --expert-predict, --expert-policy lfu ignored: tiny has no experts (they apply to MoE models)"
+        ]
+        assert b.expert_stream is None and b.lossy == []
+    finally:
+        b.close()
+    caplog.clear()
+    plain = FlashBackend(memory_budget=4_000_000_000, runtime_bytes=0)  # the defaults: nothing to say
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        plain.load(info)
+    plain.close()
+    assert "ignored" not in caplog.text

@@ -292,11 +292,7 @@ class FlashBackend(MLXBackend):
         except Exception as exc:
             reader.close()
             raise ModelLoadError(f"could not load the split of {model.name} from {root}: {exc}") from exc
-        if self.expert_predict and experts is None:
-            log.warning(
-                "flash: --expert-predict applies to MoE models; %s has no experts, so it is off", model.name
-            )
-        elif self.expert_predict and stream is not None:
+        if self.expert_predict and experts is not None and stream is not None:
             log.warning("flash: --expert-predict runs each token twice, so %s's streamed dense layers are read twice "
                         "a token", model.name)  # fmt: skip
         cast_pinned(obj)
@@ -329,7 +325,8 @@ class FlashBackend(MLXBackend):
         """The lossy MoE options that take effect (each said once at load, and in every reply's stats); the
         ones that do not are said as ignored, not run silently."""
         moe_only = [f for f, on in (("--top-k-experts", self.top_k is not None), ("--routing-bias", bool(self.routing_bias)),
-                                    ("--expert-prefetch", self.expert_prefetch)) if on]  # fmt: skip
+                                    ("--expert-prefetch", self.expert_prefetch), ("--expert-predict", bool(self.expert_predict)),
+                                    (f"--expert-policy {self.expert_policy}", self.expert_policy != "lru")) if on]  # fmt: skip
         if not model_k:
             if moe_only:
                 log.warning(
