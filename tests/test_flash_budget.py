@@ -216,7 +216,8 @@ def test_a_context_cut_by_the_budget_says_to_raise_the_budget(tiny_split: Path, 
         tight.load(info)
     try:
         assert MIN_CONTEXT <= tight.context_length < 8192
-        assert f"leaves room for a {tight.context_length}-token context" in caplog.text
+        # no --ctx-size was given: the context cut is the model's (it said "of the 8192 asked")
+        assert f"leaves room for a {tight.context_length}-token context of the model's 8192;" in caplog.text
         req = GenerationRequest(
             prompt="word " * (tight.context_length + 50), sampling=SamplingParams(max_tokens=4)
         )
@@ -227,6 +228,14 @@ def test_a_context_cut_by_the_budget_says_to_raise_the_budget(tiny_split: Path, 
             list(tight.stream(req, threading.Event()))
     finally:
         tight.close()
+    asked = FlashBackend(
+        memory_budget=plan.fixed + 300 * plan.per_token, runtime_bytes=0, context_length=4096
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.flash.backend"):
+        asked.load(info)
+    asked.close()
+    assert "-token context of the 4096 asked (--ctx-size);" in caplog.text
 
 
 def test_the_cgroup_advice_comes_only_when_the_budget_is_at_the_cgroup_limit() -> None:

@@ -353,8 +353,9 @@ class FlashBackend(MLXBackend):
         if self._moe_cut_context:
             return (f"a MoE model gets a {self.plan.context}-token context of the model's {ctx} (the rest of the "
                     f"memory budget holds experts); ask for more with --ctx-size (it then comes out of the budget)")  # fmt: skip
+        whose = f"the {ctx} asked (--ctx-size)" if self._context_asked else f"the model's {ctx}"
         return (f"the memory budget of {fmt(self.memory_budget)} leaves room for a {self.plan.context}-token context "
-                f"of the {ctx} asked; raise --memory-budget for more")  # fmt: skip
+                f"of {whose}; raise --memory-budget for more")  # fmt: skip
 
     def context_fix(self) -> str:
         if self._budget_cut_context and self.memory_budget and self._moe_cut_context:
