@@ -153,6 +153,18 @@ def test_browser_transcript_mode_gauge_and_connection_survive(served, browser, a
         )
         assert page.locator("#context-gauge").bounding_box() == at_first
         assert page.locator("#mode-picker").bounding_box()["y"] < at_first["y"]  # type: ignore[index]
+        # Send keeps the default ring while a reply is written (disabled, greyed) and nothing moves: the buttons
+        # traded places by 3-4 px when Send lost its ring and Stop was enabled
+        buttons = ("#send-button", "#stop-button", "#regenerate-button")
+        boxes = [page.locator(b).bounding_box() for b in buttons]
+        ring = page.locator("#send-button").evaluate("b => getComputedStyle(b).borderImageSource")
+        page.evaluate(
+            "() => { document.getElementById('send-button').disabled = true; "
+            "document.getElementById('stop-button').disabled = false; }"
+        )
+        assert [page.locator(b).bounding_box() for b in buttons] == boxes
+        assert page.locator("#send-button").evaluate("b => getComputedStyle(b).borderImageSource") == ring
+        assert "button-default.svg" in ring
         page.reload()
         connected(page)
 

@@ -49,14 +49,18 @@ def flash_client(default_model, tmp_path: Path, tmp_path_factory: pytest.TempPat
 @pytest.mark.slow
 def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -> None:
     page = flash_client.get("/").text
-    assert re.search(r'id="engine-meter" class="engine-meter" hidden', page)  # nothing to show before a reply
+    # before a reply: the meter's row is there, idle (the disk idle, memory against the budget), so the
+    # transcript under it does not move down when a reply starts and up when it ends
+    idle = re.search(r'<div id="engine-meter" class="engine-meter idle">(.*?)</div>', page, re.S)
+    assert idle and "Disk idle" in idle[1] and re.search(r"Mem \d+\.\d\d / \d+\.\d\d GB", idle[1])
+    assert "– MB/token" in idle[1]  # the same spans as while it works: the row keeps its length
     with connect(flash_client) as ws:
         send(ws, type="send", text="Write three sentences about the sea.", conversation_id="",
              max_tokens=48, temperature=0)  # fmt: skip
         frames = until(ws, r'data-state="idle"', limit=2000)
     meters = [f for f in frames if 'id="engine-meter"' in f]
     assert meters, "the meter is sent while the reply streams"
-    last = [m for m in meters if " hidden" not in m][-1]
+    last = [m for m in meters if "Disk idle" not in m][-1]
     assert re.search(r"Disk \d+\.\d\d GB/s", last) and re.search(r"Mem \d+\.\d\d / \d+\.\d\d GB", last)
     peak = re.search(
         r'data-meter="peak"[^>]*>Peak (\d+\.\d\d) / (\d+\.\d\d) GB', last
@@ -68,8 +72,12 @@ def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -
         r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer
     )  # the finished reply keeps the number
     assert re.search(r'data-stat="memory"[^>]*>Peak \d+\.\d\d / \d+\.\d\d GB', footer)  # and its peak RSS
-    # the meter is of a reply being written: hidden once it is done (it kept its last numbers), the footer stays
-    assert re.search(r'id="engine-meter" class="engine-meter" hidden', meters[-1])
+    # the meter is of a reply being written: idle once it is done (not hidden: its row stays), the footer stays
+    assert (
+        'class="engine-meter idle"' in meters[-1]
+        and "Disk idle" in meters[-1]
+        and " hidden" not in meters[-1]
+    )
 
 
 @pytest.mark.slow

@@ -1244,3 +1244,8 @@ def test_ws_model_command_takes_an_engine_before_the_name(client: TestClient, mo
             until(ws, r'data-state="idle"')
     here = engine.backend or "mlx"
     assert asked == [("mlx", "smol"), ("flash", "qwen"), (here, "smol"), (here, "odd:name"), (here, "llama:")]
+
+
+def test_an_engine_without_live_numbers_has_no_meter_row(client: TestClient) -> None:
+    """Only the flash engine has a meter (its idle row: test_flash_ui.py); for the others it takes no room."""
+    assert re.search(r'<div id="engine-meter" class="engine-meter" hidden>\s*</div>', client.get("/").text)

@@ -52,7 +52,7 @@ from ..turns import (
 from . import protocol as p
 from .pipeline import ReplyStream
 from .transcript import CHAT_MODE_SYSTEM, make_title
-from .views import PAGE_WIDE_IDS, PAGE_WIDE_PREFIXES, ChatViews, can_regenerate
+from .views import PAGE_WIDE_IDS, PAGE_WIDE_PREFIXES, ChatViews, can_regenerate, meter_numbers
 
 log = logging.getLogger(__name__)
 METER_SECONDS = 1.0  # how often the flash engine's live numbers are sent while it works
@@ -694,7 +694,7 @@ class Session:
             views.controls(generating=False),
             views.gauge_for(msg.conversation_id),
             views.mode_picker(conv.mode if conv else views.new_mode()),
-            views.engine_meter(None),
+            views.engine_meter(views.idle_meter()),
         )
 
     def _set_mode(self, msg: p.SetMode) -> None:
@@ -906,9 +906,9 @@ class Session:
             if done is None:  # the task was cancelled (the server stopping): keep what streamed
                 gen.cancel()
                 stream.abandon()
-        # the meter is of the reply being written: hidden once it is done (its footer keeps the numbers)
+        # the meter is of the reply being written: idle once it is done (its footer keeps the reply's numbers)
         if getattr(self.ctx.engine.worker.backend, "live_stats", None) is not None:
-            self.send(self.views.engine_meter(None))
+            self.send(self.views.engine_meter(self.views.idle_meter()))
         self._finish(stream, done, history, gen)
 
     def _history(self, conversation_id: str, without: int | None = None) -> list[Message]:
@@ -958,20 +958,8 @@ class Session:
             except Exception:  # noqa: BLE001 - a meter must never break a reply (e.g. the model was closed)
                 return
             read = now.get("bytes_read", 0) - start
-            self.send(
-                self.views.engine_meter(
-                    {
-                        "bytes_per_s": now.get("bytes_per_s", 0.0),
-                        "rss_bytes": now.get("rss_bytes", 0),
-                        "memory_budget": now.get("memory_budget"),
-                        "memory_budget_auto": now.get("memory_budget_auto"),
-                        "hit_rate": now.get("hit_rate"),
-                        "peak_rss_bytes": now.get("peak_rss_bytes"),
-                        "mb_per_token": read / stream.tokens / 1e6 if stream.tokens else None,
-                        "hosts": now.get("hosts"),
-                    }
-                )
-            )
+            per_token = read / stream.tokens / 1e6 if stream.tokens else None
+            self.send(self.views.engine_meter(meter_numbers(now, per_token)))
 
     def _finish(self, stream: ReplyStream, done: Done, history: list[Message], gen: Generation) -> None:
         views = self.views

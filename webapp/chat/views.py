@@ -143,6 +143,7 @@ class ChatViews(TranscriptViews):
             "model_choices": choices,
             "current_choice": f"{engine.backend}:{engine.model}",
             "context_used": self.context_used(conv.id if conv else None),
+            "engine_meter": self.idle_meter(),
             **self.trust_context(conv.id if conv else None),
             "can_regenerate": can_regenerate(messages),
             "csrf_token": self.csrf_token,
@@ -261,6 +262,18 @@ class ChatViews(TranscriptViews):
     def engine_meter(self, meter: dict[str, Any] | None) -> str:
         return str(self.ui.engine_meter(meter, oob=True))
 
+    def idle_meter(self) -> dict[str, Any] | None:
+        """The flash engine's meter between replies (memory, expert hits so far, the disk idle): its row stays,
+        so the transcript under it does not move down when a reply starts and back when it ends. None for an
+        engine without live numbers (no row). `live_stats()` reads counters only: safe off the worker's thread."""
+        live = getattr(self.engine.worker.backend, "live_stats", None)
+        if live is None:
+            return None
+        try:
+            return meter_numbers(live(), idle=True)
+        except Exception:  # noqa: BLE001 - a meter must never break a page (e.g. the model is being closed)
+            return None
+
     def project_of(self, conversation_id: str | None) -> ProjectRef | None:
         """The project a page shows: the conversation's, or the open one (None: projects not wired)."""
         return self.projects.of_conversation(conversation_id) if self.projects else None
@@ -356,3 +369,21 @@ class ChatViews(TranscriptViews):
 
     def alert(self, text: str, kind: str = "error") -> str:
         return str(self.ui.alert(text, kind))
+
+
+def meter_numbers(
+    live: dict[str, Any], mb_per_token: float | None = None, idle: bool = False
+) -> dict[str, Any]:
+    """The engine meter's numbers from a backend's `live_stats()`: while a reply is written (`mb_per_token`: read
+    from disk per token of it, None before its first token), or between replies (`idle`)."""
+    return {
+        "idle": idle,
+        "bytes_per_s": 0.0 if idle else live.get("bytes_per_s", 0.0),
+        "rss_bytes": live.get("rss_bytes", 0),
+        "memory_budget": live.get("memory_budget"),
+        "memory_budget_auto": live.get("memory_budget_auto"),
+        "hit_rate": live.get("hit_rate"),
+        "peak_rss_bytes": live.get("peak_rss_bytes"),
+        "mb_per_token": mb_per_token,
+        "hosts": live.get("hosts"),
+    }
