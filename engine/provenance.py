@@ -61,4 +61,6 @@ def machine() -> dict[str, Any]:
 
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv if argv is None else argv
-    return {"command": shlex.join(argv), "git_commit": git_commit(), "machine": machine()}
+    # `flashcode bench llama` runs bench/llama.py under that name (webapp.cli_bench): kept as words, not quoted
+    words = argv[0].split() if argv and argv[0].startswith("flashcode ") else argv[:1]
+    return {"command": shlex.join([*words, *argv[1:]]), "git_commit": git_commit(), "machine": machine()}

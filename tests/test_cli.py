@@ -305,6 +305,25 @@ def test_json_commands_that_fail_print_their_error_as_json(tmp_path: Path) -> No
     assert proc.returncode == 2 and not proc.stdout
 
 
+def test_bench_scripts_are_named_by_the_command_that_runs_them() -> None:
+    """`flashcode bench llama --help` said "usage: llama.py" (runpy names argv[0] after the file): it names
+    the command, and so does the `command` a result records."""
+    from engine.provenance import provenance
+
+    for what in ("llama", "websocket", "agent", "projects"):
+        proc = subprocess.run(
+            [str(FLASHCODE), "bench", what, "--help"], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: flashcode bench {what} "), (
+            proc.stdout[:200]
+        )
+    assert (
+        provenance(["flashcode bench llama", "--tokens", "3"])["command"]
+        == "flashcode bench llama --tokens 3"
+    )
+    assert provenance(["/a b/bench/x.py", "--out", "c d"])["command"] == "'/a b/bench/x.py' --out 'c d'"
+
+
 def test_every_option_says_what_it_is_for() -> None:
     """`flashcode X --help` explains each argument (a new user found `task`, `--backend` and `--temperature`
     bare in `flashcode agent --help`)."""

@@ -76,9 +76,12 @@ def _script(name: str) -> Any:
         if not script.exists():
             print(f"flashcode: {script} not found: run benchmarks from a source checkout", file=sys.stderr)
             return 2
-        sys.argv = [str(script), *args.rest]
-        runpy.run_path(str(script), run_name="__main__")
-        return 0
+        # loaded, then its main() called: run_path names argv[0] after the file while the script runs, so its
+        # --help said "usage: llama.py"; now its usage, and the `command` its results record
+        # (engine.provenance), name the command that ran it
+        main = runpy.run_path(str(script), run_name=f"bench_{args.bench}")["main"]
+        sys.argv = [f"flashcode bench {args.bench}", *args.rest]
+        return int(main() or 0)
 
     return run
 
