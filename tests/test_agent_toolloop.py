@@ -1195,14 +1195,20 @@ def test_toolloop_cli_json(
     said = capsys.readouterr()
     out = json.loads(said.out)
     assert code == 0 and (project / "cli.txt").read_text() == "C"
-    assert out["answer"] == "All done." and set(out) == {
-        "answer",
-        "steps",
-        "changed_files",
-        "writes",
-        "broken_files",
-        "stats",
-    }
+    assert (
+        out["answer"] == "All done."
+        and set(out)
+        == {
+            "answer",
+            "steps",
+            "changed_files",
+            "writes",
+            "broken_files",
+            "stats",
+            "exit_status",  # the process's, as a failed command's object has it
+        }
+        and out["exit_status"] == 0
+    )
     assert (
         out["changed_files"] == ["cli.txt"]
         and "flashcode: files written with the file tools: cli.txt (1 command ran too" in said.err
@@ -1258,7 +1264,9 @@ def test_toolloop_cli_json(
     code = cli.main(["agent", "--project", str(project), "--approve", "all", "--json", "go"])
     said = capsys.readouterr()
     assert code == 4 and "flashcode: good.py does not parse as Python (line 1" in said.err
-    assert list(json.loads(said.out)["broken_files"]) == ["good.py"]
+    assert (
+        list(json.loads(said.out)["broken_files"]) == ["good.py"] and json.loads(said.out)["exit_status"] == 4
+    )
 
     fake.enqueue_call("list_files").enqueue_call(
         "read_file", path="cli.txt"

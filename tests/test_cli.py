@@ -294,15 +294,38 @@ def test_json_commands_that_fail_print_their_error_as_json(tmp_path: Path) -> No
         ("ask", "--json", "--model", "nope", "hi"),
         ("agent", "--json", "--model", "nope", "--project", str(tmp_path / "proj"), "task"),
         ("agent", "--json", "--project", str(tmp_path / "proj"), "  "),
+        ("route", "--json", " "),
+        (
+            "ask",
+            "--json",
+            "--backend",
+            "mlx",
+            "--expert-policy",
+            "lfu",
+            "hi",
+        ),  # options refused before a load
+        ("ask", "--json", "--backend", "flash", "--expert-predict", "2", "--expert-prefetch", "hi"),
     ]
     for args in runs:
         proc = flashcode(*args, home=tmp_path / "home")
         assert proc.returncode == 2, (args, proc.stderr)
         out = json.loads(proc.stdout)
         assert out["exit_status"] == 2 and out["error"] in proc.stderr, (args, out, proc.stderr)
-        assert "nope" in out["error"] or "the task is empty" in out["error"]
+        assert any(w in out["error"] for w in ("nope", "is empty", "applies to the flash", "two ways")), out
     proc = flashcode("ask", "--model", "nope", "hi", home=tmp_path / "home")  # without --json: stderr only
     assert proc.returncode == 2 and not proc.stdout
+    # one object a run: a failure after the command printed its own (closing the engine) is said on stderr only
+    import argparse
+    import contextlib
+    import io
+
+    from webapp.cli import json_error
+
+    args, out = argparse.Namespace(json=True), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        json_error(args, "first", 1)
+        json_error(args, "then closing failed", 2)
+    assert [json.loads(line)["error"] for line in out.getvalue().splitlines()] == ["first"]
 
 
 def test_bench_scripts_are_named_by_the_command_that_runs_them() -> None:

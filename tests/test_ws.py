@@ -1249,3 +1249,25 @@ def test_ws_model_command_takes_an_engine_before_the_name(client: TestClient, mo
 def test_an_engine_without_live_numbers_has_no_meter_row(client: TestClient) -> None:
     """Only the flash engine has a meter (its idle row: test_flash_ui.py); for the others it takes no room."""
     assert re.search(r'<div id="engine-meter" class="engine-meter" hidden>\s*</div>', client.get("/").text)
+
+
+def test_every_window_redraws_the_engine_meter_when_the_engine_changes(tmp_path: Path) -> None:
+    """The flash meter's row stays between replies (idle): when the engine changes, from any window or a /v1
+    request, every window draws it again (the other windows kept the old engine's row, its budget)."""
+
+    class Metered(FakeBackend):  # an engine with live numbers, as flash has
+        def live_stats(self) -> dict:
+            return {"bytes_per_s": 5e8, "rss_bytes": 3e8, "memory_budget": 6e8, "peak_rss_bytes": 4e8,
+                    "hosts": [{"host": "10.0.0.2", "layers": [0, 4], "bytes_per_s": 8.5e8, "rss_bytes": 2e8}]}  # fmt: skip
+
+    with served(Metered(), tmp_path) as c:
+        page = c.get("/").text
+        assert 'class="engine-meter idle"' in page and "Disk idle" in page
+        assert "10.0.0.2 L0–3 0 MB/s" in page  # each host idle too, not its last token's rate
+        with connect(c) as a, connect(c) as b:
+            send(
+                a, type="model", choice="mlx:no-such-model"
+            )  # refused: the engine is told, every window redraws
+            for ws in (a, b):
+                meter = "".join(until(ws, r'id="engine-meter"'))
+                assert re.search(r'id="engine-meter" class="engine-meter idle"[^>]*hx-swap-oob', meter)

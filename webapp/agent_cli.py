@@ -50,8 +50,7 @@ from .units import HELP, non_negative_float, positive_int, seed
 
 def cmd_route(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
-        print("flashcode route: the prompt is empty: give the message to route", file=sys.stderr)
-        return 2
+        raise preflight.StartupError("the prompt is empty: give the message to route")
     if args.data_dir:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
     backend = engine_host.make_loaded_backend(args.backend, args.model)
@@ -366,9 +365,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     finally:
         db.close()
     result["stats"].update(model=loaded, backend=backend, project=str(project))
-    if args.json:
-        print(json.dumps(result))
     code = _verdict(result)
+    if args.json:  # the exit status in the object too, as a failed command's has it (cli.json_error)
+        print(json.dumps({**result, "exit_status": code}), flush=True)
+        args.json_printed = True
     _undo_hints(result["writes"])  # a run that failed wrote too: then most of all
     return code
 

@@ -409,7 +409,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             stop=tuple(args.stop or ()),
         )
     except ValueError as exc:
-        raise SystemExit(f"flashcode: {exc}") from None
+        raise StartupError(str(exc)) from None
 
 
 def run_stream(backend: Any, request: GenerationRequest, on_text: Callable[[str], None]) -> Done:
@@ -477,7 +477,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             }  # fmt: skip
             if s.extra.get("memory_budget"):  # flash: peak RSS against --memory-budget
                 out["peak_rss_of_budget"] = round(out["peak_rss_bytes"] / s.extra["memory_budget"], 4)
-            print(json.dumps(out))
+            print(json.dumps(out), flush=True)
+            args.json_printed = True
         else:
             print()
             if args.verbose:
@@ -813,9 +814,11 @@ def _fail(args: argparse.Namespace, message: str, status: int = 2) -> int:
 
 
 def json_error(args: argparse.Namespace, message: str, status: int) -> None:
-    """`--json`'s object for a command that failed: what went wrong and the exit status it ends with."""
-    if getattr(args, "json", False):
+    """`--json`'s object for a command that failed: what went wrong and the exit status it ends with. One object
+    a run: none when the command printed its own (a failure after it, closing the engine, is said on stderr)."""
+    if getattr(args, "json", False) and not getattr(args, "json_printed", False):
         print(json.dumps({"error": message, "exit_status": status}), flush=True)
+        args.json_printed = True
 
 
 if __name__ == "__main__":

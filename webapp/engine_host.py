@@ -100,12 +100,12 @@ def backend_options(args: Any, backend: str | None = None) -> dict[str, Any]:
         if value is None:
             continue
         if backend is not None and flag in _BACKEND_OF and backend not in _BACKEND_OF[flag]:
-            raise SystemExit(
-                f"flashcode: --{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}"
+            raise EngineError(  # said as a command's error (exit 2; under --json, its object too)
+                f"--{flag.replace('_', '-')} applies to the {'/'.join(sorted(_BACKEND_OF[flag]))} backend, not {backend}"
             )
         opts[key] = value
     if opts.get("expert_predict") and opts.get("expert_prefetch"):  # (FlashBackend refuses them too)
-        raise SystemExit("flashcode: --expert-predict and --expert-prefetch read ahead two ways: choose one")
+        raise EngineError("--expert-predict and --expert-prefetch read ahead two ways: choose one")
     return opts
 
 

@@ -432,11 +432,14 @@ class FlashBackend(MLXBackend):
 
     def live_stats(self) -> dict[str, Any]:
         """For the UI: disk bytes/s since the last call, bytes read so far, current RSS."""
+        last = (
+            self._live
+        )  # read once, before the counter: a page's call beside the meter's never goes negative
         now = time.perf_counter()
         total = self.reader.stats.bytes if self.reader else 0
-        dt = now - self._live["t"]
+        dt = now - last["t"]
         if dt > 0.2:
-            self._live = {"t": now, "bytes": total, "Bps": (total - self._live["bytes"]) / dt}
+            self._live = {"t": now, "bytes": total, "Bps": max(0.0, (total - last["bytes"]) / dt)}
         live = {"bytes_read": total, "bytes_per_s": self._live["Bps"], "rss_bytes": current_rss_bytes(),
                 **self.memory_report()}  # fmt: skip
         if self.expert_stream is not None:

@@ -124,6 +124,7 @@ class ChatContext:
     def __post_init__(self) -> None:
         self.engine.listeners.append(self.engine_changed)  # the menu or a /v1 request switched the model
         self.views.writing = self.writing  # a window drawn while another writes says so, not Ready
+        self.views.busy = lambda: any(s.generating for s in self.sessions)  # the engine meter: idle or not
 
     def writing(self, conversation_id: str) -> bool:
         """Whether a window is writing a reply (or running an agent turn) in `conversation_id`."""
@@ -134,9 +135,12 @@ class ChatContext:
         return [s for s in self.sessions if not s.left]
 
     def engine_changed(self) -> None:
-        """Every window names the engine that now answers."""
+        """Every window names the engine that now answers, and shows its meter row (idle) or none."""
         for session in self.windows():
-            session.send(session.views.engine_state())
+            frames = [session.views.engine_state()]
+            if not session.generating:  # a window writing a reply has its meter from the reply
+                frames.append(session.views.engine_meter(session.views.idle_meter()))
+            session.send(*frames)
 
     def conversation_changed(self, conversation_id: str, source: Session | None = None) -> None:
         """A message was sent or a reply ended in `conversation_id`: every other window is told (one showing
@@ -694,8 +698,7 @@ class Session:
             views.controls(generating=False),
             views.gauge_for(msg.conversation_id),
             views.mode_picker(conv.mode if conv else views.new_mode()),
-            views.engine_meter(views.idle_meter()),
-        )
+        )  # the meter's row: ChatContext.engine_changed, in every window
 
     def _set_mode(self, msg: p.SetMode) -> None:
         db = self.ctx.db
@@ -908,7 +911,7 @@ class Session:
                 stream.abandon()
         # the meter is of the reply being written: idle once it is done (its footer keeps the reply's numbers)
         if getattr(self.ctx.engine.worker.backend, "live_stats", None) is not None:
-            self.send(self.views.engine_meter(self.views.idle_meter()))
+            self.send(self.views.engine_meter(self.views.idle_meter(idle=True)))
         self._finish(stream, done, history, gen)
 
     def _history(self, conversation_id: str, without: int | None = None) -> list[Message]:

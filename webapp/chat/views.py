@@ -96,6 +96,9 @@ class ChatViews(TranscriptViews):
         # whether a window is writing a reply in a conversation (set by the socket's `ChatContext`): a page or a
         # sync drawn meanwhile says so, rather than Ready, in a window that did not start it
         self.writing: Callable[[str], bool] = lambda _conversation_id: False
+        self.busy: Callable[[], bool] = lambda: (
+            False
+        )  # whether any window is writing a reply (set by ChatContext)
         # a branch's edited message (Edit… on a user message), put in its box when its page is first drawn
         self.drafts: dict[str, str] = {}
         # an edited first message, by project: (text, mode) for the next new conversation drawn there
@@ -262,15 +265,17 @@ class ChatViews(TranscriptViews):
     def engine_meter(self, meter: dict[str, Any] | None) -> str:
         return str(self.ui.engine_meter(meter, oob=True))
 
-    def idle_meter(self) -> dict[str, Any] | None:
+    def idle_meter(self, idle: bool | None = None) -> dict[str, Any] | None:
         """The flash engine's meter between replies (memory, expert hits so far, the disk idle): its row stays,
-        so the transcript under it does not move down when a reply starts and back when it ends. None for an
-        engine without live numbers (no row). `live_stats()` reads counters only: safe off the worker's thread."""
+        so the transcript under it does not move down when a reply starts and back when it ends. While a reply
+        is written (in any window) the disk's rate, not "idle". None for an engine without live numbers (no
+        row). `idle`: said by the caller (a reply that just ended), else whether no window writes one now.
+        `live_stats()` reads counters only: safe off the worker's thread."""
         live = getattr(self.engine.worker.backend, "live_stats", None)
         if live is None:
             return None
         try:
-            return meter_numbers(live(), idle=True)
+            return meter_numbers(live(), idle=not self.busy() if idle is None else idle)
         except Exception:  # noqa: BLE001 - a meter must never break a page (e.g. the model is being closed)
             return None
 
@@ -376,6 +381,9 @@ def meter_numbers(
 ) -> dict[str, Any]:
     """The engine meter's numbers from a backend's `live_stats()`: while a reply is written (`mb_per_token`: read
     from disk per token of it, None before its first token), or between replies (`idle`)."""
+    hosts = live.get("hosts")
+    if idle and hosts:  # each host's rate is its last token's: idle too
+        hosts = [{**h, "bytes_per_s": 0.0} for h in hosts]
     return {
         "idle": idle,
         "bytes_per_s": 0.0 if idle else live.get("bytes_per_s", 0.0),
@@ -385,5 +393,5 @@ def meter_numbers(
         "hit_rate": live.get("hit_rate"),
         "peak_rss_bytes": live.get("peak_rss_bytes"),
         "mb_per_token": mb_per_token,
-        "hosts": live.get("hosts"),
+        "hosts": hosts,
     }
