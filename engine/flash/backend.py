@@ -432,9 +432,8 @@ class FlashBackend(MLXBackend):
 
     def live_stats(self) -> dict[str, Any]:
         """For the UI: disk bytes/s since the last call, bytes read so far, current RSS."""
-        last = (
-            self._live
-        )  # read once, before the counter: a page's call beside the meter's never goes negative
+        # read once, before the counter: a page's call beside the meter's never goes negative
+        last = self._live
         now = time.perf_counter()
         total = self.reader.stats.bytes if self.reader else 0
         dt = now - last["t"]

@@ -96,9 +96,8 @@ class ChatViews(TranscriptViews):
         # whether a window is writing a reply in a conversation (set by the socket's `ChatContext`): a page or a
         # sync drawn meanwhile says so, rather than Ready, in a window that did not start it
         self.writing: Callable[[str], bool] = lambda _conversation_id: False
-        self.busy: Callable[[], bool] = lambda: (
-            False
-        )  # whether any window is writing a reply (set by ChatContext)
+        # whether any window is writing a reply (set by ChatContext): the engine meter's row, idle or not
+        self.busy: Callable[[], bool] = lambda: False
         # a branch's edited message (Edit… on a user message), put in its box when its page is first drawn
         self.drafts: dict[str, str] = {}
         # an edited first message, by project: (text, mode) for the next new conversation drawn there
