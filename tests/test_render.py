@@ -30,6 +30,21 @@ def test_render_plain_code_and_inline() -> None:
     assert "<code>a&lt;b</code>" in out and "x &lt; y" in out
 
 
+def test_a_guessed_language_that_cannot_read_the_code_leaves_it_plain() -> None:
+    """A fence with no language gets pygments' guess; a small model's Python (opened with a bare fence) was
+    guessed as another language whose lexer boxed each `#` in red as an error. Such a guess is dropped."""
+    fence = (
+        "```\n\nRewrite code using recursion:\n\n# A simple example of a recursive function in Python.\n"
+        "def factorial(n):\n    if n == 0:\n        return 1\n    else:\n        return n * factorial(n - 1)\n\n"
+        "# Output: Factorial of 1 = 1\nprint(factorial(1))\n\n# Output: Factorial of 2 = 2\nprint(factorial(2))\n```"
+    )
+    out = render_markdown(fence)
+    assert 'class="err"' not in out and "# Output: Factorial of 1 = 1" in out
+    assert '<span class="k">def</span>' in render_markdown(
+        "```python\ndef f(): pass  # ok\n```"
+    )  # named: highlighted
+
+
 def test_render_helpers() -> None:
     assert escape_text("<&>") == "&lt;&amp;&gt;"
     assert ".highlight" in pygments_css()

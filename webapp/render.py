@@ -31,6 +31,7 @@ from markupsafe import Markup
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name, guess_lexer
+from pygments.token import Token
 from pygments.util import ClassNotFound
 
 from engine import __version__
@@ -201,6 +202,9 @@ def _highlight(code: str, lang: str, _attrs: str) -> str:
         try:
             lexer = guess_lexer(code)
         except ClassNotFound:
+            return ""
+        # a wrong guess marks what it cannot read as errors (a Python `#` boxed in red as JavaScript): plain then
+        if any(kind in Token.Error for kind, _ in lexer.get_tokens(code)):
             return ""
     return highlight(code, lexer, _FORMATTER)
 
