@@ -66,7 +66,7 @@ def test_flash_reply_shows_live_disk_rate_and_memory(flash_client: TestClient) -
         r'data-meter="peak"[^>]*>Peak (\d+\.\d\d) / (\d+\.\d\d) GB', last
     )  # peak RSS vs the budget
     assert peak and 0 < float(peak[1]) <= float(peak[2])
-    assert re.search(r"\d+ MB/token", "".join(meters))  # once tokens arrived: bytes read per token
+    assert re.search(r"\d+\.\d MB/token", "".join(meters))  # once tokens arrived: bytes read per token
     footer = "".join(frames)
     assert re.search(
         r'data-stat="flash"[^>]*>\d+\.\d MB/token', footer

@@ -24,6 +24,7 @@ from engine.worker import Worker
 from tests.conftest import FRAME_WAIT, FakeBackend, next_frame
 from webapp.agent import web as agent_web
 from webapp.app import create_app
+from webapp.chat import socket as socket_module
 from webapp.chat.protocol import MAX_MESSAGE_BYTES
 from webapp.db import Database
 from webapp.settings import Settings
@@ -1251,7 +1252,9 @@ def test_an_engine_without_live_numbers_has_no_meter_row(client: TestClient) -> 
     assert re.search(r'<div id="engine-meter" class="engine-meter" hidden>\s*</div>', client.get("/").text)
 
 
-def test_every_window_redraws_the_engine_meter_when_the_engine_changes(tmp_path: Path) -> None:
+def test_every_window_redraws_the_engine_meter_when_the_engine_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The flash meter's row stays between replies (idle): when the engine changes, from any window or a /v1
     request, every window draws it again (the other windows kept the old engine's row, its budget)."""
 
@@ -1262,6 +1265,13 @@ def test_every_window_redraws_the_engine_meter_when_the_engine_changes(tmp_path:
 
     with served(Metered(), tmp_path) as c:
         page = c.get("/").text
+        with connect(c) as ws:  # a reply's row is live at once, not "idle" until the meter's first tick
+            monkeypatch.setattr(socket_module, "METER_SECONDS", 60.0)
+            send(ws, type="send", text="hi")
+            frames = until(ws, r'data-state="idle"')
+            live = [f for f in frames if 'id="engine-meter"' in f and "Disk idle" not in f]
+            assert live and "Disk 0.50 GB/s" in live[0] and "– MB/token" in live[0]
+            assert "Disk idle" in [f for f in frames if 'id="engine-meter"' in f][-1]  # and idle once done
         assert 'class="engine-meter idle"' in page and "Disk idle" in page
         assert "10.0.0.2 L0–3 0 MB/s" in page  # each host idle too, not its last token's rate
         with connect(c) as a, connect(c) as b:

@@ -953,7 +953,9 @@ class Session:
         live = getattr(self.ctx.engine.worker.backend, "live_stats", None)
         if live is None:
             return
-        start = live().get("bytes_read", 0)
+        first = live()
+        start = first.get("bytes_read", 0)
+        self.send(self.views.engine_meter(meter_numbers(first)))  # at once: the row no longer says idle
         while True:
             await asyncio.sleep(METER_SECONDS)
             try:
