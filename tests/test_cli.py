@@ -305,13 +305,18 @@ def test_json_commands_that_fail_print_their_error_as_json(tmp_path: Path) -> No
             "hi",
         ),  # options refused before a load
         ("ask", "--json", "--backend", "flash", "--expert-predict", "2", "--expert-prefetch", "hi"),
+        ("ask", "--json", "--max-tokens", "-5", "hi"),  # an argument error (argparse's): its object too
+        ("agent", "--json", "task"),  # no --project
     ]
     for args in runs:
         proc = flashcode(*args, home=tmp_path / "home")
         assert proc.returncode == 2, (args, proc.stderr)
         out = json.loads(proc.stdout)
         assert out["exit_status"] == 2 and out["error"] in proc.stderr, (args, out, proc.stderr)
-        assert any(w in out["error"] for w in ("nope", "is empty", "applies to the flash", "two ways")), out
+        assert any(
+            w in out["error"]
+            for w in ("nope", "is empty", "applies to the flash", "two ways", "-5", "--project")
+        ), out
     proc = flashcode("ask", "--model", "nope", "hi", home=tmp_path / "home")  # without --json: stderr only
     assert proc.returncode == 2 and not proc.stdout
     # one object a run: a failure after the command printed its own (closing the engine) is said on stderr only

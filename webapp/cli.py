@@ -610,7 +610,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its error first and alone: the whole usage block (16 lines for `serve`) buried the one line
     that says what is wrong. The subcommands' parsers are of this class too (argparse makes them so)."""
 
+    json_errors = (
+        False  # the command line has --json: an error is also said as its JSON object (main sets it)
+    )
+
     def error(self, message: str) -> NoReturn:
+        if self.json_errors:  # a script's one object, as a command's failure gives it (json_error)
+            print(json.dumps({"error": message, "exit_status": 2}), flush=True)
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists its options)\n")
 
 
@@ -726,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
     for word in sys.argv[1:] if argv is None else argv:  # the options before the command
         if not word.startswith("-"):
             break
