@@ -147,7 +147,9 @@ class Placement:
 
     def line(self, model: str) -> str:
         """One line for the user: which engine and why."""
-        why = f"{model} needs {size(self.need)} in RAM; this process may take {size(self.free)} more ({self.detail})"
+        # the budget's own terms, then what the process holds less: the sums add up as printed
+        why = (f"{model} needs {size(self.need)} in RAM; this process may take {size(self.free)} more (a budget of "
+               f"{size(self.budget)}: {self.detail}; less the {size(self.own_rss)} it holds)")  # fmt: skip
         if self.fits:
             return f"{why}: it fits with room to spare, so it runs in RAM on {self.backend}"
         return f"{why}: not enough room to spare, so it is streamed from SSD (flash, --memory-budget {self.setting})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,16 @@ def test_the_engine_is_in_ram_when_the_model_fits_with_room_to_spare(tiny_gguf: 
     assert tight.backend == "flash" and "streamed from SSD (flash" in tight.line(info.name)
     auto = choose_engine(info, "llama", None, own_rss=rss)
     assert auto.source in ("available", "cgroup") and auto.backend == "llama"  # a 12 MB model fits here
+    # the line's numbers add up as printed (a new user found "22.14 GB more (24.67 available + 0.08 held - a 2.5
+    # GB margin)": the margin rounded, and the terms were the budget's, not what may still be taken)
+    line = auto.line(info.name)
+    gb = [
+        float(x) / (1000 if unit == "MB" else 1)
+        for x, unit in re.findall(r"(\d+\.\d+) ([GM]B)", line.split("; ", 1)[1])
+    ]
+    if auto.source == "available":
+        more, budget, available, held, margin, less = gb
+        assert abs(available + held - margin - budget) <= 0.011 and abs(budget - less - more) <= 0.011, line
 
 
 def test_a_model_with_no_gguf_goes_in_ram_on_mlx_not_llama(tiny_gguf: Path, tmp_path: Path) -> None:

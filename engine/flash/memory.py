@@ -104,5 +104,5 @@ def auto_budget(own_rss: int | None = None) -> AutoBudget:
         budget,
         "available",
         f"{available / 1e9:.2f} GB available + {own_rss / 1e9:.2f} GB this process holds "
-        f"- a {margin / 1e9:.1f} GB margin",
+        f"- a {margin / 1e9:.2f} GB margin",
     )
