@@ -56,6 +56,26 @@ def test_a_proposed_command_cannot_redraw_the_prompt(
     assert not (tmp_path / "marker.txt").exists()
 
 
+def test_with_stdin_ended_each_call_is_denied_and_it_says_what_to_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`flashcode agent … </dev/null`: each call was asked on a stdin that had ended and denied without a word
+    why, and the model tried again and again. Said once it ends, with the fix; later calls are not asked."""
+    fake = FakeBackend(tools=True)
+    fake.enqueue_call("write_file", path="a.txt", content="A")
+    fake.enqueue_call("write_file", path="b.txt", content="B")
+    fake.enqueue("done")
+    err = _ask(tmp_path, fake, "", monkeypatch, capsys)  # stdin at its end from the start
+    assert err.count("pass --approve all or --approve none") == 2 and err.count("Allow? ") == 1
+    assert not (tmp_path / "a.txt").exists() and not (tmp_path / "b.txt").exists()
+    prompts = [r for r in fake.history[-1].messages if r.get("role") == "tool"]
+    assert prompts and "no one could answer (no terminal)" in str(prompts[-1].get("content"))
+    fake.enqueue_call("write_file", path="c.txt", content="C")  # a new stdin with an answer: asked again
+    fake.enqueue("done")
+    assert "pass --approve" not in _ask(tmp_path, fake, "y\n", monkeypatch, capsys)
+    assert (tmp_path / "c.txt").read_text() == "C"
+
+
 def test_a_tool_name_the_model_wrote_is_printed_with_markers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

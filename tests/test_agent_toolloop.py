@@ -720,9 +720,13 @@ def test_toolloop_refuses_a_repeated_call(fake: FakeBackend, worker: Worker, pro
         of(events, ev.Notice)[-1].text
     )
     assert of(events, ev.AnswerDone)[-1].text == "ok" and not of(events, ev.StepLimitReached)
-    assert all(
-        set(r) == {"tool", "arguments", "decision", "ok", "exit_code", "retry"} for r in s.loop.records
+    assert all(  # and a failed one says why, as the model was told
+        set(r)
+        == {"tool", "arguments", "decision", "ok", "exit_code", "retry"}
+        | ({"error"} if not r["ok"] else set())
+        for r in s.loop.records
     )
+    assert "step 1 made exactly this call and it failed" in s.loop.records[1]["error"]
     fake.enqueue_call("read_file", path="app.py").enqueue_call("read_file", path="app.py").enqueue("ok")
     events = asyncio.run(collect(session(worker, project), "read"))
     assert "step 1 already did exactly this and it worked" in of(events, ev.ToolStepDone)[1].result
@@ -1226,6 +1230,7 @@ def test_toolloop_cli_json(
     said = capsys.readouterr()
     out = json.loads(said.out)
     assert out["steps"][0]["decision"] == "deny" and not (project / "no.txt").exists()
+    assert "--approve none" in out["steps"][0]["error"]  # why a step failed, as the model was told
     # denied: the answer may rightly do without it
     assert (
         code == 0

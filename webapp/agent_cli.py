@@ -98,6 +98,16 @@ FROM_A_PIPE = (
 )
 
 
+class _Stdin:
+    ended_on: object = (
+        None  # the stdin whose end ask_terminal met (a closed pipe, /dev/null): nothing more comes
+    )
+
+    @classmethod
+    def ended(cls) -> bool:
+        return cls.ended_on is not None and cls.ended_on is sys.stdin
+
+
 def ask_terminal(prompt: str) -> str:
     """One line from stdin, the prompt on stderr (stdout is the answer, or the --json object)."""
     print(prompt, end="", file=sys.stderr, flush=True)
@@ -105,11 +115,18 @@ def ask_terminal(prompt: str) -> str:
         answer = input()
     except EOFError:
         answer = ""  # no terminal, nothing more typed: no
+        _Stdin.ended_on = sys.stdin
     if (
         not sys.stdin.isatty()
     ):  # a piped answer is not echoed: shown, so what follows starts a line of its own
         print(visible_text(answer), file=sys.stderr, flush=True)
     return answer
+
+
+NO_MORE_INPUT = (
+    "denied: nothing more can be typed (stdin has ended); with no terminal to ask on, pass --approve all or "
+    "--approve none"
+)
 
 
 def terminal_approval(mode: str) -> Any:
@@ -160,7 +177,11 @@ def terminal_approval(mode: str) -> Any:
         if prefix and tty:
             options += f", [p]refix: always `{prefix}` in this project"
         prompt = f"Allow? {options}, or no (Enter, or type why not: the model reads it): "
-        answer = (await asyncio.to_thread(ask_terminal, prompt)).strip()
+        # stdin ended (before this question, or at it): denied, and said why, with what to pass instead
+        answer = "" if _Stdin.ended() else (await asyncio.to_thread(ask_terminal, prompt)).strip()
+        if not answer and _Stdin.ended():
+            print(f"  {NO_MORE_INPUT}", file=sys.stderr)
+            return ev.Decision.deny("no one could answer (no terminal)")
         if answer.lower() in ("y", "yes"):
             return ev.Decision.once()
         rule = (always and answer.lower() in ("a", "always")) or (

@@ -510,6 +510,8 @@ class ToolLoop:
                 "ok": result.ok,
                 "exit_code": result.exit_code,
                 "retry": bool(result.meta.get("retry")),
+                # why it failed, as the model was told (`flashcode agent --json`'s steps said only ok: false)
+                **({} if result.ok else {"error": content[:500]}),
             }
         )
         waited = getattr(self.s, "asked_s", 0.0) - asked
