@@ -167,6 +167,20 @@ def test_browser_transcript_mode_gauge_and_connection_survive(served, browser, a
         assert "button-default.svg" in ring
         page.reload()
         connected(page)
+        # 700 px wide: the picker keeps the model's name readable (the gauge's width had set the second column,
+        # and the picker showed "smollm2-135"), and a long title stays clear of the project's label
+        page.set_viewport_size({"width": 700, "height": 800})
+        page.evaluate("() => { document.getElementById('chat-title').textContent = 'word '.repeat(30); }")
+        assert page.locator("#model-picker").bounding_box()["width"] > 250  # type: ignore[index]
+        if page.locator("#chat-project").count():
+            title, label = (
+                page.locator("#chat-title").bounding_box(),
+                page.locator("#chat-project").bounding_box(),
+            )
+            assert title["x"] + title["width"] < label["x"]  # type: ignore[index]
+        page.set_viewport_size({"width": 1280, "height": 800})
+        page.reload()
+        connected(page)
 
         # agent mode from the toolbar, then a command that prints and fails with exit code 3
         page.select_option("#mode-picker", "agent")
