@@ -333,6 +333,28 @@ def test_json_commands_that_fail_print_their_error_as_json(tmp_path: Path) -> No
     assert [json.loads(line)["error"] for line in out.getvalue().splitlines()] == ["first"]
 
 
+def test_a_warning_is_a_line_of_flashcodes(model_home: Path) -> None:
+    """The engine's warnings came as `WARNING engine.flash.backend: flash: …` beside errors that say
+    `flashcode: …`: a warning is said as flashcode's too (with -v, the logger's name as well)."""
+    args = (
+        "ask",
+        "--backend",
+        "flash",
+        "--memory-budget",
+        "400MB",
+        "--expert-policy",
+        "lfu",
+        "--max-tokens",
+        "2",
+    )
+    proc = flashcode(*args, "hi", home=model_home)
+    assert proc.returncode == 0, proc.stderr
+    said = "flash: --expert-policy lfu ignored: smollm2-135m-instruct-q4_1 has no experts"
+    assert f"flashcode: {said}" in proc.stderr and "WARNING" not in proc.stderr
+    proc = flashcode("-v", *args, "hi", home=model_home)
+    assert f"WARNING engine.flash.backend: {said}" in proc.stderr
+
+
 def test_bench_scripts_are_named_by_the_command_that_runs_them() -> None:
     """`flashcode bench llama --help` said "usage: llama.py" (runpy names argv[0] after the file): it names
     the command, and so does the `command` a result records."""

@@ -754,8 +754,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         own.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:  # a bench script's own options (`flashcode bench websocket --runs 3`)
         args.rest = [*extra, *args.rest]
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(  # a warning is a line of flashcode's, as its errors are; -v names the logger too
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s" if args.verbose else "flashcode: %(message)s",
     )
     if (
         not args.verbose
