@@ -910,8 +910,8 @@ class Session:
                 gen.cancel()
                 stream.abandon()
         # the meter is of the reply being written: idle once it is done (its footer keeps the reply's numbers)
-        if getattr(self.ctx.engine.worker.backend, "live_stats", None) is not None:
-            self.send(self.views.engine_meter(self.views.idle_meter(idle=True)))
+        if (idle := self.views.idle_meter(idle=True)) is not None:  # None: an engine with no meter
+            self.send(self.views.engine_meter(idle))
         self._finish(stream, done, history, gen)
 
     def _history(self, conversation_id: str, without: int | None = None) -> list[Message]:
