@@ -70,12 +70,14 @@ chromium:
 
 # every shell command the agent runs is sandboxed: bubblewrap on Linux (macOS has sandbox-exec);
 # slirp4netns gives a command the network (project switch on) without this machine's loopback;
-# strace is for the test that checks what a rule-allowed command really executes
+# strace is for the test that checks what a rule-allowed command really executes; ripgrep is what the agent's
+# search_text runs when the machine has it (else a Python walk): the tests check both keep secrets out
 sandbox:
 	@if [ "$$(uname -s)" = Linux ]; then \
 	  missing=; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
 	  command -v slirp4netns >/dev/null 2>&1 || missing="$$missing slirp4netns"; \
 	  command -v strace >/dev/null 2>&1 || missing="$$missing strace"; \
+	  command -v rg >/dev/null 2>&1 || missing="$$missing ripgrep"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing $$missing (Debian packages) for the command sandbox"; \
 	    if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \

@@ -68,6 +68,45 @@ def test_the_file_tools_never_read_credentials_a_project_holds(
     assert "app.toml" in tools.list_files(".")
 
 
+@pytest.mark.parametrize("search", ["rg", "python"])
+def test_a_credentials_file_the_project_holds_is_never_searched_or_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, search: str
+) -> None:
+    """A review found `search_text` printing a credentials *file* (git's store, in a project opened at
+    ~/.config/git): ripgrep's hits were filtered by hidden folders only, and `list_files` named the file.
+    Both ways of searching (ripgrep, as `make` installs it, and the Python walk without it) leave it out."""
+    import shutil
+
+    from webapp.agent import tools as tools_mod
+    from webapp.agent.tools import ReadTools
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    project_dir = tmp_path / ".config" / "git"
+    project_dir.mkdir(parents=True)
+    (project_dir / "credentials").write_text("https://alice:ghp_SECRETTOKEN@github.com\n")
+    (project_dir / "notes:1:x.txt").write_text("ghp_ is how a token starts\n")  # a name with ":" in it
+    (project_dir / "deeper").mkdir()
+    (project_dir / "deeper" / "credentials").write_text(
+        "ghp_ here is no secret: only the top one is hidden\n"
+    )
+    if search == "rg":
+        if shutil.which("rg") is None:
+            pytest.skip("ripgrep is not installed (`make test` installs it)")
+    else:
+        monkeypatch.setattr(tools_mod, "system_program", lambda name, *a: None)
+    tools = ReadTools(ProjectFiles(project_dir))
+    found = tools.search_text("ghp_")
+    assert "SECRETTOKEN" not in found
+    assert sorted(found.splitlines()) == [
+        "deeper/credentials:1:ghp_ here is no secret: only the top one is hidden",
+        "notes:1:x.txt:1:ghp_ is how a token starts",
+    ]
+    with pytest.raises(PathOutsideProjectError, match="credentials"):
+        tools.search_text("alice", "credentials")
+    listed = tools.list_files(".").splitlines()
+    assert "credentials" not in listed and "deeper/credentials" in listed and "notes:1:x.txt" in listed
+
+
 @pytest.mark.parametrize(
     "forged",
     [

@@ -206,7 +206,11 @@ def walk(root: Path, start: Path, hidden: tuple[Path, ...] = ()) -> list[str]:
             and not rules.ignored(rel_dir + d, True)
             and Path(dirpath, d).resolve() not in hidden
         )
-        out += [rel_dir + f for f in sorted(filenames) if not rules.ignored(rel_dir + f, False)]
+        out += [
+            rel_dir + f
+            for f in sorted(filenames)
+            if not rules.ignored(rel_dir + f, False) and not (hidden and Path(dirpath, f) in hidden)
+        ]
     return sorted(out)
 
 
@@ -281,19 +285,40 @@ class ReadTools:
         more = "\n[... more matches not shown]" if len(hits) > MAX_MATCHES else ""
         return "\n".join(hits[:MAX_MATCHES]) + more
 
-    def _rg(self, rg: str, pattern: str, start: Path, hidden_dirs: tuple[Path, ...]) -> list[str]:
-        argv = [rg, "--no-require-git", "--line-number", "--no-heading", "--color", "never", "-m", "20"]
+    def _rg(self, rg: str, pattern: str, start: Path, hidden: tuple[Path, ...]) -> list[str]:
+        # --null: each hit's file name ends at a NUL, so it is read whole (a name may hold ":") and a hidden
+        # file (a credentials file itself, not only a folder of them) is left out by its path
+        argv = [
+            rg,
+            "--no-require-git",
+            "--line-number",
+            "--no-heading",
+            "--color",
+            "never",
+            "--null",
+            "-m",
+            "20",
+        ]
         proc = subprocess.run(
             [*argv, "-e", pattern, "--", str(start)],
             cwd=self.files.root,
             capture_output=True,
             text=True,
+            errors="replace",
             timeout=20,
         )
-        root = str(self.files.root) + os.sep
-        hidden = tuple(str(h.relative_to(self.files.root)) + os.sep for h in hidden_dirs)
-        lines = (line.removeprefix(root) for line in proc.stdout.splitlines())
-        return [line[:300] for line in lines if not line.startswith(hidden)][: MAX_MATCHES + 1]
+        hits: list[str] = []
+        for line in proc.stdout.split("\n"):
+            name, nul, rest = line.partition("\0")
+            if not nul:
+                continue
+            full = Path(name) if os.path.isabs(name) else self.files.root / name
+            if any(full == h or full.is_relative_to(h) for h in hidden):
+                continue
+            hits.append(f"{self.files.relative(full)}:{rest}"[:300])
+            if len(hits) > MAX_MATCHES:
+                break
+        return hits
 
     def _python(self, regex: re.Pattern[str], start: Path, hidden_dirs: tuple[Path, ...]) -> list[str]:
         names = [self.files.relative(start)] if start.is_file() else walk(self.files.root, start, hidden_dirs)
