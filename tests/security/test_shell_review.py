@@ -35,9 +35,31 @@ def test_a_folder_of_shared_settings_or_credentials_is_no_project(
     folder.mkdir(parents=True)
     with pytest.raises(ProjectError, match="settings of many programs|holds credentials"):
         check_directory(str(folder))
-    ok = tmp_path / ".config" / "nvim"  # the folder of one program's settings is fine
+    ok = tmp_path / "code" / "myapp"
     ok.mkdir(parents=True, exist_ok=True)
     assert check_directory(str(ok)) == ok.resolve()
+
+
+@pytest.mark.parametrize(
+    "relative",
+    [".config/git", ".config/systemd/user", ".config/autostart", ".config/nvim", ".local/lib/python3.11/site-packages",
+     ".local/src/app", ".cache/pre-commit", ".var/app-data"],
+)  # fmt: skip
+def test_a_folder_inside_the_settings_folders_is_no_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relative: str
+) -> None:
+    """A review opened ~/.config/git as a project: a sandboxed command wrote its config's core.fsmonitor, and
+    `git status` in another repository, outside flashcode, ran it. The folders one down reach as far (git's
+    config in every repository, systemd's and autostart's at each login, site-packages' .pth files at each
+    Python start, pre-commit's hooks at each commit), so nothing inside ~/.config, ~/.local, ~/.cache or ~/.var
+    is a project."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / relative
+    folder.mkdir(parents=True)
+    with pytest.raises(
+        ProjectError, match=r"is inside ~/\.(config|local|cache|var), .*\(a dotfiles repository\)"
+    ):
+        check_directory(str(folder))
 
 
 def test_a_folder_on_path_is_no_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,6 +68,25 @@ def test_a_folder_on_path_is_no_project(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     with pytest.raises(ProjectError, match="is on your PATH"):
         check_directory(str(bin_dir))
+
+
+def test_a_folder_that_holds_a_folder_on_path_is_no_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review opened ~/.cargo (its bin on every shell's PATH): a command wrote bin/git there, and `git` typed
+    in a terminal ran it, outside the sandbox. A folder that holds one on PATH is refused; a project's own
+    virtual environment, activated where flashcode started, is not (docs/security.md says what that leaves)."""
+    cargo = tmp_path / "cargo"
+    (cargo / "bin").mkdir(parents=True)
+    app = tmp_path / "app"
+    (app / ".venv" / "bin").mkdir(parents=True)
+    (app / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.setenv("PATH", f"{app / '.venv' / 'bin'}:{cargo / 'bin'}:/usr/bin:/bin")
+    with pytest.raises(ProjectError, match=f"holds {cargo / 'bin'}, which is on your PATH"):
+        check_directory(str(cargo))
+    assert check_directory(str(app)) == app.resolve()
+    with pytest.raises(ProjectError, match="holds /usr/bin, which is on your PATH"):
+        check_directory("/usr")
 
 
 def test_the_file_tools_never_read_credentials_a_project_holds(

@@ -130,6 +130,7 @@ def make_folder(raw: str | os.PathLike[str]) -> Path | None:
 # token, the shell's), and folders of credentials: as a project, commands could write what runs later outside
 # the sandbox, and the project itself is never hidden from them (webapp.agent.sandbox hides what is inside it)
 SHARED_FOLDERS = (".config", ".local", ".local/share", ".local/bin", ".cache", ".var", "Library")
+SETTINGS_FOLDERS = (".config", ".local", ".cache", ".var")  # no folder inside them either
 CREDENTIAL_FOLDERS = (".ssh", ".gnupg", ".aws", ".azure", ".docker", ".kube", ".password-store", ".config/gh",
                       ".config/gcloud", ".local/share/keyrings", ".mozilla", ".claude", ".codex")  # fmt: skip
 
@@ -138,11 +139,21 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
     if any(resolved == home / f for f in SHARED_FOLDERS):
         raise ProjectError(
             f"{text} holds the settings of many programs (git's, your shell's) and credentials: a command could "
-            "change what runs outside the sandbox later. Pick the folder of one thing, e.g. ~/.config/nvim"
+            "change what runs outside the sandbox later. Pick a folder of your own, e.g. ~/code/myapp"
         )
     if any(resolved == home / f or resolved.is_relative_to(home / f) for f in CREDENTIAL_FOLDERS):
         raise ProjectError(
             f"{text} holds credentials: it cannot be a project, whose commands could read them"
+        )
+    # one folder down is the same reach (a review): ~/.config/git's config and hooks run in every repository,
+    # ~/.config/systemd and ~/.config/autostart at each login, ~/.local/lib's .pth files at each Python start,
+    # ~/.cache/pre-commit's hooks at each commit
+    inside = next((f for f in SETTINGS_FOLDERS if resolved.is_relative_to(home / f)), None)
+    if inside is not None:
+        raise ProjectError(
+            f"{text} is inside ~/{inside}, where programs keep settings and code they run for you (git's config "
+            "and hooks, what starts at login, Python's start-up files): a command could change what runs outside "
+            "the sandbox later. Keep those files in a folder of your own (a dotfiles repository) and open that"
         )
     on_path = {Path(d).resolve() for d in os.environ.get("PATH", "").split(os.pathsep) if os.path.isabs(d)}
     if resolved in on_path:
@@ -150,6 +161,20 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
             f"{text} is on your PATH: a program a command wrote there would run, outside the sandbox, the next "
             "time you or flashcode type its name. Pick a project folder that is not on PATH"
         )
+    # a folder on PATH inside it (~/.cargo holds ~/.cargo/bin) is the same; a Python environment's bin is not
+    # refused: a project's own .venv, activated where flashcode was started (docs/security.md says so)
+    held = sorted(d for d in on_path if d.is_relative_to(resolved) and not _environment_bin(d))
+    if held:
+        raise ProjectError(
+            f"{text} holds {held[0]}, which is on your PATH: a program a command wrote there would run, outside "
+            "the sandbox, the next time you or flashcode type its name. Pick a folder that holds no folder on "
+            "PATH, or start flashcode from a shell whose PATH does not name it"
+        )
+
+
+def _environment_bin(folder: Path) -> bool:
+    """Whether `folder` is the programs folder of a Python virtual environment or a conda environment."""
+    return (folder.parent / "pyvenv.cfg").is_file() or (folder.parent / "conda-meta").is_dir()
 
 
 def _shown(text: str) -> str:
