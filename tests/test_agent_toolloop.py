@@ -506,6 +506,38 @@ def test_toolloop_auto_approved_edits_never_cover_a_git_dir_named_by_a_git_file(
     assert not (project / "meta" / ".repo" / "hooks" / "post-commit").exists()
 
 
+def test_toolloop_auto_approved_edits_never_cover_where_git_config_points_git(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """A review: husky sets `core.hooksPath = .husky`, and with edits approved automatically the model wrote
+    `.husky/pre-commit`, which ran at the user's next `git commit`, outside the sandbox. So did a config file
+    `.git/config` includes (its `core.fsmonitor` runs at `git status`). Both ask now, warned, like `.git`."""
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "config", "core.hooksPath", ".husky"], check=True)
+    subprocess.run(["git", "-C", str(project), "config", "include.path", "../team.gitconfig"], check=True)
+    (project / ".husky").mkdir()
+    (project / ".husky" / "pre-commit").write_text("npm test\n")
+    (project / "team.gitconfig").write_text("[user]\n\tname = team\n")
+    fake.enqueue_call("write_file", path=".husky/pre-commit", content="touch /tmp/pwned\n")
+    fake.enqueue_call(
+        "write_file", path="team.gitconfig", content='[core]\n\tfsmonitor = "touch /tmp/pwned"\n'
+    )
+    fake.enqueue_call("write_file", path="notes.txt", content="N")
+    fake.enqueue("ok")
+    approver = Approver(ev.Decision.deny(), ev.Decision.deny())
+    s = session(worker, project, approver, approve_edits=True)
+    s.read_shown[".husky/pre-commit"] = text_sha256("npm test\n")
+    s.read_shown["team.gitconfig"] = text_sha256("[user]\n\tname = team\n")
+    asyncio.run(collect(s, "go"))
+    assert [p.command for p in approver.asked] == [".husky/pre-commit", "team.gitconfig"]
+    assert all(not p.allowed_by_rule and "always ask" in p.rule_text for p in approver.asked)
+    assert all(any("core.hooksPath" in w for w in p.warnings) for p in approver.asked)
+    assert (project / ".husky" / "pre-commit").read_text() == "npm test\n"
+    assert (project / "notes.txt").read_text() == "N"  # other edits are still approved automatically
+
+
 BARE_CONFIG = (
     '[core]\n\trepositoryformatversion = 0\n\tworktree = ..\n\tfsmonitor = "touch /tmp/pwned; false"\n'
 )

@@ -316,3 +316,34 @@ def test_private_tmp_note_names_the_tmp_paths_a_command_gives() -> None:
         assert private_tmp_note(bwrap, command) is None, command
     assert private_tmp_note(SandboxStatus(True, "sandbox-exec", ""), "touch /tmp/a") is None
     assert private_tmp_note(SandboxStatus(False, "none", "no bwrap"), "touch /tmp/a") is None
+
+
+def test_git_run_paths_reads_hooks_path_and_includes_as_git_does(tmp_path: Path) -> None:
+    """`core.hooksPath` from the work tree's top, `include.path` and `includeIf.*.path` from the config's folder,
+    nested includes followed, keys in any case, quoted values and comments read as git reads them; only paths
+    that exist inside the project count."""
+    project = tmp_path / "p"
+    (project / ".git").mkdir(parents=True)
+    for d in (".husky/_", "conf", "tools/hooks"):
+        (project / d).mkdir(parents=True)
+    (project / "conf" / "team.cfg").write_text(
+        '[includeIf "onbranch:main"]\n\tpath = ../conf/more.cfg ; why\n'
+    )
+    (project / "conf" / "more.cfg").write_text("[core]\nHooksPath = tools/hooks\n")
+    (project / ".git" / "config").write_text(
+        "[core]\n\trepositoryformatversion = 0\n"
+        '\thooksPath = ".husky/_" # husky 9\n'
+        "[include]\n\tpath = ../conf/team.cfg\n"
+        "\tpath = ../missing.cfg\n"
+        "[INCLUDE] path = /etc/gitconfig\n"  # outside the project: not the project's to protect
+        '[remote "origin"]\n\tpath = conf\n'  # another section's key of that name: not an include
+    )
+    found = sandbox.git_run_paths(project)
+    real = project.resolve()
+    assert sorted(found) == sorted(
+        [real / ".husky/_", real / "conf/team.cfg", real / "conf/more.cfg", real / "tools/hooks"]
+    )
+    # a cycle of includes ends
+    (project / "conf" / "more.cfg").write_text("[include]\n\tpath = team.cfg\n")
+    assert real / "conf/team.cfg" in sandbox.git_run_paths(project)
+    assert sandbox.git_run_paths(tmp_path / "no-repo") == []

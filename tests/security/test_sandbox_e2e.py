@@ -734,6 +734,38 @@ def test_a_git_directory_named_by_a_git_file_is_read_only(scratch: Scratch) -> N
     assert scratch.breaches() == []
 
 
+def test_where_git_config_points_git_is_read_only(scratch: Scratch) -> None:
+    """A review: with `core.hooksPath = .husky` (husky's setup) a command wrote `.husky/pre-commit`, and the
+    user's next `git commit` ran it outside the sandbox; a file `include.path` names is config as well (its
+    `core.fsmonitor` runs at `git status`). Both are read-only to commands, as `.git` is; the rest is not."""
+    project = scratch.base / "husky"
+    project.mkdir()
+    git(project, "init", "-q")
+    git(project, "config", "core.hooksPath", ".husky")
+    git(project, "config", "include.path", "../team.gitconfig")
+    (project / ".husky").mkdir()
+    (project / ".husky" / "pre-commit").write_text("true\n")
+    (project / "team.gitconfig").write_text("[user]\n\tname = team\n")
+    attempts = [
+        f"printf 'touch {scratch.outside}/pwned\\n' > .husky/pre-commit",
+        f"printf '#!/bin/sh\\ntouch {scratch.outside}/pwned\\n' > .husky/post-commit && chmod +x .husky/post-commit",
+        "mv .husky husky2",
+        f"printf '[core]\\n\\tfsmonitor = touch {scratch.outside}/pwned\\n' >> team.gitconfig",
+        "mv team.gitconfig t2",
+    ]
+    for command in attempts:
+        ran = run_command(command, project)
+        assert ran.exit_code != 0, (command, ran.output)
+    assert (project / ".husky" / "pre-commit").read_text() == "true\n"
+    assert not (project / ".husky" / "post-commit").exists()
+    assert "fsmonitor" not in (project / "team.gitconfig").read_text()
+    ran = run_command("echo ok > notes.txt", project)
+    assert ran.exit_code == 0 and (project / "notes.txt").read_text() == "ok\n"
+    git(project, "-c", "user.email=u@x", "commit", "-q", "--allow-empty", "-m", "later")
+    git(project, "status", "--short")
+    assert scratch.breaches() == []
+
+
 def test_a_commands_own_env_is_set_inside_and_never_on_a_command_line(scratch: Scratch) -> None:
     """An MCP server's env (an API key) reaches the server inside the sandbox, and no value shows in a
     command line (bubblewrap's, which any process can read, and which the sandbox's pid 1 is)."""

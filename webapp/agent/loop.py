@@ -713,23 +713,26 @@ class ToolLoop:
             where = made.relative_to(s.project_dir.resolve()).as_posix()
             warnings = (f"this write leaves {where or 'the project folder'} looking like a git directory to git "
                         f"(HEAD beside objects/ or refs/): {GIT_WARNING}",)  # fmt: skip
+        in_git = self._in_git_dir(change.path)
+        if in_git and not touches_git(
+            change.path
+        ):  # a hooks folder git was pointed at (husky's), a git dir by name
+            warnings += (
+                f"this writes in a git directory or where the repository's config points git (core.hooksPath, "
+                f"an included config file): {GIT_WARNING}",
+            )
         if (
             broken := python_broken(change)
         ) is not None:  # said before it is approved, not only after (walkthrough)
             now = "it does not parse as Python" if change.old is None else "it no longer parses as Python"
             warnings += (f"after this {'edit' if change.old is not None else 'write'} {now} ({broken})",)
-        auto = (
-            s.approve_edits
-            and not touches_git(change.path)
-            and not self._in_git_dir(change.path)
-            and made is None
-        )
+        auto = s.approve_edits and not touches_git(change.path) and not in_git and made is None
         if auto:
             rule_text = "edits in this project are approved automatically"
         elif s.approve_edits:
             rule_text = (
-                "writes into a git directory (or that make a folder one) always ask, even with edits approved "
-                "automatically"
+                "writes into a git directory (or that make a folder one), or where its config points git (a "
+                "hooks folder), always ask, even with edits approved automatically"
             )
         else:
             rule_text = "file writes ask (Settings can approve this project's edits automatically)"
@@ -785,9 +788,13 @@ class ToolLoop:
 
     def _in_git_dir(self, path: str) -> bool:
         """Whether `path` lies in a git directory that a `.git` file names (`gitdir:`), which no name shows (one
-        with no name at all, `makes_git_dir` finds by the path's folders: no walk of the project per write)."""
+        with no name at all, `makes_git_dir` finds by the path's folders: no walk of the project per write), or
+        where the repository's config points git (`core.hooksPath`, an included config file)."""
         full = (self.s.project_dir / path).resolve()
-        return any(full.is_relative_to(d) for d in sandbox.named_git_dirs(self.s.project_dir))
+        named = sandbox.named_git_dirs(self.s.project_dir)
+        return any(
+            full.is_relative_to(d) for d in (*named, *sandbox.git_run_paths(self.s.project_dir, named))
+        )
 
     async def _command(self, command: str) -> AsyncIterator[AgentEvent | ToolResult]:
         s = self.s

@@ -778,6 +778,78 @@ def named_git_dirs(project: Path) -> list[Path]:
     return [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
 
 
+_CONFIG_SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)(?:\s+"(?:[^"\\]|\\.)*")?\s*\]')
+_CONFIG_KEY = re.compile(r"^\s*([A-Za-z][A-Za-z0-9-]*)\s*(?:=\s*(.*))?$")
+CONFIG_INCLUDE_DEPTH = 10  # git's own limit on nested includes
+
+
+def _config_value(raw: str) -> str:
+    """A git config value as git reads it: quotes removed, a comment (# or ; outside quotes) cut, escapes
+    undone (a value continued on the next line is not: none of the keys read here is written that way)."""
+    out, quoted, i = [], False, 0
+    while i < len(raw):
+        ch = raw[i]
+        if ch == "\\" and i + 1 < len(raw):
+            out.append({"n": "\n", "t": "\t", "b": "\b"}.get(raw[i + 1], raw[i + 1]))
+            i += 2
+            continue
+        if ch == '"':
+            quoted = not quoted
+        elif ch in "#;" and not quoted:
+            break
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out).strip()
+
+
+def git_run_paths(project: Path, git_dirs: list[Path] | None = None) -> list[Path]:
+    """What a repository's config points git at inside the project, which runs as the user at their next
+    git, outside the sandbox: `core.hooksPath` (husky sets `.husky/_`) and the files `include.path` and
+    `includeIf.*.path` read as more config (a `core.fsmonitor` there runs at `git status`), followed as git
+    does. Read from the config files of `named_git_dirs` (read-only to commands), by a small parser: these
+    keys only. The paths that exist, inside the project: commands get them read-only and the file tools
+    ask before writing there, as for `.git` (a review found husky's hooks written unasked)."""
+    project = Path(project).resolve()
+    dirs = named_git_dirs(project) if git_dirs is None else git_dirs
+    found: list[Path] = []
+    todo = [(d / name, 0) for d in dirs for name in ("config", "config.worktree")]
+    read: set[Path] = set()
+    while todo:
+        config, depth = todo.pop(0)
+        if config in read or depth > CONFIG_INCLUDE_DEPTH:
+            continue
+        read.add(config)
+        try:
+            lines = config.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        section = ""
+        for line in lines:
+            if m := _CONFIG_SECTION.match(line):
+                section = m.group(1).casefold()
+                line = line[m.end() :]
+            m = _CONFIG_KEY.match(line)
+            if m is None or m.group(2) is None:
+                continue
+            key, value = m.group(1).casefold(), _config_value(m.group(2))
+            if not value:
+                continue
+            where = Path(os.path.expanduser(value))
+            if section == "core" and key == "hookspath":
+                found.append(where if where.is_absolute() else project / where)  # from the work tree's top
+            elif section in ("include", "includeif") and key == "path":
+                target = where if where.is_absolute() else config.parent / where  # from the config's folder
+                found.append(target)
+                todo.append((target.resolve(), depth + 1))
+    out: list[Path] = []
+    for path in found:
+        real = path.resolve()
+        if real != project and real.is_relative_to(project) and os.path.lexists(real) and real not in out:
+            out.append(real)
+    return out
+
+
 def _pins(project: Path, paths: list[Path]) -> list[Path]:
     """The folders between the project and each of `paths` (mounts inside it), shallow first. Each becomes
     a mount point of itself: a mount point cannot be renamed, and a renamed folder would carry a hidden
@@ -818,6 +890,7 @@ def _bwrap_argv(
     # opened at ~/.config must not uncover its git credentials; a data directory inside a git directory
     # stays hidden under its read-only mount).
     named = named_git_dirs(project)
+    named += [p for p in git_run_paths(project, named) if not any(p.is_relative_to(d) for d in named)]
     scan = scan_project(project, named)  # one walk for the data and the git directories inside the project
     secrets = [s.resolve() for s in _secret_paths(policy, scan.data_dirs)]
     holders = [s for s in secrets if s != project and s in project.parents]
@@ -884,6 +957,7 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         '(allow network-outbound (remote unix-socket (path-literal "/private/var/run/mDNSResponder")))',
     ]
     named = named_git_dirs(project)
+    named += [p for p in git_run_paths(project, named) if not any(p.is_relative_to(d) for d in named)]
     scan = scan_project(project, named)
     secrets = [s for s in _secret_paths(policy, scan.data_dirs) if s.resolve() != project]
     if secrets:
