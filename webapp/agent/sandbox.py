@@ -137,6 +137,16 @@ SECRET_PATHS = (
     ".codex",
     ".config/anthropic",
     ".config/openai",
+    # more a review named: tokens of CLIs and model tools, fish's history
+    ".local/share/fish/fish_history",
+    ".kaggle",
+    ".config/github-copilot",
+    ".config/glab-cli",
+    ".pulumi",
+    ".minikube",
+    ".local/share/io.datasette.llm",
+    ".gemini",
+    ".ollama/id_ed25519",
 )
 # Environment variables a command keeps; everything else (API keys, tokens) is dropped.
 KEEP_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ")
