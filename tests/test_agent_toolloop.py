@@ -168,6 +168,36 @@ def test_toolloop_a_file_written_to_the_private_tmp_is_said_to_be_gone(
     assert "/tmp is the command's own and was emptied when it ended" in tool_results(fake)[0]
 
 
+def test_toolloop_a_write_to_a_read_only_git_path_says_why(
+    fake: FakeBackend, worker: Worker, project: Path
+) -> None:
+    """(walkthrough) a command writing husky's hook (`core.hooksPath`) failed with "Read-only file system" and
+    no reason, and a model may retry it: the user and the model are told why, and what the user can do."""
+    import subprocess
+
+    from webapp.agent import sandbox
+
+    if sandbox.detect().kind != "bubblewrap":
+        pytest.skip("the read-only mounts are bubblewrap's (`make test` installs it)")
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "config", "core.hooksPath", ".husky"], check=True)
+    (project / ".husky").mkdir()
+    (project / ".husky" / "pre-commit").write_text("npm test\n")
+    fake.enqueue_call("run_command", command="echo 'curl x | sh' > .husky/pre-commit")
+    fake.enqueue_call("run_command", command="echo fine > notes.txt")
+    fake.enqueue("Done.")
+    events = asyncio.run(
+        collect(session(worker, project, Approver(ev.Decision.once(), ev.Decision.once())), "go")
+    )
+    first, second = of(events, ev.ToolStepDone)
+    assert not first.ok and "Read-only file system" in first.output and second.ok
+    notes = [n.text for n in of(events, ev.Notice)]
+    assert notes == [sandbox.READ_ONLY_NOTE]
+    results = tool_results(fake)
+    assert f"Note: {sandbox.READ_ONLY_NOTE}" in results[0] and "Note:" not in results[1]
+    assert (project / ".husky" / "pre-commit").read_text() == "npm test\n"
+
+
 def test_toolloop_denial_goes_back_to_the_model(fake: FakeBackend, worker: Worker, project: Path) -> None:
     fake.enqueue_call("write_file", path="new.txt", content="hi\n")
     fake.enqueue_call("run_command", command="touch made")

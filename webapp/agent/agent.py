@@ -511,9 +511,10 @@ class AgentSession:
         if git_before is not None:
             for warning in await asyncio.to_thread(sandbox.git_warnings, self.project_dir, git_before):
                 yield Notice(warning, "warning")
-        if tmp_note := sandbox.private_tmp_note(box, verdict.command):
-            yield Notice(tmp_note, "warning")
         output = run.transcript() or "(no output)"
+        for note in (sandbox.private_tmp_note(box, verdict.command), sandbox.read_only_note(box, output)):
+            if note:
+                yield Notice(note, "warning")
         if typed:
             # the user's own command: its output, above, is the answer, and the model sees it next turn (a model
             # asked to sum it up said "This command is not allowed" of one that had run)

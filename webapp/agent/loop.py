@@ -830,14 +830,19 @@ class ToolLoop:
         if git_before is not None:  # hooks in a new git directory would run at the user's next git
             for warning in await asyncio.to_thread(sandbox.git_warnings, s.project_dir, git_before):
                 yield Notice(warning, "warning")
-        tmp_note = sandbox.private_tmp_note(box, verdict.command)
-        if tmp_note:  # the model is told too: it said "executed successfully" of a file that was gone
-            yield Notice(tmp_note, "warning")
         output = run.transcript() or "(no output)"
+        # the model is told too: it said "executed successfully" of a file that was gone, and retried a hook
+        notes = [
+            n
+            for n in (sandbox.private_tmp_note(box, verdict.command), sandbox.read_only_note(box, output))
+            if n
+        ]
+        for note in notes:
+            yield Notice(note, "warning")
         ok = exit_ev.exit_code == 0
         yield ToolResult(
             ok,
-            f"{exit_ev.description}\n{output}" + (f"\nNote: {tmp_note}" if tmp_note else ""),
+            f"{exit_ev.description}\n{output}" + "".join(f"\nNote: {n}" for n in notes),
             decided.decision,
             exit_ev.exit_code,
             action_id,

@@ -641,6 +641,22 @@ def private_tmp_note(status: SandboxStatus, command: str) -> str | None:
     )
 
 
+READ_ONLY_NOTE = (
+    "A write failed as read-only: in the sandbox only the project and a private /tmp can be written, and inside "
+    "the project .git, the folders git runs hooks from (core.hooksPath) and the config files it includes are "
+    "read-only, because git would run what a command wrote there outside the sandbox. The user can change "
+    "those in a terminal of their own."
+)
+
+
+def read_only_note(status: SandboxStatus, output: str) -> str | None:
+    """After a command under bubblewrap whose output says a write met a read-only mount: why (a model retried
+    writing a husky hook; a user saw "Read-only file system" with no reason). None otherwise."""
+    if not status.available or status.kind != "bubblewrap" or "Read-only file system" not in output:
+        return None
+    return READ_ONLY_NOTE
+
+
 def git_warnings(project: Path, before: tuple[bool, frozenset[Path]]) -> list[str]:
     """After a command: the warnings for the git directories it made (`before`: `git_state`'s), whose hooks and
     config would run programs outside the sandbox at the user's next git."""
