@@ -343,7 +343,91 @@ def test_git_run_paths_reads_hooks_path_and_includes_as_git_does(tmp_path: Path)
     assert sorted(found) == sorted(
         [real / ".husky/_", real / "conf/team.cfg", real / "conf/more.cfg", real / "tools/hooks"]
     )
+    # what is not there yet counts where a write is asked about (existing=False), not for mounts
+    assert real / "missing.cfg" in sandbox.git_run_paths(project, existing=False)
     # a cycle of includes ends
     (project / "conf" / "more.cfg").write_text("[include]\n\tpath = team.cfg\n")
     assert real / "conf/team.cfg" in sandbox.git_run_paths(project)
     assert sandbox.git_run_paths(tmp_path / "no-repo") == []
+    # a value continued on the next line is one value, as git reads it (a review)
+    (project / ".git" / "config").write_text("[core]\n\thooksPath = .hu\\\nsky/_\n")
+    assert sandbox.git_run_paths(project) == [real / ".husky/_"]
+
+
+def _git(*args: str | Path) -> str:
+    import subprocess
+
+    done = subprocess.run(["git", *map(str, args)], check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def _hooks_of(tree: Path) -> Path:
+    """Where git itself runs `tree`'s hooks from: the oracle the reader is checked against."""
+    return Path(_git("-C", tree, "rev-parse", "--path-format=absolute", "--git-path", "hooks")).resolve()
+
+
+def test_git_run_paths_reads_a_worktree_a_submodule_and_husky_9_as_git_does(tmp_path: Path) -> None:
+    """A review: a linked worktree (its config in the main repository's .git, outside the project) and a
+    submodule (its git directory in .git/modules, its hooksPath from its own folder) were not read, and
+    husky 9's `.husky/_` stubs run `.husky/<hook>`. Each is found where git runs hooks from."""
+    main = tmp_path / "main"
+    _git("init", "-q", main)
+    _git("-C", main, "-c", "user.email=u@x", "-c", "user.name=u", "commit", "-q", "--allow-empty", "-m", "0")
+    _git("-C", main, "config", "core.hooksPath", ".husky")
+    wt = tmp_path / "wt"
+    _git("-C", main, "worktree", "add", "-q", wt)
+    (wt / ".husky").mkdir()
+    assert sandbox.git_run_paths(wt) == [_hooks_of(wt)] == [wt.resolve() / ".husky"]
+
+    project = tmp_path / "p"
+    _git("init", "-q", project)
+    sub = project / "sub"
+    # a submodule's layout: its git directory in .git/modules, a `.git` file in its folder naming it
+    (project / ".git" / "modules").mkdir()
+    _git("init", "-q", f"--separate-git-dir={project / '.git' / 'modules' / 'sub'}", sub)
+    _git("-C", sub, "config", "core.hooksPath", ".githooks")
+    (sub / ".githooks").mkdir()
+    scan = sandbox.scan_project(project)
+    assert scan.work_trees == [sub.resolve()]
+    assert sandbox.git_run_paths(project, [project, *scan.work_trees]) == [_hooks_of(sub)]
+    assert sandbox.work_trees_at(project, sub / ".githooks" / "pre-commit") == [
+        project.resolve(),
+        sub.resolve(),
+    ]
+
+    husky = tmp_path / "h9"
+    _git("init", "-q", husky)
+    _git("-C", husky, "config", "core.hooksPath", ".husky/_")
+    (husky / ".husky" / "_").mkdir(parents=True)
+    (husky / ".husky" / "_" / "h").write_text("#!/usr/bin/env sh\n")  # husky 9's runner
+    real = husky.resolve()
+    assert (
+        sandbox.git_run_paths(husky)
+        == [_hooks_of(husky), real / ".husky"]
+        == [real / ".husky/_", real / ".husky"]
+    )
+
+
+def test_git_warnings_name_a_hooks_folder_made_or_a_link_swapped(tmp_path: Path) -> None:
+    """A hooks folder the config names but that is not there yet cannot be mounted read-only, nor can a link on
+    the way to one be kept from being replaced: a command that makes one, or swaps the link for a folder of its
+    own, is followed by a warning (as a new .git is)."""
+    project = tmp_path / "p"
+    _git("init", "-q", project)
+    _git("-C", project, "config", "core.hooksPath", ".githooks")
+    before = sandbox.git_state(project)
+    assert sandbox.git_warnings(project, before) == []
+    (project / ".githooks").mkdir()
+    (warning,) = sandbox.git_warnings(project, before)
+    assert warning.startswith(
+        "The command made or changed .githooks, where this repository's config points git"
+    )
+
+    (project / "real").mkdir()
+    (project / ".githooks").rmdir()
+    (project / ".githooks").symlink_to("real")
+    before = sandbox.git_state(project)
+    (project / ".githooks").unlink()
+    (project / ".githooks").mkdir()  # the same name, a folder of the command's own
+    (warning,) = sandbox.git_warnings(project, before)
+    assert "made or changed .githooks" in warning

@@ -766,6 +766,50 @@ def test_where_git_config_points_git_is_read_only(scratch: Scratch) -> None:
     assert scratch.breaches() == []
 
 
+def test_hooks_of_a_worktree_a_submodule_and_husky_9_are_read_only(scratch: Scratch) -> None:
+    """A review: the hooks of a linked worktree opened as the project (its config lies in the main repository,
+    outside it), of a submodule inside it, and husky 9's scripts (`.husky/_` stubs run `.husky/<hook>`) were
+    all writable, and each ran at the next `git commit`."""
+    main = scratch.base / "main"
+    main.mkdir()
+    git(main, "init", "-q")
+    git(main, "-c", "user.email=u@x", "commit", "-q", "--allow-empty", "-m", "0")
+    git(main, "config", "core.hooksPath", ".husky")
+    wt = scratch.base / "wt"
+    git(main, "worktree", "add", "-q", str(wt))
+    (wt / ".husky").mkdir()
+    ran = run_command(f"printf '#!/bin/sh\\ntouch {scratch.outside}/pwned\\n' > .husky/pre-commit", wt)
+    assert ran.exit_code != 0 and "Read-only" in ran.output, ran.output
+
+    project = scratch.base / "super"
+    project.mkdir()
+    git(project, "init", "-q")
+    (project / ".git" / "modules").mkdir()
+    git(
+        project,
+        "init",
+        "-q",
+        f"--separate-git-dir={project / '.git' / 'modules' / 'sub'}",
+        str(project / "sub"),
+    )
+    git(project / "sub", "config", "core.hooksPath", ".githooks")
+    (project / "sub" / ".githooks").mkdir()
+    ran = run_command("echo 'touch /tmp/x' > sub/.githooks/pre-commit", project)
+    assert ran.exit_code != 0 and "Read-only" in ran.output, ran.output
+
+    husky = scratch.base / "h9"
+    (husky / ".husky" / "_").mkdir(parents=True)
+    git(husky, "init", "-q")
+    git(husky, "config", "core.hooksPath", ".husky/_")
+    (husky / ".husky" / "_" / "h").write_text("#!/usr/bin/env sh\n")
+    (husky / ".husky" / "pre-commit").write_text("npm test\n")
+    ran = run_command("echo 'touch /tmp/x' > .husky/pre-commit", husky)
+    assert ran.exit_code != 0 and (husky / ".husky" / "pre-commit").read_text() == "npm test\n", ran.output
+    ran = run_command("echo ok > notes.txt", husky)
+    assert ran.exit_code == 0, ran.output
+    assert scratch.breaches() == []
+
+
 def test_a_commands_own_env_is_set_inside_and_never_on_a_command_line(scratch: Scratch) -> None:
     """An MCP server's env (an API key) reaches the server inside the sandbox, and no value shows in a
     command line (bubblewrap's, which any process can read, and which the sandbox's pid 1 is)."""

@@ -43,7 +43,7 @@ def test_a_folder_of_shared_settings_or_credentials_is_no_project(
 @pytest.mark.parametrize(
     "relative",
     [".config/git", ".config/systemd/user", ".config/autostart", ".config/nvim", ".local/lib/python3.11/site-packages",
-     ".local/src/app", ".cache/pre-commit", ".var/app-data"],
+     ".local/src/app", ".cache/pre-commit", ".var/app-data", ".oh-my-zsh", ".oh-my-zsh/custom", "Library/LaunchAgents"],
 )  # fmt: skip
 def test_a_folder_inside_the_settings_folders_is_no_project(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relative: str
@@ -57,7 +57,8 @@ def test_a_folder_inside_the_settings_folders_is_no_project(
     folder = tmp_path / relative
     folder.mkdir(parents=True)
     with pytest.raises(
-        ProjectError, match=r"is inside ~/\.(config|local|cache|var), .*\(a dotfiles repository\)"
+        ProjectError,
+        match=r"is in ~/(\.config|\.local|\.cache|\.var|\.oh-my-zsh|Library/LaunchAgents), .*\(a dotfiles repository\)",
     ):
         check_directory(str(folder))
 
@@ -87,6 +88,22 @@ def test_a_folder_that_holds_a_folder_on_path_is_no_project(
     assert check_directory(str(app)) == app.resolve()
     with pytest.raises(ProjectError, match="holds /usr/bin, which is on your PATH"):
         check_directory("/usr")
+    # a project's own environments on PATH, as `npm run`, devbox and direnv put them there: not refused (a
+    # review found them refused)
+    web = tmp_path / "web"
+    envs = [
+        web / "node_modules" / ".bin",
+        web / ".devbox" / "nix" / "profile" / "default" / "bin",
+        web / ".direnv" / "bin",
+    ]
+    for d in envs:
+        d.mkdir(parents=True)
+    monkeypatch.setenv("PATH", ":".join([*map(str, envs), "/usr/bin", "/bin"]))
+    assert check_directory(str(web)) == web.resolve()
+    (web / "tools" / "bin").mkdir(parents=True)  # but a bin of its own on PATH is refused
+    monkeypatch.setenv("PATH", f"{web / 'tools' / 'bin'}:/usr/bin:/bin")
+    with pytest.raises(ProjectError, match="which is on your PATH"):
+        check_directory(str(web))
 
 
 def test_the_file_tools_never_read_credentials_a_project_holds(
@@ -144,6 +161,16 @@ def test_a_credentials_file_the_project_holds_is_never_searched_or_listed(
     ]
     with pytest.raises(PathOutsideProjectError, match="credentials"):
         tools.search_text("alice", "credentials")
+    # a line break in a file name: a hidden folder's file split into a forged hit (a review), and a name that
+    # would begin a line of its own
+    data = project_dir / "data"
+    data.mkdir()
+    (data / "flashcode.db").write_text("")  # another flashcode data directory: hidden
+    (data / "a\nb.txt").write_text("ghp_DATASECRET\n")
+    (project_dir / "c\nok.txt").write_text("ghp_ in a strange name\n")
+    found = ReadTools(ProjectFiles(project_dir)).search_text("ghp_")
+    assert "DATASECRET" not in found
+    assert "c\\nok.txt:1:ghp_ in a strange name" in found.splitlines()
     listed = tools.list_files(".").splitlines()
     assert "credentials" not in listed and "deeper/credentials" in listed and "notes:1:x.txt" in listed
 

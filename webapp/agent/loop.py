@@ -790,11 +790,11 @@ class ToolLoop:
         """Whether `path` lies in a git directory that a `.git` file names (`gitdir:`), which no name shows (one
         with no name at all, `makes_git_dir` finds by the path's folders: no walk of the project per write), or
         where the repository's config points git (`core.hooksPath`, an included config file)."""
-        full = (self.s.project_dir / path).resolve()
-        named = sandbox.named_git_dirs(self.s.project_dir)
-        return any(
-            full.is_relative_to(d) for d in (*named, *sandbox.git_run_paths(self.s.project_dir, named))
-        )
+        project = self.s.project_dir
+        full = (project / path).resolve()
+        trees = sandbox.work_trees_at(project, full)
+        run = sandbox.git_run_paths(project, trees, existing=False)  # a hooks folder not made yet too
+        return any(full.is_relative_to(d) for d in (*sandbox.named_git_dirs(project), *run))
 
     async def _command(self, command: str) -> AsyncIterator[AgentEvent | ToolResult]:
         s = self.s

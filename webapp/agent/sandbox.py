@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import functools
 import os
@@ -615,10 +616,19 @@ def git_created(folders: list[str]) -> str:
     )
 
 
-def git_state(project: Path) -> tuple[bool, frozenset[Path]]:
-    """Before a command: whether the project has `.git`, and the other git directories in it."""
+GitState = tuple[bool, frozenset[Path], frozenset[tuple[str, str | None]]]
+
+
+def git_state(project: Path) -> GitState:
+    """Before a command: whether the project has `.git`, the other git directories in it, and where its
+    repositories' config points git (`run_paths_state`)."""
     project = Path(project).resolve()
-    return (project / ".git").exists(), frozenset(planted_git_dirs(project)[0])
+    scan = scan_project(project)
+    return (
+        (project / ".git").exists(),
+        frozenset(scan.git_dirs),
+        run_paths_state(project, [project, *scan.work_trees]),
+    )
 
 
 _TMP_PATH = re.compile(r"""(?:^|[\s=:<>&|;('"])(/tmp(?:/[^\s;|&)'"]*)?)(?=$|[\s;|&)'"])""")
@@ -657,16 +667,28 @@ def read_only_note(status: SandboxStatus, output: str) -> str | None:
     return READ_ONLY_NOTE
 
 
-def git_warnings(project: Path, before: tuple[bool, frozenset[Path]]) -> list[str]:
+def git_warnings(project: Path, before: GitState) -> list[str]:
     """After a command: the warnings for the git directories it made (`before`: `git_state`'s), whose hooks and
-    config would run programs outside the sandbox at the user's next git."""
+    config would run programs outside the sandbox at the user's next git, and for a place the config points
+    git that it made or led elsewhere (a hooks folder that was missing; a link swapped for a folder)."""
     project = Path(project).resolve()
-    has_git, planted = git_state(project)
+    has_git, planted, run_state = git_state(project)
     out = [GIT_CREATED] if has_git and not before[0] else []
     made = sorted(d.relative_to(project).as_posix() for d in planted - before[1] if d != project / ".git")
     if made:
         out.append(git_created(made))
+    changed = sorted({_shown_in(project, Path(p)) for p, _ in run_state - before[2]})
+    if changed:
+        out.append(
+            f"The command made or changed {', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}, where this "
+            "repository's config points git (core.hooksPath, an included config file): what is there runs at "
+            "your next git, outside the sandbox. Look at it before you use git there."
+        )
     return out
+
+
+def _shown_in(project: Path, path: Path) -> str:
+    return path.relative_to(project).as_posix() if path.is_relative_to(project) else str(path)
 
 
 def looks_like_git_dir(folder: Path, adding: Path | None = None) -> bool:
@@ -701,6 +723,7 @@ class ProjectScan:
     data_dirs: list[Path]
     git_dirs: list[Path]
     complete: bool
+    work_trees: list[Path] = dataclasses.field(default_factory=list)  # folders inside it that hold a `.git`
 
 
 _GIT_MARKS_FOLDED = frozenset(m.casefold() for m in GIT_MARKS)
@@ -717,14 +740,15 @@ def scan_project(project: Path, skip: list[Path] | tuple[Path, ...] = ()) -> Pro
     skipped = {str(p) for p in skip}
     data: list[Path] = []
     gits: list[Path] = []
-    complete = _walk(str(project), skipped, data, gits)
+    trees: list[Path] = []
+    complete = _walk(str(project), skipped, data, gits, trees)
     # then inside the git directories found, for data directories only (their read-only mounts would not hide
     # one), with a budget of its own: a workspace of many clones must not leave the last clones unwalked
     _walk_inside(gits, skipped, data)
-    return ProjectScan(sorted(data), sorted(gits), complete)
+    return ProjectScan(sorted(data), sorted(gits), complete, sorted(trees))
 
 
-def _walk(top: str, skipped: set[str], data: list[Path], gits: list[Path]) -> bool:
+def _walk(top: str, skipped: set[str], data: list[Path], gits: list[Path], trees: list[Path]) -> bool:
     todo, seen = collections.deque([top]), 0  # strings: a Path per folder costs
     while todo:
         folder = todo.popleft()
@@ -747,6 +771,8 @@ def _walk(top: str, skipped: set[str], data: list[Path], gits: list[Path]) -> bo
             if "head" in folded and folded & _GIT_MARKS_FOLDED and looks_like_git_dir(Path(folder)):
                 gits.append(Path(folder))
                 continue
+            if ".git" in names:  # a nested repository's or a submodule's work tree: its config points git too
+                trees.append(Path(folder))
         todo.extend(e.path for e in entries if e.is_dir(follow_symlinks=False) and e.path not in skipped)
     return True
 
@@ -806,6 +832,7 @@ def named_git_dirs(project: Path) -> list[Path]:
 
 _CONFIG_SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)(?:\s+"(?:[^"\\]|\\.)*")?\s*\]')
 _CONFIG_KEY = re.compile(r"^\s*([A-Za-z][A-Za-z0-9-]*)\s*(?:=\s*(.*))?$")
+_CONTINUED = re.compile(r"(?<!\\)((?:\\\\)*)\\\n")  # an odd backslash at a line's end continues it
 CONFIG_INCLUDE_DEPTH = 10  # git's own limit on nested includes
 
 
@@ -829,29 +856,58 @@ def _config_value(raw: str) -> str:
     return "".join(out).strip()
 
 
-def git_run_paths(project: Path, git_dirs: list[Path] | None = None) -> list[Path]:
-    """What a repository's config points git at inside the project, which runs as the user at their next
-    git, outside the sandbox: `core.hooksPath` (husky sets `.husky/_`) and the files `include.path` and
-    `includeIf.*.path` read as more config (a `core.fsmonitor` there runs at `git status`), followed as git
-    does. Read from the config files of `named_git_dirs` (read-only to commands), by a small parser: these
-    keys only. The paths that exist, inside the project: commands get them read-only and the file tools
-    ask before writing there, as for `.git` (a review found husky's hooks written unasked)."""
-    project = Path(project).resolve()
-    dirs = named_git_dirs(project) if git_dirs is None else git_dirs
+def _git_dir_of(work_tree: Path) -> Path | None:
+    """The git directory of `work_tree`: its `.git` folder, or the one a `.git` file names (`gitdir:`: a linked
+    worktree's, a submodule's, `--separate-git-dir`'s), wherever it lies. None without one."""
+    git = work_tree / ".git"
+    if git.is_dir():
+        return git
+    try:
+        line = git.read_text(errors="replace").splitlines()[:1] if git.is_file() else []
+    except OSError:
+        return None
+    if line and line[0].startswith("gitdir:"):
+        return work_tree / line[0].removeprefix("gitdir:").strip()
+    return None
+
+
+def _config_files(git_dir: Path) -> list[Path]:
+    """The config files git reads for a repository, before includes: its git directory's, the worktree's own
+    (`config.worktree`), and the main repository's that a linked worktree's `commondir` names."""
+    files = [git_dir / "config", git_dir / "config.worktree"]
+    try:
+        common = (git_dir / "commondir").read_text(errors="replace").strip()
+    except OSError:
+        common = ""
+    if common:
+        files.append(git_dir / common / "config")
+    return files
+
+
+def _configured(work_tree: Path) -> list[Path]:
+    """Where `work_tree`'s repository config points git, as written (not resolved): `core.hooksPath` from the
+    work tree's top, and the files `include.path` / `includeIf.*.path` name, from the including file's folder,
+    followed as git follows them (any condition taken as true)."""
+    git_dir = _git_dir_of(work_tree)
+    if git_dir is None:
+        return []
     found: list[Path] = []
-    todo = [(d / name, 0) for d in dirs for name in ("config", "config.worktree")]
-    read: set[Path] = set()
+    todo = [(config, 0) for config in _config_files(git_dir)]
+    read: set[str] = set()
     while todo:
         config, depth = todo.pop(0)
-        if config in read or depth > CONFIG_INCLUDE_DEPTH:
+        key_of = os.path.normpath(config)
+        if key_of in read or depth > CONFIG_INCLUDE_DEPTH:
             continue
-        read.add(config)
+        read.add(key_of)
         try:
-            lines = config.read_text(errors="replace").splitlines()
+            text = config.read_text(errors="replace")
         except OSError:
             continue
         section = ""
-        for line in lines:
+        for line in _CONTINUED.sub(
+            r"\1", text
+        ).splitlines():  # a value continued with a backslash is one line
             if m := _CONFIG_SECTION.match(line):
                 section = m.group(1).casefold()
                 line = line[m.end() :]
@@ -863,17 +919,70 @@ def git_run_paths(project: Path, git_dirs: list[Path] | None = None) -> list[Pat
                 continue
             where = Path(os.path.expanduser(value))
             if section == "core" and key == "hookspath":
-                found.append(where if where.is_absolute() else project / where)  # from the work tree's top
-            elif section in ("include", "includeif") and key == "path":
-                target = where if where.is_absolute() else config.parent / where  # from the config's folder
+                hooks = where if where.is_absolute() else work_tree / where
+                found.append(hooks)
+                if hooks.name == "_" and (hooks / "h").is_file():
+                    # husky 9: its stubs in `.husky/_` run the scripts in `.husky/` itself
+                    found.append(hooks.parent)
+            elif section.split(".")[0] in ("include", "includeif") and key == "path":
+                target = where if where.is_absolute() else config.parent / where
                 found.append(target)
-                todo.append((target.resolve(), depth + 1))
+                todo.append((target, depth + 1))
+    return found
+
+
+def work_trees_at(project: Path, path: Path) -> list[Path]:
+    """The project and the folders between it and `path` that hold a `.git` (a nested repository's, a
+    submodule's work tree): whose config may point git at `path`. No walk: a file write asks about its own
+    path only."""
+    project = Path(project).resolve()
+    trees = [project]
+    for folder in reversed(path.parents):
+        if folder != project and folder.is_relative_to(project) and os.path.lexists(folder / ".git"):
+            trees.append(folder)
+    return trees
+
+
+def git_run_paths(project: Path, work_trees: list[Path] | None = None, existing: bool = True) -> list[Path]:
+    """What the config of the project's repositories points git at inside the project, which runs as the user
+    at their next git, outside the sandbox: `core.hooksPath` (husky's `.husky`; husky 9's `.husky/_`, and
+    `.husky` whose scripts its stubs run) and the files `include.path` and `includeIf.*.path` read as more
+    config (a `core.fsmonitor` there runs at `git status`). `work_trees`: the project and the nested work trees
+    (`ProjectScan.work_trees`, `work_trees_at`); a linked worktree's or a submodule's config is read where it
+    lies, in or out of the project. Resolved; `existing`: only the paths there now (what can be mounted
+    read-only). A review planted husky's hook unasked; commands get these read-only and the file tools ask
+    before writing there, as for `.git`."""
+    project = Path(project).resolve()
     out: list[Path] = []
-    for path in found:
-        real = path.resolve()
-        if real != project and real.is_relative_to(project) and os.path.lexists(real) and real not in out:
+    for tree in [project] if work_trees is None else work_trees:
+        for path in _configured(Path(tree)):
+            real = path.resolve()
+            if real == project or not real.is_relative_to(project) or real in out:
+                continue
+            if existing and not os.path.lexists(real):
+                continue
             out.append(real)
     return out
+
+
+def run_paths_state(project: Path, work_trees: list[Path]) -> frozenset[tuple[str, str | None]]:
+    """Each place the config points git, as written, with where it leads now (None: nothing there): a command
+    that makes one that was missing, or swaps a link on the way for a folder of its own, changes this."""
+    project = Path(project).resolve()
+    state = set()
+    for tree in work_trees:
+        for path in _configured(Path(tree)):
+            lexical = Path(os.path.normpath(path))
+            if not (lexical.is_relative_to(project) or path.resolve().is_relative_to(project)):
+                continue
+            there = path.resolve() if os.path.lexists(path) else None
+            state.add((str(lexical), None if there is None else f"{there}|{_kind(path)}"))
+    return frozenset(state)
+
+
+def _kind(path: Path) -> str:
+    """What `path` is, link or not, for `run_paths_state`: a link swapped for a folder of its own changes it."""
+    return "".join("l" if p.is_symlink() else "-" for p in (path, *path.parents))
 
 
 def _pins(project: Path, paths: list[Path]) -> list[Path]:
@@ -916,8 +1025,13 @@ def _bwrap_argv(
     # opened at ~/.config must not uncover its git credentials; a data directory inside a git directory
     # stays hidden under its read-only mount).
     named = named_git_dirs(project)
-    named += [p for p in git_run_paths(project, named) if not any(p.is_relative_to(d) for d in named)]
     scan = scan_project(project, named)  # one walk for the data and the git directories inside the project
+    # where the repositories' config points git (hooks, included config): read-only like a git directory
+    named += [
+        p
+        for p in git_run_paths(project, [project, *scan.work_trees])
+        if not any(p.is_relative_to(d) for d in named)
+    ]
     secrets = [s.resolve() for s in _secret_paths(policy, scan.data_dirs)]
     holders = [s for s in secrets if s != project and s in project.parents]
     for real in holders:
@@ -983,8 +1097,12 @@ def seatbelt_profile(policy: SandboxPolicy, tmp_dir: Path | str = "/private/tmp"
         '(allow network-outbound (remote unix-socket (path-literal "/private/var/run/mDNSResponder")))',
     ]
     named = named_git_dirs(project)
-    named += [p for p in git_run_paths(project, named) if not any(p.is_relative_to(d) for d in named)]
     scan = scan_project(project, named)
+    named += [
+        p
+        for p in git_run_paths(project, [project, *scan.work_trees])
+        if not any(p.is_relative_to(d) for d in named)
+    ]
     secrets = [s for s in _secret_paths(policy, scan.data_dirs) if s.resolve() != project]
     if secrets:
         lines.append(

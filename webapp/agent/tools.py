@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import os
 import re
 import subprocess
@@ -214,6 +215,20 @@ def walk(root: Path, start: Path, hidden: tuple[Path, ...] = ()) -> list[str]:
     return sorted(out)
 
 
+def _rg_text(field: dict[str, str]) -> str:
+    """ripgrep's JSON text: `text`, or `bytes` (base64) for what is not UTF-8, decoded as Python names a file."""
+    if "text" in field:
+        return field["text"]
+    import base64
+
+    return base64.b64decode(field.get("bytes", "")).decode("utf-8", "surrogateescape")
+
+
+def _one_line(name: str) -> str:
+    """A file name on one line of the hits: a line break in it is shown as \\n, never begun as a new hit."""
+    return name.replace("\n", "\\n").replace("\r", "\\r")
+
+
 # --------------------------------------------------------------------------- the read-only tools
 class ReadTools:
     """list_files, read_file and search_text over one project (`ProjectFiles` confines the paths)."""
@@ -286,36 +301,32 @@ class ReadTools:
         return "\n".join(hits[:MAX_MATCHES]) + more
 
     def _rg(self, rg: str, pattern: str, start: Path, hidden: tuple[Path, ...]) -> list[str]:
-        # --null: each hit's file name ends at a NUL, so it is read whole (a name may hold ":") and a hidden
-        # file (a credentials file itself, not only a folder of them) is left out by its path
-        argv = [
-            rg,
-            "--no-require-git",
-            "--line-number",
-            "--no-heading",
-            "--color",
-            "never",
-            "--null",
-            "-m",
-            "20",
-        ]
+        # --json: each hit's file name whole, whatever it holds (":", a line break: a review split names with
+        # "\n" into a forged line), so a hidden file (a credentials file itself, not only a folder of them) is
+        # left out by its path
+        argv = [rg, "--no-require-git", "--color", "never", "--json", "-m", "20"]
         proc = subprocess.run(
             [*argv, "-e", pattern, "--", str(start)],
             cwd=self.files.root,
             capture_output=True,
-            text=True,
-            errors="replace",
             timeout=20,
         )
         hits: list[str] = []
-        for line in proc.stdout.split("\n"):
-            name, nul, rest = line.partition("\0")
-            if not nul:
+        for line in proc.stdout.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
                 continue
+            if event.get("type") != "match":
+                continue
+            data = event["data"]
+            name, text = _rg_text(data["path"]), _rg_text(data["lines"]).rstrip("\r\n")
             full = Path(name) if os.path.isabs(name) else self.files.root / name
-            if any(full == h or full.is_relative_to(h) for h in hidden):
+            if not full.is_relative_to(self.files.root) or any(
+                full == h or full.is_relative_to(h) for h in hidden
+            ):
                 continue
-            hits.append(f"{self.files.relative(full)}:{rest}"[:300])
+            hits.append(f"{_one_line(self.files.relative(full))}:{data['line_number']}:{text}"[:300])
             if len(hits) > MAX_MATCHES:
                 break
         return hits
@@ -332,7 +343,7 @@ class ReadTools:
                 continue  # binary, or not UTF-8
             for n, line in enumerate(text.splitlines(), 1):
                 if regex.search(line):
-                    hits.append(f"{rel}:{n}:{line[:300]}")
+                    hits.append(f"{_one_line(rel)}:{n}:{line[:300]}")
                     if len(hits) > MAX_MATCHES:
                         return hits
         return hits

@@ -130,7 +130,11 @@ def make_folder(raw: str | os.PathLike[str]) -> Path | None:
 # token, the shell's), and folders of credentials: as a project, commands could write what runs later outside
 # the sandbox, and the project itself is never hidden from them (webapp.agent.sandbox hides what is inside it)
 SHARED_FOLDERS = (".config", ".local", ".local/share", ".local/bin", ".cache", ".var", "Library")
-SETTINGS_FOLDERS = (".config", ".local", ".cache", ".var")  # no folder inside them either
+# no folder inside them either: what programs run for the user from there (at login, at each shell's start)
+SETTINGS_FOLDERS = (".config", ".local", ".cache", ".var", ".oh-my-zsh", "Library/LaunchAgents")
+# a project's own environment on PATH (activated where flashcode started): not refused (docs/security.md)
+ENVIRONMENT_FOLDERS = frozenset({".venv", "venv", ".env", "env", "node_modules", ".devbox", ".direnv", ".pixi",
+                                 ".tox", ".nox", ".conda", ".flox"})  # fmt: skip
 CREDENTIAL_FOLDERS = (".ssh", ".gnupg", ".aws", ".azure", ".docker", ".kube", ".password-store", ".config/gh",
                       ".config/gcloud", ".local/share/keyrings", ".mozilla", ".claude", ".codex")  # fmt: skip
 
@@ -149,9 +153,10 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
     # ~/.config/systemd and ~/.config/autostart at each login, ~/.local/lib's .pth files at each Python start,
     # ~/.cache/pre-commit's hooks at each commit
     inside = next((f for f in SETTINGS_FOLDERS if resolved.is_relative_to(home / f)), None)
+    # (an exact ~/.config is the message above; ~/.oh-my-zsh and ~/Library/LaunchAgents themselves are this one)
     if inside is not None:
         raise ProjectError(
-            f"{text} is inside ~/{inside}, where programs keep settings and code they run for you (git's config "
+            f"{text} is in ~/{inside}, where programs keep settings and code they run for you (git's config "
             "and hooks, what starts at login, Python's start-up files): a command could change what runs outside "
             "the sandbox later. Keep those files in a folder of your own (a dotfiles repository) and open that"
         )
@@ -163,7 +168,7 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
         )
     # a folder on PATH inside it (~/.cargo holds ~/.cargo/bin) is the same; a Python environment's bin is not
     # refused: a project's own .venv, activated where flashcode was started (docs/security.md says so)
-    held = sorted(d for d in on_path if d.is_relative_to(resolved) and not _environment_bin(d))
+    held = sorted(d for d in on_path if d.is_relative_to(resolved) and not _environment_bin(d, resolved))
     if held:
         raise ProjectError(
             f"{text} holds {held[0]}, which is on your PATH: a program a command wrote there would run, outside "
@@ -172,9 +177,15 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
         )
 
 
-def _environment_bin(folder: Path) -> bool:
-    """Whether `folder` is the programs folder of a Python virtual environment or a conda environment."""
-    return (folder.parent / "pyvenv.cfg").is_file() or (folder.parent / "conda-meta").is_dir()
+def _environment_bin(folder: Path, project: Path) -> bool:
+    """Whether `folder` (on PATH, inside `project`) is the programs folder of the project's own environment: a
+    Python virtual environment's or a conda environment's, or one under an environment's folder
+    (`node_modules/.bin`, devbox's, direnv's, pixi's)."""
+    return (
+        (folder.parent / "pyvenv.cfg").is_file()
+        or (folder.parent / "conda-meta").is_dir()
+        or any(part in ENVIRONMENT_FOLDERS for part in folder.relative_to(project).parts[:-1])
+    )
 
 
 def _shown(text: str) -> str:
