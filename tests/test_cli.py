@@ -149,6 +149,35 @@ def test_chat_streams_and_exits(model_home):
     assert proc.stderr.count("Commands: /clear") == 2 and "/model is not a command here" in proc.stderr
 
 
+def test_text_that_is_not_utf8_is_refused_in_words_and_chat_goes_on(model_home):
+    """A review: a Latin-1 file piped into `chat`, or `ask $'caf\\xe9'`, crashed with a tokenizer's TypeError
+    (`chat` lost its session). Each says the text is not UTF-8 and how to convert it; `chat` takes the next line."""
+    env = {**os.environ, "FLASHCODE_HOME": str(model_home)}
+    run = lambda *a, data=None: subprocess.run(
+        [FLASHCODE, *a], capture_output=True, input=data, env=env, timeout=300
+    )  # noqa: E731
+    proc = run("chat", "--backend", "mlx", "--temperature", "0", "--max-tokens", "4",
+               data=b"caf\xe9 au lait\nSay hi.\n/exit\n")  # fmt: skip
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert (
+        "flashcode: that line is not UTF-8 text (byte 0xe9): convert it first, e.g. `iconv -f latin1" in err
+    )
+    assert proc.stdout.decode().count("bot> ") == 1 and "Traceback" not in err and "TypeError" not in err
+    for argv, what in [
+        (["ask", b"caf\xe9"], "the prompt"),
+        (["ask", "--system", b"\xff", "hi"], "--system"),
+        (["agent", "--project", str(model_home), "--approve", "none", b"fix caf\xe9"], "the task"),
+    ]:
+        proc = run(*argv)
+        assert proc.returncode == 2 and proc.stderr.decode().startswith(
+            f"flashcode: {what} is not UTF-8 text"
+        ), (
+            argv,
+            proc.stderr,
+        )
+
+
 def test_setup_is_idempotent(model_home):
     proc = flashcode("setup", "--quiet", home=model_home, timeout=120)
     assert proc.returncode == 0 and "smollm2-135m-instruct-q4_1" in proc.stdout

@@ -328,6 +328,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         os.environ[paths.ENV_HOME] = os.path.abspath(os.path.expanduser(args.data_dir))
     if not args.task.strip():
         raise preflight.StartupError("the task is empty: say what the agent should do")
+    preflight.check_text(args.task, "the task")
     project = cli_projects.project_dir(
         args
     )  # checked as `ask --project` checks it (a file, a missing folder)

@@ -449,6 +449,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise StartupError("the prompt is empty: say what to ask")
+    preflight.check_text(args.prompt, "the prompt")
+    preflight.check_text(args.system or "", "--system")
     cli_projects.enter_project(args)
     name, backend = _placed_backend(args)
     try:
@@ -505,6 +507,7 @@ def _cut(finish_reason: str | None, tokens: int, max_tokens: int) -> str:
 def cmd_chat(args: argparse.Namespace) -> int:
     from .agent.slash import DEFAULT as WEB_COMMANDS
 
+    preflight.check_text(args.system or "", "--system")
     cli_projects.enter_project(args)
     name, backend = _placed_backend(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -527,6 +530,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print()
                 continue
             if not line.strip():
+                continue
+            if (
+                why := preflight.not_utf8(line, "that line")
+            ) is not None:  # a Latin-1 file piped in: say, go on
+                print(f"flashcode: {why}", file=sys.stderr)
                 continue
             if line.strip() in ("/exit", "/quit"):
                 return 0

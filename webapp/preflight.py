@@ -40,6 +40,28 @@ def q(path: Path | str) -> str:
     return shlex.quote(str(path))
 
 
+def not_utf8(text: str, what: str) -> str | None:
+    """Why `text` (a prompt from the command line or stdin) cannot be sent to a model: bytes that are not
+    UTF-8 arrive as lone surrogates (a Latin-1 file piped in), which no tokenizer takes. None when it is text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        byte = f" (byte 0x{ord(bad) - 0xDC00:02x})" if 0xDC80 <= ord(bad) <= 0xDCFF else ""
+        return (
+            f"{what} is not UTF-8 text{byte}: convert it first, e.g. `iconv -f latin1 -t utf-8 FILE`, "
+            "or set a UTF-8 locale in the terminal"
+        )
+    return None
+
+
+def check_text(text: str, what: str) -> str:
+    """`text`, or StartupError saying it is not UTF-8 (`not_utf8`)."""
+    if (why := not_utf8(text, what)) is not None:
+        raise StartupError(why)
+    return text
+
+
 # --------------------------------------------------------------------------- data directory
 def data_dir() -> Path:
     """The data directory the CLI will use, without creating it."""
