@@ -153,9 +153,10 @@ def test_text_that_is_not_utf8_is_refused_in_words_and_chat_goes_on(model_home):
     """A review: a Latin-1 file piped into `chat`, or `ask $'caf\\xe9'`, crashed with a tokenizer's TypeError
     (`chat` lost its session). Each says the text is not UTF-8 and how to convert it; `chat` takes the next line."""
     env = {**os.environ, "FLASHCODE_HOME": str(model_home)}
-    run = lambda *a, data=None: subprocess.run(
-        [FLASHCODE, *a], capture_output=True, input=data, env=env, timeout=300
-    )  # noqa: E731
+
+    def run(*a: str | bytes, data: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([FLASHCODE, *a], capture_output=True, input=data, env=env, timeout=300)
+
     proc = run("chat", "--backend", "mlx", "--temperature", "0", "--max-tokens", "4",
                data=b"caf\xe9 au lait\nSay hi.\n/exit\n")  # fmt: skip
     err = proc.stderr.decode()
