@@ -695,7 +695,16 @@ class ContextStore:
         with _unless_deleted(project_id, folder):
             meta = json.loads((folder / "meta.json").read_text())
             meta["name"] = clean_name(name)
-            _write_json(folder / "meta.json", meta)
+            try:
+                _write_json(folder / "meta.json", meta)  # atomic: a failed write leaves the old name
+            except OSError as exc:  # a full disk: said as a save's is (a review saw a 500)
+                if isinstance(exc, FileNotFoundError):
+                    raise
+                fix = "free some disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
+                raise EngineError(
+                    f"saved context {ctx.name!r} could not be renamed ({exc.strerror or exc}): {fix} and rename "
+                    "it again; it keeps its name until then"
+                ) from exc
         return self.get(project_id, context_id)
 
     def delete(self, project_id: str, context_id: str) -> None:

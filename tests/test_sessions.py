@@ -251,6 +251,23 @@ def test_sessions_list_rename_delete(saved, mlx_backend, tmp_path):
     assert a.token_count == len(mlx_backend.prompt_cache.tokens) and a.flashcode_version
     assert store.rename("p6", a.id, "renamed").name == "renamed"
     assert store.get("p6", a.id).name == "renamed"
+    # a full disk (a review saw a 500): said, and the name kept
+    import errno
+
+    import engine.sessions as sessions_mod
+
+    def full(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_write, sessions_mod._write_json = sessions_mod._write_json, full
+    try:
+        with pytest.raises(
+            EngineError, match="could not be renamed .No space left on device.: free some disk space"
+        ):
+            store.rename("p6", a.id, "again")
+    finally:
+        sessions_mod._write_json = real_write
+    assert store.get("p6", a.id).name == "renamed"
     store.delete("p6", a.id)
     assert [c.id for c in store.list("p6")] == [b.id]
     with pytest.raises(ContextNotFoundError):
