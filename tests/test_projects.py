@@ -851,6 +851,32 @@ def test_projects_data_kept_under_a_folders_second_id_comes_back_when_the_folder
     assert d.list_conversations(store.add(str(old)).id) == []
 
 
+def test_projects_a_moved_project_removed_where_a_listed_one_holds_the_folders_id_comes_back(
+    tmp_path: Path,
+) -> None:
+    """A review: Q added at lib, lib renamed lib-old and Q moved there; P's folder app renamed lib and P moved
+    there; P removed with its data kept, lib added again: 0 conversations. Q still held lib's first id, so P's
+    data stayed under app's id, which no folder would ever adopt. It is kept under the id adding lib gives."""
+    d = Database(tmp_path / "data" / "f.db")
+    store = ProjectStore(d.conn, tmp_path / "data")
+    app, lib = tmp_path / "app", tmp_path / "lib"
+    app.mkdir()
+    lib.mkdir()
+    p = store.add(str(app), name="P")
+    conv = d.create_conversation("in P", project_id=p.id)
+    (tmp_path / "data" / "projects" / p.id / "contexts").mkdir(parents=True)
+    q = store.add(str(lib), name="Q")
+    lib.rename(tmp_path / "lib-old")
+    store.move(q.id, str(tmp_path / "lib-old"))
+    app.rename(lib)
+    store.move(p.id, str(lib))
+    store.remove(p.id)
+    again = store.add(str(lib))
+    assert [c.id for c in d.list_conversations(again.id)] == [conv.id]
+    assert (tmp_path / "data" / "projects" / again.id / "contexts").is_dir()
+    assert d.list_conversations(q.id) == []  # Q's own are its own
+
+
 def test_projects_a_file_name_that_is_not_utf8_is_listed_not_a_500(client, two) -> None:
     a, _ = two
     os.close(os.open(os.fsencode(a) + b"/caf\xe9.txt", os.O_CREAT | os.O_WRONLY, 0o644))

@@ -411,10 +411,6 @@ class ProjectStore:
             raise ProjectError(f"there is no project {project_id}")
         return found
 
-    def _by_folder_id(self, project: ProjectRef) -> str:
-        """The id adding the project's folder now would give it (its first: ids follow folders)."""
-        return project_id_for(Path(project.path))
-
     def _merge_folder(self, source: str, target: str) -> None:
         """Move a project's files (saved contexts, automatic saves) to another id's folder, beside what is
         there; an entry whose name is taken stays where it was (nothing is overwritten or deleted)."""
@@ -489,11 +485,18 @@ class ProjectStore:
         if project_id == DEFAULT_ID:
             raise ProjectError("Default is the scratch project and stays on the list")
         statements = ["DELETE FROM projects WHERE id = ?"]
-        rekey = None  # moved: its kept data follows its folder (unless a listed project has that id)
+        rekey = None  # moved: its kept data follows its folder, under the id adding that folder would give it
         if not delete_data and found.path is not None:
-            target = self._by_folder_id(found)
-            if target != project_id and self.get(target) is None:
-                rekey = target
+            for n in range(1, MAX_FOLDER_IDS + 1):
+                # a listed project may hold the folder's first id (one that lived there before it moved away):
+                # then the next free one, which `add` gives the folder and `_adopt_kept` looks under (a review
+                # found the data kept under the old id, which no folder would ever adopt)
+                target = project_id_for(Path(found.path), n)
+                if target == project_id:
+                    break
+                if self.get(target) is None:
+                    rekey = target
+                    break
         if delete_data:  # a conversation's messages go with it (cascade)
             statements += [f"DELETE FROM {table} WHERE {column} = ?" for table, column in PROJECT_DATA]
         with transaction(self.conn):
