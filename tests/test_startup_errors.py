@@ -595,11 +595,21 @@ def test_a_data_directory_on_a_read_only_mount_is_said_so(tmp_path: Path) -> Non
     home.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(home)], check=True)
     try:
+        from webapp.db import Database
+
         (home / "models").mkdir()
+        Database(home / "flashcode.db").close()  # a healthy history, in WAL mode as flashcode keeps it
         subprocess.run(["mount", "-o", "remount,ro", str(home)], check=True)
         for args in (("serve", "--port", "0"), ("projects",)):
             sentence = one_sentence(flashcode(*args, "--data-dir", str(home)))
             assert "mounted read-only" in sentence and "writable disk" in sentence, (args, sentence)
+            assert f"cp -a {home} ~/flashcode-copy" in sentence, sentence
+        # doctor: it said "permission denied -> chmod u+rwx" and that the healthy database was unreadable,
+        # "move it aside to start with an empty history" (a review)
+        report = flashcode("doctor", "--data-dir", str(home)).stdout
+        assert "mounted read-only (what is in it is untouched)" in report, report
+        assert "reads back whole, on a file system mounted read-only" in report, report
+        assert "move it aside" not in report and "chmod" not in report, report
         listed = flashcode("models", "--data-dir", str(home))
         assert (
             "Errno" not in listed.stdout + listed.stderr

@@ -172,6 +172,15 @@ def check_data_dir(root: Path) -> Check:
         return Check(True, f"{root} (not created yet; flashcode setup makes it)", required=True)
     if not root.is_dir():
         return Check(False, f"{root} is a file", "pass another --data-dir", required=True)
+    if mounted_read_only(root):  # before the permissions: chmod cannot help there (a review)
+        return Check(
+            False,
+            f"{root} is on a file system mounted read-only (what is in it is untouched)",
+            f"remount it read-write, or copy it to a writable disk (cp -a {root} ~/flashcode-copy) and pass that "
+            "as --data-dir",
+            required=True,
+            label=READ_ONLY,
+        )
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
         return Check(
             False,
@@ -182,12 +191,22 @@ def check_data_dir(root: Path) -> Check:
     return Check(True, str(root), required=True)
 
 
+def mounted_read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 def check_database(root: Path) -> Check:
     path = root / "flashcode.db"
     if not path.exists():
         return Check(True, "none yet (made on the first `flashcode serve`)")
+    # on a read-only mount SQLite cannot open a database in WAL mode even to read it, unless told that nothing
+    # will change it (immutable): a healthy database there was called unreadable, "move it aside" (a review)
+    immutable = "&immutable=1" if mounted_read_only(root) else ""
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
+        conn = sqlite3.connect(f"file:{path}?mode=ro{immutable}", uri=True, timeout=2)
         try:
             quick_check(conn)  # first: a damaged page can read as a newer schema version
             version = stored_version(conn)
@@ -203,6 +222,14 @@ def check_database(root: Path) -> Check:
             f"{path}: schema {version}, newer than this flashcode ({SCHEMA_VERSION})",
             "upgrade flashcode, or pass another --data-dir",
             required=True,
+        )
+    if immutable:
+        return Check(
+            False,
+            f"{path} (schema {version}) reads back whole, on a file system mounted read-only",
+            "remount it read-write, or copy the data directory to a writable disk and pass that as --data-dir",
+            required=True,
+            label=READ_ONLY,
         )
     if not_writable(path):  # there, and readable: not missing
         return Check(False, *read_only(path), required=True, label=READ_ONLY)

@@ -96,7 +96,9 @@ def check_data_dir(root: Path) -> Path:
     if read_only:
         raise StartupError(
             f"the data directory {root} is on a file system mounted read-only: flashcode writes its database "
-            "and logs there, so pass one on a writable disk (--data-dir or FLASHCODE_HOME)"
+            "and logs there, so remount it read-write, or copy it to a writable disk (`cp -a "
+            f"{q(root)} ~/flashcode-copy`, everything in it comes along) and pass that (--data-dir or "
+            "FLASHCODE_HOME)"
         )
     denied = [
         what
