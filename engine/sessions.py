@@ -707,6 +707,16 @@ class ContextStore:
                 ) from exc
         return self.get(project_id, context_id)
 
+    def relink(self, project_id: str, context_id: str, conversation_id: str) -> SavedContext:
+        """Say which conversation the context was saved from, when that conversation came back under another id
+        (imported from an export of it): it resumes on that one. Only the label in meta.json changes."""
+        folder = self.context_dir(project_id, context_id)
+        with _unless_deleted(project_id, folder):
+            meta = json.loads((folder / "meta.json").read_text())
+            meta["conversation_id"] = conversation_id
+            _write_json(folder / "meta.json", meta)  # atomic: a failed write leaves the old label
+        return self.get(project_id, context_id)
+
     def delete(self, project_id: str, context_id: str) -> None:
         folder = self.context_dir(project_id, context_id)
         trash = folder.with_name(f".tmp-del-{context_id}")

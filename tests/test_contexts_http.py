@@ -275,16 +275,32 @@ def test_contexts_http_pane_for_htmx(client):
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
     assert "hx-redirect" not in r.headers and "Its conversation is in the Trash: put it back" in r.text
     assert "Resumed " not in r.text and 'role="alert"' in r.text
+    from webapp.db import export_json, import_json
+
+    db.restore_conversation(conv)
+    backup = json.loads(json.dumps(export_json(db.get_conversation(conv), db.messages(conv))))
+    db.trash_conversation(conv)
     db.delete_conversation(conv)
     assert (
-        "from a conversation since deleted"
+        "from a conversation not in this flashcode (deleted, or on another machine)"
         in c.get("/projects/default/window", headers={"hx-request": "true"}).text
     )
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
-    assert "hx-redirect" not in r.headers and "Its conversation was deleted" in r.text
+    assert "hx-redirect" not in r.headers and "Its conversation is not in this flashcode" in r.text
+    said = "import the conversation&#39;s export (File › Import Conversation…) and resume this again"
+    assert said in r.text
     assert f'href="/c/{conv}"' not in r.text and "Resumed " not in r.text
     r = c.post(f"/projects/default/contexts/{cid}/resume", headers=TOKEN)
-    assert r.status_code == 409 and "its conversation was deleted" in r.json()["error"]
+    assert r.status_code == 409 and "its conversation is not in this flashcode" in r.json()["error"]
+    # a backup restored (a review): the conversation's export imported (a new id), the context resumes on it
+    restored = import_json(db, backup, "default").conversation.id
+    assert restored != conv
+    pane = c.get("/projects/default/window", headers={"hx-request": "true"}).text
+    assert f'from <a href="/c/{restored}">' in pane, pane
+    r = c.post(f"/projects/default/contexts/{cid}/resume", headers=hx)
+    assert "Resumed " in r.text and r.headers["hx-redirect"] == f"/c/{restored}"
+    assert c.get("/projects/default/contexts").json()["contexts"][0]["conversation_id"] == restored
+    db.delete_conversation(restored)
     r = c.post("/projects/default/contexts", data={"name": ""}, headers=hx)  # an error lands in the pane
     assert r.status_code == 200 and 'role="alert"' in r.text
     # the pane's Save with no conversation open saved the engine's cache (another conversation's) as

@@ -311,6 +311,16 @@ MIGRATIONS: list[Migration] = [
         "the folders a write made",
         ("ALTER TABLE agent_file_changes ADD COLUMN made_dirs INTEGER NOT NULL DEFAULT 0",),
     ),
+    # the id an imported conversation had in the export it came from: a saved context of that conversation,
+    # exported and imported too, resumes on it (it said "its conversation was deleted")
+    Migration(
+        12,
+        "where an imported conversation came from",
+        (
+            "ALTER TABLE conversations ADD COLUMN imported_from TEXT",
+            "CREATE INDEX IF NOT EXISTS conversations_by_origin ON conversations (imported_from)",
+        ),
+    ),
 ]
 
 LAST_MODEL_KEY = (
@@ -463,6 +473,7 @@ class Conversation:
     mode: str = "chat"  # chat | agent
     generation: str | None = None  # JSON of the conversation's own generation settings
     trashed_at: float | None = None  # in the Trash since (None: not in it)
+    imported_from: str | None = None  # its id in the export it was imported from
 
     @property
     def generation_settings(self) -> dict[str, Any]:
@@ -632,6 +643,15 @@ class Database:
         where = "" if trashed else " AND trashed_at IS NULL"
         row = self.conn.execute(
             f"SELECT * FROM conversations WHERE id=?{where}", (conversation_id,)
+        ).fetchone()
+        return Conversation(**dict(row)) if row else None
+
+    def imported_as(self, project_id: str, original_id: str) -> Conversation | None:
+        """The newest conversation of the project imported from an export of `original_id` (none in the Trash)."""
+        row = self.conn.execute(
+            "SELECT * FROM conversations WHERE imported_from=? AND project_id=? AND trashed_at IS NULL "
+            "ORDER BY created_at DESC, id LIMIT 1",
+            (original_id, project_id),
         ).fetchone()
         return Conversation(**dict(row)) if row else None
 
@@ -1375,6 +1395,11 @@ def _without_suffix(name: str, word: str) -> str:
     return re.sub(rf" \({re.escape(word)}(?: \d+)?\)$", "", name)
 
 
+def _origin(given: Any) -> str | None:
+    """The export's conversation id, when it is one flashcode writes (12 hex digits): untrusted, kept as a label."""
+    return given if isinstance(given, str) and re.fullmatch(r"[0-9a-f]{12}", given) else None
+
+
 def import_json(
     db: Database, data: Any, project_id: str, convert_event: EventConverter | None = None
 ) -> Imported:
@@ -1444,9 +1469,9 @@ def import_json(
         with transaction(db.conn):
             db.conn.execute(
                 "INSERT INTO conversations (id, title, model, backend, created_at, updated_at, project_id, mode, "
-                "generation) VALUES (?,?,?,?,?,?,?,?,?)",
+                "generation, imported_from) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (conv.id, conv.title, conv.model, conv.backend, now, now, project_id, mode,
-                 json.dumps(generation) if generation else None),
+                 json.dumps(generation) if generation else None, _origin(data.get("id"))),
             )  # fmt: skip
 
             def notice(text: str, level: str = "warning") -> None:  # at the top of the transcript

@@ -162,6 +162,7 @@ class SavedContexts:
         except EngineError as exc:
             items, usage, error = [], 0, str(exc)
         backend = getattr(getattr(self.worker, "backend", None), "name", None)
+        items = [self._relinked(store, pid, c) for c in items]
         titles = {}  # each context's conversation, by title (the list did not say which it was)
         for cid in {c.conversation_id for c in items if c.conversation_id}:
             if (conv := self.db.get_conversation(cid, trashed=True)) is not None:
@@ -281,18 +282,40 @@ class SavedContexts:
             }
         )
 
+    def _relinked(self, store: Any, project_id: str, ctx: Any) -> Any:
+        """`ctx`, pointed at its conversation as imported here when the id it was saved with is not in this
+        flashcode but a conversation imported from an export of it is (a backup restored: the context and its
+        conversation exported, then both imported; a review found it said "deleted"). Else as it was."""
+        conv = ctx.conversation_id
+        if not conv or self.db.get_conversation(conv, trashed=True) is not None:
+            return ctx
+        twin = self.db.imported_as(project_id, conv)
+        if twin is None:
+            return ctx
+        try:
+            return store.relink(project_id, ctx.id, twin.id)
+        except (
+            EngineError,
+            OSError,
+        ):  # a full disk: it is said "not here" and still resumes once it is relinked
+            return ctx
+
     def _conversation_gone(self, store: Any, project_id: str, context_id: str) -> str | None:
         """Why a saved context cannot be resumed because its conversation is gone; None when it is there (or the
         context has none, or is not found: the resume says that)."""
         try:
-            conv = store.get(project_id, context_id).conversation_id
+            conv = self._relinked(store, project_id, store.get(project_id, context_id)).conversation_id
         except EngineError:
             return None
         if not conv or self.db.get_conversation(conv) is not None:
             return None
         if self.db.get_conversation(conv, trashed=True) is not None:
             return "its conversation is in the Trash: put it back (View › Trash), then resume it"
-        return "its conversation was deleted, so there is none to go on with: delete this context if it is no use"
+        return (
+            "its conversation is not in this flashcode (deleted, or saved on another machine): import the "
+            "conversation's export (File › Import Conversation…) and resume this again, or delete this context "
+            "if it is no use"
+        )
 
     async def rename_context(self, request: Request) -> Response:
         f = await _fields(request)
