@@ -285,6 +285,14 @@ def _inflate(zf: zipfile.ZipFile, info: zipfile.ZipInfo, out: Any, limit: int) -
     return done
 
 
+def _starts_as_zip(file: Path) -> bool:
+    try:
+        with open(file, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def _check_tokens(path: Path, meta: dict[str, Any], source: str) -> None:
     """tokens.json must hold whole token ids; an MLX cache holds exactly `token_count` of them."""
     try:
@@ -769,6 +777,13 @@ class ContextStore:
         try:
             zf = zipfile.ZipFile(file)
         except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
+            if isinstance(exc, zipfile.BadZipFile) and _starts_as_zip(
+                file
+            ):  # its end, the zip's index, is missing
+                raise ContextImportError(
+                    f"{file.name} is incomplete: it begins as a context export but is cut short (a copy or download "
+                    "that did not finish?): copy or export it again"
+                ) from exc
             raise ContextImportError(f"{file.name} is not a flashcode context export ({exc})") from exc
         with zf:
             meta = self._check_export(zf, file)

@@ -332,6 +332,13 @@ def test_sessions_import_refuses_unknown_model_and_odd_files(saved, data_dir, tm
     (tmp_path / "junk.flashctx").write_bytes(b"not a zip")
     with pytest.raises(ContextImportError, match="not a flashcode context"):
         store.import_file("p8", tmp_path / "junk.flashctx")
+    # a copy cut short: said so, not "File is not a zip file" (a review)
+    cut = tmp_path / "cut.flashctx"
+    cut.write_bytes(exported.read_bytes()[: exported.stat().st_size // 2])
+    with pytest.raises(
+        ContextImportError, match="cut.flashctx is incomplete: it begins as a context export but is cut short"
+    ):
+        store.import_file("p8", cut)
     assert store.list("p8") == []
 
 
