@@ -714,9 +714,8 @@ class ToolLoop:
             warnings = (f"this write leaves {where or 'the project folder'} looking like a git directory to git "
                         f"(HEAD beside objects/ or refs/): {GIT_WARNING}",)  # fmt: skip
         in_git = self._in_git_dir(change.path)
-        if in_git and not touches_git(
-            change.path
-        ):  # a hooks folder git was pointed at (husky's), a git dir by name
+        # a hooks folder git was pointed at (husky's), a git directory a `.git` file names
+        if in_git and not touches_git(change.path):
             warnings += (
                 f"this writes in a git directory or where the repository's config points git (core.hooksPath, "
                 f"an included config file): {GIT_WARNING}",

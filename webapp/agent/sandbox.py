@@ -838,7 +838,7 @@ CONFIG_INCLUDE_DEPTH = 10  # git's own limit on nested includes
 
 def _config_value(raw: str) -> str:
     """A git config value as git reads it: quotes removed, a comment (# or ; outside quotes) cut, escapes
-    undone (a value continued on the next line is not: none of the keys read here is written that way)."""
+    undone (lines continued with a backslash are joined before, by `_CONTINUED`)."""
     out, quoted, i = [], False, 0
     while i < len(raw):
         ch = raw[i]
@@ -905,9 +905,8 @@ def _configured(work_tree: Path) -> list[Path]:
         except OSError:
             continue
         section = ""
-        for line in _CONTINUED.sub(
-            r"\1", text
-        ).splitlines():  # a value continued with a backslash is one line
+        # a value continued with a backslash at the line's end is one line
+        for line in _CONTINUED.sub(r"\1", text).splitlines():
             if m := _CONFIG_SECTION.match(line):
                 section = m.group(1).casefold()
                 line = line[m.end() :]

@@ -294,10 +294,7 @@ class SavedContexts:
             return ctx
         try:
             return store.relink(project_id, ctx.id, twin.id)
-        except (
-            EngineError,
-            OSError,
-        ):  # a full disk: it is said "not here" and still resumes once it is relinked
+        except (EngineError, OSError):  # a full disk: said "not here" until a later look can relink it
             return ctx
 
     def _conversation_gone(self, store: Any, project_id: str, context_id: str) -> str | None:

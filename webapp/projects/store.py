@@ -166,8 +166,8 @@ def _check_not_shared(resolved: Path, home: Path, text: str) -> None:
             f"{text} is on your PATH: a program a command wrote there would run, outside the sandbox, the next "
             "time you or flashcode type its name. Pick a project folder that is not on PATH"
         )
-    # a folder on PATH inside it (~/.cargo holds ~/.cargo/bin) is the same; a Python environment's bin is not
-    # refused: a project's own .venv, activated where flashcode was started (docs/security.md says so)
+    # a folder on PATH inside it (~/.cargo holds ~/.cargo/bin) is the same; the project's own environment's is
+    # not refused (a .venv, node_modules/.bin, devbox's, activated where flashcode started: docs/security.md)
     held = sorted(d for d in on_path if d.is_relative_to(resolved) and not _environment_bin(d, resolved))
     if held:
         raise ProjectError(
