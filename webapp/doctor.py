@@ -26,7 +26,7 @@ from engine.models import human_size, list_models
 
 from .db import SCHEMA_VERSION, quick_check, storage_kind, stored_version
 from .engine_host import default_backend
-from .preflight import database_problem, model_dir_problem, not_writable, read_only
+from .preflight import database_problem, model_dir_problem, mounted_read_only, not_writable, read_only
 
 LOW_DISK_BYTES = 2 << 30
 LOW_MEMORY_BYTES = 1 << 30
@@ -189,13 +189,6 @@ def check_data_dir(root: Path) -> Check:
             required=True,
         )
     return Check(True, str(root), required=True)
-
-
-def mounted_read_only(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):
-        return False
 
 
 def check_database(root: Path) -> Check:

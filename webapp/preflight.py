@@ -40,6 +40,14 @@ def q(path: Path | str) -> str:
     return shlex.quote(str(path))
 
 
+def mounted_read_only(path: Path) -> bool:
+    """Whether `path` is on a file system mounted read-only (chmod cannot help there)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 def not_utf8(text: str, what: str) -> str | None:
     """Why `text` (a prompt from the command line or stdin) cannot be sent to a model: bytes that are not
     UTF-8 arrive as lone surrogates (a Latin-1 file piped in), which no tokenizer takes. None when it is text."""
@@ -89,11 +97,7 @@ def check_data_dir(root: Path) -> Path:
             f"cannot create the data directory {root} ({exc.strerror}): create it yourself, "
             "or pass another --data-dir"
         ) from exc
-    try:
-        read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):
-        read_only = False
-    if read_only:
+    if mounted_read_only(root):
         raise StartupError(
             f"the data directory {root} is on a file system mounted read-only: flashcode writes its database "
             "and logs there, so remount it read-write, or copy it to a writable disk (`cp -a "

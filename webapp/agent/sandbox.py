@@ -812,22 +812,30 @@ def named_git_dirs(project: Path) -> list[Path]:
     git = project / ".git"
     found: list[Path] = []
     if git.is_file() and not git.is_symlink():
-        try:
-            line = git.read_text(errors="replace").splitlines()[:1]
-        except OSError:
-            line = []
-        if line and line[0].startswith("gitdir:"):
-            found.append((project / line[0].removeprefix("gitdir:").strip()).resolve())
+        if (named := _gitdir_named(git)) is not None:
+            found.append((project / named).resolve())
     elif os.path.lexists(git):
         found.append(git.resolve())
-    for d in list(found):
-        try:
-            common = (d / "commondir").read_text(errors="replace").strip()
-        except OSError:
-            continue
-        if common:
-            found.append((d / common).resolve())
+    found += [common.resolve() for d in found if (common := _common_dir(d)) is not None]
     return [d for d in found if d.exists() and d.is_relative_to(project) and d != project]
+
+
+def _gitdir_named(git_file: Path) -> str | None:
+    """The folder a `.git` file names on its `gitdir:` line, as written; None when it names none."""
+    try:
+        line = git_file.read_text(errors="replace").splitlines()[:1]
+    except OSError:
+        return None
+    return line[0].removeprefix("gitdir:").strip() if line and line[0].startswith("gitdir:") else None
+
+
+def _common_dir(git_dir: Path) -> Path | None:
+    """The main repository's git directory that a linked worktree's `commondir` names (None: none)."""
+    try:
+        common = (git_dir / "commondir").read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return git_dir / common if common else None
 
 
 _CONFIG_SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)(?:\s+"(?:[^"\\]|\\.)*")?\s*\]')
@@ -862,25 +870,16 @@ def _git_dir_of(work_tree: Path) -> Path | None:
     git = work_tree / ".git"
     if git.is_dir():
         return git
-    try:
-        line = git.read_text(errors="replace").splitlines()[:1] if git.is_file() else []
-    except OSError:
-        return None
-    if line and line[0].startswith("gitdir:"):
-        return work_tree / line[0].removeprefix("gitdir:").strip()
-    return None
+    named = _gitdir_named(git) if git.is_file() else None
+    return None if named is None else work_tree / named
 
 
 def _config_files(git_dir: Path) -> list[Path]:
     """The config files git reads for a repository, before includes: its git directory's, the worktree's own
     (`config.worktree`), and the main repository's that a linked worktree's `commondir` names."""
     files = [git_dir / "config", git_dir / "config.worktree"]
-    try:
-        common = (git_dir / "commondir").read_text(errors="replace").strip()
-    except OSError:
-        common = ""
-    if common:
-        files.append(git_dir / common / "config")
+    if (common := _common_dir(git_dir)) is not None:
+        files.append(common / "config")
     return files
 
 
